@@ -1,0 +1,47 @@
+"""The error hierarchy. Library code raises these; only the CLI catches and prints them."""
+
+from __future__ import annotations
+
+
+class ShipyardError(Exception):
+    """Base of every error a user can cause and fix. `exit_code` is the CLI's exit status."""
+
+    exit_code = 1
+
+    def render(self) -> str:
+        return str(self)
+
+
+class SpecError(ShipyardError):
+    """A release spec is invalid. Each problem is `file:line: field.path: message`."""
+
+    exit_code = 2
+
+    def __init__(self, path: str, problems: list[str]) -> None:
+        self.path = path
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class StageError(ShipyardError):
+    """A stage failed for a reason the user can act on."""
+
+    exit_code = 3
+
+    def __init__(self, stage: str, message: str, hint: str = "") -> None:
+        self.stage = stage
+        self.message = message
+        self.hint = hint
+        super().__init__(f"{stage}: {message}" + (f"\n  fix: {hint}" if hint else ""))
+
+
+class GateError(ShipyardError):
+    """A release did not pass the gate."""
+
+    exit_code = 4
+
+
+class RegistryError(ShipyardError):
+    """The registry refused an operation (tampered bundle, digest conflict, unknown channel)."""
+
+    exit_code = 5

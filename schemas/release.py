@@ -1,0 +1,252 @@
+"""ReleaseSpec: one YAML file per model release, validated strictly."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]*$"
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+Task = Literal["causal-lm", "text-embedding", "sequence-classification", "generic"]
+
+# Dims every task needs; the KV-cache graph adds `past_sequence` (total = past + sequence).
+TASK_DIMS: dict[str, tuple[str, ...]] = {
+    "causal-lm": ("batch", "sequence", "past_sequence"),
+    "text-embedding": ("batch", "sequence"),
+    "sequence-classification": ("batch", "sequence"),
+    "generic": (),
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ----------------------------------------------------------------------------- model
+class HfModel(Strict):
+    kind: Literal["hf"] = Field(description="A local Hugging Face folder.")
+    path: str = Field(
+        description="Folder with config.json and *.safetensors, relative to the repo root."
+    )
+
+
+class PythonModel(Strict):
+    kind: Literal["python"] = Field(description="A model built by a Python factory.")
+    entrypoint: str = Field(
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="`module:factory`; the factory takes no arguments and returns an nn.Module.",
+    )
+    source: str = Field(
+        description="File or folder holding the module, put on sys.path (a DVC dependency)."
+    )
+    weights: str | None = Field(
+        default=None, description="Optional safetensors state dict loaded into the module."
+    )
+
+
+ModelSource = Annotated[HfModel | PythonModel, Field(discriminator="kind")]
+
+
+# ----------------------------------------------------------------------------- pins
+class PinsConfig(Strict):
+    python: str | None = Field(default=None, description="PEP 440 specifier for Python.")
+    packages: dict[str, str] = Field(
+        default_factory=dict,
+        description="Package name -> PEP 440 specifier, e.g. `torch: ==2.13.0`.",
+    )
+    checkpoints: dict[str, Annotated[str, Field(pattern=SHA256_PATTERN)]] = Field(
+        default_factory=dict,
+        description="Checkpoint file (relative to the model folder) -> expected sha256. "
+        "When given, every weight file must be listed.",
+    )
+    require_clean_git: bool = Field(
+        default=False, description="Fail when the code has uncommitted changes."
+    )
+
+
+# ----------------------------------------------------------------------------- export
+class DimRange(Strict):
+    min: int = Field(ge=0, description="Smallest size the deployed graph must accept.")
+    opt: int = Field(ge=0, description="Typical size; the trace and TensorRT opt shape.")
+    max: int = Field(ge=1, description="Largest size the deployed graph must accept.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DimRange:
+        if not self.min <= self.opt <= self.max:
+            raise ValueError(
+                f"need min <= opt <= max, found min={self.min}, opt={self.opt}, max={self.max}"
+            )
+        return self
+
+
+class TensorSpec(Strict):
+    name: str = Field(description="Graph input name.")
+    dtype: Literal["float32", "float16", "int64", "int32", "bool"] = Field(
+        default="float32", description="Element type."
+    )
+    shape: list[int | str] = Field(
+        description="Sizes: an int is static, a string names a dim from `export.dims`."
+    )
+    low: float = Field(default=0, description="Smallest generated value (integer inputs).")
+    high: float = Field(default=1, description="Upper bound (exclusive) of generated values.")
+
+
+class OutputSpec(Strict):
+    name: str = Field(description="Graph output name.")
+    shape: list[int | str] | None = Field(
+        default=None, description="Expected sizes (ints or dim names); checked at every probe."
+    )
+
+
+class ExportConfig(Strict):
+    exporter: Literal["legacy", "dynamo"] = Field(
+        default="legacy",
+        description="`legacy` = TorchScript exporter (dynamo=False), `dynamo` = torch.export.",
+    )
+    opset: int = Field(default=18, ge=14, le=23, description="ONNX opset version.")
+    dims: dict[str, DimRange] = Field(
+        description="Named dynamic dims with min/opt/max, e.g. batch, sequence, past_sequence."
+    )
+    inputs: list[TensorSpec] | None = Field(
+        default=None,
+        description="Graph inputs. Required for `generic`; derived for transformer tasks.",
+    )
+    outputs: list[OutputSpec] | None = Field(
+        default=None, description="Outputs (generic task); derived for transformer tasks."
+    )
+    external_data: Literal["auto", "always", "never"] = Field(
+        default="auto", description="Weights in a side file: auto = when the model is over 2 GB."
+    )
+    odd_sizes: bool = Field(
+        default=True, description="Also run the graph at odd in-between sizes to prove dynamism."
+    )
+
+
+# ----------------------------------------------------------------------------- parity
+class Tolerance(Strict):
+    atol: float = Field(default=1e-4, ge=0, description="Absolute tolerance.")
+    rtol: float = Field(default=1e-3, ge=0, description="Relative tolerance (of the reference).")
+
+
+class ParityConfig(Strict):
+    shapes: list[dict[str, int]] | None = Field(
+        default=None,
+        description="Dim assignments to compare at; default: min, opt, max and an odd size.",
+    )
+    tolerance: Tolerance = Field(default_factory=Tolerance, description="Default tolerance.")
+    outputs: dict[str, Tolerance] = Field(
+        default_factory=dict,
+        description="Per-output tolerance; keys are output names or globs like `present.*`.",
+    )
+    statistic: Literal["max", "mean", "quantile"] = Field(
+        default="max",
+        description="Statistic of the normalized error |a-b| / (atol + rtol*|b|) that must "
+        "stay <= 1 (max = numpy.allclose).",
+    )
+    quantile: float = Field(default=0.99, gt=0, lt=1, description="Quantile for `quantile`.")
+    layerwise: Literal["on-failure", "always", "never"] = Field(
+        default="on-failure", description="When to compare layer by layer."
+    )
+    seed: int = Field(default=0, description="Seed for generated inputs.")
+
+
+# ----------------------------------------------------------------------------- bundle
+class ServingConfig(Strict):
+    port: int = Field(default=8000, ge=1, le=65535, description="Port the server listens on.")
+    max_batch_size: int | None = Field(
+        default=None, ge=1, description="Default: the export's batch max; may not exceed it."
+    )
+    max_queue_depth: int = Field(default=64, ge=1, description="Requests queued before 503.")
+    max_context_length: int | None = Field(
+        default=None, ge=1, description="Default: the export's largest total sequence."
+    )
+    kv_cache_budget: int | None = Field(
+        default=None, ge=0, description="Bytes for KV cache; default: computed for the extreme."
+    )
+    request_timeout_seconds: float = Field(default=30.0, gt=0, description="Per-request timeout.")
+    streaming: bool | None = Field(default=None, description="Default: true for causal-lm.")
+
+
+class OrtSessionConfig(Strict):
+    graph_optimization_level: Literal["disable", "basic", "extended", "all"] = Field(
+        default="all", description="onnxruntime GraphOptimizationLevel."
+    )
+    intra_op_num_threads: int = Field(default=0, ge=0, description="0 = onnxruntime default.")
+    inter_op_num_threads: int = Field(default=0, ge=0, description="0 = onnxruntime default.")
+    execution_mode: Literal["sequential", "parallel"] = Field(
+        default="sequential", description="onnxruntime ExecutionMode."
+    )
+    providers: list[str] = Field(
+        default_factory=lambda: ["CPUExecutionProvider"], description="Execution providers."
+    )
+
+
+class ModelCard(Strict):
+    description: str = Field(default="", description="What the model does.")
+    license: str = Field(default="unspecified", description="License of the weights.")
+    intended_use: str = Field(default="", description="Who should use it for what.")
+    limitations: str = Field(default="", description="Known limitations.")
+
+
+class BundleConfig(Strict):
+    serving: ServingConfig = Field(default_factory=ServingConfig, description="Server config.")
+    ort_session: OrtSessionConfig = Field(
+        default_factory=OrtSessionConfig, description="onnxruntime SessionOptions."
+    )
+    model_card: ModelCard = Field(default_factory=ModelCard, description="Model card text.")
+
+
+# ----------------------------------------------------------------------------- release
+class ReleaseSpec(Strict):
+    """One model release: what to build, how to check it, and what to ship."""
+
+    schema_version: Literal[1] = Field(description="Spec format version; currently 1.")
+    name: str = Field(pattern=NAME_PATTERN, description="Release name; equals the file stem.")
+    version: str = Field(description="Model version, e.g. 1.0.0.")
+    task: Task = Field(description="What the model does; decides inputs, outputs and metrics.")
+    model: ModelSource = Field(description="Where the model comes from (discriminated on kind).")
+    pins: PinsConfig = Field(default_factory=PinsConfig, description="Versions and digests.")
+    export: ExportConfig = Field(description="ONNX export settings and dynamic dims.")
+    parity: ParityConfig = Field(default_factory=ParityConfig, description="PyTorch vs ONNX.")
+    bundle: BundleConfig = Field(default_factory=BundleConfig, description="What ships.")
+
+    @model_validator(mode="after")
+    def _task_needs(self) -> ReleaseSpec:
+        missing = [d for d in TASK_DIMS[self.task] if d not in self.export.dims]
+        if missing:
+            raise ValueError(
+                f"task {self.task!r} needs export.dims {', '.join(missing)}; add e.g. "
+                f"`{missing[0]}: {{min: 1, opt: 8, max: 64}}` under export.dims"
+            )
+        if self.task == "generic" and not self.export.inputs:
+            raise ValueError("task 'generic' needs export.inputs (name, dtype, shape per input)")
+        if self.task != "generic" and self.model.kind == "python" and not self.export.inputs:
+            raise ValueError(
+                f"model.kind 'python' with task {self.task!r} needs export.inputs; "
+                "only Hugging Face models have derived inputs"
+            )
+        for spec in [*(self.export.inputs or []), *(self.export.outputs or [])]:
+            shape = spec.shape or []
+            unknown = [d for d in shape if isinstance(d, str) and d not in self.export.dims]
+            if unknown:
+                raise ValueError(
+                    f"export {spec.name!r} uses dims {unknown} that export.dims "
+                    f"does not declare (declared: {sorted(self.export.dims)})"
+                )
+        for i, shape in enumerate(self.parity.shapes or []):
+            bad = {k: v for k, v in shape.items() if k not in self.export.dims}
+            if bad:
+                raise ValueError(f"parity.shapes[{i}] names undeclared dims {sorted(bad)}")
+            out = {
+                k: v
+                for k, v in shape.items()
+                if not self.export.dims[k].min <= v <= self.export.dims[k].max
+            }
+            if out:
+                raise ValueError(
+                    f"parity.shapes[{i}] {out} lies outside the export.dims ranges; "
+                    "the graph is only promised to run inside them"
+                )
+        return self

@@ -1,0 +1,245 @@
+"""Loading the PyTorch model and describing its graph inputs/outputs (shared by stages).
+
+torch and transformers are imported inside functions so `shipyard compile` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from schemas import StageError
+from schemas.release import DimRange
+
+TOTAL = "total_sequence"  # past_sequence + sequence; derived, never declared in the spec
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str
+    axes: tuple[int | str, ...]
+    low: float = 0
+    high: float = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Graph inputs and outputs in call order, with named axes."""
+
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        return {
+            t.name: {i: a for i, a in enumerate(t.axes) if isinstance(a, str)}
+            for t in (*self.inputs, *self.outputs)
+        }
+
+
+def model_paths(model: Any) -> tuple[str, str]:
+    """The two DVC dependencies of a model: its code/config and its weights (may coincide)."""
+    if model.kind == "hf":
+        return model.path, model.path
+    return model.source, model.weights or model.source
+
+
+def load_model(stage: str, root: Path, model: Any, task: str) -> Any:
+    """Build the nn.Module from the spec and put it in eval mode."""
+    module = _load_hf(stage, root, model, task) if model.kind == "hf" else _load_py(stage, root, model)
+    return module.eval()
+
+
+def _load_hf(stage: str, root: Path, model: Any, task: str) -> Any:
+    import transformers
+
+    folder = root / model.path
+    if not (folder / "config.json").is_file():
+        raise StageError(
+            stage,
+            f"model.path {model.path}: no config.json in {folder}",
+            "point model.path at a Hugging Face folder (config.json + *.safetensors); "
+            "for the example run `python scripts/make_tiny_gpt2.py`",
+        )
+    if not list(folder.glob("*.safetensors")):
+        raise StageError(stage, f"model.path {model.path}: no *.safetensors checkpoint in {folder}",
+                         "save the model with safe_serialization=True")
+    auto = {
+        "causal-lm": transformers.AutoModelForCausalLM,
+        "text-embedding": transformers.AutoModel,
+        "sequence-classification": transformers.AutoModelForSequenceClassification,
+        "generic": transformers.AutoModel,
+    }[task]
+    return auto.from_pretrained(folder, local_files_only=True, attn_implementation="eager")
+
+
+def _load_py(stage: str, root: Path, model: Any) -> Any:
+    import torch
+
+    source = root / model.source
+    if not source.exists():
+        raise StageError(stage, f"model.source {model.source} does not exist",
+                         "give the file or folder that holds the factory's module")
+    folder = str(source if source.is_dir() else source.parent)
+    module_name, factory_name = model.entrypoint.split(":")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as exc:
+        raise StageError(stage, f"model.entrypoint {model.entrypoint}: {exc}",
+                         f"make {factory_name} importable from {model.source}") from None
+    net = factory()
+    if not isinstance(net, torch.nn.Module):
+        raise StageError(stage, f"model.entrypoint {model.entrypoint} returned "
+                         f"{type(net).__name__}, not a torch.nn.Module")
+    if model.weights:
+        net.load_state_dict(_read_weights(stage, root / model.weights), strict=True)
+    return net
+
+
+def _read_weights(stage: str, path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise StageError(stage, f"model.weights {path} does not exist",
+                         "give the path of a safetensors state dict")
+    return load_file(path)
+
+
+def model_config(model: Any, root: Path) -> dict[str, Any]:
+    """The HF config.json as a dict (empty for python models)."""
+    if model.kind != "hf":
+        return {}
+    data: dict[str, Any] = json.loads((root / model.path / "config.json").read_text())
+    return data
+
+
+def arch(config: dict[str, Any]) -> dict[str, int]:
+    """Layers, heads, KV heads, head dim, hidden, vocab, positions from an HF config."""
+    def pick(*keys: str, default: int = 0) -> int:
+        return next((int(config[k]) for k in keys if config.get(k) is not None), default)
+
+    hidden = pick("hidden_size", "n_embd", "d_model")
+    heads = pick("num_attention_heads", "n_head")
+    return {
+        "layers": pick("num_hidden_layers", "n_layer"),
+        "heads": heads,
+        "kv_heads": pick("num_key_value_heads", default=heads),
+        "head_dim": pick("head_dim", default=hidden // heads if heads else 0),
+        "hidden": hidden,
+        "vocab": pick("vocab_size"),
+        "positions": pick("max_position_embeddings", "n_positions"),
+        "labels": len(config.get("id2label") or {}) or 2,
+    }
+
+
+def layout(task: str, export: Any, config: dict[str, Any]) -> Layout:
+    """Inputs/outputs of the exported graph, derived from the task or taken from the spec."""
+    if export.inputs:
+        inputs = tuple(Tensor(t.name, t.dtype, tuple(t.shape), t.low, t.high) for t in export.inputs)
+        outs = [(o.name, tuple(o.shape or ())) for o in export.outputs or []] or [("output", ())]
+        return Layout(inputs, tuple(Tensor(n, "float32", axes) for n, axes in outs))
+    a = arch(config)
+    ids = Tensor("input_ids", "int64", ("batch", "sequence"), 0, a["vocab"])
+    if task == "causal-lm":
+        kv = ("batch", a["kv_heads"], "past_sequence", a["head_dim"])
+        past = [Tensor(f"past_key_values.{i}.{k}", "float32", kv) for i in range(a["layers"])
+                for k in ("key", "value")]
+        present = [Tensor(f"present.{i}.{k}", "float32", (*kv[:2], TOTAL, kv[3]))
+                   for i in range(a["layers"]) for k in ("key", "value")]
+        mask = Tensor("attention_mask", "int64", ("batch", TOTAL), 1, 2)
+        logits = Tensor("logits", "float32", ("batch", "sequence", a["vocab"]))
+        return Layout((ids, mask, *past), (logits, *present))
+    mask = Tensor("attention_mask", "int64", ("batch", "sequence"), 1, 2)
+    if task == "sequence-classification":
+        return Layout((ids, mask), (Tensor("logits", "float32", ("batch", a["labels"])),))
+    hidden = Tensor("last_hidden_state", "float32", ("batch", "sequence", a["hidden"]))
+    return Layout((ids, mask), (hidden,))
+
+
+def with_total(sizes: dict[str, int]) -> dict[str, int]:
+    if "past_sequence" in sizes and "sequence" in sizes:
+        return {**sizes, TOTAL: sizes["past_sequence"] + sizes["sequence"]}
+    return dict(sizes)
+
+
+def trace_sizes(dims: dict[str, DimRange]) -> dict[str, int]:
+    """Sizes to trace at: opt, but never 0 or 1 (exporters specialize those) when max allows."""
+    return {n: d.opt if d.opt >= 2 or d.max < 2 else min(d.max, 2 + (n == "sequence"))
+            for n, d in dims.items()}
+
+
+def odd_sizes(dims: dict[str, DimRange], avoid: dict[str, int]) -> dict[str, int]:
+    """An odd size strictly inside each range, unlike the trace size where possible."""
+    out = {}
+    for n, d in dims.items():
+        candidates = [v for v in range(d.min + 1, d.max) if v % 2 == 1 and v != avoid.get(n)]
+        out[n] = candidates[len(candidates) // 2] if candidates else d.max
+    return out
+
+
+def make_inputs(lay: Layout, sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:
+    """Deterministic inputs for the given dim sizes."""
+    rng = np.random.default_rng(seed)
+    full = with_total(sizes)
+    feeds: dict[str, np.ndarray] = {}
+    for t in lay.inputs:
+        shape = tuple(full[a] if isinstance(a, str) else a for a in t.axes)
+        if t.dtype.startswith("int"):
+            feeds[t.name] = rng.integers(int(t.low), int(t.high), size=shape).astype(t.dtype)
+        elif t.dtype == "bool":
+            feeds[t.name] = rng.integers(0, 2, size=shape).astype(bool)
+        else:
+            feeds[t.name] = rng.standard_normal(shape).astype(t.dtype)
+    return feeds
+
+
+def adapter(task: str, net: Any, lay: Layout) -> Any:
+    """An nn.Module taking the layout's inputs positionally and returning its outputs flat."""
+    import torch
+
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = net
+
+        def forward(self, *args: Any) -> Any:
+            return _forward(task, self.model, args, len(lay.outputs))
+
+    return Flat().eval()
+
+
+def _forward(task: str, net: Any, args: tuple[Any, ...], n_out: int) -> Any:
+    if task == "causal-lm" and n_out > 1:
+        from transformers.cache_utils import DynamicCache
+
+        ids, mask, *past = args
+        cache = DynamicCache()
+        for i in range(len(past) // 2):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        out = net(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        present = out.cache
+        flat = [t for layer in present.layers for t in (layer.keys, layer.values)]
+        return (out.logits, *flat)
+    if task in ("text-embedding", "sequence-classification"):
+        out = net(input_ids=args[0], attention_mask=args[1])
+        return out.last_hidden_state if task == "text-embedding" else out.logits
+    return net(*args)
+
+
+def torch_outputs(module: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Run the adapter on numpy feeds; outputs as float numpy arrays."""
+    import torch
+
+    args = [torch.from_numpy(feeds[t.name]) for t in lay.inputs]
+    with torch.no_grad():
+        out = module(*args)
+    outs = out if isinstance(out, tuple | list) else (out,)
+    return [o.detach().numpy() for o in outs]

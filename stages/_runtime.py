@@ -1,0 +1,166 @@
+"""The stage contract: what a stage declares (StageIO) and what it gets to run (StageContext)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from schemas import ReleaseSpec, StageError, StageReport, StageStatus
+
+ALWAYS_VISIBLE = ("name",)
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """What the compiler needs to know about a stage; `io()` returns it without side effects.
+
+    params:   top-level spec sections the stage reads (its DVC `params:`; nothing else is visible)
+    upstream: upstream artifacts as `stage` (whole output folder) or `stage/file`
+    reads_model: the stage loads the checkpoint, so the model files are dependencies
+    code:     source files of ours it runs (besides the stage module itself)
+    """
+
+    params: tuple[str, ...]
+    upstream: tuple[str, ...] = ()
+    reads_model: bool = False
+    code: tuple[str, ...] = ("stages/_runtime.py",)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    status: StageStatus
+    summary: str
+    reasons: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def passed(cls, summary: str, **kw: Any) -> StageResult:
+        return cls(StageStatus.PASSED, summary, **kw)
+
+    @classmethod
+    def failed(cls, summary: str, reasons: list[str], **kw: Any) -> StageResult:
+        return cls(StageStatus.FAILED, summary, reasons, **kw)
+
+    @classmethod
+    def skipped(cls, reason: str, **kw: Any) -> StageResult:
+        return cls(StageStatus.SKIPPED, f"skipped: {reason}", [reason], **kw)
+
+
+class SpecView:
+    """The release spec as a stage sees it: only the sections its StageIO declares.
+
+    Reading an undeclared section is a bug (DVC would not rerun the stage when it changes),
+    so it raises at once instead of silently working.
+    """
+
+    def __init__(self, spec: ReleaseSpec, sections: Iterable[str]) -> None:
+        self._spec = spec
+        self._allowed = frozenset(sections) | frozenset(ALWAYS_VISIBLE)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._allowed:
+            raise AttributeError(
+                f"stage reads spec section {name!r} without declaring it in io().params "
+                f"(declared: {sorted(self._allowed)})"
+            )
+        return getattr(self._spec, name)
+
+
+@dataclass
+class StageContext:
+    """Where a stage runs: the repo root, its build folder and a temp folder for its outputs."""
+
+    stage: str
+    release: str
+    root: Path
+    work: Path  # temp output folder; renamed to `out` when the stage finishes
+    spec_path: Path
+
+    @property
+    def build(self) -> Path:
+        return self.root / "build" / self.release
+
+    def upstream(self, stage: str) -> Path:
+        """The finished output folder of an upstream stage of the same release."""
+        path = self.build / stage
+        if not (path / "report.json").is_file():
+            raise StageError(
+                self.stage,
+                f"upstream output {path} is missing",
+                f"run `dvc repro {stage}@{self.release}` first",
+            )
+        return path
+
+    def path(self, relative: str) -> Path:
+        """A path from the spec (relative to the repo root)."""
+        return (self.root / relative).resolve()
+
+    def log(self, message: str) -> None:
+        print(f"  [{self.stage}@{self.release}] {message}", file=sys.stderr, flush=True)
+
+    @contextmanager
+    def progress(self, description: str, total: int) -> Iterator[Any]:
+        """Rich progress bar on a terminal, a line per ~10 % in CI logs."""
+        with progress_bar(f"{self.stage}@{self.release}: {description}", total) as advance:
+            yield advance
+
+
+@contextmanager
+def progress_bar(description: str, total: int) -> Iterator[Any]:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if console.is_terminal and not os.environ.get("CI"):
+        from rich.progress import Progress
+
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(description, total=total)
+            yield lambda n=1: bar.advance(task, n)
+        return
+    state = {"done": 0, "shown": -1}
+    start = time.monotonic()
+
+    def advance(n: int = 1) -> None:
+        state["done"] += n
+        tenth = int(10 * state["done"] / max(total, 1))
+        if tenth != state["shown"]:
+            state["shown"] = tenth
+            print(
+                f"  {description}: {state['done']}/{total} ({time.monotonic() - start:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    yield advance
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON with sorted keys, atomically (temp file + rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_report(folder: Path) -> StageReport:
+    return StageReport.model_validate_json((folder / "report.json").read_text(encoding="utf-8"))
+
+
+def publish(work: Path, out: Path) -> None:
+    """Move a finished temp folder into place; whatever was there before is replaced."""
+    if out.exists():
+        trash = out.with_name(f".{out.name}.old")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(out, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(work, out)
