@@ -12,13 +12,17 @@ from pydantic import ValidationError
 from schemas.errors import SpecError
 from schemas.release import ReleaseSpec
 
+SECTIONS_WITH_DEFAULTS = ("pins", "parity", "bundle")
 _DOTTED = re.compile(r"[a-z_]+(?:\.[a-z_]+|\[\d+\])+")
 
 
-def load_release(path: str | Path) -> ReleaseSpec:
-    """Parse and validate one release spec; raise SpecError listing every problem."""
+def load_release(path: str | Path, shown: str | None = None) -> ReleaseSpec:
+    """Parse and validate one release spec; raise SpecError listing every problem.
+
+    `shown` is how messages name the file (default: the path as given).
+    """
     path = Path(path)
-    shown = str(path)
+    shown = shown or str(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -58,6 +62,8 @@ def _describe(shown: str, root: yaml.Node, err: Any) -> str:
     field = ".".join(str(p) for p in loc) or "(top level)"
     if err["type"] == "extra_forbidden":
         message = f"unknown key {loc[-1]!r}; check the spelling (see `shipyard schema`)"
+    elif err["type"] == "missing" and len(loc) == 1 and loc[0] in SECTIONS_WITH_DEFAULTS:
+        message = f"required section is missing; write `{loc[0]}: {{}}` to take the defaults"
     elif err["type"] == "missing":
         message = "required field is missing"
     elif "input" in err and err["type"] not in ("value_error", "assertion_error"):

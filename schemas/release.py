@@ -200,17 +200,21 @@ class BundleConfig(Strict):
 
 # ----------------------------------------------------------------------------- release
 class ReleaseSpec(Strict):
-    """One model release: what to build, how to check it, and what to ship."""
+    """One model release: what to build, how to check it, and what to ship.
+
+    Every section is required, even when its defaults suffice (`parity: {}`): each is a DVC
+    param of some stage, and DVC refuses a params key that is absent from the file.
+    """
 
     schema_version: Literal[1] = Field(description="Spec format version; currently 1.")
     name: str = Field(pattern=NAME_PATTERN, description="Release name; equals the file stem.")
     version: str = Field(description="Model version, e.g. 1.0.0.")
     task: Task = Field(description="What the model does; decides inputs, outputs and metrics.")
     model: ModelSource = Field(description="Where the model comes from (discriminated on kind).")
-    pins: PinsConfig = Field(default_factory=PinsConfig, description="Versions and digests.")
+    pins: PinsConfig = Field(description="Versions and digests (`pins: {}` for none).")
     export: ExportConfig = Field(description="ONNX export settings and dynamic dims.")
-    parity: ParityConfig = Field(default_factory=ParityConfig, description="PyTorch vs ONNX.")
-    bundle: BundleConfig = Field(default_factory=BundleConfig, description="What ships.")
+    parity: ParityConfig = Field(description="PyTorch vs ONNX (`parity: {}` for defaults).")
+    bundle: BundleConfig = Field(description="What ships (`bundle: {}` for defaults).")
 
     @model_validator(mode="after")
     def _task_needs(self) -> ReleaseSpec:

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-CONFIG = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=512, n_positions=256,
-              bos_token_id=0, eos_token_id=1)
+CONFIG = dict(
+    n_layer=2, n_head=4, n_embd=64, vocab_size=512, n_positions=256, bos_token_id=0, eos_token_id=1
+)
 
 
 def main(out: Path) -> None:

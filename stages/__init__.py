@@ -45,9 +45,7 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     """Run one stage: temp folder, restricted spec view, report, atomic publish."""
     module = load_stages().get(name)
     if module is None:
-        raise StageError(
-            name, "no such stage", f"choose one of: {', '.join(load_stages())}"
-        )
+        raise StageError(name, "no such stage", f"choose one of: {', '.join(load_stages())}")
     build = root / "build" / release.name
     out = build / name
     work = build / f".{name}.tmp"

@@ -45,8 +45,11 @@ def hash_shards(
     advance: Callable[[int], None] | None = None,
 ) -> dict[str, str]:
     """OMS shard resources: `name:start:end` -> sha256, hashed in parallel, biggest first."""
-    jobs = [(name, path, s, e) for name, path in files.items()
-            for s, e in shard_ranges(path.stat().st_size, shard)]
+    jobs = [
+        (name, path, s, e)
+        for name, path in files.items()
+        for s, e in shard_ranges(path.stat().st_size, shard)
+    ]
     jobs.sort(key=lambda j: j[2] - j[3])
 
     def one(job: tuple[str, Path, int, int]) -> tuple[str, str]:

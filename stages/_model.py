@@ -52,13 +52,17 @@ def model_paths(model: Any) -> tuple[str, str]:
 
 def load_model(stage: str, root: Path, model: Any, task: str) -> Any:
     """Build the nn.Module from the spec and put it in eval mode."""
-    module = _load_hf(stage, root, model, task) if model.kind == "hf" else _load_py(stage, root, model)
+    module = (
+        _load_hf(stage, root, model, task) if model.kind == "hf" else _load_py(stage, root, model)
+    )
     return module.eval()
 
 
 def _load_hf(stage: str, root: Path, model: Any, task: str) -> Any:
     import transformers
 
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     folder = root / model.path
     if not (folder / "config.json").is_file():
         raise StageError(
@@ -68,8 +72,11 @@ def _load_hf(stage: str, root: Path, model: Any, task: str) -> Any:
             "for the example run `python scripts/make_tiny_gpt2.py`",
         )
     if not list(folder.glob("*.safetensors")):
-        raise StageError(stage, f"model.path {model.path}: no *.safetensors checkpoint in {folder}",
-                         "save the model with safe_serialization=True")
+        raise StageError(
+            stage,
+            f"model.path {model.path}: no *.safetensors checkpoint in {folder}",
+            "save the model with safe_serialization=True",
+        )
     auto = {
         "causal-lm": transformers.AutoModelForCausalLM,
         "text-embedding": transformers.AutoModel,
@@ -84,8 +91,11 @@ def _load_py(stage: str, root: Path, model: Any) -> Any:
 
     source = root / model.source
     if not source.exists():
-        raise StageError(stage, f"model.source {model.source} does not exist",
-                         "give the file or folder that holds the factory's module")
+        raise StageError(
+            stage,
+            f"model.source {model.source} does not exist",
+            "give the file or folder that holds the factory's module",
+        )
     folder = str(source if source.is_dir() else source.parent)
     module_name, factory_name = model.entrypoint.split(":")
     if folder not in sys.path:
@@ -93,12 +103,18 @@ def _load_py(stage: str, root: Path, model: Any) -> Any:
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as exc:
-        raise StageError(stage, f"model.entrypoint {model.entrypoint}: {exc}",
-                         f"make {factory_name} importable from {model.source}") from None
+        raise StageError(
+            stage,
+            f"model.entrypoint {model.entrypoint}: {exc}",
+            f"make {factory_name} importable from {model.source}",
+        ) from None
     net = factory()
     if not isinstance(net, torch.nn.Module):
-        raise StageError(stage, f"model.entrypoint {model.entrypoint} returned "
-                         f"{type(net).__name__}, not a torch.nn.Module")
+        raise StageError(
+            stage,
+            f"model.entrypoint {model.entrypoint} returned "
+            f"{type(net).__name__}, not a torch.nn.Module",
+        )
     if model.weights:
         net.load_state_dict(_read_weights(stage, root / model.weights), strict=True)
     return net
@@ -108,8 +124,11 @@ def _read_weights(stage: str, path: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     if not path.is_file():
-        raise StageError(stage, f"model.weights {path} does not exist",
-                         "give the path of a safetensors state dict")
+        raise StageError(
+            stage,
+            f"model.weights {path} does not exist",
+            "give the path of a safetensors state dict",
+        )
     return load_file(path)
 
 
@@ -123,6 +142,7 @@ def model_config(model: Any, root: Path) -> dict[str, Any]:
 
 def arch(config: dict[str, Any]) -> dict[str, int]:
     """Layers, heads, KV heads, head dim, hidden, vocab, positions from an HF config."""
+
     def pick(*keys: str, default: int = 0) -> int:
         return next((int(config[k]) for k in keys if config.get(k) is not None), default)
 
@@ -143,17 +163,25 @@ def arch(config: dict[str, Any]) -> dict[str, int]:
 def layout(task: str, export: Any, config: dict[str, Any]) -> Layout:
     """Inputs/outputs of the exported graph, derived from the task or taken from the spec."""
     if export.inputs:
-        inputs = tuple(Tensor(t.name, t.dtype, tuple(t.shape), t.low, t.high) for t in export.inputs)
+        inputs = tuple(
+            Tensor(t.name, t.dtype, tuple(t.shape), t.low, t.high) for t in export.inputs
+        )
         outs = [(o.name, tuple(o.shape or ())) for o in export.outputs or []] or [("output", ())]
         return Layout(inputs, tuple(Tensor(n, "float32", axes) for n, axes in outs))
     a = arch(config)
     ids = Tensor("input_ids", "int64", ("batch", "sequence"), 0, a["vocab"])
     if task == "causal-lm":
         kv = ("batch", a["kv_heads"], "past_sequence", a["head_dim"])
-        past = [Tensor(f"past_key_values.{i}.{k}", "float32", kv) for i in range(a["layers"])
-                for k in ("key", "value")]
-        present = [Tensor(f"present.{i}.{k}", "float32", (*kv[:2], TOTAL, kv[3]))
-                   for i in range(a["layers"]) for k in ("key", "value")]
+        past = [
+            Tensor(f"past_key_values.{i}.{k}", "float32", kv)
+            for i in range(a["layers"])
+            for k in ("key", "value")
+        ]
+        present = [
+            Tensor(f"present.{i}.{k}", "float32", (*kv[:2], TOTAL, kv[3]))
+            for i in range(a["layers"])
+            for k in ("key", "value")
+        ]
         mask = Tensor("attention_mask", "int64", ("batch", TOTAL), 1, 2)
         logits = Tensor("logits", "float32", ("batch", "sequence", a["vocab"]))
         return Layout((ids, mask, *past), (logits, *present))
@@ -172,8 +200,10 @@ def with_total(sizes: dict[str, int]) -> dict[str, int]:
 
 def trace_sizes(dims: dict[str, DimRange]) -> dict[str, int]:
     """Sizes to trace at: opt, but never 0 or 1 (exporters specialize those) when max allows."""
-    return {n: d.opt if d.opt >= 2 or d.max < 2 else min(d.max, 2 + (n == "sequence"))
-            for n, d in dims.items()}
+    return {
+        n: d.opt if d.opt >= 2 or d.max < 2 else min(d.max, 2 + (n == "sequence"))
+        for n, d in dims.items()
+    }
 
 
 def odd_sizes(dims: dict[str, DimRange], avoid: dict[str, int]) -> dict[str, int]:
@@ -243,3 +273,41 @@ def torch_outputs(module: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> lis
         out = module(*args)
     outs = out if isinstance(out, tuple | list) else (out,)
     return [o.detach().numpy() for o in outs]
+
+
+def traced_run(flat: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> tuple[list, list]:
+    """Outputs plus (module name, first output tensor) for every module, in execution order."""
+    import torch
+
+    seen: list[tuple[str, np.ndarray]] = []
+
+    def hook(name: str) -> Any:
+        def record(_mod: Any, _inp: Any, out: Any) -> None:
+            first = (
+                out
+                if isinstance(out, torch.Tensor)
+                else next(
+                    (
+                        o
+                        for o in (out if isinstance(out, tuple | list) else ())
+                        if isinstance(o, torch.Tensor)
+                    ),
+                    None,
+                )
+            )
+            if first is not None:
+                seen.append((name, first.detach().numpy().copy()))
+
+        return record
+
+    handles = [
+        mod.register_forward_hook(hook(name.removeprefix("model.")))
+        for name, mod in flat.named_modules()
+        if name and name != "model"
+    ]
+    try:
+        outs = torch_outputs(flat, lay, feeds)
+    finally:
+        for h in handles:
+            h.remove()
+    return outs, seen

@@ -16,6 +16,8 @@ from typing import Any
 from schemas import ReleaseSpec, StageError, StageReport, StageStatus
 
 ALWAYS_VISIBLE = ("name",)
+# Every stage runs these (the runner, the spec defaults), so every stage depends on them.
+COMMON_CODE = ("stages/__init__.py", "stages/_runtime.py", "schemas/release.py")
 
 
 @dataclass(frozen=True)
@@ -25,13 +27,13 @@ class StageIO:
     params:   top-level spec sections the stage reads (its DVC `params:`; nothing else is visible)
     upstream: upstream artifacts as `stage` (whole output folder) or `stage/file`
     reads_model: the stage loads the checkpoint, so the model files are dependencies
-    code:     source files of ours it runs (besides the stage module itself)
+    code:     helper files of ours it runs, besides COMMON_CODE and the stage module
     """
 
     params: tuple[str, ...]
     upstream: tuple[str, ...] = ()
     reads_model: bool = False
-    code: tuple[str, ...] = ("stages/_runtime.py",)
+    code: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,12 @@ STRIPPED_METADATA = ("pkg.torch.onnx.stack_trace",)  # absolute source paths: no
 
 
 def io(release: ReleaseSpec) -> StageIO:
-    return StageIO(params=("model", "task", "export"), upstream=("pin/lock.json",),
-                   reads_model=True, code=("stages/_runtime.py", "stages/_model.py"))
+    return StageIO(
+        params=("model", "task", "export"),
+        upstream=("pin/lock.json",),
+        reads_model=True,
+        code=("stages/_model.py",),
+    )
 
 
 def run(ctx: StageContext, release: Any) -> StageResult:
@@ -29,27 +34,39 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     trace = m.trace_sizes(release.export.dims)
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     external = release.export.external_data == "always" or (
-        release.export.external_data == "auto" and weight_bytes > TWO_GB)
+        release.export.external_data == "auto" and weight_bytes > TWO_GB
+    )
     ctx.log(f"exporting with the {release.export.exporter} exporter at {trace}")
     path = _export(ctx, flat, lay, release.export, trace, external)
     problems = _static_axes(path, lay)
     probes = _probe(ctx, path, lay, release.export.dims, trace, release.export.odd_sizes)
     problems += probes["problems"]
-    info = {"task": release.task, "arch": m.arch(config), "parameters": _count(net),
-            "weight_bytes": weight_bytes, "dtype": "float32", "exporter": release.export.exporter,
-            "opset": release.export.opset, "external_data": external,
-            "dims": {k: v.model_dump() for k, v in release.export.dims.items()},
-            "inputs": [_tensor(t) for t in lay.inputs], "outputs": [_tensor(t) for t in lay.outputs]}
+    info = {
+        "task": release.task,
+        "arch": m.arch(config),
+        "parameters": _count(net),
+        "weight_bytes": weight_bytes,
+        "dtype": "float32",
+        "exporter": release.export.exporter,
+        "opset": release.export.opset,
+        "external_data": external,
+        "dims": {k: v.model_dump() for k, v in release.export.dims.items()},
+        "inputs": [_tensor(t) for t in lay.inputs],
+        "outputs": [_tensor(t) for t in lay.outputs],
+    }
     write_json(ctx.work / "model_info.json", info)
     details = {"trace_sizes": trace, "probed": probes["runs"]}
     if problems:
-        return StageResult.failed(f"{len(problems)} dynamic-axis problem(s)", problems,
-                                  details=details)
+        return StageResult.failed(
+            f"{len(problems)} dynamic-axis problem(s)", problems, details=details
+        )
     size = sum(f.stat().st_size for f in ctx.work.glob("model.onnx*"))
     return StageResult.passed(
         f"{len(lay.inputs)} inputs, {len(release.export.dims)} dims symbolic, ran at "
         f"{len(probes['runs'])} shapes in ONNX Runtime ({size / 1e6:.1f} MB)",
-        details=details, metrics={"onnx_bytes": size, "shapes_run": len(probes["runs"])})
+        details=details,
+        metrics={"onnx_bytes": size, "shapes_run": len(probes["runs"])},
+    )
 
 
 def _check_context(release: Any, config: dict[str, Any]) -> None:
@@ -57,9 +74,12 @@ def _check_context(release: Any, config: dict[str, Any]) -> None:
     if release.task == "causal-lm" and positions and "past_sequence" in dims:
         longest = dims["past_sequence"].max + dims["sequence"].max
         if longest > positions:
-            raise StageError(NAME, f"export.dims: past_sequence.max + sequence.max = {longest} "
-                             f"exceeds the model's {positions} positions",
-                             "lower export.dims.past_sequence.max or sequence.max")
+            raise StageError(
+                NAME,
+                f"export.dims: past_sequence.max + sequence.max = {longest} "
+                f"exceeds the model's {positions} positions",
+                "lower export.dims.past_sequence.max or sequence.max",
+            )
 
 
 def _count(net: Any) -> int:
@@ -70,8 +90,9 @@ def _tensor(t: m.Tensor) -> dict[str, Any]:
     return {"name": t.name, "dtype": t.dtype, "axes": list(t.axes)}
 
 
-def _export(ctx: StageContext, flat: Any, lay: m.Layout, export: Any,
-            trace: dict[str, int], external: bool) -> Path:
+def _export(
+    ctx: StageContext, flat: Any, lay: m.Layout, export: Any, trace: dict[str, int], external: bool
+) -> Path:
     import onnx
     import torch
 
@@ -79,27 +100,43 @@ def _export(ctx: StageContext, flat: Any, lay: m.Layout, export: Any,
     args = tuple(torch.from_numpy(feeds[t.name]) for t in lay.inputs)
     raw = ctx.work / "_raw"
     raw.mkdir()
-    kwargs: dict[str, Any] = {"input_names": [t.name for t in lay.inputs],
-                              "output_names": [t.name for t in lay.outputs],
-                              "opset_version": export.opset}
+    kwargs: dict[str, Any] = {
+        "input_names": [t.name for t in lay.inputs],
+        "output_names": [t.name for t in lay.outputs],
+        "opset_version": export.opset,
+    }
     if export.exporter == "dynamo":
-        kwargs.update(dynamo=True, dynamic_shapes=(_dynamic_shapes(lay, export.dims),),
-                      external_data=external, optimize=True)
+        kwargs.update(
+            dynamo=True,
+            dynamic_shapes=(_dynamic_shapes(lay, export.dims),),
+            external_data=external,
+            optimize=True,
+        )
     else:
         kwargs.update(dynamo=False, dynamic_axes=_legacy_axes(lay, export.dims))
     try:
-        with torch.no_grad():
+        # The tracer's warnings are about transformers internals the probes below re-check.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             torch.onnx.export(flat, args, str(raw / "model.onnx"), **kwargs)
     except Exception as exc:  # the exporters raise many types; all mean "cannot export"
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-        raise StageError(NAME, f"torch.onnx.export ({export.exporter}) failed: {first[:400]}",
-                         "a dim the model treats as constant cannot be dynamic; see the "
-                         "exporter message above, or try the other export.exporter") from None
+        raise StageError(
+            NAME,
+            f"torch.onnx.export ({export.exporter}) failed: {first[:400]}",
+            "a dim the model treats as constant cannot be dynamic; see the "
+            "exporter message above, or try the other export.exporter",
+        ) from None
     model = onnx.load(str(raw / "model.onnx"))
     _normalize(model, lay)
     path = ctx.work / "model.onnx"
-    onnx.save_model(model, str(path), save_as_external_data=external,
-                    all_tensors_to_one_file=True, location="model.onnx.data")
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=external,
+        all_tensors_to_one_file=True,
+        location="model.onnx.data",
+    )
     shutil.rmtree(raw)
     try:
         onnx.checker.check_model(str(path))
@@ -110,8 +147,10 @@ def _export(ctx: StageContext, flat: Any, lay: m.Layout, export: Any,
 
 def _legacy_axes(lay: m.Layout, dims: dict[str, Any]) -> dict[str, dict[int, str]]:
     static = {n for n, d in dims.items() if d.min == d.max}
-    return {name: {i: a for i, a in axes.items() if a not in static}
-            for name, axes in lay.dynamic_axes().items()}
+    return {
+        name: {i: a for i, a in axes.items() if a not in static}
+        for name, axes in lay.dynamic_axes().items()
+    }
 
 
 def _dynamic_shapes(lay: m.Layout, dims: dict[str, Any]) -> tuple[dict[int, Any], ...]:
@@ -147,13 +186,21 @@ def _static_axes(path: Path, lay: m.Layout) -> list[str]:
         t = declared.get(value.name)
         for i, dim in enumerate(value.type.tensor_type.shape.dim):
             if t and i < len(t.axes) and isinstance(t.axes[i], str) and not dim.dim_param:
-                problems.append(f"{value.name} axis {i} ({t.axes[i]}) is baked in as "
-                                f"{dim.dim_value}; it must be symbolic")
+                problems.append(
+                    f"{value.name} axis {i} ({t.axes[i]}) is baked in as "
+                    f"{dim.dim_value}; it must be symbolic"
+                )
     return problems
 
 
-def _probe(ctx: StageContext, path: Path, lay: m.Layout, dims: dict[str, Any],
-           trace: dict[str, int], odd: bool) -> dict[str, Any]:
+def _probe(
+    ctx: StageContext,
+    path: Path,
+    lay: m.Layout,
+    dims: dict[str, Any],
+    trace: dict[str, int],
+    odd: bool,
+) -> dict[str, Any]:
     """Run the graph at min/max/odd sizes, all together and one dim at a time."""
     import onnxruntime as ort
 
@@ -168,8 +215,10 @@ def _probe(ctx: StageContext, path: Path, lay: m.Layout, dims: dict[str, Any],
             if error and label.startswith("only ") and changed[0] not in blamed:
                 blamed.add(changed[0])
                 d = changed[0]
-                problems.append(f"dim {d!r} is baked into the graph: it runs at the trace size "
-                                f"{d}={trace[d]} but not at {d}={sizes[d]}: {error}")
+                problems.append(
+                    f"dim {d!r} is baked into the graph: it runs at the trace size "
+                    f"{d}={trace[d]} but not at {d}={sizes[d]}: {error}"
+                )
             advance()
     if not problems:
         problems = [f"graph fails at {r['shape']} {r['sizes']}" for r in runs if not r["ok"]]
@@ -177,12 +226,18 @@ def _probe(ctx: StageContext, path: Path, lay: m.Layout, dims: dict[str, Any],
 
 
 def _plans(dims: dict[str, Any], trace: dict[str, int], odd: bool) -> list[tuple[str, dict]]:
-    corners = {"min": {n: d.min for n, d in dims.items()},
-               "max": {n: d.max for n, d in dims.items()}}
+    corners = {
+        "min": {n: d.min for n, d in dims.items()},
+        "max": {n: d.max for n, d in dims.items()},
+    }
     if odd:
         corners["odd"] = m.odd_sizes(dims, trace)
-    plans = [(f"only {n}={c[n]}", {**trace, n: c[n]}) for n in dims for c in corners.values()
-             if c[n] != trace[n]]
+    plans = [
+        (f"only {n}={c[n]}", {**trace, n: c[n]})
+        for n in dims
+        for c in corners.values()
+        if c[n] != trace[n]
+    ]
     plans = list({str(s): (label, s) for label, s in plans}.values())
     return plans + [(f"all {k}", sizes) for k, sizes in corners.items()]
 
@@ -199,5 +254,7 @@ def _run_once(session: Any, lay: m.Layout, sizes: dict[str, int]) -> str | None:
         for i, a in enumerate(t.axes):
             want = full[a] if isinstance(a, str) else a
             if i >= out.ndim or out.shape[i] != want:
-                return f"output {t.name} has shape {list(out.shape)}, axis {i} ({a}) should be {want}"
+                return (
+                    f"output {t.name} has shape {list(out.shape)}, axis {i} ({a}) should be {want}"
+                )
     return None

@@ -14,15 +14,27 @@ from stages._model import model_paths
 from stages._runtime import StageContext, StageIO, StageResult, write_json
 
 NAME = "pin"
-RECORDED = ("torch", "onnx", "onnxruntime", "onnxscript", "polygraphy", "transformers",
-            "safetensors", "numpy", "dvc", "pydantic")
+RECORDED = (
+    "torch",
+    "onnx",
+    "onnxruntime",
+    "onnxscript",
+    "polygraphy",
+    "transformers",
+    "safetensors",
+    "numpy",
+    "dvc",
+    "pydantic",
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".onnx", ".data")
 
 
 def io(release: ReleaseSpec) -> StageIO:
-    return StageIO(params=("pins", "model"), reads_model=True,
-                                  code=("stages/_runtime.py", "stages/_model.py", "stages/_hashing.py",
-                         "pyproject.toml"))
+    return StageIO(
+        params=("pins", "model"),
+        reads_model=True,
+        code=("stages/_model.py", "stages/_hashing.py", "pyproject.toml"),
+    )
 
 
 def run(ctx: StageContext, release: Any) -> StageResult:
@@ -36,19 +48,23 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     problems += _check_checkpoints(pins.checkpoints, checkpoints)
     git = _git_state(ctx.root)
     if pins.require_clean_git and git["dirty"]:
-        problems.append("git: pins.require_clean_git is set but the work tree has "
-                        "uncommitted changes; commit them first")
+        problems.append(
+            "git: pins.require_clean_git is set but the work tree has "
+            "uncommitted changes; commit them first"
+        )
     # lock.json is what later stages depend on: deterministic, no commit, no time.
     lock = {"python": python, "packages": packages, "checkpoints": checkpoints}
     write_json(ctx.work / "lock.json", lock)
     details = {**lock, "git": git}
     if problems:
-        return StageResult.failed(f"{len(problems)} pin(s) do not match", problems,
-                                  details=details)
-    summary = (f"{len(checkpoints)} checkpoint file(s) hashed, {len(pins.packages)} package "
-               f"pin(s) hold, code at {git['commit'][:12]}{' (dirty)' if git['dirty'] else ''}")
-    return StageResult.passed(summary, details=details,
-                              metrics={"checkpoint_files": len(checkpoints)})
+        return StageResult.failed(f"{len(problems)} pin(s) do not match", problems, details=details)
+    summary = (
+        f"{len(checkpoints)} checkpoint file(s) hashed, {len(pins.packages)} package "
+        f"pin(s) hold, code at {git['commit'][:12]}{' (dirty)' if git['dirty'] else ''}"
+    )
+    return StageResult.passed(
+        summary, details=details, metrics={"checkpoint_files": len(checkpoints)}
+    )
 
 
 def _version(name: str) -> str | None:
@@ -64,8 +80,11 @@ def _satisfies(version: str, spec: str) -> bool:
     try:
         return SpecifierSet(spec).contains(version, prereleases=True)
     except InvalidSpecifier:
-        raise StageError(NAME, f"pins: {spec!r} is not a PEP 440 specifier",
-                         "write e.g. '==2.13.0' or '>=1.20,<2'") from None
+        raise StageError(
+            NAME,
+            f"pins: {spec!r} is not a PEP 440 specifier",
+            "write e.g. '==2.13.0' or '>=1.20,<2'",
+        ) from None
 
 
 def _check_packages(wanted: dict[str, str], found: dict[str, str | None]) -> list[str]:
@@ -84,27 +103,37 @@ def _checkpoint_digests(ctx: StageContext, model: Any) -> dict[str, str]:
     for rel in dict.fromkeys(model_paths(model)):
         base = ctx.path(rel)
         if not base.exists():
-            raise StageError(NAME, f"model checkpoint {rel} does not exist",
-                             "fix model.path / model.weights, or regenerate the checkpoint")
+            raise StageError(
+                NAME,
+                f"model checkpoint {rel} does not exist",
+                "fix model.path / model.weights, or regenerate the checkpoint",
+            )
         files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
         for f in files:
             if f.suffix in WEIGHT_SUFFIXES or f.name == "config.json":
                 paths[f.relative_to(base).as_posix() if base.is_dir() else f.name] = f
     if not any(p.suffix in WEIGHT_SUFFIXES for p in paths.values()) and model.kind == "hf":
-        raise StageError(NAME, f"model.path {model.path}: no weight file found",
-                         "save the checkpoint as *.safetensors")
+        raise StageError(
+            NAME,
+            f"model.path {model.path}: no weight file found",
+            "save the checkpoint as *.safetensors",
+        )
     return hash_files(paths)
 
 
 def _check_checkpoints(wanted: dict[str, str], found: dict[str, str]) -> list[str]:
     if not wanted:
         return []
-    problems = [f"pins.checkpoints.{rel}: expected {digest}, found "
-                f"{found.get(rel, 'no such file')}"
-                for rel, digest in sorted(wanted.items()) if found.get(rel) != digest]
+    problems = [
+        f"pins.checkpoints.{rel}: expected {digest}, found {found.get(rel, 'no such file')}"
+        for rel, digest in sorted(wanted.items())
+        if found.get(rel) != digest
+    ]
     unpinned = [rel for rel in found if rel not in wanted and Path(rel).suffix in WEIGHT_SUFFIXES]
-    problems += [f"pins.checkpoints: weight file {rel} is not pinned; add its sha256 "
-                 f"{found[rel]}" for rel in unpinned]
+    problems += [
+        f"pins.checkpoints: weight file {rel} is not pinned; add its sha256 {found[rel]}"
+        for rel in unpinned
+    ]
     return problems
 
 

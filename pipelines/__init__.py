@@ -1,0 +1,1 @@
+"""Shipyard's front end: the spec -> dvc.yaml compiler, the CLI, verification."""

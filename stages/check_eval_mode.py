@@ -1,0 +1,125 @@
+"""evalcheck: the model runs in eval mode, deterministically, with no active random ops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from schemas import ReleaseSpec
+from stages import _model as m
+from stages._graph import constant_values, node_scope
+from stages._runtime import StageContext, StageIO, StageResult
+
+NAME = "evalcheck"
+RANDOM_OPS = {
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Bernoulli",
+    "Multinomial",
+}
+
+
+def io(release: ReleaseSpec) -> StageIO:
+    return StageIO(
+        params=("model", "task", "export"),
+        upstream=("export/model.onnx",),
+        reads_model=True,
+        code=("stages/_model.py", "stages/_graph.py"),
+    )
+
+
+def run(ctx: StageContext, release: Any) -> StageResult:
+    config = m.model_config(release.model, ctx.root)
+    lay = m.layout(release.task, release.export, config)
+    net = m.load_model(NAME, ctx.root, release.model, release.task)
+    flat = m.adapter(release.task, net, lay)
+    feeds = m.make_inputs(lay, m.trace_sizes(release.export.dims), seed=0)
+    problems = _training_modules(flat, "after model.eval()")
+    problems += _nondeterministic_modules(flat, lay, feeds)
+    problems += _training_modules(flat, "after a forward pass")
+    model_path = ctx.upstream("export") / "model.onnx"
+    problems += _random_nodes(model_path)
+    problems += _onnx_repeatable(model_path, feeds)
+    if problems:
+        return StageResult.failed(f"{len(problems)} inference-mode problem(s)", problems)
+    n = sum(1 for _ in flat.modules())
+    return StageResult.passed(
+        f"{n} modules in eval mode, two forward passes bit-identical in "
+        "PyTorch and ONNX Runtime, no active random ops in the graph",
+        metrics={"modules": n},
+    )
+
+
+def _training_modules(flat: Any, when: str) -> list[str]:
+    names = [
+        name.removeprefix("model.") or "(root)"
+        for name, mod in flat.named_modules()
+        if mod.training and name
+    ]
+    if not names:
+        return []
+    return [
+        f"module(s) in training mode {when}: {', '.join(names[:10])}; a module that "
+        "overrides train()/eval() or sets self.training must not do so at inference"
+    ]
+
+
+def _nondeterministic_modules(flat: Any, lay: m.Layout, feeds: dict[str, np.ndarray]) -> list[str]:
+    """Run twice under different RNG seeds; name the first module whose output changed."""
+    import torch
+
+    runs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        runs.append(m.traced_run(flat, lay, feeds))
+    (out_a, mods_a), (out_b, mods_b) = runs
+    if all(np.array_equal(a, b) for a, b in zip(out_a, out_b, strict=True)):
+        return []
+    culprit = next(
+        (
+            name
+            for (name, a), (_, b) in zip(mods_a, mods_b, strict=True)
+            if not np.array_equal(a, b)
+        ),
+        "(unknown)",
+    )
+    return [
+        f"two forward passes on the same input differ; the first module whose output "
+        f"changed is {culprit!r} (dropout or sampling active at inference?)"
+    ]
+
+
+def _random_nodes(path: Path) -> list[str]:
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    constants = constant_values(graph)
+    problems = []
+    for node in graph.node:
+        where = f"node {node.name or node.op_type!r} (from {node_scope(node) or 'unknown'})"
+        if node.op_type in RANDOM_OPS:
+            problems.append(f"random op {node.op_type} at {where}: inference must be deterministic")
+        elif node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
+            mode = constants.get(node.input[2])
+            if mode is None or bool(mode.any()):
+                problems.append(
+                    f"active Dropout at {where}: training_mode is "
+                    f"{'computed at run time' if mode is None else 'true'}"
+                )
+    return problems
+
+
+def _onnx_repeatable(path: Path, feeds: dict[str, np.ndarray]) -> list[str]:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    first, second = session.run(None, feeds), session.run(None, feeds)
+    names = [o.name for o in session.get_outputs()]
+    differ = [n for n, a, b in zip(names, first, second, strict=True) if not np.array_equal(a, b)]
+    if differ:
+        return [f"ONNX Runtime gives different results for the same input on outputs {differ}"]
+    return []

@@ -1,0 +1,170 @@
+"""parity: PyTorch vs ONNX Runtime at every spec shape; layer by layer to find divergence."""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from schemas import ReleaseSpec
+from stages import _model as m
+from stages._graph import all_tensors, scoped_outputs
+from stages._runtime import StageContext, StageIO, StageResult
+
+NAME = "parity"
+
+
+def io(release: ReleaseSpec) -> StageIO:
+    return StageIO(
+        params=("model", "task", "export", "parity"),
+        upstream=("export/model.onnx",),
+        reads_model=True,
+        code=("stages/_model.py", "stages/_graph.py"),
+    )
+
+
+def run(ctx: StageContext, release: Any) -> StageResult:
+    import onnxruntime as ort
+
+    cfg = release.parity
+    lay = m.layout(release.task, release.export, m.model_config(release.model, ctx.root))
+    flat = m.adapter(release.task, m.load_model(NAME, ctx.root, release.model, release.task), lay)
+    path = ctx.upstream("export") / "model.onnx"
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rows, failures = [], []
+    with ctx.progress("comparing outputs", len(_shapes(release))) as advance:
+        for label, sizes in _shapes(release):
+            feeds = m.make_inputs(lay, sizes, seed=cfg.seed)
+            expected = m.torch_outputs(flat, lay, feeds)
+            got = session.run([t.name for t in lay.outputs], feeds)
+            for t, ref, out in zip(lay.outputs, expected, got, strict=True):
+                row = {
+                    "shape": label,
+                    "sizes": sizes,
+                    "output": t.name,
+                    **compare(ref, out, tolerance(cfg, t.name), cfg),
+                }
+                rows.append(row)
+                if not row["ok"]:
+                    failures.append((row, feeds))
+            advance()
+    details: dict[str, Any] = {"comparisons": rows}
+    if failures or cfg.layerwise == "always":
+        feeds = failures[0][1] if failures else m.make_inputs(lay, _shapes(release)[0][1], cfg.seed)
+        details["layerwise"] = layerwise(flat, lay, path, feeds, cfg)
+    worst = max(r["error"] for r in rows)
+    metrics = {"worst_normalized_error": worst, "max_abs_diff": max(r["max_abs"] for r in rows)}
+    if failures:
+        return StageResult.failed(
+            f"{len(failures)} output(s) out of tolerance",
+            _reasons(failures, details),
+            details=details,
+            metrics=metrics,
+        )
+    return StageResult.passed(
+        f"{len(rows)} comparisons at {len(_shapes(release))} shapes within tolerance "
+        f"({cfg.statistic} normalized error {worst:.3g} <= 1)",
+        details=details,
+        metrics=metrics,
+    )
+
+
+def _shapes(release: Any) -> list[tuple[str, dict[str, int]]]:
+    dims = release.export.dims
+    if release.parity.shapes:
+        return [
+            (f"shape[{i}]", {**m.trace_sizes(dims), **s})
+            for i, s in enumerate(release.parity.shapes)
+        ]
+    shapes = {
+        "min": {n: d.min for n, d in dims.items()},
+        "opt": {n: d.opt for n, d in dims.items()},
+        "max": {n: d.max for n, d in dims.items()},
+        "odd": m.odd_sizes(dims, {n: d.opt for n, d in dims.items()}),
+    }
+    return list({str(s): (k, s) for k, s in shapes.items()}.values())
+
+
+def tolerance(cfg: Any, output: str) -> Any:
+    """The per-output tolerance whose key (name or glob) matches, else the default."""
+    return next(
+        (tol for pattern, tol in cfg.outputs.items() if fnmatch.fnmatchcase(output, pattern)),
+        cfg.tolerance,
+    )
+
+
+def compare(ref: np.ndarray, out: np.ndarray, tol: Any, cfg: Any) -> dict[str, Any]:
+    """Normalized error |a-b| / (atol + rtol*|ref|), reduced by the spec's statistic."""
+    if ref.shape != out.shape:
+        return {
+            "ok": False,
+            "error": float("inf"),
+            "max_abs": float("inf"),
+            "note": f"shape {list(out.shape)} != reference {list(ref.shape)}",
+        }
+    if ref.size == 0:
+        return {"ok": True, "error": 0.0, "max_abs": 0.0}
+    diff = np.abs(ref.astype(np.float64) - out.astype(np.float64))
+    norm = diff / (tol.atol + tol.rtol * np.abs(ref.astype(np.float64)))
+    stat = {"max": np.max, "mean": np.mean}.get(cfg.statistic)
+    error = float(stat(norm)) if stat else float(np.quantile(norm, cfg.quantile))
+    error = error if np.isfinite(error) else float("inf")
+    return {"ok": error <= 1.0, "error": error, "max_abs": float(np.nanmax(diff))}
+
+
+def layerwise(
+    flat: Any, lay: m.Layout, path: Path, feeds: dict[str, np.ndarray], cfg: Any
+) -> dict[str, Any]:
+    """Compare each PyTorch module's output with the last ONNX tensor of the same scope."""
+    _, modules = m.traced_run(flat, lay, feeds)
+    tensors = all_tensors(path, feeds)
+    scoped = scoped_outputs(path)
+    layers, first = [], None
+    for module, ref in modules:
+        # A module's output is the last tensor computed inside it or its children
+        # (GPT-2's attention ends in c_proj; eval-mode dropout after it exports to nothing).
+        match = next(
+            (
+                t
+                for scope, t in reversed(scoped)
+                if (scope == module or scope.startswith(module + "."))
+                and t in tensors
+                and tensors[t].shape == ref.shape
+            ),
+            None,
+        )
+        if match is None:
+            continue
+        row = {
+            "module": module,
+            "tensor": match,
+            **compare(ref, tensors[match], cfg.tolerance, cfg),
+        }
+        layers.append(row)
+        if first is None and not row["ok"]:
+            first = row
+    return {"compared": len(layers), "first_divergent": first, "layers": layers}
+
+
+def _reasons(failures: list[tuple[dict, Any]], details: dict[str, Any]) -> list[str]:
+    reasons = [f"{r['output']} at {r['shape']} {r['sizes']}: {cfg_stat(r)}" for r, _ in failures]
+    first = details["layerwise"]["first_divergent"]
+    if first:
+        reasons.append(
+            f"first diverging layer: {first['module']} (ONNX tensor {first['tensor']},"
+            f" normalized error {first['error']:.3g}, max |diff| {first['max_abs']:.3g})"
+        )
+    else:
+        reasons.append(
+            "layer-by-layer comparison found no diverging module output; the "
+            "difference enters outside module boundaries"
+        )
+    return reasons
+
+
+def cfg_stat(row: dict[str, Any]) -> str:
+    return row.get("note") or (
+        f"normalized error {row['error']:.3g} > 1 (max |diff| {row['max_abs']:.3g})"
+    )

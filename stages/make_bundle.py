@@ -1,0 +1,160 @@
+"""bundle: model + manifest + reports + model card + serving configs, all hashed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from schemas import ReleaseSpec, StageError
+from stages import write_manifest as wm
+from stages._hashing import hash_shards
+from stages._runtime import StageContext, StageIO, StageResult, write_json
+
+NAME = "bundle"
+TEMPLATES = Path(__file__).parent / "templates"
+RENDERED = {
+    "serving.yaml": "serving.yaml.j2",
+    "ort_session.json": "ort_session.json.j2",
+    "MODEL_CARD.md": "MODEL_CARD.md.j2",
+}
+
+
+def io(release: ReleaseSpec) -> StageIO:
+    return StageIO(
+        params=("version", "task", "bundle"),
+        upstream=(*wm.CHECKED, "manifest"),
+        code=("stages/write_manifest.py", "stages/_hashing.py", "stages/templates"),
+    )
+
+
+def run(ctx: StageContext, release: Any) -> StageResult:
+    manifest = wm.load_manifest(ctx.upstream("manifest") / "manifest.json")
+    for name, source in wm.payload(ctx).items():
+        _link(source, ctx.work / name)
+    info = json.loads((ctx.work / "model/model_info.json").read_text())
+    values = serving_values(release, info)
+    rendered = render(ctx, release, info, values, manifest)
+    for name in rendered:
+        _parse_back(ctx.work / name)
+    extra = hash_shards(
+        {n: ctx.work / n for n in rendered}, manifest.predicate.serialization.shard_size
+    )
+    digests = {r.name: r.digest for r in manifest.predicate.resources} | extra
+    final = wm.build_manifest(
+        manifest.subject[0].name,
+        digests,
+        {**manifest.predicate.shipyard, "serving": values},
+        manifest.predicate.serialization.shard_size,
+    )
+    write_json(ctx.work / "manifest.json", final.model_dump(mode="json", by_alias=True))
+    files = sum(1 for p in ctx.work.rglob("*") if p.is_file())
+    return StageResult.passed(
+        f"{files} files in build/{ctx.release}/bundle, manifest digest "
+        f"{final.subject[0].digest['sha256'][:16]}",
+        metrics={"files": files},
+        details={"serving": values},
+    )
+
+
+def _link(source: Path, target: Path) -> None:
+    """Hard-link big artifacts instead of copying them; copy across file systems."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def serving_values(release: Any, info: dict[str, Any]) -> dict[str, Any]:
+    """Serving keys from the spec, defaulted from and checked against the export."""
+    s, dims, arch = release.bundle.serving, info["dims"], info["arch"]
+    batch_max = dims.get("batch", {}).get("max", 1)
+    context_max = (
+        dims["sequence"]["max"] + dims.get("past_sequence", {}).get("max", 0)
+        if "sequence" in dims
+        else 0
+    )
+    batch = s.max_batch_size or batch_max
+    context = s.max_context_length or context_max
+    _within("bundle.serving.max_batch_size", batch, batch_max, "export.dims.batch.max")
+    if context_max:
+        _within(
+            "bundle.serving.max_context_length",
+            context,
+            context_max,
+            "export.dims past_sequence.max + sequence.max",
+        )
+    causal = release.task == "causal-lm"
+    kv_bytes = 2 * arch["layers"] * arch["kv_heads"] * arch["head_dim"] * batch * context * 4
+    return {
+        "model_path": "model/model.onnx",
+        "dtype": info["dtype"],
+        "port": s.port,
+        "max_batch_size": batch,
+        "max_queue_depth": s.max_queue_depth,
+        "max_context_length": context,
+        "kv_cache_budget": s.kv_cache_budget
+        if s.kv_cache_budget is not None
+        else (kv_bytes if causal else 0),
+        "request_timeout_seconds": s.request_timeout_seconds,
+        "streaming": causal if s.streaming is None else s.streaming,
+    }
+
+
+def _within(field: str, value: int, limit: int, source: str) -> None:
+    if value > limit:
+        raise StageError(
+            NAME,
+            f"{field} = {value} exceeds {source} = {limit}; the exported "
+            "graph is not promised to run beyond it",
+            f"lower {field} or raise {source} and re-export",
+        )
+
+
+def render(
+    ctx: StageContext, release: Any, info: dict[str, Any], values: dict[str, Any], manifest: Any
+) -> list[str]:
+    from jinja2 import FileSystemLoader, StrictUndefined
+    from jinja2.sandbox import SandboxedEnvironment
+
+    env = SandboxedEnvironment(
+        loader=FileSystemLoader(TEMPLATES),
+        undefined=StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    context = {
+        **values,
+        "release": ctx.release,
+        "version": release.version,
+        "task": release.task,
+        "ort": release.bundle.ort_session.model_dump(),
+        "info": info,
+        "card": release.bundle.model_card.model_dump(),
+        "stages": manifest.predicate.shipyard["stages"],
+        "digest": manifest.subject[0].digest["sha256"],
+    }
+    for out, template in RENDERED.items():
+        (ctx.work / out).write_text(env.get_template(template).render(context), encoding="utf-8")
+    return list(RENDERED)
+
+
+def _parse_back(path: Path) -> None:
+    """A rendered config must parse; a template bug fails here, not in production."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            json.loads(text)
+        elif path.suffix == ".yaml":
+            yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise StageError(
+            NAME,
+            f"rendered {path.name} does not parse: {exc}",
+            f"fix stages/templates/{RENDERED[path.name]}",
+        ) from None
