@@ -276,27 +276,24 @@ def torch_outputs(module: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> lis
 
 
 def traced_run(flat: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> tuple[list, list]:
-    """Outputs plus (module name, first output tensor) for every module, in execution order."""
-    import torch
+    """Outputs, plus (module name, first input, first output) per module in execution order.
 
-    seen: list[tuple[str, np.ndarray]] = []
+    Names drop the adapter's `model.` prefix; the user's root module is not hooked.
+    """
+    seen: list[tuple[str, np.ndarray | None, np.ndarray]] = []
 
     def hook(name: str) -> Any:
-        def record(_mod: Any, _inp: Any, out: Any) -> None:
-            first = (
-                out
-                if isinstance(out, torch.Tensor)
-                else next(
+        def record(_mod: Any, inp: Any, out: Any) -> None:
+            first_out = _first_tensor(out)
+            if first_out is not None:
+                first_in = _first_tensor(inp)
+                seen.append(
                     (
-                        o
-                        for o in (out if isinstance(out, tuple | list) else ())
-                        if isinstance(o, torch.Tensor)
-                    ),
-                    None,
+                        name,
+                        None if first_in is None else first_in.numpy().copy(),
+                        first_out.numpy().copy(),
+                    )
                 )
-            )
-            if first is not None:
-                seen.append((name, first.detach().numpy().copy()))
 
         return record
 
@@ -311,3 +308,12 @@ def traced_run(flat: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> tuple[li
         for h in handles:
             h.remove()
     return outs, seen
+
+
+def _first_tensor(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    items = value if isinstance(value, tuple | list) else ()
+    return next((v.detach() for v in items if isinstance(v, torch.Tensor)), None)

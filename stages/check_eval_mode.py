@@ -69,7 +69,7 @@ def _training_modules(flat: Any, when: str) -> list[str]:
 
 
 def _nondeterministic_modules(flat: Any, lay: m.Layout, feeds: dict[str, np.ndarray]) -> list[str]:
-    """Run twice under different RNG seeds; name the first module whose output changed."""
+    """Run twice under different RNG seeds; say where the two runs first part ways."""
     import torch
 
     runs = []
@@ -79,17 +79,22 @@ def _nondeterministic_modules(flat: Any, lay: m.Layout, feeds: dict[str, np.ndar
     (out_a, mods_a), (out_b, mods_b) = runs
     if all(np.array_equal(a, b) for a, b in zip(out_a, out_b, strict=True)):
         return []
-    culprit = next(
-        (
-            name
-            for (name, a), (_, b) in zip(mods_a, mods_b, strict=True)
-            if not np.array_equal(a, b)
-        ),
-        "(unknown)",
-    )
+    where = f"the forward of the root module {type(flat.model).__name__}"
+    previous = None
+    for (name, in_a, a), (_, in_b, b) in zip(mods_a, mods_b, strict=True):
+        if np.array_equal(a, b):
+            previous = name
+            continue
+        if in_a is not None and np.array_equal(in_a, in_b):
+            where = f"module {name!r} (same input, different output)"
+        else:
+            parent = name.rsplit(".", 1)[0] if "." in name else None
+            caller = f"module {parent!r}" if parent else where
+            where = f"{caller}, between {previous!r} and {name!r}" if previous else caller
+        break
     return [
-        f"two forward passes on the same input differ; the first module whose output "
-        f"changed is {culprit!r} (dropout or sampling active at inference?)"
+        f"two forward passes on the same input differ; randomness enters in {where} "
+        "(dropout or sampling active at inference?)"
     ]
 
 

@@ -122,7 +122,7 @@ def layerwise(
     tensors = all_tensors(path, feeds)
     scoped = scoped_outputs(path)
     layers, first = [], None
-    for module, ref in modules:
+    for module, _, ref in modules:
         # A module's output is the last tensor computed inside it or its children
         # (GPT-2's attention ends in c_proj; eval-mode dropout after it exports to nothing).
         match = next(

@@ -111,6 +111,7 @@ def _export(
             dynamic_shapes=(_dynamic_shapes(lay, export.dims),),
             external_data=external,
             optimize=True,
+            verbose=False,
         )
     else:
         kwargs.update(dynamo=False, dynamic_axes=_legacy_axes(lay, export.dims))
@@ -136,6 +137,7 @@ def _export(
         save_as_external_data=external,
         all_tensors_to_one_file=True,
         location="model.onnx.data",
+        size_threshold=0,
     )
     shutil.rmtree(raw)
     try:

@@ -1,0 +1,98 @@
+"""Shared fixtures: a throwaway repo root with the tiny GPT-2 and trap models."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from schemas import ReleaseSpec, StageReport
+from schemas.loader import load_release
+from stages import execute
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "models" / "tiny-gpt2"
+TRAPS = Path(__file__).parent / "fixtures" / "traps.py"
+
+
+def generic_spec(name: str, factory: str, **overrides: Any) -> dict[str, Any]:
+    """A release spec for a trap model: x [batch, 4, 8] -> y [batch, ...]."""
+    spec: dict[str, Any] = {
+        "schema_version": 1,
+        "name": name,
+        "version": "0.0.1",
+        "task": "generic",
+        "model": {"kind": "python", "entrypoint": f"traps:{factory}", "source": "traps.py"},
+        "pins": {},
+        "export": {
+            "dims": {"batch": {"min": 1, "opt": 2, "max": 4}},
+            "inputs": [{"name": "x", "shape": ["batch", 4, 8]}],
+            "outputs": [{"name": "y", "shape": ["batch"]}],
+        },
+        "parity": {},
+        "bundle": {},
+    }
+    for key, value in overrides.items():
+        spec[key] = value
+    return spec
+
+
+def gpt2_spec(**overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = yaml.safe_load((REPO / "releases" / "tiny-gpt2.yaml").read_text())
+    spec["export"]["dims"] = {
+        "batch": {"min": 1, "opt": 2, "max": 3},
+        "sequence": {"min": 1, "opt": 4, "max": 8},
+        "past_sequence": {"min": 0, "opt": 4, "max": 8},
+    }
+    spec.update(overrides)
+    return spec
+
+
+class Workspace:
+    """A repo root in tmp: releases/, the tiny model, the trap module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        (root / "releases").mkdir()
+        shutil.copytree(TINY, root / "models" / "tiny-gpt2")
+        shutil.copy(TRAPS, root / "traps.py")
+
+    def write(self, spec: dict[str, Any]) -> Path:
+        path = self.root / "releases" / f"{spec['name']}.yaml"
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        return path
+
+    def spec(self, spec: dict[str, Any]) -> ReleaseSpec:
+        return load_release(self.write(spec))
+
+    def run(self, stage: str, spec: dict[str, Any]) -> StageReport:
+        path = self.write(spec)
+        return execute(stage, load_release(path), path, self.root)
+
+    def run_all(self, spec: dict[str, Any], stages: list[str]) -> dict[str, StageReport]:
+        return {s: self.run(s, spec) for s in stages}
+
+    def out(self, release: str, stage: str) -> Path:
+        return self.root / "build" / release / stage
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Workspace:
+    return Workspace(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def built_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    """tiny-gpt2 (small dims) run through every stage once, shared by a test module."""
+    ws = Workspace(tmp_path_factory.mktemp("gpt2"))
+    for stage in ("pin", "export", "evalcheck", "parity", "manifest", "bundle"):
+        report = ws.run(stage, gpt2_spec())
+        assert report.status.value == "passed", (stage, report.reasons)
+    return ws
+
+
+Run = Callable[[str, dict[str, Any]], StageReport]

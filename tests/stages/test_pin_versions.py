@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import hashlib
+import json
+
+from tests.conftest import TINY, Workspace, gpt2_spec
+
+DIGEST = hashlib.sha256((TINY / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_pin_records_versions_and_checkpoint_digests(ws: Workspace) -> None:
+    report = ws.run("pin", gpt2_spec())
+    assert report.status.value == "passed"
+    lock = json.loads((ws.out("tiny-gpt2", "pin") / "lock.json").read_text())
+    assert lock["checkpoints"]["model.safetensors"] == DIGEST
+    assert lock["packages"]["torch"].startswith("2.13.0")
+    assert "git" in report.details and "git" not in lock  # provenance stays out of deps
+
+
+def test_pin_checkpoint_mismatch_shows_expected_and_found(ws: Workspace) -> None:
+    wrong = "0" * 64
+    report = ws.run("pin", gpt2_spec(pins={"checkpoints": {"model.safetensors": wrong}}))
+    assert report.status.value == "failed"
+    assert report.reasons == [
+        f"pins.checkpoints.model.safetensors: expected {wrong}, found {DIGEST}"
+    ]
+
+
+def test_pin_unpinned_weight_file_fails_when_checkpoints_are_pinned(ws: Workspace) -> None:
+    (ws.root / "models/tiny-gpt2/extra.safetensors").write_bytes(b"x")
+    report = ws.run("pin", gpt2_spec(pins={"checkpoints": {"model.safetensors": DIGEST}}))
+    assert report.status.value == "failed"
+    assert "weight file extra.safetensors is not pinned" in report.reasons[0]
+
+
+def test_pin_package_specifier_mismatch_and_missing_package(ws: Workspace) -> None:
+    spec = gpt2_spec(pins={"packages": {"torch": ">=3", "no-such-package": "==1"}})
+    report = ws.run("pin", spec)
+    assert report.reasons == [
+        "pins.packages.no-such-package: expected ==1, found not installed",
+        "pins.packages.torch: expected >=3, found 2.13.0+cpu",
+    ]
+
+
+def test_pin_invalid_specifier_is_a_clear_failure(ws: Workspace) -> None:
+    report = ws.run("pin", gpt2_spec(pins={"python": "three"}))
+    assert report.status.value == "failed" and "not a PEP 440 specifier" in report.reasons[0]
+
+
+def test_pin_missing_checkpoint_folder_fails_naming_it(ws: Workspace) -> None:
+    report = ws.run("pin", gpt2_spec(model={"kind": "hf", "path": "models/gone"}))
+    assert report.status.value == "failed"
+    assert report.reasons[0].startswith("model checkpoint models/gone does not exist")

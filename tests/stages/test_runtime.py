@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+import stages
+from schemas import StageError
+from stages._runtime import SpecView
+from tests.conftest import REPO, Workspace, gpt2_spec
+
+
+def test_registry_lists_every_stage_module_once_in_pipeline_order() -> None:
+    on_disk = {p.stem for p in (REPO / "stages").glob("*.py") if not p.stem.startswith("_")}
+    assert set(stages.STAGE_MODULES) == on_disk - {"__init__"}
+    assert list(stages.load_stages()) == [
+        "pin",
+        "export",
+        "evalcheck",
+        "parity",
+        "manifest",
+        "bundle",
+    ]
+
+
+def test_every_stage_declares_params_that_exist_in_the_spec(ws: Workspace) -> None:
+    spec = ws.spec(gpt2_spec())
+    for name, module in stages.load_stages().items():
+        io = module.io(spec)
+        assert all(hasattr(spec, p) for p in io.params), name
+        assert all((REPO / c).exists() for c in io.code), name
+
+
+def test_spec_view_refuses_an_undeclared_section(ws: Workspace) -> None:
+    view = SpecView(ws.spec(gpt2_spec()), ["export"])
+    assert view.export.opset == 18
+    with pytest.raises(AttributeError, match="without declaring it in io"):
+        _ = view.parity
+
+
+def test_failed_stage_leaves_only_its_report(ws: Workspace) -> None:
+    spec = gpt2_spec(pins={"packages": {"torch": "==1.0"}})
+    report = ws.run("pin", spec)
+    assert report.status.value == "failed"
+    assert sorted(p.name for p in ws.out("tiny-gpt2", "pin").iterdir()) == ["report.json"]
+
+
+def test_crashing_stage_leaves_previous_output_untouched(ws: Workspace, monkeypatch) -> None:
+    assert ws.run("pin", gpt2_spec()).status.value == "passed"
+    before = (ws.out("tiny-gpt2", "pin") / "lock.json").read_bytes()
+    module = importlib.import_module("stages.pin_versions")
+
+    def crash(ctx, release):  # a bug (not a StageError) halfway through writing
+        (ctx.work / "lock.json").write_text("half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "run", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ws.run("pin", gpt2_spec())
+    assert (ws.out("tiny-gpt2", "pin") / "lock.json").read_bytes() == before
+    assert not list((ws.root / "build" / "tiny-gpt2").glob(".pin.tmp*"))
+
+
+def test_unknown_stage_is_a_stage_error(ws: Workspace) -> None:
+    with pytest.raises(StageError, match="no such stage"):
+        ws.run("exprot", gpt2_spec())
+
+
+def test_upstream_missing_names_the_command_to_run(ws: Workspace) -> None:
+    report = ws.run("evalcheck", gpt2_spec())
+    assert report.status.value == "failed"
+    assert "dvc repro export@tiny-gpt2" in report.reasons[0]
+
+
+def test_reports_do_not_change_when_a_stage_reruns_on_the_same_inputs(ws: Workspace) -> None:
+    ws.run("pin", gpt2_spec())
+    first = (ws.out("tiny-gpt2", "pin") / "report.json").read_bytes()
+    ws.run("pin", gpt2_spec())
+    assert (ws.out("tiny-gpt2", "pin") / "report.json").read_bytes() == first
+    assert Path(ws.root / "build/tiny-gpt2/metrics/pin.json").is_file()
