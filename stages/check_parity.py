@@ -107,7 +107,8 @@ def compare(ref: np.ndarray, out: np.ndarray, tol: Any, cfg: Any) -> dict[str, A
     if ref.size == 0:
         return {"ok": True, "error": 0.0, "max_abs": 0.0}
     diff = np.abs(ref.astype(np.float64) - out.astype(np.float64))
-    norm = diff / (tol.atol + tol.rtol * np.abs(ref.astype(np.float64)))
+    with np.errstate(divide="ignore", invalid="ignore"):  # zero tolerance: exact or infinite
+        norm = np.where(diff == 0, 0.0, diff / (tol.atol + tol.rtol * np.abs(ref)))
     stat = {"max": np.max, "mean": np.mean}.get(cfg.statistic)
     error = float(stat(norm)) if stat else float(np.quantile(norm, cfg.quantile))
     error = error if np.isfinite(error) else float("inf")

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
+
+
+def shipyard(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SHIPYARD_ROOT": str(cwd)}
+    return subprocess.run(
+        [SHIPYARD, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_validate_accepts_the_example_release() -> None:
+    done = shipyard("validate", "releases/tiny-gpt2.yaml")
+    assert done.returncode == 0 and "ok (tiny-gpt2 0.1.0, causal-lm)" in done.stdout
+
+
+def test_validate_prints_file_line_field_and_no_traceback(tmp_path: Path) -> None:
+    text = (REPO / "releases/tiny-gpt2.yaml").read_text().replace("  opset: 18", "  opset: x")
+    (tmp_path / "tiny-gpt2.yaml").write_text(text)
+    done = shipyard("validate", str(tmp_path / "tiny-gpt2.yaml"))
+    line = text.splitlines().index("  opset: x") + 1
+    assert done.returncode == 2
+    assert f"tiny-gpt2.yaml:{line}: export.opset:" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_schema_prints_json_schema_with_descriptions() -> None:
+    schema = json.loads(shipyard("schema").stdout)
+    assert schema["title"] == "ReleaseSpec"
+    assert "description" in schema["properties"]["export"]
+
+
+def test_compile_check_passes_on_the_committed_dvc_yaml() -> None:
+    done = shipyard("compile", "--check")
+    assert done.returncode == 0, done.stderr
+
+
+def test_compile_check_fails_when_a_release_was_added(tmp_path: Path) -> None:
+    (tmp_path / "releases").mkdir()
+    (tmp_path / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
+    (tmp_path / "releases/tiny-gpt2.yaml").write_text(
+        (REPO / "releases/tiny-gpt2.yaml").read_text().replace("tiny-gpt2", "t2")
+    )
+    (tmp_path / "releases/tiny-gpt2.yaml").rename(tmp_path / "releases/t2.yaml")
+    done = shipyard("compile", "--check", cwd=tmp_path)
+    assert done.returncode == 1 and "dvc.yaml is stale" in done.stderr
+
+
+def test_run_stage_with_unknown_stage_exits_3_with_choices() -> None:
+    done = shipyard("run-stage", "exprot", "--release", "releases/tiny-gpt2.yaml")
+    assert done.returncode == 3
+    assert "exprot: no such stage" in done.stderr and "choose one of: pin, export" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_verify_of_a_missing_bundle_is_a_clear_error(tmp_path: Path) -> None:
+    done = shipyard("verify", str(tmp_path))
+    assert done.returncode == 5 and "manifest.json: missing; not a Shipyard bundle" in done.stderr
+
+
+def test_readme_quickstart_is_the_two_make_commands() -> None:
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("```sh\n", 1)[1].split("```", 1)[0]
+    assert [line.split("#")[0].strip() for line in block.strip().splitlines()] == [
+        "make release",
+        "make test",
+    ]
+    assert "make test" in (REPO / ".ci" / "run").read_text()

@@ -1,0 +1,80 @@
+"""`make release` on a fresh copy of the repo, then what DVC reruns after an edit."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+VENV = Path(sys.executable).parent.parent
+
+
+def sh(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PATH": f"{VENV / 'bin'}:{os.environ['PATH']}", "SHIPYARD_ROOT": ""}
+    env.pop("SHIPYARD_ROOT")
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{cmd} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def ran(output: str) -> list[str]:
+    return re.findall(r"Running stage '([\w-]+)@", output)
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A git clone of the committed tree plus uncommitted work, without build outputs."""
+    root = tmp_path_factory.mktemp("clone") / "repo"
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for name in files:
+        if (REPO / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, root / name)
+    sh(["git", "init", "-q"], root)
+    sh(["git", "add", "-A"], root)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], root)
+    return root
+
+
+def test_make_release_builds_a_verified_bundle(clone: Path) -> None:
+    stamp = VENV / ".installed"
+    done = sh(["make", "release", f"VENV={VENV}", "-o", str(stamp)], clone)
+    assert ran(done.stdout) == ["pin", "export", "evalcheck", "parity", "manifest", "bundle"]
+    verdicts = re.findall(r"^(PASS|FAIL|SKIP) (\w+)@tiny-gpt2", done.stdout, re.M)
+    assert verdicts == [("PASS", s) for s in ran(done.stdout)]
+    assert "every file matches manifest.json" in done.stdout
+
+
+def test_second_repro_does_nothing(clone: Path) -> None:
+    done = sh(["dvc", "repro"], clone)
+    assert ran(done.stdout) == []
+    assert "Data and pipelines are up to date." in done.stdout
+
+
+def test_editing_parity_reruns_only_parity_and_what_depends_on_it(clone: Path) -> None:
+    spec = clone / "releases" / "tiny-gpt2.yaml"
+    spec.write_text(spec.read_text().replace("  statistic: max", "  statistic: mean"))
+    done = sh(["dvc", "repro"], clone)
+    assert ran(done.stdout) == ["parity", "manifest", "bundle"]
+    sh(["shipyard", "verify", "build/tiny-gpt2/bundle"], clone)
+
+
+def test_editing_a_code_comment_in_export_reruns_export_but_not_its_dependants(clone: Path) -> None:
+    code = clone / "stages" / "export_onnx.py"
+    code.write_text(code.read_text() + "\n# a comment changes the code hash, not the ONNX bytes\n")
+    done = sh(["dvc", "repro"], clone)
+    assert ran(done.stdout) == ["export"]

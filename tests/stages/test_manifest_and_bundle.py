@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stages._hashing import hash_range, hash_shards, shard_ranges
+from stages.write_manifest import load_manifest, verify_bundle
+from tests.conftest import Workspace, gpt2_spec
+
+
+@pytest.fixture
+def bundle(built_gpt2: Workspace, tmp_path: Path) -> Path:
+    """A private copy of the built bundle that a test may tamper with."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(built_gpt2.out("tiny-gpt2", "bundle"), copy)
+    for p in copy.rglob("*"):
+        p.chmod(0o644 if p.is_file() else 0o755)
+    return copy
+
+
+def test_shards_cover_the_file_and_match_hashlib(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 41  # 10,496 bytes: 3 shards of 4 KiB
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    assert shard_ranges(len(data), 4096) == [(0, 4096), (4096, 8192), (8192, 10496)]
+    digests = hash_shards({"blob": path}, shard=4096, workers=2)
+    assert digests["blob:4096:8192"] == hashlib.sha256(data[4096:8192]).hexdigest()
+    assert hash_range(path) == hashlib.sha256(data).hexdigest()
+    assert shard_ranges(0) == [(0, 0)]
+
+
+def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace) -> None:
+    manifest = load_manifest(built_gpt2.out("tiny-gpt2", "bundle") / "manifest.json")
+    raw = json.loads((built_gpt2.out("tiny-gpt2", "bundle") / "manifest.json").read_text())
+    assert raw["_type"] == "https://in-toto.io/Statement/v1"
+    assert raw["predicateType"] == "https://model_signing/signature/v1.0"
+    assert set(manifest.files()) == {
+        "model/model.onnx",
+        "model/model_info.json",
+        "reports/pin.json",
+        "reports/export.json",
+        "reports/evalcheck.json",
+        "reports/parity.json",
+        "serving.yaml",
+        "ort_session.json",
+        "MODEL_CARD.md",
+    }
+    onnx_bytes = (built_gpt2.out("tiny-gpt2", "bundle") / "model/model.onnx").read_bytes()
+    [shard] = manifest.files()["model/model.onnx"]
+    assert shard.digest == hashlib.sha256(onnx_bytes).hexdigest()
+    facts = manifest.predicate.shipyard
+    assert facts["pins"]["packages"]["torch"].startswith("2.13.0")
+    assert set(facts["stages"]) == {"pin", "export", "evalcheck", "parity"}
+
+
+def test_verify_accepts_an_intact_bundle(bundle: Path) -> None:
+    assert verify_bundle(bundle) == []
+
+
+def test_verify_names_a_tampered_weight_file(bundle: Path) -> None:
+    path = bundle / "model" / "model.onnx"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    assert verify_bundle(bundle) == ["model/model.onnx: changed (sha256 differs from the manifest)"]
+
+
+def test_verify_names_added_and_missing_files(bundle: Path) -> None:
+    (bundle / "reports" / "parity.json").unlink()
+    (bundle / "backdoor.py").write_text("print('hi')")
+    assert verify_bundle(bundle) == [
+        "backdoor.py: added (not in the manifest)",
+        "reports/parity.json: missing (listed in the manifest)",
+    ]
+
+
+def test_verify_notices_an_edited_manifest(bundle: Path) -> None:
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    data["predicate"]["resources"] = data["predicate"]["resources"][1:]
+    path.write_text(json.dumps(data))
+    problems = verify_bundle(bundle)
+    assert problems[0].endswith(": added (not in the manifest)")
+    assert problems[-1].startswith("manifest.json: subject digest does not match")
+
+
+def test_serving_config_is_rendered_from_spec_and_export(built_gpt2: Workspace) -> None:
+    serving = yaml.safe_load((built_gpt2.out("tiny-gpt2", "bundle") / "serving.yaml").read_text())
+    assert serving == {
+        "model_path": "model/model.onnx",
+        "dtype": "float32",
+        "port": 8000,
+        "max_batch_size": 3,
+        "max_queue_depth": 64,
+        "max_context_length": 16,
+        # 2 (k, v) x 2 layers x 4 heads x 16 head_dim x 3 batch x 16 context x 4 bytes
+        "kv_cache_budget": 2 * 2 * 4 * 16 * 3 * 16 * 4,
+        "request_timeout_seconds": 30.0,
+        "streaming": True,
+        "ort_session_config": "ort_session.json",
+    }
+    card = (built_gpt2.out("tiny-gpt2", "bundle") / "MODEL_CARD.md").read_text()
+    assert "| parity | passed |" in card and "Apache-2.0" in card
+
+
+def test_bundle_refuses_a_batch_larger_than_the_export(built_gpt2: Workspace) -> None:
+    spec = gpt2_spec()
+    spec["bundle"] = {"serving": {"max_batch_size": 64}}
+    report = built_gpt2.run("bundle", spec)
+    assert report.status.value == "failed"
+    assert report.reasons[0].startswith(
+        "bundle.serving.max_batch_size = 64 exceeds export.dims.batch.max = 3"
+    )
+
+
+def test_manifest_refuses_a_release_whose_checks_failed(ws: Workspace) -> None:
+    spec = gpt2_spec()
+    for stage in ("pin", "export", "evalcheck"):
+        ws.run(stage, spec)
+    ws.run("parity", gpt2_spec(parity={"tolerance": {"atol": 0, "rtol": 0}, "outputs": {}}))
+    report = ws.run("manifest", spec)
+    assert report.status.value == "failed"
+    assert "upstream stages did not pass (parity: failed)" in report.reasons[0]
