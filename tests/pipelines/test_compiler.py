@@ -51,9 +51,24 @@ def test_two_releases_become_foreach_items(tmp_path: Path) -> None:
     assert list(stages["export"]["foreach"]) == ["small", "tiny-gpt2"]
     assert stages["export"]["foreach"]["small"] == {
         "spec": "releases/small.yaml",
-        "model_code": "traps.py",
-        "model_weights": "traps.py",
+        "model": "traps.py",
     }
+
+
+def test_model_weights_get_their_own_dependency_slot_when_apart(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    shutil.copy(REPO / "releases" / "tiny-gpt2.yaml", tmp_path / "releases")
+    spec = generic_spec("small", "small")
+    spec["model"]["weights"] = "w.safetensors"
+    ws.write(spec)
+    stages = yaml.safe_load(compiler.compile_dvc(tmp_path))["stages"]
+    assert stages["pin"]["foreach"]["small"] == {
+        "spec": "releases/small.yaml",
+        "model": "traps.py",
+        "model_weights": "w.safetensors",
+    }
+    assert stages["pin"]["foreach"]["tiny-gpt2"]["model_weights"] == "models/tiny-gpt2"
+    assert {"${item.model}", "${item.model_weights}"} <= set(stages["pin"]["do"]["deps"])
 
 
 def test_stale_dvc_yaml_is_detected(tmp_path: Path) -> None:
