@@ -62,7 +62,8 @@ def _model_slots(releases: list[tuple[Path, ReleaseSpec]]) -> int:
 
 def _item(root: Path, path: Path, spec: ReleaseSpec, slots: int) -> dict[str, str]:
     item = {"spec": path.relative_to(root).as_posix()}
-    item.update(zip(MODEL_SLOTS[:slots], model_paths(spec.model)))  # zip stops at `slots`
+    # zip stops after `slots` entries: with one slot, the shared code/weights path.
+    item.update(zip(MODEL_SLOTS[:slots], model_paths(spec.model), strict=False))
     return item
 
 
