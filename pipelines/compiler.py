@@ -11,7 +11,7 @@ from schemas import ReleaseSpec, SpecError
 from schemas.loader import load_release
 from stages import load_stages, stage_io
 from stages._model import model_paths
-from stages._runtime import COMMON_CODE
+from stages._runtime import COMMON_CODE, StageIO
 
 MODEL_SLOTS = ("model", "model_weights")
 HEADER = (
@@ -40,7 +40,7 @@ def compile_dvc(root: Path) -> str:
     stages: dict[str, Any] = {}
     for name, module in load_stages().items():
         ios = {spec.name: stage_io(module, spec) for _, spec in releases}
-        if len(set(ios.values())) > 1:
+        if len({io.template() for io in ios.values()}) > 1:
             raise RuntimeError(
                 f"stage {name}: io() differs between releases; foreach needs one template"
             )
@@ -49,7 +49,8 @@ def compile_dvc(root: Path) -> str:
         io = next(iter(ios.values()))
         slots = _model_slots(releases) if io.reads_model else 0
         items = {spec.name: _item(root, path, spec, slots) for path, spec in releases}
-        stages[name] = {"foreach": items, "do": _template(name, module, io, slots)}
+        data = _data_slots(items, ios)
+        stages[name] = {"foreach": items, "do": _template(name, module, io, slots, data)}
     body = yaml.safe_dump({"stages": stages}, sort_keys=False, default_flow_style=False, width=100)
     return HEADER + body
 
@@ -67,10 +68,28 @@ def _item(root: Path, path: Path, spec: ReleaseSpec, slots: int) -> dict[str, st
     return item
 
 
-def _template(name: str, module: Any, io: Any, slots: int) -> dict[str, Any]:
+def _data_slots(items: dict[str, dict[str, str]], ios: dict[str, StageIO]) -> list[str]:
+    """Add each data file the spec names (calibration set, tokenizer) to the items.
+
+    A foreach template is shared, so a release that has no file for a slot some other
+    release uses gets its own exported model there: a dependency it has anyway.
+    """
+    used = [
+        slot
+        for slot, _ in next(iter(ios.values())).data
+        if any(dict(io.data)[slot] for io in ios.values())
+    ]
+    for name, io in ios.items():
+        paths = dict(io.data)
+        for slot in used:
+            items[name][slot] = paths[slot] or f"build/{name}/export/model.onnx"
+    return used
+
+
+def _template(name: str, module: Any, io: Any, slots: int, data: list[str]) -> dict[str, Any]:
     source = f"stages/{module.__name__.rsplit('.', 1)[1]}.py"
     deps = [source, *COMMON_CODE, *io.code]
-    deps += [f"${{item.{slot}}}" for slot in MODEL_SLOTS[:slots]]
+    deps += [f"${{item.{slot}}}" for slot in (*MODEL_SLOTS[:slots], *data)]
     deps += [f"build/${{key}}/{u}" for u in io.upstream]
     return {
         "cmd": f"shipyard run-stage {name} --release ${{item.spec}}",

@@ -12,7 +12,13 @@ from pydantic import ValidationError
 from schemas.errors import SpecError
 from schemas.release import ReleaseSpec
 
-SECTIONS_WITH_DEFAULTS = ("pins", "parity", "bundle")
+SECTIONS_WITH_DEFAULTS = {
+    "pins": "{}",
+    "parity": "{}",
+    "bundle": "{}",
+    "quantization": "{method: none}",
+}
+QUANT_METHODS = ("none", "int8-dynamic", "int8-static", "int4-weight-only")
 _DOTTED = re.compile(r"[a-z_]+(?:\.[a-z_]+|\[\d+\])+")
 
 
@@ -63,7 +69,8 @@ def _describe(shown: str, root: yaml.Node, err: Any) -> str:
     if err["type"] == "extra_forbidden":
         message = f"unknown key {loc[-1]!r}; check the spelling (see `shipyard schema`)"
     elif err["type"] == "missing" and len(loc) == 1 and loc[0] in SECTIONS_WITH_DEFAULTS:
-        message = f"required section is missing; write `{loc[0]}: {{}}` to take the defaults"
+        default = SECTIONS_WITH_DEFAULTS[loc[0]]
+        message = f"required section is missing; write `{loc[0]}: {default}` for the defaults"
     elif err["type"] == "missing":
         message = "required field is missing"
     elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
@@ -72,7 +79,7 @@ def _describe(shown: str, root: yaml.Node, err: Any) -> str:
 
 
 def _is_union_tag(part: Any) -> bool:
-    return part in ("hf", "python") or (isinstance(part, str) and "[" in part)
+    return part in ("hf", "python", *QUANT_METHODS) or (isinstance(part, str) and "[" in part)
 
 
 def _path_in_message(message: str) -> tuple[Any, ...]:

@@ -25,6 +25,7 @@ STAGE_MODULES: tuple[str, ...] = (
     "export_onnx",
     "check_eval_mode",
     "check_parity",
+    "quantize",
     "write_manifest",
     "make_bundle",
 )

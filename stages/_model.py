@@ -69,7 +69,7 @@ def _load_hf(stage: str, root: Path, model: Any, task: str) -> Any:
             stage,
             f"model.path {model.path}: no config.json in {folder}",
             "point model.path at a Hugging Face folder (config.json + *.safetensors); "
-            "for the example run `python scripts/make_tiny_gpt2.py`",
+            "for the example run `python scripts/make_checkpoint.py tiny-gpt2`",
         )
     if not list(folder.glob("*.safetensors")):
         raise StageError(
@@ -190,6 +190,15 @@ def layout(task: str, export: Any, config: dict[str, Any]) -> Layout:
         return Layout((ids, mask), (Tensor("logits", "float32", ("batch", a["labels"])),))
     hidden = Tensor("last_hidden_state", "float32", ("batch", "sequence", a["hidden"]))
     return Layout((ids, mask), (hidden,))
+
+
+def layout_from_info(info: dict[str, Any]) -> Layout:
+    """The Layout recorded by the export stage in model_info.json."""
+
+    def tensors(key: str) -> tuple[Tensor, ...]:
+        return tuple(Tensor(t["name"], t["dtype"], tuple(t["axes"])) for t in info[key])
+
+    return Layout(tensors("inputs"), tensors("outputs"))
 
 
 def with_total(sizes: dict[str, int]) -> dict[str, int]:

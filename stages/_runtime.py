@@ -28,12 +28,24 @@ class StageIO:
     upstream: upstream artifacts as `stage` (whole output folder) or `stage/file`
     reads_model: the stage loads the checkpoint, so the model files are dependencies
     code:     helper files of ours it runs, besides COMMON_CODE and the stage module
+    data:     (slot, path) data files from the spec, e.g. the calibration set; None = unused
     """
 
     params: tuple[str, ...]
     upstream: tuple[str, ...] = ()
     reads_model: bool = False
     code: tuple[str, ...] = ()
+    data: tuple[tuple[str, str | None], ...] = ()
+
+    def template(self) -> tuple[Any, ...]:
+        """Everything but the per-release data paths: must agree across releases."""
+        return (
+            self.params,
+            self.upstream,
+            self.reads_model,
+            self.code,
+            tuple(slot for slot, _ in self.data),
+        )
 
 
 @dataclass(frozen=True)

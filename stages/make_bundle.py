@@ -37,6 +37,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     for name, source in wm.payload(ctx).items():
         _link(source, ctx.work / name)
     info = json.loads((ctx.work / "model/model_info.json").read_text())
+    info["dtype"] = json.loads((ctx.work / "model/quant_info.json").read_text())["dtype"]
     values = serving_values(release, info)
     rendered = render(ctx, release, info, values, manifest)
     for name in rendered:

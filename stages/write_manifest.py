@@ -13,7 +13,7 @@ from stages._hashing import SHARD, hash_shards
 from stages._runtime import StageContext, StageIO, StageResult, read_report, write_json
 
 NAME = "manifest"
-CHECKED = ("pin", "export", "evalcheck", "parity")  # stages whose reports ship in the bundle
+CHECKED = ("pin", "export", "evalcheck", "parity", "quantize")  # their reports ship
 
 
 def io(release: ReleaseSpec) -> StageIO:
@@ -26,9 +26,10 @@ def io(release: ReleaseSpec) -> StageIO:
 
 def payload(ctx: StageContext) -> dict[str, Path]:
     """Bundle path -> upstream file, for the model and the stage reports."""
-    export = ctx.upstream("export")
-    files = {f"model/{p.name}": p for p in sorted(export.glob("model.onnx*"))}
-    files["model/model_info.json"] = export / "model_info.json"
+    quantized = ctx.upstream("quantize")
+    files = {f"model/{p.name}": p for p in sorted(quantized.glob("model.onnx*"))}
+    files["model/model_info.json"] = ctx.upstream("export") / "model_info.json"
+    files["model/quant_info.json"] = quantized / "quant_info.json"
     for stage in CHECKED:
         files[f"reports/{stage}.json"] = ctx.upstream(stage) / "report.json"
     return files
@@ -55,7 +56,11 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         "pins": {k: pin[k] for k in ("python", "packages", "checkpoints")},
         "provenance": {"git": pin["git"]},
         "stages": {s: {"status": r.status.value, "summary": r.summary} for s, r in reports.items()},
+        "quantization": json.loads((ctx.upstream("quantize") / "quant_info.json").read_text()),
     }
+    calibration = reports["quantize"].details.get("calibration")
+    if calibration:  # the data the weights were fitted to is part of what ships
+        facts["calibration"] = {k: calibration[k] for k in ("path", "sha256")}
     manifest = build_manifest(f"{ctx.release}@{release.version}", digests, facts)
     write_json(ctx.work / "manifest.json", manifest.model_dump(mode="json", by_alias=True))
     return StageResult.passed(

@@ -34,6 +34,7 @@ def generic_spec(name: str, factory: str, **overrides: Any) -> dict[str, Any]:
             "outputs": [{"name": "y", "shape": ["batch"]}],
         },
         "parity": {},
+        "quantization": {"method": "none"},
         "bundle": {},
     }
     for key, value in overrides.items():
@@ -45,7 +46,7 @@ def gpt2_spec(**overrides: Any) -> dict[str, Any]:
     spec: dict[str, Any] = yaml.safe_load((REPO / "releases" / "tiny-gpt2.yaml").read_text())
     spec["export"]["dims"] = {
         "batch": {"min": 1, "opt": 2, "max": 3},
-        "sequence": {"min": 1, "opt": 4, "max": 8},
+        "sequence": {"min": 1, "opt": 4, "max": 64},
         "past_sequence": {"min": 0, "opt": 4, "max": 8},
     }
     spec.update(overrides)
@@ -60,6 +61,7 @@ class Workspace:
         (root / "releases").mkdir()
         shutil.copytree(TINY, root / "models" / "tiny-gpt2")
         shutil.copy(TRAPS, root / "traps.py")
+        shutil.copytree(REPO / "data", root / "data")
 
     def write(self, spec: dict[str, Any]) -> Path:
         path = self.root / "releases" / f"{spec['name']}.yaml"
@@ -89,7 +91,7 @@ def ws(tmp_path: Path) -> Workspace:
 def built_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     """tiny-gpt2 (small dims) run through every stage once, shared by a test module."""
     ws = Workspace(tmp_path_factory.mktemp("gpt2"))
-    for stage in ("pin", "export", "evalcheck", "parity", "manifest", "bundle"):
+    for stage in ("pin", "export", "evalcheck", "parity", "quantize", "manifest", "bundle"):
         report = ws.run(stage, gpt2_spec())
         assert report.status.value == "passed", (stage, report.reasons)
     return ws

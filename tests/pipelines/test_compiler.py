@@ -29,6 +29,7 @@ def test_each_stage_params_name_only_its_own_sections() -> None:
         "export": ["model", "task", "export"],
         "evalcheck": ["model", "task", "export"],
         "parity": ["model", "task", "export", "parity"],
+        "quantize": ["task", "export", "quantization"],
         "manifest": ["version", "task"],
         "bundle": ["version", "task", "bundle"],
     }

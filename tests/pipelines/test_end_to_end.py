@@ -15,6 +15,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 VENV = Path(sys.executable).parent.parent
+STAGES = ["pin", "export", "evalcheck", "parity", "quantize", "manifest", "bundle"]
 
 
 def sh(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -53,7 +54,7 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_make_release_builds_a_verified_bundle(clone: Path) -> None:
     stamp = VENV / ".installed"
     done = sh(["make", "release", f"VENV={VENV}", "-o", str(stamp)], clone)
-    assert ran(done.stdout) == ["pin", "export", "evalcheck", "parity", "manifest", "bundle"]
+    assert ran(done.stdout) == STAGES
     verdicts = re.findall(r"^(PASS|FAIL|SKIP) (\w+)@tiny-gpt2", done.stdout, re.M)
     assert verdicts == [("PASS", s) for s in ran(done.stdout)]
     assert "every file matches manifest.json" in done.stdout

@@ -46,6 +46,8 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
         "reports/export.json",
         "reports/evalcheck.json",
         "reports/parity.json",
+        "reports/quantize.json",
+        "model/quant_info.json",
         "serving.yaml",
         "ort_session.json",
         "MODEL_CARD.md",
@@ -55,7 +57,9 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
     assert shard.digest == hashlib.sha256(onnx_bytes).hexdigest()
     facts = manifest.predicate.shipyard
     assert facts["pins"]["packages"]["torch"].startswith("2.13.0")
-    assert set(facts["stages"]) == {"pin", "export", "evalcheck", "parity"}
+    assert set(facts["stages"]) == {"pin", "export", "evalcheck", "parity", "quantize"}
+    assert facts["quantization"] == {"method": "int8-dynamic", "dtype": "int8", "float_nodes": []}
+    assert len(facts["calibration"]["sha256"]) == 64
 
 
 def test_verify_accepts_an_intact_bundle(bundle: Path) -> None:
@@ -93,13 +97,13 @@ def test_serving_config_is_rendered_from_spec_and_export(built_gpt2: Workspace) 
     serving = yaml.safe_load((built_gpt2.out("tiny-gpt2", "bundle") / "serving.yaml").read_text())
     assert serving == {
         "model_path": "model/model.onnx",
-        "dtype": "float32",
+        "dtype": "int8",
         "port": 8000,
         "max_batch_size": 3,
         "max_queue_depth": 64,
-        "max_context_length": 16,
-        # 2 (k, v) x 2 layers x 4 heads x 16 head_dim x 3 batch x 16 context x 4 bytes
-        "kv_cache_budget": 2 * 2 * 4 * 16 * 3 * 16 * 4,
+        "max_context_length": 72,
+        # 2 (k, v) x 2 layers x 4 heads x 16 head_dim x 3 batch x 72 context x 4 bytes (fp32 KV)
+        "kv_cache_budget": 2 * 2 * 4 * 16 * 3 * 72 * 4,
         "request_timeout_seconds": 30.0,
         "streaming": True,
         "ort_session_config": "ort_session.json",
@@ -120,7 +124,7 @@ def test_bundle_refuses_a_batch_larger_than_the_export(built_gpt2: Workspace) ->
 
 def test_manifest_refuses_a_release_whose_checks_failed(ws: Workspace) -> None:
     spec = gpt2_spec()
-    for stage in ("pin", "export", "evalcheck"):
+    for stage in ("pin", "export", "evalcheck", "quantize"):
         ws.run(stage, spec)
     ws.run("parity", gpt2_spec(parity={"tolerance": {"atol": 0, "rtol": 0}, "outputs": {}}))
     report = ws.run("manifest", spec)

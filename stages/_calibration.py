@@ -1,0 +1,160 @@
+"""Calibration data: read, check and turn into graph feeds. Never random, never silent."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from schemas import StageError
+from stages import _model as m
+from stages._hashing import hash_range
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Feeds for the calibration and the held-out samples, and where they came from."""
+
+    calibration: list[dict[str, np.ndarray]]
+    holdout: list[dict[str, np.ndarray]]
+    sha256: str
+    source: str
+
+
+def load(
+    stage: str, root: Path, cfg: Any, task: str, lay: m.Layout, dims: dict, vocab: int
+) -> Samples:
+    """Read cfg.path, check every sample, split into calibration and hold-out feeds."""
+    path = root / cfg.path
+    if not path.is_file():
+        raise StageError(
+            stage,
+            f"quantization.calibration.path {cfg.path} does not exist",
+            "commit the calibration file; Shipyard never calibrates on random data",
+        )
+    limit = cfg.max_length or (dims["sequence"].max if "sequence" in dims else None)
+    if path.suffix == ".jsonl":
+        rows = _token_rows(stage, root, cfg, path, limit, vocab)
+    else:
+        rows = _npz_rows(stage, cfg, path, lay, limit, vocab)
+    need = cfg.samples + cfg.holdout
+    if len(rows) < need:
+        raise StageError(
+            stage,
+            f"quantization.calibration.path {cfg.path} has {len(rows)} "
+            f"sample(s); samples + holdout need {need}",
+            "add real samples, or lower calibration.samples / holdout",
+        )
+    feeds = [_feeds(task, lay, row) for row in rows[:need]]
+    return Samples(feeds[: cfg.samples], feeds[cfg.samples :], hash_range(path), cfg.path)
+
+
+def _token_rows(
+    stage: str, root: Path, cfg: Any, path: Path, limit: int | None, vocab: int
+) -> list[dict[str, np.ndarray]]:
+    from tokenizers import Tokenizer
+
+    tok_file = root / cfg.tokenizer / "tokenizer.json"
+    if not tok_file.is_file():
+        raise StageError(
+            stage,
+            f"quantization.calibration.tokenizer: no tokenizer.json in {cfg.tokenizer}",
+            "point it at the model's tokenizer folder",
+        )
+    tokenizer = Tokenizer.from_file(str(tok_file))
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        ids = np.array(tokenizer.encode(_text(stage, cfg, number, line)).ids, dtype=np.int64)
+        _check_tokens(stage, f"{cfg.path}:{number}", ids, limit, vocab)
+        rows.append({"input_ids": ids[None, :]})
+    if not rows:
+        raise StageError(
+            stage,
+            f"quantization.calibration.path {cfg.path} is empty",
+            "add real samples of the deployment's inputs",
+        )
+    return rows
+
+
+def _check_tokens(stage: str, where: str, ids: np.ndarray, limit: int | None, vocab: int) -> None:
+    if ids.size == 0:
+        raise StageError(stage, f"{where}: the sample has no tokens", "remove it")
+    if limit and ids.size > limit:
+        raise StageError(
+            stage,
+            f"{where}: {ids.size} tokens, longer than the limit {limit} "
+            "(calibration.max_length / export.dims.sequence.max)",
+            "split the sample; samples are never truncated silently",
+        )
+    if vocab and (ids.min() < 0 or ids.max() >= vocab):  # vocab 0: unknown (python model)
+        bad = int(ids.max() if ids.max() >= vocab else ids.min())
+        raise StageError(
+            stage,
+            f"{where}: token id {bad} is outside the model's vocabulary of {vocab}",
+            "use the tokenizer the model was trained with",
+        )
+
+
+def _text(stage: str, cfg: Any, number: int, line: str) -> str:
+    try:
+        value = json.loads(line)[cfg.text_field]
+    except (ValueError, KeyError, TypeError):
+        raise StageError(
+            stage,
+            f"{cfg.path}:{number}: not a JSON object with a {cfg.text_field!r} string",
+            'one {"text": ...} object per line',
+        ) from None
+    if not isinstance(value, str):
+        raise StageError(stage, f"{cfg.path}:{number}: {cfg.text_field!r} is not a string")
+    return value
+
+
+def _npz_rows(
+    stage: str, cfg: Any, path: Path, lay: m.Layout, limit: int | None, vocab: int
+) -> list[dict[str, np.ndarray]]:
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files}
+    wanted = [
+        t.name
+        for t in lay.inputs
+        if not t.name.startswith("past_key_values") and t.name != "attention_mask"
+    ]
+    missing = [n for n in wanted if n not in arrays]
+    if missing:
+        raise StageError(
+            stage,
+            f"{cfg.path}: no array for input(s) {missing}; found {sorted(arrays)}",
+            "save one array per graph input, samples first",
+        )
+    counts = {len(arrays[n]) for n in wanted}
+    if len(counts) != 1 or 0 in counts:
+        raise StageError(
+            stage,
+            f"{cfg.path}: arrays hold different or zero sample counts {sorted(counts)}",
+            "every array's first axis counts the same samples",
+        )
+    rows = [{n: arrays[n][i : i + 1] for n in wanted} for i in range(counts.pop())]
+    for i, row in enumerate(rows):
+        if "input_ids" in row:
+            _check_tokens(stage, f"{cfg.path}: sample {i}", row["input_ids"][0], limit, vocab)
+    return rows
+
+
+def _feeds(task: str, lay: m.Layout, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Complete a sample to the graph's inputs: masks of ones, an empty KV cache."""
+    if task == "generic":
+        return dict(row)
+    ids = row["input_ids"]
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for t in lay.inputs:
+        if t.name.startswith("past_key_values"):
+            shape = [
+                ids.shape[0] if a == "batch" else 0 if a == "past_sequence" else a for a in t.axes
+            ]
+            feeds[t.name] = np.zeros(shape, dtype=np.float32)
+    return feeds

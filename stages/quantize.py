@@ -1,0 +1,285 @@
+"""quantize: PTQ on real calibration data, per-node sensitivity, automatic mixed precision."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from schemas import ReleaseSpec, StageError
+from stages import _accuracy as acc
+from stages import _calibration as calib
+from stages import _model as m
+from stages._graph import all_tensors, node_scope
+from stages._quantizers import Quantizer
+from stages._runtime import StageContext, StageIO, StageResult, write_json
+
+NAME = "quantize"
+DTYPE = {
+    "none": "float32",
+    "int8-dynamic": "int8",
+    "int8-static": "int8",
+    "int4-weight-only": "int4",
+}
+
+
+def io(release: ReleaseSpec) -> StageIO:
+    q = release.quantization
+    cal = getattr(q, "calibration", None)
+    return StageIO(
+        params=("task", "export", "quantization"),
+        upstream=("export/model.onnx", "export/model_info.json"),
+        data=(
+            ("calibration", cal.path if cal else None),
+            ("tokenizer", cal.tokenizer if cal else None),
+        ),
+        code=(
+            "stages/_model.py",
+            "stages/_graph.py",
+            "stages/_calibration.py",
+            "stages/_accuracy.py",
+            "stages/_quantizers.py",
+            "stages/_hashing.py",
+        ),
+    )
+
+
+def run(ctx: StageContext, release: Any) -> StageResult:
+    q, export = release.quantization, ctx.upstream("export")
+    if q.method == "none":
+        for f in export.glob("model.onnx*"):
+            os.link(f, ctx.work / f.name)
+        write_json(ctx.work / "quant_info.json", _info(q, [], None))
+        return StageResult.passed("method none: the FP32 model ships unchanged")
+    info = json.loads((export / "model_info.json").read_text())
+    lay = m.layout_from_info(info)
+    samples = calib.load(
+        NAME, ctx.root, q.calibration, release.task, lay, release.export.dims, info["arch"]["vocab"]
+    )
+    pre = _preprocess(ctx, export / "model.onnx")
+    quantizer = Quantizer(pre, q, samples.calibration, ctx.work / "_variants")
+    probe = samples.calibration[: q.calibration.sensitivity_samples]
+    evaluate = _Evaluator(release.task, pre, probe)
+    ranked = _sensitivity(ctx, quantizer, evaluate)
+    chosen, trace = _mixed_precision(ctx, quantizer, evaluate, ranked, q)
+    held = _Evaluator(release.task, pre, samples.holdout)(chosen["path"])
+    details = {
+        "calibration": {
+            "path": samples.source,
+            "sha256": samples.sha256,
+            "samples": len(samples.calibration),
+            "holdout": len(samples.holdout),
+        },
+        "sensitivity": ranked,
+        "selection": trace,
+        "holdout": held,
+        "float_nodes": chosen["excluded"],
+        "layerwise": _layerwise(pre, chosen["path"], samples.holdout[0]),
+    }
+    metrics = {f"holdout_{k}": v for k, v in held.items()}
+    if not chosen["ok"]:
+        return StageResult.failed(
+            f"accuracy budget not met with the cap of {q.max_float_nodes} float node(s)",
+            [
+                f"best on calibration samples with {len(chosen['excluded'])} node(s) in float: "
+                f"{'; '.join(chosen['broken'])}. Raise quantization.max_float_nodes, relax "
+                "quantization.budget, or choose a gentler method"
+            ],
+            details=details,
+            metrics=metrics,
+        )
+    broken = acc.violations(q.budget, held)
+    if broken:
+        return StageResult.failed(
+            "held-out samples break the accuracy budget",
+            [
+                f"held-out: {'; '.join(broken)} (calibration samples passed; "
+                "add calibration data that covers the held-out inputs)"
+            ],
+            details=details,
+            metrics=metrics,
+        )
+    sizes = _publish(ctx, chosen["path"], export)
+    write_json(ctx.work / "quant_info.json", _info(q, chosen["excluded"], ranked))
+    shutil.rmtree(ctx.work / "_variants")
+    shutil.rmtree(pre.parent)
+    return StageResult.passed(
+        f"{DTYPE[q.method]} ({q.method}), {len(chosen['excluded'])} of {len(ranked)} node(s) "
+        f"kept in float; held-out {_brief(held)}; size {sizes['ratio']:.2f}x FP32",
+        details={**details, "size": sizes},
+        metrics={**metrics, "size_ratio": sizes["ratio"]},
+    )
+
+
+def _info(q: Any, float_nodes: list[str], ranked: list[dict] | None) -> dict[str, Any]:
+    why = {
+        r["node"]: f"rank {i + 1} of {len(ranked)} by sensitivity, SNR {r['snr_db']:.1f} dB "
+        "when quantized alone"
+        for i, r in enumerate(ranked or [])
+    }
+    return {
+        "method": q.method,
+        "dtype": DTYPE[q.method],
+        "float_nodes": [{"node": n, "why": why[n]} for n in float_nodes],
+    }
+
+
+def _brief(metrics: dict[str, float]) -> str:
+    keys = ("top1_agreement", "logit_cosine", "perplexity_increase")
+    return ", ".join(f"{k} {metrics[k]:.4g}" for k in keys if k in metrics)
+
+
+def _preprocess(ctx: StageContext, model: Path) -> Path:
+    """onnxruntime's quant_pre_process (shape inference + graph optimization)."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    out = ctx.work / "_pre" / "model.onnx"
+    out.parent.mkdir()
+    large = sum(f.stat().st_size for f in model.parent.glob("model.onnx*")) > (2 << 30)
+    try:
+        quant_pre_process(
+            model,
+            out,
+            save_as_external_data=large,
+            all_tensors_to_one_file=True,
+            external_data_location="model.onnx.data",
+        )
+    except Exception as exc:  # symbolic shape inference raises assorted types
+        raise StageError(
+            NAME,
+            f"quant_pre_process failed: {str(exc)[:300]}",
+            "the exported graph needs shapes ONNX Runtime can infer",
+        ) from None
+    return out
+
+
+class _Evaluator:
+    """Compares a quantized variant with the FP32 graph on fixed samples."""
+
+    def __init__(self, task: str, fp32: Path, samples: list[dict]) -> None:
+        self.task, self.samples = task, samples
+        self.reference = acc.outputs(_session(fp32), samples)
+
+    def __call__(self, path: Path) -> dict[str, float]:
+        got = acc.outputs(_session(path), self.samples)
+        return acc.agreement(self.task, self.reference, got, self.samples)
+
+
+def _session(path: Path) -> Any:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _sensitivity(ctx: StageContext, quantizer: Quantizer, evaluate: _Evaluator) -> list[dict]:
+    """Each candidate quantized alone; most damaging (lowest SNR) first."""
+    import onnx
+
+    graph = onnx.load(str(quantizer.model), load_external_data=False).graph
+    scopes = {n.name: node_scope(n) for n in graph.node}
+    rows = []
+    nodes = quantizer.candidates()
+    if not nodes:
+        raise StageError(
+            NAME,
+            f"no node of types {quantizer.cfg.op_types} to quantize",
+            "check quantization.op_types against the exported graph",
+        )
+    with ctx.progress(f"sensitivity of {len(nodes)} nodes", len(nodes)) as advance:
+        for node in nodes:
+            path = quantizer.quantize(only=[node])
+            rows.append({"node": node, "module": scopes.get(node, ""), **evaluate(path)})
+            _remove(path)
+            advance()
+    return sorted(rows, key=acc.score)
+
+
+def _mixed_precision(
+    ctx: StageContext, quantizer: Quantizer, evaluate: _Evaluator, ranked: list[dict], q: Any
+) -> tuple[dict[str, Any], list[dict]]:
+    """Keep the k most sensitive nodes in float, k = 0, 1, ... until the budget holds."""
+    trace: list[dict] = []
+    best: dict[str, Any] | None = None
+    for k in range(min(q.max_float_nodes, len(ranked)) + 1):
+        excluded = [r["node"] for r in ranked[:k]]
+        path = quantizer.quantize(exclude=excluded)
+        metrics = evaluate(path)
+        broken = acc.violations(q.budget, metrics)
+        trace.append({"float_nodes": k, **metrics, "meets_budget": not broken})
+        ctx.log(f"{k} node(s) in float: {_brief(metrics)}{' (meets budget)' if not broken else ''}")
+        current = {
+            "path": path,
+            "excluded": excluded,
+            "ok": not broken,
+            "broken": broken,
+            "score": acc.score(metrics),
+        }
+        if best is None or not broken or current["score"] > best["score"]:
+            best = current
+        if not broken:
+            break
+    assert best is not None
+    return best, trace
+
+
+def _layerwise(fp32: Path, quant: Path, feeds: dict) -> list[dict[str, Any]]:
+    """Where error enters: SNR of each module's last tensor, FP32 vs quantized, in order.
+
+    The worst channel's SNR finds an outlier-dominated layer whose overall SNR looks fine
+    (one huge channel carries the energy while the scale crushes the others).
+    """
+    import onnx
+
+    ref, got = all_tensors(fp32, feeds), all_tensors(quant, feeds)
+    last: dict[str, str] = {}
+    for node in onnx.load(str(fp32), load_external_data=False).graph.node:
+        scope = node_scope(node)
+        for out in node.output:
+            if (
+                scope
+                and out in ref
+                and out in got
+                and ref[out].shape == got[out].shape
+                and ref[out].dtype.kind == "f"
+                and ref[out].ndim >= 1
+            ):
+                last[scope] = out
+    return [
+        {
+            "module": scope,
+            "tensor": t,
+            "snr_db": acc.snr_db(ref[t], got[t]),
+            "worst_channel_snr_db": acc.worst_channel_snr_db(ref[t], got[t]),
+        }
+        for scope, t in last.items()
+    ]
+
+
+def _publish(ctx: StageContext, path: Path, export: Path) -> dict[str, float]:
+    data = path.with_name(path.name + ".data")
+    os.replace(path, ctx.work / "model.onnx")
+    if data.exists():
+        os.replace(data, ctx.work / "model.onnx.data")
+        _relocate(ctx.work / "model.onnx", data.name)
+    size = sum(f.stat().st_size for f in ctx.work.glob("model.onnx*"))
+    fp32 = sum(f.stat().st_size for f in export.glob("model.onnx*"))
+    return {"bytes": size, "fp32_bytes": fp32, "ratio": size / fp32}
+
+
+def _relocate(model: Path, old: str) -> None:
+    """Point external-data references at the renamed side file."""
+    import onnx
+
+    proto = onnx.load(str(model), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == old:
+                entry.value = "model.onnx.data"
+    onnx.save_model(proto, str(model))
+
+
+def _remove(path: Path) -> None:
+    for f in path.parent.glob(path.name + "*"):
+        f.unlink()

@@ -1,0 +1,195 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from tests.conftest import Workspace, generic_spec, gpt2_spec
+
+CALIBRATION = {
+    "path": "data/calibration/docstrings.jsonl",
+    "tokenizer": "models/tiny-gpt2",
+    "samples": 24,
+    "holdout": 8,
+    "sensitivity_samples": 8,
+}
+
+
+def quant_spec(**quantization) -> dict:
+    spec = gpt2_spec()
+    spec["quantization"] = {
+        "calibration": CALIBRATION,
+        "budget": {"top1_agreement_min": 0.9},
+        **quantization,
+    }
+    return spec
+
+
+def info(ws: Workspace, release: str = "tiny-gpt2") -> dict:
+    return json.loads((ws.out(release, "quantize") / "quant_info.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "method,extra,dtype,op",
+    [
+        ("int8-dynamic", {}, "int8", "MatMulInteger"),
+        ("int8-static", {"calibrate_method": "minmax"}, "int8", "QuantizeLinear"),
+        ("int8-static", {"calibrate_method": "percentile"}, "int8", "QuantizeLinear"),
+        ("int4-weight-only", {"block_size": 32}, "int4", "MatMulNBits"),
+    ],
+)
+def test_each_method_quantizes_tiny_gpt2_within_budget(
+    built_gpt2: Workspace, method: str, extra: dict, dtype: str, op: str
+) -> None:
+    import onnx
+
+    report = built_gpt2.run("quantize", quant_spec(method=method, **extra))
+    assert report.status.value == "passed", report.reasons
+    assert info(built_gpt2)["dtype"] == dtype
+    model = built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
+    assert op in {n.op_type for n in onnx.load(model).graph.node}
+    assert report.details["size"]["ratio"] < 0.9
+    assert (
+        report.details["calibration"]["sha256"]
+        == __import__("hashlib")
+        .sha256((built_gpt2.root / CALIBRATION["path"]).read_bytes())
+        .hexdigest()
+    )
+    sensitivity = report.details["sensitivity"]
+    assert [r["snr_db"] for r in sensitivity] == sorted(r["snr_db"] for r in sensitivity)
+    ort.InferenceSession(str(model))  # loads and runs in ONNX Runtime
+
+
+def test_method_none_ships_the_fp32_model(built_gpt2: Workspace) -> None:
+    spec = gpt2_spec()
+    spec["quantization"] = {"method": "none"}
+    assert built_gpt2.run("quantize", spec).status.value == "passed"
+    same = (built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx").read_bytes()
+    assert same == (built_gpt2.out("tiny-gpt2", "export") / "model.onnx").read_bytes()
+    assert info(built_gpt2) == {"method": "none", "dtype": "float32", "float_nodes": []}
+
+
+def test_unreachable_budget_fails_with_the_best_figure(built_gpt2: Workspace) -> None:
+    spec = quant_spec(method="int8-dynamic", max_float_nodes=1, budget={"snr_db_min": 150.0})
+    report = built_gpt2.run("quantize", spec)
+    assert report.status.value == "failed"
+    assert report.summary == "accuracy budget not met with the cap of 1 float node(s)"
+    assert report.reasons[0].startswith(
+        "best on calibration samples with 1 node(s) in float: snr_db "
+    )
+    assert (
+        "< 150" in report.reasons[0] and "Raise quantization.max_float_nodes" in report.reasons[0]
+    )
+    assert not (built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx").exists()
+
+
+@pytest.fixture
+def outlier_ws(ws: Workspace) -> tuple[Workspace, dict]:
+    rng = np.random.default_rng(0)
+    np.savez(ws.root / "data" / "outlier.npz", x=rng.standard_normal((48, 4, 8)).astype("f4"))
+    spec = generic_spec("outlier", "outlier")
+    spec["quantization"] = {
+        "method": "int8-dynamic",
+        "max_float_nodes": 2,
+        "budget": {"snr_db_min": 25.0},
+        "calibration": {
+            "path": "data/outlier.npz",
+            "samples": 32,
+            "holdout": 16,
+            "sensitivity_samples": 16,
+        },
+    }
+    for stage in ("pin", "export"):
+        assert ws.run(stage, spec).status.value == "passed"
+    return ws, spec
+
+
+def test_outlier_layer_is_ranked_first_and_kept_in_float(outlier_ws) -> None:
+    ws, spec = outlier_ws
+    report = ws.run("quantize", spec)
+    assert report.status.value == "passed", report.reasons
+    ranked = report.details["sensitivity"]
+    assert ranked[0]["module"] == "layers.2"
+    assert ranked[0]["snr_db"] < ranked[1]["snr_db"] - 10
+    assert [n["node"] for n in info(ws, "outlier")["float_nodes"]] == [ranked[0]["node"]]
+    trace = report.details["selection"]
+    assert [t["meets_budget"] for t in trace] == [False, True]
+
+
+def test_layerwise_view_shows_where_the_error_enters(outlier_ws) -> None:
+    ws, spec = outlier_ws
+    spec["quantization"]["max_float_nodes"] = 0
+    spec["quantization"]["budget"] = {"snr_db_min": 1.0}
+    report = ws.run("quantize", spec)
+    worst = {row["module"]: row["worst_channel_snr_db"] for row in report.details["layerwise"]}
+    assert worst["layers.1"] > 25 > 10 > worst["layers.2"]
+
+
+def calibration_error(ws: Workspace, **changes) -> str:
+    spec = quant_spec(method="int8-dynamic")
+    spec["quantization"]["calibration"] = {**CALIBRATION, **changes}
+    for stage in ("pin", "export"):
+        ws.run(stage, spec)
+    report = ws.run("quantize", spec)
+    assert report.status.value == "failed"
+    return report.reasons[0]
+
+
+def write_jsonl(ws: Workspace, lines: list[str]) -> str:
+    path = ws.root / "data" / "custom.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    return "data/custom.jsonl"
+
+
+def test_missing_calibration_file_is_refused(ws: Workspace) -> None:
+    reason = calibration_error(ws, path="data/nope.jsonl")
+    assert reason.startswith("quantization.calibration.path data/nope.jsonl does not exist")
+    assert "never calibrates on random data" in reason
+
+
+def test_empty_calibration_file_is_refused(ws: Workspace) -> None:
+    reason = calibration_error(ws, path=write_jsonl(ws, []))
+    assert reason.startswith("quantization.calibration.path data/custom.jsonl is empty")
+
+
+def test_too_few_samples_names_the_counts(ws: Workspace) -> None:
+    reason = calibration_error(ws, path=write_jsonl(ws, ['{"text": "hello"}'] * 10))
+    assert reason.startswith(
+        "quantization.calibration.path data/custom.jsonl has 10 sample(s);"
+        " samples + holdout need 32"
+    )
+
+
+def test_sample_longer_than_the_export_is_refused_with_its_line(ws: Workspace) -> None:
+    path = write_jsonl(ws, ['{"text": "short"}', '{"text": "%s"}' % ("word " * 200)])
+    reason = calibration_error(ws, path=path)
+    assert reason.startswith("data/custom.jsonl:2: ") and "longer than the limit 64" in reason
+
+
+def test_token_id_outside_the_vocabulary_is_refused(ws: Workspace) -> None:
+    ids = np.full((40, 4), 3, dtype=np.int64)
+    ids[5, 2] = 9999
+    np.savez(ws.root / "data" / "ids.npz", input_ids=ids)
+    reason = calibration_error(ws, path="data/ids.npz", tokenizer=None)
+    assert reason.startswith(
+        "data/ids.npz: sample 5: token id 9999 is outside the model's vocabulary of 512"
+    )
+
+
+def test_malformed_line_is_refused_with_its_number(ws: Workspace) -> None:
+    reason = calibration_error(ws, path=write_jsonl(ws, ['{"text": "a"}', "not json"]))
+    assert reason.startswith("data/custom.jsonl:2: not a JSON object with a 'text' string")
+
+
+def test_jsonl_without_a_tokenizer_is_a_spec_error(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from schemas import ReleaseSpec
+
+    spec = quant_spec(method="int8-dynamic")
+    spec["quantization"]["calibration"] = {**CALIBRATION, "tokenizer": None}
+    with pytest.raises(ValidationError, match="needs `tokenizer`"):
+        ReleaseSpec.model_validate(spec)
