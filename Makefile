@@ -5,6 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
+# `make release RELEASE_TARGETS=bundle@tiny-gpt2` builds one release only.
+RELEASE_TARGETS ?=
+# Example checkpoints too big to commit are generated (deterministically) before the build.
+CHECKPOINTS ?= models/gpt2-small/model.safetensors
+
 .PHONY: release test lint bench clean
 
 $(STAMP): pyproject.toml
@@ -13,10 +18,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-release: $(STAMP)
+models/%/model.safetensors: scripts/make_checkpoint.py | $(STAMP)
+	$(BIN)/python scripts/make_checkpoint.py $* models/$*
+
+release: $(STAMP) $(CHECKPOINTS)
 	$(BIN)/shipyard compile --check
-	$(BIN)/dvc repro
-	$(BIN)/shipyard verify build/tiny-gpt2/bundle
+	$(BIN)/dvc repro $(RELEASE_TARGETS)
+	for bundle in build/*/bundle; do $(BIN)/shipyard verify $$bundle || exit 1; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -25,9 +33,10 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)
+bench: release
 	$(BIN)/python benchmarks/bench_hashing.py
 	$(BIN)/python benchmarks/bench_noop_repro.py
+	$(BIN)/python benchmarks/bench_quantize.py
 
 clean:
 	rm -rf build .dvc/cache .dvc/tmp

@@ -1,7 +1,15 @@
-"""One interface over onnxruntime.quantization's methods: quantize all but / only some nodes."""
+"""One interface over onnxruntime.quantization's methods: quantize all but / only some nodes.
+
+Sensitivity needs one variant per node with only that node quantized. Quantizing the whole
+model per node costs ~10 s at 124M parameters (onnxruntime re-runs shape inference on the
+full graph), so for the weight-carrying methods a variant is built by quantizing a one-node
+model with the same onnxruntime call and splicing its nodes into the FP32 graph, whose
+weights stay in one external-data file shared by every variant (~0.2 s a node).
+"""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from pathlib import Path
 from typing import Any
@@ -9,6 +17,7 @@ from typing import Any
 import numpy as np
 
 TWO_GB = 2 << 30
+WEIGHTS = "weights.data"
 
 
 class Quantizer:
@@ -17,101 +26,170 @@ class Quantizer:
     def __init__(
         self, model: Path, cfg: Any, calibration: list[dict[str, np.ndarray]], folder: Path
     ) -> None:
-        self.model, self.cfg, self.calibration, self.folder = model, cfg, calibration, folder
+        self.cfg, self.calibration, self.folder = cfg, calibration, folder
         self.counter = itertools.count()
         self.large = model.stat().st_size + _data_size(model) > TWO_GB
         folder.mkdir(parents=True, exist_ok=True)
-        if cfg.method == "int4-weight-only":
-            self.model = _gemm_as_matmul(model, folder / "matmul.onnx")
+        self.splice = cfg.method != "int8-static"
+        # Gemm -> MatMul ourselves, keeping node names: onnxruntime's dynamic mode renames
+        # Gemm nodes (`<name>_MatMul`), which would silently defeat nodes_to_exclude, and
+        # MatMulNBits only takes MatMul.
+        self.model = _gemm_as_matmul(model, folder / "fp32.onnx") if self.splice else model
+        self._skeleton: Any = None
 
     def candidates(self) -> list[str]:
         """Nodes this method can quantize (weight-carrying ones unless static QDQ)."""
-        import onnx
-
-        graph = onnx.load(str(self.model), load_external_data=False).graph
+        graph = self.skeleton().graph
         weights = {t.name for t in graph.initializer}
-        static = self.cfg.method == "int8-static"
         return [
             n.name
             for n in graph.node
             if n.op_type in self.cfg.op_types
-            and (static or any(i in weights for i in n.input[1:2]))
+            and (not self.splice or any(i in weights for i in n.input[1:2]))
         ]
 
+    def skeleton(self) -> Any:
+        import onnx
+
+        if self._skeleton is None:
+            self._skeleton = onnx.load(str(self.model), load_external_data=False)
+        return self._skeleton
+
     def quantize(self, exclude: list[str] = (), only: list[str] | None = None) -> Path:  # type: ignore[assignment]
-        out = self.folder / f"q{next(self.counter)}.onnx"
-        {
-            "int8-dynamic": self._dynamic,
-            "int8-static": self._static,
-            "int4-weight-only": self._int4,
-        }[self.cfg.method](out, list(exclude), only)
+        """The whole model through onnxruntime, minus `exclude` (or just `only`)."""
+        out = self._next()
+        _METHODS[self.cfg.method](self, self.model, out, list(exclude), only, self.large)
         return out
 
-    def _dynamic(self, out: Path, exclude: list[str], only: list[str] | None) -> None:
-        from onnxruntime.quantization import QuantType, quantize_dynamic
+    def alone(self, node: str) -> Path:
+        """A variant with only `node` quantized."""
+        return self._spliced(node) if self.splice else self.quantize(only=[node])
 
-        quantize_dynamic(
-            self.model,
-            out,
-            op_types_to_quantize=self.cfg.op_types,
-            per_channel=self.cfg.per_channel,
-            weight_type=QuantType.QInt8,
-            nodes_to_quantize=only,
-            nodes_to_exclude=exclude,
-            use_external_data_format=self.large,
-        )
+    def _next(self) -> Path:
+        return self.folder / f"q{next(self.counter)}.onnx"
 
-    def _static(self, out: Path, exclude: list[str], only: list[str] | None) -> None:
-        from onnxruntime.quantization import (
-            CalibrationMethod,
-            QuantFormat,
-            QuantType,
-            quantize_static,
-        )
-
-        method = {
-            "minmax": CalibrationMethod.MinMax,
-            "entropy": CalibrationMethod.Entropy,
-            "percentile": CalibrationMethod.Percentile,
-        }[self.cfg.calibrate_method]
-        # Ranges are calibrated once (on every candidate) and reused from the cache file.
-        quantize_static(
-            self.model,
-            out,
-            _Reader(self.calibration),
-            quant_format=QuantFormat.QDQ,
-            op_types_to_quantize=self.cfg.op_types,
-            per_channel=self.cfg.per_channel,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-            nodes_to_quantize=only,
-            nodes_to_exclude=exclude,
-            use_external_data_format=self.large,
-            calibrate_method=method,
-            calibration_cache_path=self.folder / "calibration-cache.json",
-            extra_options={"CalibPercentile": self.cfg.percentile},
-        )
-
-    def _int4(self, out: Path, exclude: list[str], only: list[str] | None) -> None:
-        import logging
-
+    def _spliced(self, name: str) -> Path:
         import onnx
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-        logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(
-            logging.WARNING
+        skel = self.skeleton()
+        index, node = next((i, n) for i, n in enumerate(skel.graph.node) if n.name == name)
+        sub, qsub = self._next(), self._next()
+        onnx.save(_one_node_model(skel, node, self.model.parent), sub)
+        _METHODS[self.cfg.method](self, sub, qsub, [], None, False)
+        quantized = onnx.load(str(qsub))
+        variant = copy.deepcopy(skel)
+        nodes = list(variant.graph.node)
+        nodes[index : index + 1] = list(quantized.graph.node)
+        del variant.graph.node[:]
+        variant.graph.node.extend(nodes)
+        used = {i for n in nodes for i in n.input}
+        keep = [t for t in variant.graph.initializer if t.name in used]
+        del variant.graph.initializer[:]
+        variant.graph.initializer.extend(keep)
+        names = {t.name for t in keep}
+        variant.graph.initializer.extend(
+            t for t in quantized.graph.initializer if t.name not in names
         )
+        out = self._next()
+        onnx.save(variant, str(out))  # its FP32 weights stay in the shared WEIGHTS file
+        for f in (sub, qsub):
+            f.unlink()
+        return out
 
-        quantizer = MatMulNBitsQuantizer(
-            onnx.load(str(self.model)),
-            block_size=self.cfg.block_size,
-            is_symmetric=self.cfg.symmetric,
-            nodes_to_exclude=exclude,
-            nodes_to_include=only,
-            op_types_to_quantize=("MatMul",),
-        )
-        quantizer.process()
-        quantizer.model.save_model_to_file(str(out), use_external_data_format=self.large)
+
+def _dynamic(
+    q: Quantizer, src: Path, out: Path, exclude: list[str], only: list[str] | None, large: bool
+) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        src,
+        out,
+        op_types_to_quantize=q.cfg.op_types,
+        per_channel=q.cfg.per_channel,
+        weight_type=QuantType.QInt8,
+        nodes_to_quantize=only,
+        nodes_to_exclude=exclude,
+        use_external_data_format=large,
+    )
+
+
+def _static(
+    q: Quantizer, src: Path, out: Path, exclude: list[str], only: list[str] | None, large: bool
+) -> None:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    method = {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }[q.cfg.calibrate_method]
+    # Ranges are calibrated once (on every candidate) and reused from the cache file.
+    quantize_static(
+        src,
+        out,
+        _Reader(q.calibration),
+        quant_format=QuantFormat.QDQ,
+        op_types_to_quantize=q.cfg.op_types,
+        per_channel=q.cfg.per_channel,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+        nodes_to_quantize=only,
+        nodes_to_exclude=exclude,
+        use_external_data_format=large,
+        calibrate_method=method,
+        calibration_cache_path=q.folder / "calibration-cache.json",
+        extra_options={"CalibPercentile": q.cfg.percentile},
+    )
+
+
+def _int4(
+    q: Quantizer, src: Path, out: Path, exclude: list[str], only: list[str] | None, large: bool
+) -> None:
+    import logging
+
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    quantizer = MatMulNBitsQuantizer(
+        onnx.load(str(src)),
+        block_size=q.cfg.block_size,
+        is_symmetric=q.cfg.symmetric,
+        nodes_to_exclude=exclude,
+        nodes_to_include=only,
+        op_types_to_quantize=("MatMul",),
+    )
+    quantizer.process()
+    quantizer.model.save_model_to_file(str(out), use_external_data_format=large)
+
+
+_METHODS = {"int8-dynamic": _dynamic, "int8-static": _static, "int4-weight-only": _int4}
+
+
+def _one_node_model(skel: Any, node: Any, base: Path) -> Any:
+    """A model holding one weight-carrying node, its activation input and its weight."""
+    from onnx import TensorProto, external_data_helper, helper
+
+    infos = {v.name: v for v in (*skel.graph.value_info, *skel.graph.input, *skel.graph.output)}
+    weights = {t.name: t for t in skel.graph.initializer}
+    inits = []
+    for name in node.input[1:]:
+        if name in weights:
+            tensor = copy.deepcopy(weights[name])
+            if external_data_helper.uses_external_data(tensor):
+                external_data_helper.load_external_data_for_tensor(tensor, str(base))
+                tensor.data_location = TensorProto.DEFAULT
+                del tensor.external_data[:]
+            inits.append(tensor)
+    x = infos.get(node.input[0]) or helper.make_tensor_value_info(
+        node.input[0], TensorProto.FLOAT, None
+    )
+    y = infos.get(node.output[0]) or helper.make_tensor_value_info(
+        node.output[0], TensorProto.FLOAT, None
+    )
+    graph = helper.make_graph([node], "one_node", [x], [y], inits)
+    return helper.make_model(graph, opset_imports=skel.opset_import, ir_version=skel.ir_version)
 
 
 class _Reader:
@@ -128,13 +206,31 @@ class _Reader:
         self.it = iter(self.samples)
 
 
+def _packed(samples: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """Texts of different lengths, concatenated and cut into equal windows.
+
+    onnxruntime's histogram calibrators (entropy, percentile) stack each tensor across
+    samples, so every sample must have the same shape; packing keeps every real token.
+    """
+    shapes = {tuple(s["input_ids"].shape) for s in samples if "input_ids" in s}
+    if len(shapes) <= 1:
+        return samples
+    tokens = np.concatenate([s["input_ids"][0] for s in samples])
+    width = max(shape[1] for shape in shapes)
+    windows = []
+    for start in range(0, tokens.size - width + 1, width):
+        ids = tokens[None, start : start + width]
+        windows.append({**samples[0], "input_ids": ids, "attention_mask": np.ones_like(ids)})
+    return windows
+
+
 def _data_size(model: Path) -> int:
     return sum(p.stat().st_size for p in model.parent.glob(f"{model.name}.data"))
 
 
 def _gemm_as_matmul(src: Path, dst: Path) -> Path:
-    """Gemm(A, B, C) with constant B -> MatMul + Add, keeping the node name, so MatMulNBits
-    (MatMul only) can take GPT-2's Conv1D projections, which export as Gemm."""
+    """Gemm(A, B, C) with constant B -> MatMul + Add, keeping the node name; saved with every
+    weight in one external file (WEIGHTS) that spliced variants share."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -170,24 +266,12 @@ def _gemm_as_matmul(src: Path, dst: Path) -> Path:
             nodes[-1].output[0] = node.output[0]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    large = src.stat().st_size + _data_size(src) > TWO_GB
-    onnx.save_model(model, str(dst), save_as_external_data=large, location=dst.name + ".data")
+    onnx.save_model(
+        model,
+        str(dst),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=WEIGHTS,
+        size_threshold=1024,
+    )
     return dst
-
-
-def _packed(samples: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-    """Texts of different lengths, concatenated and cut into equal windows.
-
-    onnxruntime's histogram calibrators (entropy, percentile) stack each tensor across
-    samples, so every sample must have the same shape; packing keeps every real token.
-    """
-    shapes = {tuple(s["input_ids"].shape) for s in samples if "input_ids" in s}
-    if len(shapes) <= 1:
-        return samples
-    tokens = np.concatenate([s["input_ids"][0] for s in samples])
-    width = max(shape[1] for shape in shapes)
-    windows = []
-    for start in range(0, tokens.size - width + 1, width):
-        ids = tokens[None, start : start + width]
-        windows.append({**samples[0], "input_ids": ids, "attention_mask": np.ones_like(ids)})
-    return windows

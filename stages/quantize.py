@@ -170,15 +170,14 @@ class _Evaluator:
 def _session(path: Path) -> Any:
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # unused-initializer notices from quantized graphs
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def _sensitivity(ctx: StageContext, quantizer: Quantizer, evaluate: _Evaluator) -> list[dict]:
     """Each candidate quantized alone; most damaging (lowest SNR) first."""
-    import onnx
-
-    graph = onnx.load(str(quantizer.model), load_external_data=False).graph
-    scopes = {n.name: node_scope(n) for n in graph.node}
+    scopes = {n.name: node_scope(n) for n in quantizer.skeleton().graph.node}
     rows = []
     nodes = quantizer.candidates()
     if not nodes:
@@ -189,7 +188,7 @@ def _sensitivity(ctx: StageContext, quantizer: Quantizer, evaluate: _Evaluator) 
         )
     with ctx.progress(f"sensitivity of {len(nodes)} nodes", len(nodes)) as advance:
         for node in nodes:
-            path = quantizer.quantize(only=[node])
+            path = quantizer.alone(node)
             rows.append({"node": node, "module": scopes.get(node, ""), **evaluate(path)})
             _remove(path)
             advance()

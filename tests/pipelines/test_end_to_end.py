@@ -53,7 +53,9 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_make_release_builds_a_verified_bundle(clone: Path) -> None:
     stamp = VENV / ".installed"
-    done = sh(["make", "release", f"VENV={VENV}", "-o", str(stamp)], clone)
+    # The 124M example release is built by `make release` and the benchmark, not in CI.
+    args = ["RELEASE_TARGETS=bundle@tiny-gpt2", "CHECKPOINTS="]
+    done = sh(["make", "release", f"VENV={VENV}", "-o", str(stamp), *args], clone)
     assert ran(done.stdout) == STAGES
     verdicts = re.findall(r"^(PASS|FAIL|SKIP) (\w+)@tiny-gpt2", done.stdout, re.M)
     assert verdicts == [("PASS", s) for s in ran(done.stdout)]
@@ -61,7 +63,7 @@ def test_make_release_builds_a_verified_bundle(clone: Path) -> None:
 
 
 def test_second_repro_does_nothing(clone: Path) -> None:
-    done = sh(["dvc", "repro"], clone)
+    done = sh(["dvc", "repro", "bundle@tiny-gpt2"], clone)
     assert ran(done.stdout) == []
     assert "Data and pipelines are up to date." in done.stdout
 
@@ -69,7 +71,7 @@ def test_second_repro_does_nothing(clone: Path) -> None:
 def test_editing_parity_reruns_only_parity_and_what_depends_on_it(clone: Path) -> None:
     spec = clone / "releases" / "tiny-gpt2.yaml"
     spec.write_text(spec.read_text().replace("  statistic: max", "  statistic: mean"))
-    done = sh(["dvc", "repro"], clone)
+    done = sh(["dvc", "repro", "bundle@tiny-gpt2"], clone)
     assert ran(done.stdout) == ["parity", "manifest", "bundle"]
     sh(["shipyard", "verify", "build/tiny-gpt2/bundle"], clone)
 
@@ -77,5 +79,5 @@ def test_editing_parity_reruns_only_parity_and_what_depends_on_it(clone: Path) -
 def test_editing_a_code_comment_in_export_reruns_export_but_not_its_dependants(clone: Path) -> None:
     code = clone / "stages" / "export_onnx.py"
     code.write_text(code.read_text() + "\n# a comment changes the code hash, not the ONNX bytes\n")
-    done = sh(["dvc", "repro"], clone)
+    done = sh(["dvc", "repro", "bundle@tiny-gpt2"], clone)
     assert ran(done.stdout) == ["export"]

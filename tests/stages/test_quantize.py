@@ -60,6 +60,8 @@ def test_each_method_quantizes_tiny_gpt2_within_budget(
     )
     sensitivity = report.details["sensitivity"]
     assert [r["snr_db"] for r in sensitivity] == sorted(r["snr_db"] for r in sensitivity)
+    # every node was really quantized when measured alone (identical output = 200 dB)
+    assert len(sensitivity) >= 9 and all(r["snr_db"] < 150 for r in sensitivity)
     ort.InferenceSession(str(model))  # loads and runs in ONNX Runtime
 
 
@@ -117,6 +119,7 @@ def test_outlier_layer_is_ranked_first_and_kept_in_float(outlier_ws) -> None:
     assert [n["node"] for n in info(ws, "outlier")["float_nodes"]] == [ranked[0]["node"]]
     trace = report.details["selection"]
     assert [t["meets_budget"] for t in trace] == [False, True]
+    assert trace[1]["snr_db"] > trace[0]["snr_db"] + 10  # the exclusion really took effect
 
 
 def test_layerwise_view_shows_where_the_error_enters(outlier_ws) -> None:
