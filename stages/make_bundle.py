@@ -139,6 +139,7 @@ def render(
         "card": release.bundle.model_card.model_dump(),
         "stages": manifest.predicate.shipyard["stages"],
         "digest": manifest.subject[0].digest["sha256"],
+        "quant": manifest.predicate.shipyard["quantization"],
     }
     for out, template in RENDERED.items():
         (ctx.work / out).write_text(env.get_template(template).render(context), encoding="utf-8")
