@@ -262,6 +262,71 @@ Quantization = Annotated[
 ]
 
 
+# ----------------------------------------------------------------------------- evaluation
+# Metrics the evaluate stage computes, per task; thresholds may only name these.
+TASK_METRICS: dict[str, tuple[str, ...]] = {
+    "causal-lm": (
+        "perplexity",
+        "perplexity_reference",
+        "top1_agreement",
+        "greedy_exact_match",
+        "greedy_token_match",
+    ),
+    "text-embedding": ("cosine_to_reference",),
+    "sequence-classification": ("agreement",),
+    "generic": ("cosine_to_reference", "snr_db"),
+}
+
+
+class EvalData(Strict):
+    path: str = Field(description="JSONL of texts (or NPZ of inputs), relative to the repo root.")
+    tokenizer: str | None = Field(default=None, description="Folder with tokenizer.json (JSONL).")
+    text_field: str = Field(default="text", description="JSONL key holding the text.")
+    samples: int = Field(default=64, ge=1, description="Samples to evaluate.")
+
+
+class DecodeConfig(Strict):
+    prompts: int = Field(default=8, ge=1, description="Prompts to decode greedily (causal-lm).")
+    prompt_tokens: int = Field(default=8, ge=1, description="Tokens of each prompt fed first.")
+    tokens: int = Field(default=16, ge=1, description="Tokens generated per prompt.")
+
+
+class MetricThreshold(Strict):
+    """MLflow MetricThreshold semantics, with a named baseline."""
+
+    metric: str = Field(description="Metric name (see TASK_METRICS for the task).")
+    threshold: float | None = Field(
+        default=None, description="Absolute bound: >= when higher is better, else <=."
+    )
+    min_absolute_change: float | None = Field(
+        default=None,
+        description="Candidate must beat the baseline by this much (negative = allowed loss).",
+    )
+    min_relative_change: float | None = Field(
+        default=None, description="Same, as a fraction of the baseline (0.01 = 1 %)."
+    )
+    greater_is_better: bool = Field(description="Direction of the metric.")
+    baseline: Literal["reference", "production"] = Field(
+        default="production",
+        description="What the change is measured against: the PyTorch FP32 reference on the "
+        "same inputs, or the release in the registry's production channel.",
+    )
+
+    @model_validator(mode="after")
+    def _something(self) -> MetricThreshold:
+        if (self.threshold, self.min_absolute_change, self.min_relative_change) == (None,) * 3:
+            raise ValueError("give threshold, min_absolute_change or min_relative_change")
+        return self
+
+
+class EvaluationConfig(Strict):
+    dataset: EvalData = Field(description="The evaluation set (never the calibration set).")
+    decode: DecodeConfig = Field(default_factory=DecodeConfig, description="Greedy decoding.")
+    thresholds: list[MetricThreshold] = Field(
+        default_factory=list, description="Gates on the metrics; all must hold."
+    )
+
+
 # ----------------------------------------------------------------------------- bundle
 class ServingConfig(Strict):
     port: int = Field(default=8000, ge=1, le=65535, description="Port the server listens on.")
@@ -327,6 +392,7 @@ class ReleaseSpec(Strict):
     quantization: Quantization = Field(
         description="Post-training quantization (`quantization: {method: none}` for FP32)."
     )
+    evaluation: EvaluationConfig = Field(description="Task metrics and regression thresholds.")
     bundle: BundleConfig = Field(description="What ships (`bundle: {}` for defaults).")
 
     @model_validator(mode="after")
@@ -353,6 +419,7 @@ class ReleaseSpec(Strict):
                     f"does not declare (declared: {sorted(self.export.dims)})"
                 )
         self._check_quantization()
+        self._check_evaluation()
         for i, shape in enumerate(self.parity.shapes or []):
             bad = {k: v for k, v in shape.items() if k not in self.export.dims}
             if bad:
@@ -383,4 +450,19 @@ class ReleaseSpec(Strict):
             raise ValueError(
                 f"quantization.calibration.max_length {q.calibration.max_length} exceeds "
                 f"export.dims.sequence.max {seq.max}; the graph is not promised to run there"
+            )
+
+    def _check_evaluation(self) -> None:
+        known = TASK_METRICS[self.task]
+        for i, t in enumerate(self.evaluation.thresholds):
+            if t.metric not in known:
+                raise ValueError(
+                    f"evaluation.thresholds[{i}] names unknown metric {t.metric!r} for task "
+                    f"{self.task!r}; known: {', '.join(known)}"
+                )
+        d, dims = self.evaluation.decode, self.export.dims
+        if self.task == "causal-lm" and d.prompt_tokens + d.tokens - 1 > dims["past_sequence"].max:
+            raise ValueError(
+                f"evaluation.decode: prompt_tokens + tokens - 1 = {d.prompt_tokens + d.tokens - 1}"
+                f" exceeds export.dims.past_sequence.max {dims['past_sequence'].max}"
             )

@@ -1,4 +1,4 @@
-"""Regenerate the example calibration set and the tiny-gpt2 tokenizer (no hub, no network).
+"""Regenerate the example calibration and evaluation sets and the tiny-gpt2 tokenizer.
 
 Texts are paragraphs of the Python standard library's own docstrings: prose, argument lists
 and code examples of many lengths, which is the mix the example model is "deployed" on.
@@ -81,7 +81,7 @@ MODULES = [
     "math",
     "operator",
 ]
-VOCAB, MAX_TOKENS, KEEP = 512, 64, 480
+VOCAB, MAX_TOKENS, KEEP, EVAL = 512, 64, 480, 64
 
 
 def paragraphs() -> list[str]:
@@ -119,6 +119,11 @@ def main() -> None:
     tok.save(str(ROOT / "models" / "tiny-gpt2" / "tokenizer.json"))
     out = ROOT / "data" / "calibration" / "docstrings.jsonl"
     out.write_text("".join(json.dumps({"text": t}) + "\n" for t in kept), encoding="utf-8")
+    # The evaluation set: further paragraphs, disjoint from every calibration sample.
+    rest = [t for t in texts if len(tok.encode(t).ids) <= MAX_TOKENS][KEEP : KEEP + EVAL]
+    evaluation = ROOT / "data" / "eval" / "docstrings.jsonl"
+    evaluation.parent.mkdir(exist_ok=True)
+    evaluation.write_text("".join(json.dumps({"text": t}) + "\n" for t in rest), "utf-8")
     print(
         f"wrote {out.relative_to(ROOT)} ({len(kept)} of {len(texts)} paragraphs) and "
         f"models/tiny-gpt2/tokenizer.json (vocab {tok.get_vocab_size()})"

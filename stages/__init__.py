@@ -26,6 +26,7 @@ STAGE_MODULES: tuple[str, ...] = (
     "check_eval_mode",
     "check_parity",
     "quantize",
+    "evaluate",
     "write_manifest",
     "make_bundle",
 )

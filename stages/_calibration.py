@@ -29,17 +29,8 @@ def load(
 ) -> Samples:
     """Read cfg.path, check every sample, split into calibration and hold-out feeds."""
     path = root / cfg.path
-    if not path.is_file():
-        raise StageError(
-            stage,
-            f"quantization.calibration.path {cfg.path} does not exist",
-            "commit the calibration file; Shipyard never calibrates on random data",
-        )
     limit = cfg.max_length or (dims["sequence"].max if "sequence" in dims else None)
-    if path.suffix == ".jsonl":
-        rows = _token_rows(stage, root, cfg, path, limit, vocab)
-    else:
-        rows = _npz_rows(stage, cfg, path, lay, limit, vocab)
+    rows = read_rows(stage, root, cfg, lay, limit, vocab, "quantization.calibration")
     need = cfg.samples + cfg.holdout
     if len(rows) < need:
         raise StageError(
@@ -48,12 +39,31 @@ def load(
             f"sample(s); samples + holdout need {need}",
             "add real samples, or lower calibration.samples / holdout",
         )
-    feeds = [_feeds(task, lay, row) for row in rows[:need]]
+    feeds = [to_feeds(task, lay, row) for row in rows[:need]]
     return Samples(feeds[: cfg.samples], feeds[cfg.samples :], hash_range(path), cfg.path)
 
 
+def read_rows(
+    stage: str, root: Path, cfg: Any, lay: m.Layout, limit: int | None, vocab: int, section: str
+) -> list[dict[str, np.ndarray]]:
+    """Every sample of cfg.path (JSONL texts via cfg.tokenizer, or NPZ arrays), checked.
+
+    `section` is the spec section the file was named in, for error messages.
+    """
+    path = root / cfg.path
+    if not path.is_file():
+        raise StageError(
+            stage,
+            f"{section}.path {cfg.path} does not exist",
+            "commit the data file; Shipyard never substitutes random data",
+        )
+    if path.suffix == ".jsonl":
+        return _token_rows(stage, root, cfg, path, limit, vocab, section)
+    return _npz_rows(stage, cfg, path, lay, limit, vocab)
+
+
 def _token_rows(
-    stage: str, root: Path, cfg: Any, path: Path, limit: int | None, vocab: int
+    stage: str, root: Path, cfg: Any, path: Path, limit: int | None, vocab: int, section: str
 ) -> list[dict[str, np.ndarray]]:
     from tokenizers import Tokenizer
 
@@ -61,7 +71,7 @@ def _token_rows(
     if not tok_file.is_file():
         raise StageError(
             stage,
-            f"quantization.calibration.tokenizer: no tokenizer.json in {cfg.tokenizer}",
+            f"{section}.tokenizer: no tokenizer.json in {cfg.tokenizer}",
             "point it at the model's tokenizer folder",
         )
     tokenizer = Tokenizer.from_file(str(tok_file))
@@ -75,7 +85,7 @@ def _token_rows(
     if not rows:
         raise StageError(
             stage,
-            f"quantization.calibration.path {cfg.path} is empty",
+            f"{section}.path {cfg.path} is empty",
             "add real samples of the deployment's inputs",
         )
     return rows
@@ -145,7 +155,7 @@ def _npz_rows(
     return rows
 
 
-def _feeds(task: str, lay: m.Layout, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def to_feeds(task: str, lay: m.Layout, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Complete a sample to the graph's inputs: masks of ones, an empty KV cache."""
     if task == "generic":
         return dict(row)

@@ -13,7 +13,7 @@ from stages._hashing import SHARD, hash_shards
 from stages._runtime import StageContext, StageIO, StageResult, read_report, write_json
 
 NAME = "manifest"
-CHECKED = ("pin", "export", "evalcheck", "parity", "quantize")  # their reports ship
+CHECKED = ("pin", "export", "evalcheck", "parity", "quantize", "evaluate")  # reports ship
 
 
 def io(release: ReleaseSpec) -> StageIO:
@@ -58,6 +58,8 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         "stages": {s: {"status": r.status.value, "summary": r.summary} for s, r in reports.items()},
         "quantization": json.loads((ctx.upstream("quantize") / "quant_info.json").read_text()),
     }
+    # The gate compares later candidates with these when this release is in production.
+    facts["evaluation"] = reports["evaluate"].details["metrics"]
     calibration = reports["quantize"].details.get("calibration")
     if calibration:  # the data the weights were fitted to is part of what ships
         facts["calibration"] = {k: calibration[k] for k in ("path", "sha256")}

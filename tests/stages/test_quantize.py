@@ -150,7 +150,7 @@ def write_jsonl(ws: Workspace, lines: list[str]) -> str:
 def test_missing_calibration_file_is_refused(ws: Workspace) -> None:
     reason = calibration_error(ws, path="data/nope.jsonl")
     assert reason.startswith("quantization.calibration.path data/nope.jsonl does not exist")
-    assert "never calibrates on random data" in reason
+    assert "never substitutes random data" in reason
 
 
 def test_empty_calibration_file_is_refused(ws: Workspace) -> None:

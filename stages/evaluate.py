@@ -1,0 +1,169 @@
+"""evaluate: task metrics of the shipped model vs the PyTorch FP32 reference, with thresholds."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from schemas import ReleaseSpec
+from stages import _accuracy as acc
+from stages import _calibration as calib
+from stages import _model as m
+from stages._runtime import StageContext, StageIO, StageResult
+
+NAME = "evaluate"
+Run = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
+
+
+def io(release: ReleaseSpec) -> StageIO:
+    data = release.evaluation.dataset
+    return StageIO(
+        params=("model", "task", "export", "evaluation"),
+        upstream=("quantize/model.onnx", "export/model_info.json"),
+        reads_model=True,
+        data=(("dataset", data.path), ("dataset_tokenizer", data.tokenizer)),
+        code=(
+            "stages/_model.py",
+            "stages/_calibration.py",
+            "stages/_accuracy.py",
+            "stages/_hashing.py",
+        ),
+    )
+
+
+def run(ctx: StageContext, release: Any) -> StageResult:
+    import onnxruntime as ort
+
+    cfg, task = release.evaluation, release.task
+    info = json.loads((ctx.upstream("export") / "model_info.json").read_text())
+    lay = m.layout_from_info(info)
+    limit = release.export.dims["sequence"].max if "sequence" in release.export.dims else None
+    rows = calib.read_rows(
+        NAME, ctx.root, cfg.dataset, lay, limit, info["arch"]["vocab"], "evaluation.dataset"
+    )[: cfg.dataset.samples]
+    samples = [calib.to_feeds(task, lay, row) for row in rows]
+    flat = m.adapter(task, m.load_model(NAME, ctx.root, release.model, task), lay)
+    session = ort.InferenceSession(
+        str(ctx.upstream("quantize") / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
+    reference: Run = lambda feeds: m.torch_outputs(flat, lay, feeds)  # noqa: E731
+    candidate: Run = lambda feeds: session.run([t.name for t in lay.outputs], feeds)  # noqa: E731
+    with ctx.progress(f"{len(samples)} samples", len(samples)) as advance:
+        ref, got = [], []
+        for feeds in samples:
+            ref.append(reference(feeds)[0])
+            got.append(candidate(feeds)[0])
+            advance()
+    metrics = task_metrics(task, ref, got, samples)
+    if task == "causal-lm":
+        metrics |= decode_metrics(reference, candidate, lay, samples, cfg.decode)
+    baseline = reference_values(metrics)
+    results = [
+        check(t, metrics, baseline[t.metric]) for t in cfg.thresholds if t.baseline == "reference"
+    ]
+    failed = [r["message"] for r in results if not r["ok"]]
+    details = {"metrics": metrics, "thresholds": results, "samples": len(samples)}
+    summary = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+    if failed:
+        return StageResult.failed(
+            f"{len(failed)} threshold(s) broken", failed, details=details, metrics=metrics
+        )
+    return StageResult.passed(summary, details=details, metrics=metrics)
+
+
+def task_metrics(
+    task: str, ref: list[np.ndarray], got: list[np.ndarray], samples: list[dict[str, np.ndarray]]
+) -> dict[str, float]:
+    agree = acc.agreement(task, ref, got, samples)
+    if task == "causal-lm":
+        return {
+            "perplexity": agree["perplexity"],
+            "perplexity_reference": agree["perplexity_fp32"],
+            "top1_agreement": agree["top1_agreement"],
+        }
+    if task == "sequence-classification":
+        return {"agreement": agree["top1_agreement"]}
+    metrics = {"cosine_to_reference": agree["logit_cosine"]}
+    return metrics | ({"snr_db": agree["snr_db"]} if task == "generic" else {})
+
+
+def reference_values(metrics: dict[str, float]) -> dict[str, float]:
+    """What each metric would be for the PyTorch FP32 reference itself."""
+    perfect = {k: 1.0 for k in metrics}  # agreement and match rates, cosine
+    perfect["perplexity"] = perfect["perplexity_reference"] = metrics.get("perplexity_reference", 1)
+    if "snr_db" in metrics:
+        perfect["snr_db"] = 200.0
+    return perfect
+
+
+def greedy(run: Run, lay: m.Layout, prompt: np.ndarray, tokens: int) -> list[int]:
+    """Greedy decoding with the KV-cache graph: prefill the prompt, then one token a step."""
+    feeds = calib.to_feeds("causal-lm", lay, {"input_ids": prompt[None, :]})
+    names = [t.name for t in lay.outputs]
+    out: list[int] = []
+    for _ in range(tokens):
+        results = dict(zip(names, run(feeds), strict=True))
+        out.append(int(results["logits"][0, -1].argmax()))
+        total = feeds["attention_mask"].shape[1] + 1
+        feeds = {
+            "input_ids": np.array([[out[-1]]], dtype=np.int64),
+            "attention_mask": np.ones((1, total), dtype=np.int64),
+        }
+        feeds |= {
+            t.name: results[t.name.replace("past_key_values", "present")]
+            for t in lay.inputs
+            if t.name.startswith("past_key_values")
+        }
+    return out
+
+
+def decode_metrics(
+    reference: Run, candidate: Run, lay: m.Layout, samples: list[dict[str, np.ndarray]], cfg: Any
+) -> dict[str, float]:
+    """Exact-match rate of whole continuations, and of tokens, vs the reference's."""
+    prompts = [s["input_ids"][0, : cfg.prompt_tokens] for s in samples][: cfg.prompts]
+    exact, same = 0, 0
+    for prompt in prompts:
+        want = greedy(reference, lay, prompt, cfg.tokens)
+        have = greedy(candidate, lay, prompt, cfg.tokens)
+        exact += want == have
+        same += sum(a == b for a, b in zip(want, have, strict=True))
+    return {
+        "greedy_exact_match": exact / len(prompts),
+        "greedy_token_match": same / (len(prompts) * cfg.tokens),
+    }
+
+
+def check(t: Any, metrics: dict[str, float], baseline: float | None) -> dict[str, Any]:
+    """MLflow MetricThreshold semantics: an absolute bound and/or a change vs a baseline."""
+    value, up = metrics[t.metric], t.greater_is_better
+    problems = []
+    if t.threshold is not None and (value < t.threshold if up else value > t.threshold):
+        problems.append(f"{value:.4g} {'<' if up else '>'} threshold {t.threshold:g}")
+    if baseline is not None:
+        for kind, change in (
+            ("absolute", t.min_absolute_change),
+            ("relative", t.min_relative_change),
+        ):
+            if change is None:
+                continue
+            delta = change if kind == "absolute" else change * abs(baseline)
+            bound = baseline + delta if up else baseline - delta
+            if value < bound if up else value > bound:
+                problems.append(
+                    f"{value:.4g} vs {t.baseline} {baseline:.4g}: needs "
+                    f"{'>=' if up else '<='} {bound:.4g} (min_{kind}_change {change:g})"
+                )
+    ok = not problems
+    message = f"{t.metric} ({t.baseline}): " + ("; ".join(problems) if problems else "holds")
+    return {
+        "metric": t.metric,
+        "baseline": t.baseline,
+        "value": value,
+        "baseline_value": baseline,
+        "ok": ok,
+        "message": message,
+    }
