@@ -8,6 +8,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from schemas import ShipyardError, StageStatus
 
@@ -84,6 +85,109 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _registry(args: argparse.Namespace) -> Any:
+    import os
+
+    from pipelines.registry import Registry
+    from stages import repo_root
+
+    url = args.registry or os.environ.get("SHIPYARD_REGISTRY") or str(repo_root() / "registry")
+    return Registry(url)
+
+
+def _specs(names: list[str]) -> list[Any]:
+    from pipelines.compiler import discover
+    from schemas import SpecError
+    from stages import repo_root
+
+    found = {spec.name: spec for _, spec in discover(repo_root())}
+    unknown = [n for n in names if n not in found]
+    if unknown:
+        raise SpecError(
+            "",
+            [
+                f"no release named {n!r} in releases/ (have: {', '.join(sorted(found))})"
+                for n in unknown
+            ],
+        )
+    return [found[n] for n in names] if names else list(found.values())
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from pipelines.gate import gate
+    from schemas import GateError
+    from stages import repo_root
+
+    result = gate(repo_root(), _specs(args.releases), _registry(args))
+    for row in result.rows:
+        print(f"{row.verdict:4} {row.release:16} {row.check:32} {row.detail}")
+    if args.report:
+        Path(args.report).write_text(result.markdown(), encoding="utf-8")
+        print(f"wrote {args.report}")
+    if not result.ok:
+        failed = sum(r.verdict == "FAIL" for r in result.rows)
+        raise GateError(f"gate failed: {failed} check(s) did not pass")
+    print("gate passed")
+    return 0
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from stages import repo_root
+
+    [spec] = _specs([args.release])
+    record = _registry(args).publish(
+        repo_root() / "build" / spec.name / "bundle", spec.name, spec.version
+    )
+    state = "already published" if record.get("already") else "published"
+    print(f"{spec.name}@{spec.version} {state} (digest {record['digest'][:16]})")
+    return 0
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from schemas import RegistryError
+
+    if "@" not in args.target:
+        raise RegistryError(f"{args.target!r}: write NAME@VERSION, e.g. tiny-gpt2@0.1.0")
+    name, version = args.target.rsplit("@", 1)
+    entry = _registry(args).promote(name, version, args.to, args.reason)
+    print(f"{args.to}: {entry['from'] or '(empty)'} -> {entry['to']} (#{entry['seq']})")
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from schemas import RegistryError
+
+    registry = _registry(args)
+    names = sorted({c["release"] for c in registry.channels() if c["channel"] == args.channel})
+    name = args.release or (names[0] if len(names) == 1 else None)
+    if name is None:
+        raise RegistryError(
+            f"channel {args.channel!r} exists for {names or 'no release'}; "
+            "say which with --release NAME"
+        )
+    entry = registry.rollback(name, args.channel, args.reason)
+    print(f"{args.channel}: {entry['from']} -> {entry['to']} (#{entry['seq']}, rollback)")
+    return 0
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    for e in _registry(args).history():
+        print(
+            f"#{e['seq']:<3} {e['at']} {e['who']:10} {e['action']:8} {e['channel']:10} "
+            f"{e['from'] or '(empty)'} -> {e['to']}  {e['digest'][:12]}  {e['reason']}"
+        )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    for c in _registry(args).channels():
+        print(
+            f"{c['release']:16} {c['channel']:10} {c['version']:10} {c['digest'][:16]} "
+            f"since {c['since']}"
+        )
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shipyard", description=__doc__)
     p.add_argument("--verbose", action="store_true", help="show tracebacks")
@@ -104,6 +208,31 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("verify", help="re-hash a bundle against its manifest")
     f.add_argument("bundle")
     f.set_defaults(func=cmd_verify)
+    g = sub.add_parser("gate", help="check every stage report; exit 4 if anything failed")
+    g.add_argument("releases", nargs="*", help="release names (default: all)")
+    g.add_argument("--report", help="write a markdown report here (for the PR comment)")
+    pub = sub.add_parser("publish", help="copy a built bundle into the registry")
+    pub.add_argument("release")
+    pro = sub.add_parser("promote", help="move a channel to a published version")
+    pro.add_argument("target", metavar="NAME@VERSION")
+    pro.add_argument("--to", required=True, metavar="CHANNEL")
+    rb = sub.add_parser("rollback", help="move a channel back to its previous version")
+    rb.add_argument("channel")
+    rb.add_argument("--release", help="release name (needed when several have the channel)")
+    hist = sub.add_parser("history", help="print the append-only promotion history")
+    st = sub.add_parser("status", help="print every channel pointer")
+    for cmd, func in (
+        (g, cmd_gate),
+        (pub, cmd_publish),
+        (pro, cmd_promote),
+        (rb, cmd_rollback),
+        (hist, cmd_history),
+        (st, cmd_status),
+    ):
+        cmd.add_argument("--registry", help="fsspec URL (default $SHIPYARD_REGISTRY or registry/)")
+        cmd.set_defaults(func=func)
+    for cmd in (pro, rb):
+        cmd.add_argument("--reason", default="", help="why (goes into the history)")
     return p
 
 

@@ -65,7 +65,9 @@ def _describe(shown: str, root: yaml.Node, err: Any) -> str:
     message = err["msg"].removeprefix("Value error, ")
     if not loc:
         loc = _path_in_message(message)
-    field = ".".join(str(p) for p in loc) or "(top level)"
+    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    field = field or "(top level)"
+    message = message.removeprefix(field + " ").removeprefix(field + ": ")
     if err["type"] == "extra_forbidden":
         message = f"unknown key {loc[-1]!r}; check the spelling (see `shipyard schema`)"
     elif err["type"] == "missing" and len(loc) == 1 and loc[0] in SECTIONS_WITH_DEFAULTS:

@@ -463,6 +463,6 @@ class ReleaseSpec(Strict):
         d, dims = self.evaluation.decode, self.export.dims
         if self.task == "causal-lm" and d.prompt_tokens + d.tokens - 1 > dims["past_sequence"].max:
             raise ValueError(
-                f"evaluation.decode: prompt_tokens + tokens - 1 = {d.prompt_tokens + d.tokens - 1}"
+                f"evaluation.decode prompt_tokens + tokens - 1 = {d.prompt_tokens + d.tokens - 1}"
                 f" exceeds export.dims.past_sequence.max {dims['past_sequence'].max}"
             )

@@ -60,9 +60,12 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     metrics = task_metrics(task, ref, got, samples)
     if task == "causal-lm":
         metrics |= decode_metrics(reference, candidate, lay, samples, cfg.decode)
-    baseline = reference_values(metrics)
+    # Absolute bounds hold whatever the baseline; changes vs production are the gate's job.
+    reference = reference_values(metrics)
     results = [
-        check(t, metrics, baseline[t.metric]) for t in cfg.thresholds if t.baseline == "reference"
+        check(t, metrics, reference[t.metric] if t.baseline == "reference" else None)
+        for t in cfg.thresholds
+        if t.threshold is not None or t.baseline == "reference"
     ]
     failed = [r["message"] for r in results if not r["ok"]]
     details = {"metrics": metrics, "thresholds": results, "samples": len(samples)}
@@ -137,33 +140,38 @@ def decode_metrics(
     }
 
 
-def check(t: Any, metrics: dict[str, float], baseline: float | None) -> dict[str, Any]:
-    """MLflow MetricThreshold semantics: an absolute bound and/or a change vs a baseline."""
+def check(
+    t: Any, metrics: dict[str, float], baseline: float | None, absolute: bool = True
+) -> dict[str, Any]:
+    """MLflow MetricThreshold semantics: an absolute bound (when `absolute`) and the
+    min absolute / relative change vs `baseline` (when given)."""
     value, up = metrics[t.metric], t.greater_is_better
     problems = []
-    if t.threshold is not None and (value < t.threshold if up else value > t.threshold):
+    if (
+        absolute
+        and t.threshold is not None
+        and (value < t.threshold if up else value > t.threshold)
+    ):
         problems.append(f"{value:.4g} {'<' if up else '>'} threshold {t.threshold:g}")
-    if baseline is not None:
-        for kind, change in (
-            ("absolute", t.min_absolute_change),
-            ("relative", t.min_relative_change),
-        ):
-            if change is None:
-                continue
-            delta = change if kind == "absolute" else change * abs(baseline)
-            bound = baseline + delta if up else baseline - delta
-            if value < bound if up else value > bound:
-                problems.append(
-                    f"{value:.4g} vs {t.baseline} {baseline:.4g}: needs "
-                    f"{'>=' if up else '<='} {bound:.4g} (min_{kind}_change {change:g})"
-                )
-    ok = not problems
-    message = f"{t.metric} ({t.baseline}): " + ("; ".join(problems) if problems else "holds")
+    for kind, change in (("absolute", t.min_absolute_change), ("relative", t.min_relative_change)):
+        if change is None or baseline is None:
+            continue
+        delta = change if kind == "absolute" else change * abs(baseline)
+        bound = baseline + delta if up else baseline - delta
+        if value < bound if up else value > bound:
+            problems.append(
+                f"needs {'>=' if up else '<='} {bound:.4g} (min_{kind}_change {change:g})"
+            )
+    shown = f"{value:.4g}" + (f" vs {t.baseline} {baseline:.4g}" if baseline is not None else "")
     return {
         "metric": t.metric,
         "baseline": t.baseline,
         "value": value,
         "baseline_value": baseline,
-        "ok": ok,
-        "message": message,
+        "ok": not problems,
+        "message": f"{t.metric} {shown}: " + ("; ".join(problems) or "holds"),
     }
+
+
+def has_change(t: Any) -> bool:
+    return t.min_absolute_change is not None or t.min_relative_change is not None

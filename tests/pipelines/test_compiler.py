@@ -30,6 +30,7 @@ def test_each_stage_params_name_only_its_own_sections() -> None:
         "evalcheck": ["model", "task", "export"],
         "parity": ["model", "task", "export", "parity"],
         "quantize": ["task", "export", "quantization"],
+        "evaluate": ["model", "task", "export", "evaluation"],
         "manifest": ["version", "task"],
         "bundle": ["version", "task", "bundle"],
     }

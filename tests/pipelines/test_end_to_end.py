@@ -15,7 +15,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 VENV = Path(sys.executable).parent.parent
-STAGES = ["pin", "export", "evalcheck", "parity", "quantize", "manifest", "bundle"]
+STAGES = ["pin", "export", "evalcheck", "parity", "quantize", "evaluate", "manifest", "bundle"]
 
 
 def sh(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -118,3 +118,11 @@ def test_specs_are_frozen() -> None:
     spec = load_release(REPO / "releases" / "tiny-gpt2.yaml")
     with pytest.raises(Exception, match="frozen"):
         spec.version = "9"  # type: ignore[misc]
+
+
+def test_threshold_on_an_unknown_metric_names_it_and_the_known_ones(tmp_path: Path) -> None:
+    text = example_text().replace("- {metric: top1_agreement,", "- {metric: top_1_agreement,")
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if "top_1_agreement" in ln)
+    [problem] = problems_of(write(tmp_path, text))
+    assert f":{line}: evaluation.thresholds[0]: " in problem
+    assert "unknown metric 'top_1_agreement' for task 'causal-lm'; known: perplexity," in problem

@@ -47,6 +47,7 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
         "reports/evalcheck.json",
         "reports/parity.json",
         "reports/quantize.json",
+        "reports/evaluate.json",
         "model/quant_info.json",
         "serving.yaml",
         "ort_session.json",
@@ -57,7 +58,8 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
     assert shard.digest == hashlib.sha256(onnx_bytes).hexdigest()
     facts = manifest.predicate.shipyard
     assert facts["pins"]["packages"]["torch"].startswith("2.13.0")
-    assert set(facts["stages"]) == {"pin", "export", "evalcheck", "parity", "quantize"}
+    assert set(facts["stages"]) == {"pin", "export", "evalcheck", "parity", "quantize", "evaluate"}
+    assert facts["evaluation"]["greedy_exact_match"] == 1.0
     assert facts["quantization"] == {"method": "int8-dynamic", "dtype": "int8", "float_nodes": []}
     assert len(facts["calibration"]["sha256"]) == 64
 
@@ -101,9 +103,9 @@ def test_serving_config_is_rendered_from_spec_and_export(built_gpt2: Workspace) 
         "port": 8000,
         "max_batch_size": 3,
         "max_queue_depth": 64,
-        "max_context_length": 72,
-        # 2 (k, v) x 2 layers x 4 heads x 16 head_dim x 3 batch x 72 context x 4 bytes (fp32 KV)
-        "kv_cache_budget": 2 * 2 * 4 * 16 * 3 * 72 * 4,
+        "max_context_length": 88,
+        # 2 (k, v) x 2 layers x 4 heads x 16 head_dim x 3 batch x 88 context x 4 bytes (fp32 KV)
+        "kv_cache_budget": 2 * 2 * 4 * 16 * 3 * 88 * 4,
         "request_timeout_seconds": 30.0,
         "streaming": True,
         "ort_session_config": "ort_session.json",
@@ -124,7 +126,7 @@ def test_bundle_refuses_a_batch_larger_than_the_export(built_gpt2: Workspace) ->
 
 def test_manifest_refuses_a_release_whose_checks_failed(ws: Workspace) -> None:
     spec = gpt2_spec()
-    for stage in ("pin", "export", "evalcheck", "quantize"):
+    for stage in ("pin", "export", "evalcheck", "quantize", "evaluate"):
         ws.run(stage, spec)
     ws.run("parity", gpt2_spec(parity={"tolerance": {"atol": 0, "rtol": 0}, "outputs": {}}))
     report = ws.run("manifest", spec)

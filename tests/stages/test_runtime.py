@@ -20,6 +20,7 @@ def test_registry_lists_every_stage_module_once_in_pipeline_order() -> None:
         "evalcheck",
         "parity",
         "quantize",
+        "evaluate",
         "manifest",
         "bundle",
     ]

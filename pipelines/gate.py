@@ -1,0 +1,98 @@
+"""`shipyard gate`: every stage report of a release, plus the production comparison."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from schemas import ReleaseSpec
+from stages import load_stages
+from stages.evaluate import check, has_change
+
+
+@dataclass
+class Row:
+    release: str
+    check: str
+    verdict: str  # PASS, FAIL or n/a
+    detail: str
+
+
+@dataclass
+class GateResult:
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.verdict != "FAIL" for r in self.rows)
+
+    def markdown(self) -> str:
+        head = f"## Shipyard release gate: {'PASS' if self.ok else 'FAIL'}\n\n"
+        table = ["| release | check | verdict | detail |", "|---|---|---|---|"]
+        table += [
+            f"| {r.release} | {r.check} | {_icon(r.verdict)} {r.verdict} | "
+            f"{r.detail.replace('|', '/')} |"
+            for r in self.rows
+        ]
+        failed = sum(r.verdict == "FAIL" for r in self.rows)
+        tail = f"\n\n{failed} check(s) failed." if failed else "\n\nEvery check passed."
+        return head + "\n".join(table) + tail + "\n"
+
+
+def _icon(verdict: str) -> str:
+    return {"PASS": "✅", "FAIL": "❌"}.get(verdict, "➖")
+
+
+def gate(root: Path, releases: list[ReleaseSpec], registry: Any) -> GateResult:
+    """Stage reports (missing, failed or skipped = FAIL) and thresholds vs production."""
+    result = GateResult()
+    for spec in releases:
+        result.rows += _stage_rows(root, spec.name)
+        result.rows += _production_rows(root, spec, registry)
+    return result
+
+
+def _stage_rows(root: Path, release: str) -> list[Row]:
+    rows = []
+    for stage in load_stages():
+        path = root / "build" / release / stage / "report.json"
+        if not path.is_file():
+            rows.append(
+                Row(release, stage, "FAIL", f"no report: run `dvc repro {stage}@{release}`")
+            )
+            continue
+        report = json.loads(path.read_text())
+        status, detail = report["status"], report["summary"]
+        if status == "failed":
+            detail = "; ".join(report["reasons"]) or detail
+        elif status == "skipped":  # skipped is never passed
+            detail = f"skipped, but required: {'; '.join(report['reasons'])}"
+        rows.append(Row(release, stage, "PASS" if status == "passed" else "FAIL", detail))
+    return rows
+
+
+def _production_rows(root: Path, spec: ReleaseSpec, registry: Any) -> list[Row]:
+    wanted = [t for t in spec.evaluation.thresholds if t.baseline == "production" and has_change(t)]
+    if not wanted:
+        return []
+    current = registry.channel(spec.name, "production") if registry else None
+    if not current:
+        note = "no release of this name in production yet; nothing to regress from"
+        return [Row(spec.name, f"{t.metric} vs production", "n/a", note) for t in wanted]
+    baseline = registry.manifest(current["release"], current["version"]).predicate.shipyard
+    report = root / "build" / spec.name / "evaluate" / "report.json"
+    if not report.is_file():
+        return []  # the stage row already fails
+    metrics = json.loads(report.read_text())["details"]["metrics"]
+    rows = []
+    for t in wanted:
+        base = baseline.get("evaluation", {}).get(t.metric)
+        label = f"{t.metric} vs production {current['version']}"
+        if base is None:
+            rows.append(Row(spec.name, label, "FAIL", "production's manifest lacks this metric"))
+            continue
+        outcome = check(t, metrics, base, absolute=False)  # absolute bounds: evaluate stage
+        rows.append(Row(spec.name, label, "PASS" if outcome["ok"] else "FAIL", outcome["message"]))
+    return rows
