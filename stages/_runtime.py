@@ -166,6 +166,15 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def link_or_copy(source: Path, target: Path) -> None:
+    """Hard-link big artifacts instead of copying them; copy across file systems."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
 def read_report(folder: Path) -> StageReport:
     return StageReport.model_validate_json((folder / "report.json").read_text(encoding="utf-8"))
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +11,7 @@ import yaml
 from schemas import ReleaseSpec, StageError
 from stages import write_manifest as wm
 from stages._hashing import hash_shards
-from stages._runtime import StageContext, StageIO, StageResult, write_json
+from stages._runtime import StageContext, StageIO, StageResult, link_or_copy, write_json
 
 NAME = "bundle"
 TEMPLATES = Path(__file__).parent / "templates"
@@ -35,7 +33,7 @@ def io(release: ReleaseSpec) -> StageIO:
 def run(ctx: StageContext, release: Any) -> StageResult:
     manifest = wm.load_manifest(ctx.upstream("manifest") / "manifest.json")
     for name, source in wm.payload(ctx).items():
-        _link(source, ctx.work / name)
+        link_or_copy(source, ctx.work / name)
     info = json.loads((ctx.work / "model/model_info.json").read_text())
     info["dtype"] = json.loads((ctx.work / "model/quant_info.json").read_text())["dtype"]
     values = serving_values(release, info)
@@ -60,15 +58,6 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         metrics={"files": files},
         details={"serving": values},
     )
-
-
-def _link(source: Path, target: Path) -> None:
-    """Hard-link big artifacts instead of copying them; copy across file systems."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
 
 
 def serving_values(release: Any, info: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from stages import _calibration as calib
 from stages import _model as m
 from stages._graph import all_tensors, node_scope
 from stages._quantizers import Quantizer
-from stages._runtime import StageContext, StageIO, StageResult, write_json
+from stages._runtime import StageContext, StageIO, StageResult, link_or_copy, write_json
 
 NAME = "quantize"
 DTYPE = {
@@ -50,7 +50,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     q, export = release.quantization, ctx.upstream("export")
     if q.method == "none":
         for f in export.glob("model.onnx*"):
-            os.link(f, ctx.work / f.name)
+            link_or_copy(f, ctx.work / f.name)
         write_json(ctx.work / "quant_info.json", _info(q, [], None))
         return StageResult.passed("method none: the FP32 model ships unchanged")
     info = json.loads((export / "model_info.json").read_text())
