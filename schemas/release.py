@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]*$"
@@ -327,6 +327,31 @@ class EvaluationConfig(Strict):
     )
 
 
+# ----------------------------------------------------------------------------- capacity
+KV_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+
+
+class CapacityConfig(Strict):
+    """The device the release must fit, for the plan stage's memory budget."""
+
+    device_memory: ByteSize = Field(description="Memory of one device, e.g. `24GiB` or `80GB`.")
+    headroom: float = Field(
+        default=0.85, gt=0, le=1, description="Fraction of device memory the plan may use."
+    )
+    max_context: int | None = Field(
+        default=None, ge=1, description="Tokens per sequence; default the export's maximum."
+    )
+    max_batch: int | None = Field(
+        default=None, ge=1, description="Sequences at once; default export.dims.batch.max."
+    )
+    kv_dtype: Literal["float32", "float16", "bfloat16", "fp8", "int8"] = Field(
+        default="float32", description="Element type of the KV cache."
+    )
+    runtime_overhead: ByteSize = Field(
+        default=ByteSize(256 << 20), description="Runtime, allocator and workspace reserve."
+    )
+
+
 # ----------------------------------------------------------------------------- bundle
 class ServingConfig(Strict):
     port: int = Field(default=8000, ge=1, le=65535, description="Port the server listens on.")
@@ -393,6 +418,7 @@ class ReleaseSpec(Strict):
         description="Post-training quantization (`quantization: {method: none}` for FP32)."
     )
     evaluation: EvaluationConfig = Field(description="Task metrics and regression thresholds.")
+    capacity: CapacityConfig = Field(description="The device the release must fit.")
     bundle: BundleConfig = Field(description="What ships (`bundle: {}` for defaults).")
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ STAGE_MODULES: tuple[str, ...] = (
     "check_parity",
     "quantize",
     "evaluate",
+    "plan_capacity",
     "write_manifest",
     "make_bundle",
 )

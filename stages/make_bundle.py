@@ -36,7 +36,8 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         link_or_copy(source, ctx.work / name)
     info = json.loads((ctx.work / "model/model_info.json").read_text())
     info["dtype"] = json.loads((ctx.work / "model/quant_info.json").read_text())["dtype"]
-    values = serving_values(release, info)
+    plan = json.loads((ctx.upstream("plan") / "plan.json").read_text())
+    values = serving_values(release, info, plan)
     rendered = render(ctx, release, info, values, manifest)
     for name in rendered:
         _parse_back(ctx.work / name)
@@ -60,27 +61,37 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     )
 
 
-def serving_values(release: Any, info: dict[str, Any]) -> dict[str, Any]:
-    """Serving keys from the spec, defaulted from and checked against the export."""
-    s, dims, arch = release.bundle.serving, info["dims"], info["arch"]
+def serving_values(release: Any, info: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """Serving keys from the spec, defaulted from the capacity plan and checked against it
+    and against the export's ranges."""
+    s, dims = release.bundle.serving, info["dims"]
     batch_max = dims.get("batch", {}).get("max", 1)
-    context_max = (
-        dims["sequence"]["max"] + dims.get("past_sequence", {}).get("max", 0)
-        if "sequence" in dims
-        else 0
-    )
-    batch = s.max_batch_size or batch_max
-    context = s.max_context_length or context_max
+    context = s.max_context_length or plan["context"]
+    fits = plan["max_batch_that_fits"] if context == plan["context"] else batch_max
+    batch = s.max_batch_size or max(1, min(batch_max, plan["batch"], fits))
     _within("bundle.serving.max_batch_size", batch, batch_max, "export.dims.batch.max")
-    if context_max:
+    _within(
+        "bundle.serving.max_batch_size",
+        batch,
+        fits,
+        f"the largest batch the capacity plan fits at {context} tokens",
+    )
+    if plan["context"]:
         _within(
             "bundle.serving.max_context_length",
             context,
-            context_max,
-            "export.dims past_sequence.max + sequence.max",
+            plan["context"],
+            "the plan's context (capacity.max_context or the export's maximum)",
         )
+    kv_bytes = plan["kv_bytes_per_sequence"] * context // max(plan["context"], 1) * batch
+    kv_budget = kv_bytes if s.kv_cache_budget is None else s.kv_cache_budget
+    _within(
+        "bundle.serving.kv_cache_budget",
+        kv_budget,
+        plan["usable_bytes"] - plan["extreme"]["weights"] - plan["extreme"]["overhead"],
+        "the device memory the plan leaves after weights and overhead",
+    )
     causal = release.task == "causal-lm"
-    kv_bytes = 2 * arch["layers"] * arch["kv_heads"] * arch["head_dim"] * batch * context * 4
     return {
         "model_path": "model/model.onnx",
         "dtype": info["dtype"],
@@ -88,9 +99,7 @@ def serving_values(release: Any, info: dict[str, Any]) -> dict[str, Any]:
         "max_batch_size": batch,
         "max_queue_depth": s.max_queue_depth,
         "max_context_length": context,
-        "kv_cache_budget": s.kv_cache_budget
-        if s.kv_cache_budget is not None
-        else (kv_bytes if causal else 0),
+        "kv_cache_budget": kv_budget,
         "request_timeout_seconds": s.request_timeout_seconds,
         "streaming": causal if s.streaming is None else s.streaming,
     }

@@ -13,7 +13,7 @@ from stages._hashing import SHARD, hash_shards
 from stages._runtime import StageContext, StageIO, StageResult, read_report, write_json
 
 NAME = "manifest"
-CHECKED = ("pin", "export", "evalcheck", "parity", "quantize", "evaluate")  # reports ship
+CHECKED = ("pin", "export", "evalcheck", "parity", "quantize", "evaluate", "plan")
 
 
 def io(release: ReleaseSpec) -> StageIO:

@@ -37,6 +37,7 @@ def generic_spec(name: str, factory: str, **overrides: Any) -> dict[str, Any]:
         "parity": {},
         "quantization": {"method": "none"},
         "evaluation": {"dataset": {"path": "data/generic.npz", "samples": 8}},
+        "capacity": {"device_memory": "1GiB"},
         "bundle": {},
     }
     for key, value in overrides.items():

@@ -31,6 +31,7 @@ def test_each_stage_params_name_only_its_own_sections() -> None:
         "parity": ["model", "task", "export", "parity"],
         "quantize": ["task", "export", "quantization"],
         "evaluate": ["model", "task", "export", "evaluation"],
+        "plan": ["task", "export", "capacity"],
         "manifest": ["version", "task"],
         "bundle": ["version", "task", "bundle"],
     }

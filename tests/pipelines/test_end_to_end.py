@@ -15,7 +15,17 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 VENV = Path(sys.executable).parent.parent
-STAGES = ["pin", "export", "evalcheck", "parity", "quantize", "evaluate", "manifest", "bundle"]
+STAGES = [
+    "pin",
+    "export",
+    "evalcheck",
+    "parity",
+    "quantize",
+    "evaluate",
+    "plan",
+    "manifest",
+    "bundle",
+]
 
 
 def sh(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -48,6 +48,7 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
         "reports/parity.json",
         "reports/quantize.json",
         "reports/evaluate.json",
+        "reports/plan.json",
         "model/quant_info.json",
         "serving.yaml",
         "ort_session.json",
@@ -58,7 +59,15 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
     assert shard.digest == hashlib.sha256(onnx_bytes).hexdigest()
     facts = manifest.predicate.shipyard
     assert facts["pins"]["packages"]["torch"].startswith("2.13.0")
-    assert set(facts["stages"]) == {"pin", "export", "evalcheck", "parity", "quantize", "evaluate"}
+    assert set(facts["stages"]) == {
+        "pin",
+        "export",
+        "evalcheck",
+        "parity",
+        "quantize",
+        "evaluate",
+        "plan",
+    }
     assert facts["evaluation"]["greedy_exact_match"] == 1.0
     assert facts["quantization"] == {"method": "int8-dynamic", "dtype": "int8", "float_nodes": []}
     assert len(facts["calibration"]["sha256"]) == 64
@@ -126,7 +135,7 @@ def test_bundle_refuses_a_batch_larger_than_the_export(built_gpt2: Workspace) ->
 
 def test_manifest_refuses_a_release_whose_checks_failed(ws: Workspace) -> None:
     spec = gpt2_spec()
-    for stage in ("pin", "export", "evalcheck", "quantize", "evaluate"):
+    for stage in ("pin", "export", "evalcheck", "quantize", "evaluate", "plan"):
         ws.run(stage, spec)
     ws.run("parity", gpt2_spec(parity={"tolerance": {"atol": 0, "rtol": 0}, "outputs": {}}))
     report = ws.run("manifest", spec)

@@ -21,6 +21,7 @@ def test_registry_lists_every_stage_module_once_in_pipeline_order() -> None:
         "parity",
         "quantize",
         "evaluate",
+        "plan",
         "manifest",
         "bundle",
     ]

@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from schemas import StageError
+from stages.make_bundle import serving_values
+from tests.conftest import Workspace, gpt2_spec
+
+MIB = 1 << 20
+
+
+def test_plan_counts_weights_kv_cache_activations_and_overhead(built_gpt2: Workspace) -> None:
+    report = built_gpt2.run("plan", gpt2_spec())
+    assert report.status.value == "passed", report.reasons
+    plan = json.loads((built_gpt2.out("tiny-gpt2", "plan") / "plan.json").read_text())
+    # 2 (k, v) x 2 layers x 4 kv heads x 16 head_dim x 88 tokens x 4 bytes
+    assert plan["kv_bytes_per_sequence"] == 2 * 2 * 4 * 16 * 88 * 4
+    assert plan["batch"] == 3 and plan["context"] == 88
+    extreme = plan["extreme"]
+    assert extreme["kv_cache"] == 3 * plan["kv_bytes_per_sequence"]
+    assert extreme["total"] == sum(v for k, v in extreme.items() if k != "total")
+    weights = sum(
+        f.stat().st_size for f in built_gpt2.out("tiny-gpt2", "quantize").glob("model.onnx*")
+    )
+    assert extreme["weights"] == weights  # the quantized model, not the FP32 checkpoint
+
+
+def test_plan_that_does_not_fit_fails_with_the_numbers(built_gpt2: Workspace) -> None:
+    spec = gpt2_spec(capacity={"device_memory": "400MiB", "max_batch": 4000})
+    report = built_gpt2.run("plan", spec)
+    assert report.status.value == "failed"
+    reason = report.reasons[0]
+    assert reason.startswith("the extreme case (batch 4000 x 88 tokens) needs ")
+    assert "0.85 x 0.391 GiB = 0.332 GiB is usable" in reason
+    assert "Fix: lower capacity.max_batch to " in reason
+    fits = int(reason.rsplit(" ", 1)[1])
+    assert 0 < fits < 4000
+    built_gpt2.run("plan", gpt2_spec())  # restore the shared workspace
+
+
+def test_weights_alone_too_big_says_so(built_gpt2: Workspace) -> None:
+    spec = gpt2_spec(capacity={"device_memory": "200MiB"})
+    report = built_gpt2.run("plan", spec)
+    assert "the weights alone do not fit" in report.reasons[0]
+    built_gpt2.run("plan", gpt2_spec())
+
+
+INFO = {
+    "dims": {"batch": {"max": 8}, "sequence": {"max": 64}, "past_sequence": {"max": 64}},
+    "dtype": "int8",
+}
+PLAN = {
+    "batch": 8,
+    "context": 128,
+    "max_batch_that_fits": 5,
+    "kv_bytes_per_sequence": 1000,
+    "usable_bytes": 10**9,
+    "extreme": {"weights": 10**6, "overhead": 10**6},
+}
+
+
+def release(**serving: object) -> object:
+    from types import SimpleNamespace
+
+    from schemas.release import ServingConfig
+
+    return SimpleNamespace(
+        task="causal-lm", bundle=SimpleNamespace(serving=ServingConfig(**serving))
+    )
+
+
+def test_serving_takes_its_batch_and_kv_budget_from_the_plan() -> None:
+    values = serving_values(release(), INFO, PLAN)
+    assert values["max_batch_size"] == 5  # what fits, below the export's 8
+    assert values["kv_cache_budget"] == 5 * 1000
+
+
+def test_serving_batch_beyond_the_plan_is_refused() -> None:
+    with pytest.raises(
+        StageError,
+        match="bundle.serving.max_batch_size = 6 exceeds the largest "
+        "batch the capacity plan fits at 128 tokens = 5",
+    ):
+        serving_values(release(max_batch_size=6), INFO, PLAN)
