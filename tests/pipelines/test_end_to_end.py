@@ -11,21 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from stages import load_stages
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 VENV = Path(sys.executable).parent.parent
-STAGES = [
-    "pin",
-    "export",
-    "evalcheck",
-    "parity",
-    "quantize",
-    "evaluate",
-    "plan",
-    "manifest",
-    "bundle",
-]
+STAGES = list(load_stages())  # the order itself is pinned in tests/stages/test_runtime.py
 
 
 def sh(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
