@@ -34,8 +34,9 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     path = ctx.upstream("export") / "model.onnx"
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     rows, failures = [], []
-    with ctx.progress("comparing outputs", len(_shapes(release))) as advance:
-        for label, sizes in _shapes(release):
+    shapes = _shapes(release)
+    with ctx.progress("comparing outputs", len(shapes)) as advance:
+        for label, sizes in shapes:
             feeds = m.make_inputs(lay, sizes, seed=cfg.seed)
             expected = m.torch_outputs(flat, lay, feeds)
             got = session.run([t.name for t in lay.outputs], feeds)
@@ -52,7 +53,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
             advance()
     details: dict[str, Any] = {"comparisons": rows}
     if failures or cfg.layerwise == "always":
-        feeds = failures[0][1] if failures else m.make_inputs(lay, _shapes(release)[0][1], cfg.seed)
+        feeds = failures[0][1] if failures else m.make_inputs(lay, shapes[0][1], cfg.seed)
         details["layerwise"] = layerwise(flat, lay, path, feeds, cfg)
     worst = max(r["error"] for r in rows)
     metrics = {"worst_normalized_error": worst, "max_abs_diff": max(r["max_abs"] for r in rows)}
@@ -64,7 +65,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
             metrics=metrics,
         )
     return StageResult.passed(
-        f"{len(rows)} comparisons at {len(_shapes(release))} shapes within tolerance "
+        f"{len(rows)} comparisons at {len(shapes)} shapes within tolerance "
         f"({cfg.statistic} normalized error {worst:.3g} <= 1)",
         details=details,
         metrics=metrics,
