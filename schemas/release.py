@@ -367,6 +367,20 @@ class ServingConfig(Strict):
     )
     request_timeout_seconds: float = Field(default=30.0, gt=0, description="Per-request timeout.")
     streaming: bool | None = Field(default=None, description="Default: true for causal-lm.")
+    dynamic_batching: bool = Field(
+        default=True, description="Server-side batching of concurrent requests (Triton, MLServer)."
+    )
+    max_queue_delay_microseconds: int = Field(
+        default=2000, ge=0, description="How long a request may wait for a batch to fill."
+    )
+    preferred_batch_sizes: list[Annotated[int, Field(ge=1)]] | None = Field(
+        default=None, description="Triton dynamic_batching.preferred_batch_size; each <= max."
+    )
+    instance_count: int = Field(default=1, ge=1, description="Model instances (Triton).")
+    instance_kind: Literal["KIND_CPU", "KIND_GPU", "KIND_AUTO"] = Field(
+        default="KIND_CPU", description="Triton instance_group kind."
+    )
+    warmup: bool = Field(default=True, description="Triton model_warmup with a max-shape request.")
 
 
 class OrtSessionConfig(Strict):
@@ -398,6 +412,85 @@ class BundleConfig(Strict):
     model_card: ModelCard = Field(default_factory=ModelCard, description="Model card text.")
 
 
+# ----------------------------------------------------------------------------- loadtest
+class LoadTarget(Strict):
+    url: str = Field(
+        pattern=r"^https?://[^/\s]+$",
+        description="Base URL of an Open Inference Protocol (KServe V2) server, no path.",
+    )
+    model: str | None = Field(default=None, description="Model name there; default the release.")
+
+
+class LoadGrid(Strict):
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [1, 4, 8, 16, 32],
+        min_length=1,
+        description="Batch sizes; values beyond export.dims.batch.max are trimmed to it.",
+    )
+    input_lengths: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [128, 512, 1024, 2048],
+        min_length=1,
+        description="Input lengths; values beyond export.dims.sequence.max are trimmed to it.",
+    )
+    requests: int = Field(default=8, ge=1, le=10_000, description="Requests per grid point.")
+
+
+class LoadRamp(Strict):
+    max_concurrency: int = Field(default=32, ge=1, le=4096, description="Cap of the ramp.")
+    window_seconds: float = Field(default=2.0, gt=0, description="One measurement window.")
+    max_windows: int = Field(
+        default=10, ge=3, le=100, description="Windows per point before it is inconclusive."
+    )
+    stability: float = Field(
+        default=0.10, gt=0, lt=1, description="Last 3 windows must agree within this fraction."
+    )
+    knee_gain: float = Field(
+        default=0.05, ge=0, description="A step gaining less throughput than this is flat."
+    )
+    knee_patience: int = Field(default=4, ge=1, description="Flat steps before the ramp stops.")
+    input_length: int = Field(default=32, ge=1, description="Input tokens (or rows) per request.")
+    output_tokens: int = Field(
+        default=16, ge=1, description="causal-lm: tokens generated per request (streamed)."
+    )
+
+
+class LoadSoak(Strict):
+    seconds: float = Field(default=10.0, ge=0, description="Soak length; 0 skips the soak.")
+    concurrency: int | None = Field(default=None, ge=1, description="Default: the knee.")
+    max_growth_mb_per_min: float = Field(
+        default=50.0, gt=0, description="Steady RSS growth of the server above this fails."
+    )
+
+
+class LoadSlo(Strict):
+    """Service-level objectives; each unset one is not checked. Latencies at the knee."""
+
+    p95_latency_ms: float | None = Field(default=None, gt=0, description="End-to-end p95.")
+    p95_ttft_ms: float | None = Field(default=None, gt=0, description="causal-lm: first token.")
+    p95_itl_ms: float | None = Field(
+        default=None, gt=0, description="causal-lm: p95 inter-token (per-token) latency."
+    )
+    min_throughput_rps: float | None = Field(default=None, gt=0, description="Requests/s.")
+    min_tokens_per_s: float | None = Field(default=None, gt=0, description="Output tokens/s.")
+    max_memory_fraction: float | None = Field(
+        default=None, gt=0, le=1, description="Server peak RSS / capacity.device_memory."
+    )
+
+
+class LoadTestConfig(Strict):
+    target: LoadTarget | None = Field(
+        default=None, description="An external V2 endpoint instead of the bundle's own server."
+    )
+    grid: LoadGrid = Field(default_factory=LoadGrid, description="Batch x input-length grid.")
+    ramp: LoadRamp = Field(default_factory=LoadRamp, description="Closed-loop concurrency ramp.")
+    soak: LoadSoak = Field(default_factory=LoadSoak, description="Memory-growth soak.")
+    slo: LoadSlo = Field(default_factory=LoadSlo, description="Gates on the measured numbers.")
+    batching_comparison: bool = Field(
+        default=True, description="Measure dynamic batching on vs off at the knee."
+    )
+    startup_seconds: float = Field(default=120.0, gt=0, description="Server start timeout.")
+
+
 # ----------------------------------------------------------------------------- release
 class ReleaseSpec(Strict):
     """One model release: what to build, how to check it, and what to ship.
@@ -420,6 +513,7 @@ class ReleaseSpec(Strict):
     evaluation: EvaluationConfig = Field(description="Task metrics and regression thresholds.")
     capacity: CapacityConfig = Field(description="The device the release must fit.")
     bundle: BundleConfig = Field(description="What ships (`bundle: {}` for defaults).")
+    loadtest: LoadTestConfig = Field(description="Load test (`loadtest: {}` for defaults).")
 
     @model_validator(mode="after")
     def _task_needs(self) -> ReleaseSpec:
@@ -446,6 +540,7 @@ class ReleaseSpec(Strict):
                 )
         self._check_quantization()
         self._check_evaluation()
+        self._check_loadtest()
         for i, shape in enumerate(self.parity.shapes or []):
             bad = {k: v for k, v in shape.items() if k not in self.export.dims}
             if bad:
@@ -492,3 +587,22 @@ class ReleaseSpec(Strict):
                 f"evaluation.decode prompt_tokens + tokens - 1 = {d.prompt_tokens + d.tokens - 1}"
                 f" exceeds export.dims.past_sequence.max {dims['past_sequence'].max}"
             )
+
+    def _check_loadtest(self) -> None:
+        r, dims = self.loadtest.ramp, self.export.dims
+        if self.task == "causal-lm" and r.input_length + r.output_tokens - 1 > min(
+            dims["sequence"].max, dims["past_sequence"].max
+        ):
+            raise ValueError(
+                f"loadtest.ramp input_length + output_tokens - 1 = "
+                f"{r.input_length + r.output_tokens - 1} exceeds the export's sequence or "
+                "past_sequence max; lower them or widen export.dims"
+            )
+        s = self.bundle.serving
+        if s.preferred_batch_sizes and s.max_batch_size:
+            over = [b for b in s.preferred_batch_sizes if b > s.max_batch_size]
+            if over:
+                raise ValueError(
+                    f"bundle.serving.preferred_batch_sizes {over} exceed max_batch_size "
+                    f"{s.max_batch_size}"
+                )

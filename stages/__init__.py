@@ -28,6 +28,8 @@ STAGE_MODULES: tuple[str, ...] = (
     "quantize",
     "evaluate",
     "plan_capacity",
+    "render_serving",
+    "loadtest",
     "write_manifest",
     "make_bundle",
 )

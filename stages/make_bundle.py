@@ -6,27 +6,33 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from schemas import ReleaseSpec, StageError
+from schemas import ReleaseSpec
 from stages import write_manifest as wm
 from stages._hashing import hash_shards
-from stages._runtime import StageContext, StageIO, StageResult, link_or_copy, write_json
+from stages._runtime import (
+    StageContext,
+    StageIO,
+    StageResult,
+    link_or_copy,
+    read_report,
+    write_json,
+)
 
 NAME = "bundle"
 TEMPLATES = Path(__file__).parent / "templates"
-RENDERED = {
-    "serving.yaml": "serving.yaml.j2",
-    "ort_session.json": "ort_session.json.j2",
-    "MODEL_CARD.md": "MODEL_CARD.md.j2",
-}
+RENDERED = {"MODEL_CARD.md": "MODEL_CARD.md.j2"}
 
 
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("version", "task", "bundle"),
         upstream=(*wm.CHECKED, "manifest"),
-        code=("stages/write_manifest.py", "stages/_hashing.py", "stages/templates"),
+        code=(
+            "stages/write_manifest.py",
+            "stages/_hashing.py",
+            "stages/render_serving.py",
+            "stages/templates/MODEL_CARD.md.j2",
+        ),
     )
 
 
@@ -36,11 +42,9 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         link_or_copy(source, ctx.work / name)
     info = json.loads((ctx.work / "model/model_info.json").read_text())
     info["dtype"] = json.loads((ctx.work / "model/quant_info.json").read_text())["dtype"]
-    plan = json.loads((ctx.upstream("plan") / "plan.json").read_text())
-    values = serving_values(release, info, plan)
-    rendered = render(ctx, release, info, values, manifest)
-    for name in rendered:
-        _parse_back(ctx.work / name)
+    values = read_report(ctx.upstream("serve")).details["serving"]
+    loadtest = read_report(ctx.upstream("loadtest")).details
+    rendered = render(ctx, release, info, values | {"loadtest": loadtest}, manifest)
     extra = hash_shards(
         {n: ctx.work / n for n in rendered}, manifest.predicate.serialization.shard_size
     )
@@ -61,72 +65,11 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     )
 
 
-def serving_values(release: Any, info: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
-    """Serving keys from the spec, defaulted from the capacity plan and checked against it
-    and against the export's ranges."""
-    s, dims = release.bundle.serving, info["dims"]
-    batch_max = dims.get("batch", {}).get("max", 1)
-    context = s.max_context_length or plan["context"]
-    fits = plan["max_batch_that_fits"] if context == plan["context"] else batch_max
-    batch = s.max_batch_size or max(1, min(batch_max, plan["batch"], fits))
-    _within("bundle.serving.max_batch_size", batch, batch_max, "export.dims.batch.max")
-    _within(
-        "bundle.serving.max_batch_size",
-        batch,
-        fits,
-        f"the largest batch the capacity plan fits at {context} tokens",
-    )
-    if plan["context"]:
-        _within(
-            "bundle.serving.max_context_length",
-            context,
-            plan["context"],
-            "the plan's context (capacity.max_context or the export's maximum)",
-        )
-    kv_bytes = plan["kv_bytes_per_sequence"] * context // max(plan["context"], 1) * batch
-    kv_budget = kv_bytes if s.kv_cache_budget is None else s.kv_cache_budget
-    _within(
-        "bundle.serving.kv_cache_budget",
-        kv_budget,
-        plan["usable_bytes"] - plan["extreme"]["weights"] - plan["extreme"]["overhead"],
-        "the device memory the plan leaves after weights and overhead",
-    )
-    causal = release.task == "causal-lm"
-    return {
-        "model_path": "model/model.onnx",
-        "dtype": info["dtype"],
-        "port": s.port,
-        "max_batch_size": batch,
-        "max_queue_depth": s.max_queue_depth,
-        "max_context_length": context,
-        "kv_cache_budget": kv_budget,
-        "request_timeout_seconds": s.request_timeout_seconds,
-        "streaming": causal if s.streaming is None else s.streaming,
-    }
-
-
-def _within(field: str, value: int, limit: int, source: str) -> None:
-    if value > limit:
-        raise StageError(
-            NAME,
-            f"{field} = {value} exceeds {source} = {limit}; the exported "
-            "graph is not promised to run beyond it",
-            f"lower {field} or raise {source} and re-export",
-        )
-
-
 def render(
     ctx: StageContext, release: Any, info: dict[str, Any], values: dict[str, Any], manifest: Any
 ) -> list[str]:
-    from jinja2 import FileSystemLoader, StrictUndefined
-    from jinja2.sandbox import SandboxedEnvironment
+    from stages.render_serving import render as render_templates
 
-    env = SandboxedEnvironment(
-        loader=FileSystemLoader(TEMPLATES),
-        undefined=StrictUndefined,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
     context = {
         **values,
         "release": ctx.release,
@@ -139,22 +82,5 @@ def render(
         "digest": manifest.subject[0].digest["sha256"],
         "quant": manifest.predicate.shipyard["quantization"],
     }
-    for out, template in RENDERED.items():
-        (ctx.work / out).write_text(env.get_template(template).render(context), encoding="utf-8")
+    render_templates(ctx.work, RENDERED, context, trim=False)
     return list(RENDERED)
-
-
-def _parse_back(path: Path) -> None:
-    """A rendered config must parse; a template bug fails here, not in production."""
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix == ".json":
-            json.loads(text)
-        elif path.suffix == ".yaml":
-            yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise StageError(
-            NAME,
-            f"rendered {path.name} does not parse: {exc}",
-            f"fix stages/templates/{RENDERED[path.name]}",
-        ) from None

@@ -13,7 +13,17 @@ from stages._hashing import SHARD, hash_shards
 from stages._runtime import StageContext, StageIO, StageResult, read_report, write_json
 
 NAME = "manifest"
-CHECKED = ("pin", "export", "evalcheck", "parity", "quantize", "evaluate", "plan")
+CHECKED = (
+    "pin",
+    "export",
+    "evalcheck",
+    "parity",
+    "quantize",
+    "evaluate",
+    "plan",
+    "serve",
+    "loadtest",
+)
 
 
 def io(release: ReleaseSpec) -> StageIO:
@@ -32,7 +42,21 @@ def payload(ctx: StageContext) -> dict[str, Path]:
     files["model/quant_info.json"] = quantized / "quant_info.json"
     for stage in CHECKED:
         files[f"reports/{stage}.json"] = ctx.upstream(stage) / "report.json"
+    # Triton wants the model inside its repository entry: the same file under a second name.
+    for p in sorted(quantized.glob("model.onnx*")):
+        files[f"serving/triton/{ctx.release}/1/{p.name}"] = p
+    files.update(_outputs(ctx.upstream("serve"), ""))
+    files.update(_outputs(ctx.upstream("loadtest"), "reports/loadtest/"))
     return files
+
+
+def _outputs(folder: Path, prefix: str) -> dict[str, Path]:
+    """Every file a stage wrote but its report (which goes under reports/)."""
+    return {
+        prefix + p.relative_to(folder).as_posix(): p
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "report.json"
+    }
 
 
 def run(ctx: StageContext, release: Any) -> StageResult:

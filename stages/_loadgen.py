@@ -1,0 +1,189 @@
+"""Closed-loop load generation against an Open Inference Protocol (KServe V2) endpoint.
+
+aiohttp on one event loop: the client must not be the bottleneck (see
+benchmarks/bench_loadclient.py for the comparison with wrk). Every loop is bounded in both
+count and time. Measurement follows perf_analyzer: windows of fixed length, and a point is
+stable when the last three windows agree within a fraction on throughput and p95 latency;
+otherwise it is inconclusive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+STABLE_WINDOWS = 3
+DRAIN_SECONDS = 30.0
+
+
+@dataclass
+class Request:
+    """One prepared request: the URL, its encoded body, and what one success yields."""
+
+    url: str
+    body: bytes
+    stream: bool = False
+    rows: int = 1  # sequences per request (its batch)
+    tokens: int = 0  # output tokens per request (causal-lm)
+
+
+@dataclass
+class Sample:
+    end: float
+    latency: float
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    ok: bool = True
+    error: str = ""
+
+
+def v2_body(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None = None) -> bytes:
+    """A V2 inference request body."""
+    types = {"int64": "INT64", "int32": "INT32", "float32": "FP32", "float16": "FP16"}
+    body: dict[str, Any] = {
+        "inputs": [
+            {
+                "name": name,
+                "shape": list(value.shape),
+                "datatype": types[str(value.dtype)],
+                "data": value.ravel().tolist(),
+            }
+            for name, value in inputs.items()
+        ]
+    }
+    if parameters:
+        body["parameters"] = parameters
+    return json.dumps(body).encode()
+
+
+async def _one(session: Any, req: Request, timeout: float) -> Sample:
+    import aiohttp
+
+    start = time.perf_counter()
+    marks: list[float] = []
+    try:
+        async with session.post(
+            req.url,
+            data=req.body,
+            headers={"content-type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp:
+            if req.stream:
+                async for line in resp.content:
+                    if line.startswith(b"data:"):
+                        marks.append(time.perf_counter())
+            else:
+                await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}")
+    except (TimeoutError, aiohttp.ClientError, RuntimeError) as exc:
+        end = time.perf_counter()
+        return Sample(end, end - start, ok=False, error=f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    if req.stream and len(marks) != req.tokens:
+        return Sample(end, end - start, ok=False, error=f"{len(marks)} of {req.tokens} tokens")
+    ttft = marks[0] - start if marks else None
+    return Sample(end, end - start, ttft, list(np.diff(marks)) if marks else [])
+
+
+def summarize(samples: list[Sample], seconds: float, req: Request) -> dict[str, Any]:
+    """Throughput and latency percentiles (ms) of the successful samples."""
+    good = [s for s in samples if s.ok]
+    lat = np.array([s.latency for s in good]) * 1000
+    out: dict[str, Any] = {
+        "requests": len(good),
+        "errors": len(samples) - len(good),
+        "seconds": round(seconds, 3),
+        "throughput_rps": len(good) / seconds if seconds > 0 else 0.0,
+    }
+    out["rows_per_s"] = out["throughput_rps"] * req.rows
+    out["tokens_per_s"] = out["throughput_rps"] * req.rows * req.tokens
+    for q in (50, 90, 95, 99):
+        out[f"p{q}_latency_ms"] = float(np.percentile(lat, q)) if len(lat) else None
+    ttft = [s.ttft * 1000 for s in good if s.ttft is not None]
+    itl = [x * 1000 for s in good for x in s.itl]
+    if ttft:
+        out["p50_ttft_ms"], out["p95_ttft_ms"] = np.percentile(ttft, [50, 95]).tolist()
+    if itl:
+        out["p50_itl_ms"], out["p95_itl_ms"] = np.percentile(itl, [50, 95]).tolist()
+    first = next((s.error for s in samples if not s.ok), "")
+    if first:
+        out["first_error"] = first
+    return out
+
+
+def stable(windows: list[dict[str, Any]], within: float) -> bool:
+    """The last three windows agree within `within` on throughput and p95 latency."""
+    if len(windows) < STABLE_WINDOWS:
+        return False
+    last = windows[-STABLE_WINDOWS:]
+    for key in ("throughput_rps", "p95_latency_ms"):
+        values = [w[key] for w in last]
+        if any(v is None for v in values) or min(values) <= 0:
+            return False
+        if (max(values) - min(values)) / float(np.mean(values)) > within:
+            return False
+    return True
+
+
+async def measure(
+    req: Request,
+    concurrency: int,
+    window: float,
+    max_windows: int,
+    within: float,
+    timeout: float,
+) -> dict[str, Any]:
+    """Closed loop at `concurrency` until three windows agree or max_windows pass."""
+    import aiohttp
+
+    samples: list[Sample] = []
+    stop = asyncio.Event()
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker() -> None:
+            while not stop.is_set():
+                samples.append(await _one(session, req, timeout))
+
+        tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        windows: list[dict[str, Any]] = []
+        bounds, begin = [0], time.perf_counter()
+        for _ in range(max_windows):
+            await asyncio.sleep(window)
+            now = time.perf_counter()
+            bounds.append(len(samples))
+            windows.append(summarize(samples[bounds[-2] : bounds[-1]], now - begin, req))
+            begin = now
+            if stable(windows, within):
+                break
+        stop.set()
+        await asyncio.wait(tasks, timeout=DRAIN_SECONDS)
+        for t in tasks:
+            t.cancel()
+    last = windows[-STABLE_WINDOWS:]
+    first = bounds[max(0, len(bounds) - 1 - STABLE_WINDOWS)]
+    merged = summarize(samples[first : bounds[-1]], sum(w["seconds"] for w in last), req)
+    merged.update(
+        concurrency=concurrency,
+        windows=len(windows),
+        stable=stable(windows, within),
+        window_throughput=[round(w["throughput_rps"], 3) for w in windows],
+    )
+    return merged
+
+
+async def fixed_count(req: Request, count: int, timeout: float) -> dict[str, Any]:
+    """`count` requests one after another (concurrency 1): the grid's latency per shape."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        await _one(session, req, timeout)  # warm the connection and the shape
+        start = time.perf_counter()
+        samples = [await _one(session, req, timeout) for _ in range(count)]
+        return summarize(samples, time.perf_counter() - start, req)

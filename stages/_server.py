@@ -1,0 +1,162 @@
+"""The bundle's own MLServer on 127.0.0.1: random free ports, health-checked, always stopped.
+
+The server runs in its own process group, so stopping it stops everything it started; a
+server that exits or never becomes ready fails with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from schemas import StageError
+from stages._runtime import link_or_copy
+
+POLL = 0.2
+STOP_SECONDS = 10.0
+LOG_TAIL = 40
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports the kernel reports free on loopback right now."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def assemble(tree: Path, model_files: list[Path], serve: Path) -> None:
+    """The bundle's serving layout in `tree`: model/ (hard links), configs (copies)."""
+    for f in model_files:
+        link_or_copy(f, tree / "model" / f.name)
+    for f in serve.rglob("*"):
+        if f.is_file() and f.name != "report.json":
+            target = tree / f.relative_to(serve)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, target)  # copies: the server's settings are edited below
+
+
+def log_tail(log: Path, lines: int = LOG_TAIL) -> str:
+    text = log.read_text(encoding="utf-8", errors="replace") if log.is_file() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class LocalServer:
+    """`with LocalServer(...) as server:` -> server.url is ready to take requests."""
+
+    def __init__(
+        self, tree: Path, model: str, log: Path, startup: float, batching: bool = True
+    ) -> None:
+        self.tree, self.model, self.log, self.startup = tree, model, log, startup
+        self.batching = batching
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def _configure(self) -> None:
+        folder = self.tree / "serving" / "mlserver"
+        http, grpc, metrics = free_ports(3)
+        settings = json.loads((folder / "settings.json").read_text())
+        settings.update(host="127.0.0.1", http_port=http, grpc_port=grpc, metrics_port=metrics)
+        (folder / "settings.json").write_text(json.dumps(settings, indent=2))
+        model_settings = folder / self.model / "model-settings.json"
+        ms = json.loads(model_settings.read_text())
+        if not self.batching:
+            ms.update(max_batch_size=1, max_batch_time=0)
+        model_settings.write_text(json.dumps(ms, indent=2))
+        self.url = f"http://127.0.0.1:{http}"
+
+    def __enter__(self) -> LocalServer:
+        self._configure()
+        exe = Path(sys.executable).parent / "mlserver"
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [str(exe), "start", str(self.tree / "serving" / "mlserver")],
+                cwd=self.tree,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup
+        ready = f"{self.url}/v2/models/{self.model}/ready"
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                self._fail(f"the server exited with code {code} before it was ready")
+            if "Couldn't load model" in log_tail(self.log, 200) or (
+                "Traceback" in log_tail(self.log, 200)
+            ):
+                self._fail("the server could not load the model")
+            try:
+                with urllib.request.urlopen(ready, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(POLL)
+        self._fail(f"the server was not ready within {self.startup:g} s")
+
+    def _fail(self, why: str) -> None:
+        self.stop()
+        raise StageError(
+            "loadtest",
+            f"{why} (MLServer from {self.tree.name}, log {self.log.name}):\n{log_tail(self.log)}",
+            "read the log above; raise loadtest.startup_seconds if the model is just slow",
+        )
+
+    def stop(self) -> None:
+        """SIGTERM the process group, then SIGKILL; idempotent."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, STOP_SECONDS), (signal.SIGKILL, STOP_SECONDS)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError):  # stragglers after the leader exited
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def rss(self) -> int:
+        """Resident memory of the server and its children, in bytes."""
+        import psutil
+
+        assert self.proc is not None
+        try:
+            proc = psutil.Process(self.proc.pid)
+            return int(sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]))
+        except psutil.Error:
+            return 0

@@ -1,0 +1,254 @@
+"""serve: serving configs rendered from templates, parsed back and checked against the plan.
+
+Outputs, laid out as they sit in the bundle:
+- `serving.yaml` and `ort_session.json`: the generic server config;
+- `serving/triton/<release>/config.pbtxt`: a Triton model repository entry (onnxruntime
+  backend; the bundle adds `1/model.onnx`), parsed back with Triton's own protobuf;
+- `serving/mlserver/`: `settings.json` and `<release>/model-settings.json` plus the
+  `shipyard_runtime.py` that serves the model over the Open Inference Protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from schemas import ReleaseSpec, StageError
+from stages._runtime import StageContext, StageIO, StageResult
+
+NAME = "serve"
+TEMPLATES = Path(__file__).parent / "templates"
+RUNTIME = Path(__file__).parent / "shipyard_runtime.py"
+TRITON_TYPES = {
+    "float32": "TYPE_FP32",
+    "float16": "TYPE_FP16",
+    "bfloat16": "TYPE_BF16",
+    "int64": "TYPE_INT64",
+    "int32": "TYPE_INT32",
+    "int8": "TYPE_INT8",
+    "uint8": "TYPE_UINT8",
+    "bool": "TYPE_BOOL",
+}
+
+
+def rendered(release: str) -> dict[str, str]:
+    """Output path -> template."""
+    return {
+        "serving.yaml": "serving.yaml.j2",
+        "ort_session.json": "ort_session.json.j2",
+        f"serving/triton/{release}/config.pbtxt": "triton_config.pbtxt.j2",
+        "serving/mlserver/settings.json": "mlserver_settings.json.j2",
+        f"serving/mlserver/{release}/model-settings.json": "model-settings.json.j2",
+    }
+
+
+def io(release: ReleaseSpec) -> StageIO:
+    return StageIO(
+        params=("version", "task", "bundle"),
+        upstream=("export/model_info.json", "quantize/quant_info.json", "plan/plan.json"),
+        code=("stages/templates", "stages/shipyard_runtime.py"),
+    )
+
+
+def run(ctx: StageContext, release: Any) -> StageResult:
+    info = json.loads((ctx.upstream("export") / "model_info.json").read_text())
+    info["dtype"] = json.loads((ctx.upstream("quantize") / "quant_info.json").read_text())["dtype"]
+    plan = json.loads((ctx.upstream("plan") / "plan.json").read_text())
+    values = serving_values(release, info, plan)
+    triton = triton_values(info, values)
+    context = {
+        **values,
+        "release": ctx.release,
+        "model_name": ctx.release,
+        "version": release.version,
+        "task": release.task,
+        "ort": release.bundle.ort_session.model_dump(),
+        "triton": triton,
+    }
+    files = render(ctx.work, rendered(ctx.release), context)
+    for path in files:
+        parse_back(path, info, values)
+    runtime = ctx.work / "serving" / "mlserver" / ctx.release / RUNTIME.name
+    shutil.copyfile(RUNTIME, runtime)
+    return StageResult.passed(
+        f"{len(files)} configs rendered and parsed back; max_batch_size "
+        f"{values['max_batch_size']}, context {values['max_context_length']}",
+        metrics={"max_batch_size": values["max_batch_size"]},
+        details={"serving": values, "files": sorted(rendered(ctx.release))},
+    )
+
+
+def serving_values(release: Any, info: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """Serving keys from the spec, defaulted from the capacity plan and checked against it
+    and against the export's ranges."""
+    s, dims = release.bundle.serving, info["dims"]
+    batch_max = dims.get("batch", {}).get("max", 1)
+    context = s.max_context_length or plan["context"]
+    fits = plan["max_batch_that_fits"] if context == plan["context"] else batch_max
+    batch = s.max_batch_size or max(1, min(batch_max, plan["batch"], fits))
+    _within("bundle.serving.max_batch_size", batch, batch_max, "export.dims.batch.max")
+    _within(
+        "bundle.serving.max_batch_size",
+        batch,
+        fits,
+        f"the largest batch the capacity plan fits at {context} tokens",
+    )
+    for size in s.preferred_batch_sizes or []:
+        _within("bundle.serving.preferred_batch_sizes", size, batch, "the served max_batch_size")
+    if plan["context"]:
+        _within(
+            "bundle.serving.max_context_length",
+            context,
+            plan["context"],
+            "the plan's context (capacity.max_context or the export's maximum)",
+        )
+    kv_bytes = plan["kv_bytes_per_sequence"] * context // max(plan["context"], 1) * batch
+    kv_budget = kv_bytes if s.kv_cache_budget is None else s.kv_cache_budget
+    _within(
+        "bundle.serving.kv_cache_budget",
+        kv_budget,
+        plan["usable_bytes"] - plan["extreme"]["weights"] - plan["extreme"]["overhead"],
+        "the device memory the plan leaves after weights and overhead",
+    )
+    causal = release.task == "causal-lm"
+    return {
+        "model_path": "model/model.onnx",
+        "dtype": info["dtype"],
+        "port": s.port,
+        "max_batch_size": batch,
+        "max_queue_depth": s.max_queue_depth,
+        "max_context_length": context,
+        "kv_cache_budget": kv_budget,
+        "request_timeout_seconds": s.request_timeout_seconds,
+        "streaming": causal if s.streaming is None else s.streaming,
+        "dynamic_batching": s.dynamic_batching,
+        "max_queue_delay_microseconds": s.max_queue_delay_microseconds,
+        "preferred_batch_sizes": s.preferred_batch_sizes or [],
+        "instance_count": s.instance_count,
+        "instance_kind": s.instance_kind,
+        "warmup": s.warmup,
+    }
+
+
+def _within(field: str, value: int, limit: int, source: str) -> None:
+    if value > limit:
+        raise StageError(
+            NAME,
+            f"{field} = {value} exceeds {source} = {limit}; the exported "
+            "graph is not promised to run beyond it",
+            f"lower {field} or raise {source} and re-export",
+        )
+
+
+def triton_values(info: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """Inputs/outputs with -1 for dynamic axes; the batch axis is implicit when batching."""
+    tensors = [*info["inputs"], *info["outputs"]]
+    batched = "batch" in info["dims"] and all(t["axes"][:1] == ["batch"] for t in tensors)
+
+    def entry(t: dict[str, Any], warm: bool = False) -> dict[str, Any]:
+        axes = t["axes"][1:] if batched else t["axes"]
+        dims = [_warm_dim(a, info["dims"]) if warm else a for a in axes]
+        return {
+            "name": t["name"],
+            "data_type": TRITON_TYPES[t["dtype"]],
+            "dims": [d if isinstance(d, int) else -1 for d in dims],
+        }
+
+    return {
+        "max_batch_size": values["max_batch_size"] if batched else 0,
+        "inputs": [entry(t) for t in info["inputs"]],
+        "outputs": [entry(t) for t in info["outputs"]],
+        "warmup": [entry(t, warm=True) for t in info["inputs"]],
+    }
+
+
+def _warm_dim(axis: str | int, dims: dict[str, Any]) -> int:
+    """The opt size of a named axis; total_sequence = past + sequence."""
+    if isinstance(axis, int):
+        return axis
+    if axis == "total_sequence":
+        return int(dims["past_sequence"]["opt"] + dims["sequence"]["opt"])
+    return int(dims[axis]["opt"])
+
+
+def render(
+    work: Path, outputs: dict[str, str], context: dict[str, Any], trim: bool = True
+) -> list[Path]:
+    """Render each template in a sandbox; an undefined variable is an error, not ''."""
+    from jinja2 import FileSystemLoader, StrictUndefined, TemplateError
+    from jinja2.sandbox import SandboxedEnvironment
+
+    env = SandboxedEnvironment(
+        loader=FileSystemLoader(TEMPLATES),
+        undefined=StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=trim,
+        autoescape=False,
+    )
+    paths = []
+    for out, template in outputs.items():
+        try:
+            text = env.get_template(template).render(context)
+        except TemplateError as exc:
+            raise StageError(
+                NAME,
+                f"template stages/templates/{template} does not render: {exc}",
+                "fix the template or the value it names",
+            ) from None
+        path = work / out
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def parse_back(path: Path, info: dict[str, Any], values: dict[str, Any]) -> None:
+    """A rendered config must parse (and, for Triton, agree with the export and the plan)."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            json.loads(text)
+        elif path.suffix == ".yaml":
+            yaml.safe_load(text)
+        elif path.suffix == ".pbtxt":
+            check_triton(parse_triton(text), info, values)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise StageError(
+            NAME,
+            f"rendered {path.name} is not valid: {exc}",
+            "fix the template in stages/templates/ that produced it",
+        ) from None
+
+
+def parse_triton(text: str) -> Any:
+    """Parse with Triton's own ModelConfig protobuf; text_format errors carry line:col."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        return text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as exc:
+        raise ValueError(f"Triton's model_config.proto rejects it at {exc}") from None
+
+
+def check_triton(config: Any, info: dict[str, Any], values: dict[str, Any]) -> None:
+    """The parsed config's batch and tensors match the export and the plan."""
+    batch_max = info["dims"].get("batch", {}).get("max", 0)
+    if config.max_batch_size > min(values["max_batch_size"], batch_max or config.max_batch_size):
+        raise ValueError(
+            f"max_batch_size {config.max_batch_size} exceeds the plan/export limit "
+            f"{values['max_batch_size']}"
+        )
+    expected = triton_values(info, values)
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        want = {t["name"]: t["dims"] for t in expected[f"{kind}s"]}
+        have = {t.name: list(t.dims) for t in tensors}
+        if want != have:
+            raise ValueError(f"{kind}s {have} differ from the export's {want} (-1 = dynamic)")
+    for b in config.dynamic_batching.preferred_batch_size:
+        if b > config.max_batch_size:
+            raise ValueError(f"preferred_batch_size {b} > max_batch_size")

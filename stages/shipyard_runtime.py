@@ -1,0 +1,146 @@
+"""MLServer runtime for a Shipyard bundle: ONNX Runtime behind the Open Inference Protocol.
+
+The bundle ships this file next to `model-settings.json`; MLServer imports it from there
+(`implementation: shipyard_runtime.ShipyardOnnxRuntime`). It needs only mlserver,
+onnxruntime and numpy.
+
+- generic task: `infer` feeds the request's tensors by name and returns every graph output.
+- causal-lm: `infer` takes `input_ids` INT64 [batch, prompt] and the request parameter
+  `max_new_tokens` (default 1) and returns `output_ids` INT64 [batch, max_new_tokens] by
+  greedy decoding with the KV-cache graph (prefill runs on the same graph with an empty
+  past). `infer_stream` / `generate_stream` yield one response per decoded token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from mlserver import MLModel
+from mlserver.codecs import NumpyCodec
+from mlserver.errors import MLServerError
+from mlserver.types import InferenceRequest, InferenceResponse, ResponseOutput
+from mlserver.utils import get_model_uri
+
+_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+class BadRequest(MLServerError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status_code=400)
+
+
+def session_from(model_path: Path, config: dict[str, Any]) -> ort.InferenceSession:
+    """An ORT session with the bundle's `ort_session.json` options."""
+    options = ort.SessionOptions()
+    opts = config.get("session_options", {})
+    options.graph_optimization_level = _LEVELS[opts.get("graph_optimization_level", "all")]
+    options.intra_op_num_threads = opts.get("intra_op_num_threads", 0)
+    options.inter_op_num_threads = opts.get("inter_op_num_threads", 0)
+    if opts.get("execution_mode") == "parallel":
+        options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    providers = config.get("providers", ["CPUExecutionProvider"])
+    return ort.InferenceSession(str(model_path), options, providers=providers)
+
+
+class Decoder:
+    """Greedy decoding with a KV-cache graph: inputs input_ids, attention_mask, past_*."""
+
+    def __init__(self, session: ort.InferenceSession, max_context: int) -> None:
+        self.session = session
+        self.max_context = max_context
+        self.past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+        self.present = [o.name for o in session.get_outputs() if o.name.startswith("present.")]
+        self.float = np.float16 if "float16" in (self.past[0].type if self.past else "") else None
+
+    def _empty_past(self, batch: int) -> dict[str, np.ndarray]:
+        dtype = self.float or np.float32
+        return {
+            i.name: np.zeros((batch, i.shape[1], 0, i.shape[3]), dtype=dtype) for i in self.past
+        }
+
+    def steps(self, input_ids: np.ndarray, new_tokens: int) -> Iterator[np.ndarray]:
+        """Yields the next token ids [batch, 1], new_tokens times."""
+        batch, prompt = input_ids.shape
+        if prompt + new_tokens - 1 > self.max_context:
+            raise BadRequest(
+                f"prompt {prompt} + {new_tokens} new tokens exceeds the served context "
+                f"{self.max_context}"
+            )
+        feeds: dict[str, np.ndarray] = {"input_ids": input_ids, **self._empty_past(batch)}
+        total = prompt
+        for _ in range(new_tokens):
+            feeds["attention_mask"] = np.ones((batch, total), dtype=np.int64)
+            logits, *present = self.session.run(["logits", *self.present], feeds)
+            token = logits[:, -1, :].argmax(axis=-1).astype(np.int64)[:, None]
+            yield token
+            feeds = {"input_ids": token}
+            feeds.update(zip((i.name for i in self.past), present, strict=True))
+            total += 1
+
+
+class ShipyardOnnxRuntime(MLModel):
+    """Loads the bundle's ONNX model; parameters.extra carries task and session config."""
+
+    async def load(self) -> bool:
+        extra = dict(self.settings.parameters.extra or {}) if self.settings.parameters else {}
+        model_path = Path(await get_model_uri(self.settings))
+        folder = Path(self.settings._source or ".").parent
+        config_file = extra.get("ort_session")
+        config = json.loads((folder / config_file).read_text()) if config_file else {}
+        self.task = extra.get("task", "generic")
+        self.session = session_from(model_path, config)
+        if self.task == "causal-lm":
+            self.decoder = Decoder(self.session, int(extra.get("max_context_length", 1 << 30)))
+        self.ready = True
+        return self.ready
+
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        if self.task != "causal-lm":
+            feeds = {i.name: NumpyCodec.decode_input(i) for i in payload.inputs}
+            names = [o.name for o in self.session.get_outputs()]
+            values = await asyncio.to_thread(self.session.run, names, feeds)
+            return self._response(dict(zip(names, values, strict=True)))
+        input_ids, new_tokens = self._generation_args(payload)
+        tokens = await asyncio.to_thread(lambda: list(self.decoder.steps(input_ids, new_tokens)))
+        return self._response({"output_ids": np.concatenate(tokens, axis=1)})
+
+    async def predict_stream(
+        self, payloads: AsyncIterator[InferenceRequest]
+    ) -> AsyncIterator[InferenceResponse]:
+        if self.task != "causal-lm":
+            raise BadRequest("streaming is only served for causal-lm releases")
+        payload = await payloads.__anext__()
+        input_ids, new_tokens = self._generation_args(payload)
+        steps = self.decoder.steps(input_ids, new_tokens)
+        while (token := await asyncio.to_thread(next, steps, None)) is not None:
+            yield self._response({"output_ids": token})
+
+    def _generation_args(self, payload: InferenceRequest) -> tuple[np.ndarray, int]:
+        inputs = {i.name: i for i in payload.inputs}
+        if "input_ids" not in inputs:
+            raise BadRequest(f"causal-lm expects input 'input_ids'; got {sorted(inputs)}")
+        input_ids = NumpyCodec.decode_input(inputs["input_ids"]).astype(np.int64)
+        if input_ids.ndim != 2:
+            raise BadRequest(f"input_ids must be [batch, prompt]; got shape {input_ids.shape}")
+        extra = payload.parameters.model_extra if payload.parameters else {}
+        new_tokens = int((extra or {}).get("max_new_tokens", 1))
+        if new_tokens < 1:
+            raise BadRequest("max_new_tokens must be at least 1")
+        return input_ids, new_tokens
+
+    def _response(self, outputs: dict[str, np.ndarray]) -> InferenceResponse:
+        encoded: list[ResponseOutput] = [
+            NumpyCodec.encode_output(name, value) for name, value in outputs.items()
+        ]
+        return InferenceResponse(model_name=self.name, model_version=self.version, outputs=encoded)
