@@ -49,12 +49,14 @@ def gate(root: Path, releases: list[ReleaseSpec], registry: Any) -> GateResult:
     """Stage reports (missing, failed or skipped = FAIL) and thresholds vs production."""
     result = GateResult()
     for spec in releases:
-        result.rows += _stage_rows(root, spec.name)
+        result.rows += _stage_rows(root, spec)
+        result.rows += _slo_rows(root, spec.name)
         result.rows += _production_rows(root, spec, registry)
     return result
 
 
-def _stage_rows(root: Path, release: str) -> list[Row]:
+def _stage_rows(root: Path, spec: ReleaseSpec) -> list[Row]:
+    release = spec.name
     rows = []
     for stage in load_stages():
         path = root / "build" / release / stage / "report.json"
@@ -67,10 +69,30 @@ def _stage_rows(root: Path, release: str) -> list[Row]:
         status, detail = report["status"], report["summary"]
         if status == "failed":
             detail = "; ".join(report["reasons"]) or detail
+        elif status == "skipped" and _optional(spec, stage, report):
+            rows.append(Row(release, stage, "n/a", f"skipped (optional): {report['summary']}"))
+            continue
         elif status == "skipped":  # skipped is never passed
             detail = f"skipped, but required: {'; '.join(report['reasons'])}"
         rows.append(Row(release, stage, "PASS" if status == "passed" else "FAIL", detail))
     return rows
+
+
+def _optional(spec: ReleaseSpec, stage: str, report: dict[str, Any]) -> bool:
+    """Only the engine may skip, and only when the spec (as it is now) does not require it."""
+    required = spec.engine.required if stage == "engine" else True
+    return not required and report.get("details", {}).get("optional") is True
+
+
+def _slo_rows(root: Path, release: str) -> list[Row]:
+    """One row per service-level objective the load test judged."""
+    path = root / "build" / release / "loadtest" / "report.json"
+    if not path.is_file():
+        return []  # the stage row already fails
+    slo = json.loads(path.read_text()).get("details", {}).get("slo", [])
+    return [
+        Row(release, f"SLO {r['slo']}", "PASS" if r["ok"] else "FAIL", r["why"]) for r in slo
+    ]
 
 
 def _production_rows(root: Path, spec: ReleaseSpec, registry: Any) -> list[Row]:

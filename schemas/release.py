@@ -412,6 +412,52 @@ class BundleConfig(Strict):
     model_card: ModelCard = Field(default_factory=ModelCard, description="Model card text.")
 
 
+# ----------------------------------------------------------------------------- engine
+class EngineProfile(Strict):
+    name: str = Field(pattern=r"^[a-z0-9_-]+$", description="e.g. prefill or decode.")
+    dims: dict[str, DimRange] = Field(
+        default_factory=dict,
+        description="min/opt/max per named dim; a dim left out takes the export's range.",
+    )
+
+
+class CudaGraphs(Strict):
+    enabled: bool = Field(default=True, description="Capture and replay each decode step.")
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [1], description="Batch sizes to capture; inside a profile."
+    )
+
+
+class EngineConfig(Strict):
+    """A TensorRT engine built from the (quantized) ONNX; strongly typed, so INT8 comes from
+    the graph's Q/DQ nodes, never from builder flags or a calibrator."""
+
+    backend: Literal["tensorrt", "none"] = Field(
+        default="tensorrt", description="`none` builds no engine (the stage is skipped)."
+    )
+    required: bool = Field(
+        default=False, description="Fail, rather than skip, where TensorRT or a GPU is missing."
+    )
+    profiles: list[EngineProfile] = Field(
+        default_factory=lambda: [EngineProfile(name="default")],
+        min_length=1,
+        description="Optimization profiles; one spanning the export's ranges by default.",
+    )
+    workspace: ByteSize = Field(default=ByteSize(4 << 30), description="Workspace pool limit.")
+    optimization_level: int = Field(default=3, ge=0, le=5, description="Builder level 0-5.")
+    timing_cache: str | None = Field(
+        default=None, description="Timing-cache file reused across builds (repo-relative)."
+    )
+    hardware_compatibility: Literal["none", "ampere_plus", "same_compute_capability"] = Field(
+        default="none", description="TensorRT HardwareCompatibilityLevel."
+    )
+    version_compatible: bool = Field(default=False, description="BuilderFlag.VERSION_COMPATIBLE.")
+    cuda_graphs: CudaGraphs = Field(default_factory=CudaGraphs, description="CUDA Graphs.")
+    parity: Tolerance | None = Field(
+        default=None, description="TensorRT vs ONNX Runtime tolerance; default parity.tolerance."
+    )
+
+
 # ----------------------------------------------------------------------------- loadtest
 class LoadTarget(Strict):
     url: str = Field(
@@ -513,6 +559,7 @@ class ReleaseSpec(Strict):
     evaluation: EvaluationConfig = Field(description="Task metrics and regression thresholds.")
     capacity: CapacityConfig = Field(description="The device the release must fit.")
     bundle: BundleConfig = Field(description="What ships (`bundle: {}` for defaults).")
+    engine: EngineConfig = Field(description="TensorRT engine (`engine: {}` for defaults).")
     loadtest: LoadTestConfig = Field(description="Load test (`loadtest: {}` for defaults).")
 
     @model_validator(mode="after")
@@ -541,6 +588,7 @@ class ReleaseSpec(Strict):
         self._check_quantization()
         self._check_evaluation()
         self._check_loadtest()
+        self._check_engine()
         for i, shape in enumerate(self.parity.shapes or []):
             bad = {k: v for k, v in shape.items() if k not in self.export.dims}
             if bad:
@@ -606,3 +654,25 @@ class ReleaseSpec(Strict):
                     f"bundle.serving.preferred_batch_sizes {over} exceed max_batch_size "
                     f"{s.max_batch_size}"
                 )
+
+    def _check_engine(self) -> None:
+        dims = self.export.dims
+        for i, p in enumerate(self.engine.profiles):
+            for name, r in p.dims.items():
+                where = f"engine.profiles[{i}] ({p.name}) dim {name!r}"
+                if name not in dims:
+                    raise ValueError(f"{where} is not in export.dims ({sorted(dims)})")
+                if r.min < dims[name].min or r.max > dims[name].max:
+                    raise ValueError(
+                        f"{where} [{r.min}, {r.max}] lies outside the export's "
+                        f"[{dims[name].min}, {dims[name].max}]"
+                    )
+        g = self.engine.cuda_graphs
+        if g.enabled and "batch" in dims:
+            for b in g.batch_sizes:
+                ranges = [p.dims.get("batch", dims["batch"]) for p in self.engine.profiles]
+                if not any(r.min <= b <= r.max for r in ranges):
+                    raise ValueError(
+                        f"engine.cuda_graphs.batch_sizes has {b}, outside every profile's "
+                        "batch range"
+                    )

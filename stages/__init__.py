@@ -28,6 +28,7 @@ STAGE_MODULES: tuple[str, ...] = (
     "quantize",
     "evaluate",
     "plan_capacity",
+    "build_engine",
     "render_serving",
     "loadtest",
     "write_manifest",

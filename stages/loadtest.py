@@ -174,10 +174,10 @@ def _at(points: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
 def soak(base: str, release: Any, info: dict[str, Any], server: Any, knee: int) -> dict[str, Any]:
     """Load at the knee for `soak.seconds` while sampling the server's RSS."""
     s, r = release.loadtest.soak, release.loadtest.ramp
-    if s.seconds == 0:
-        return {"skipped": "loadtest.soak.seconds is 0"}
     if server is None:
         return {"skipped": "external target: the server's memory is not observable from here"}
+    if s.seconds == 0:
+        return {"skipped": "loadtest.soak.seconds is 0"}
     req = request(base, info, 1, r.input_length, r.output_tokens, stream=False)
     concurrency = s.concurrency or knee
     samples: list[tuple[float, int]] = []

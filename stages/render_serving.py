@@ -22,7 +22,7 @@ from stages._runtime import StageContext, StageIO, StageResult
 
 NAME = "serve"
 TEMPLATES = Path(__file__).parent / "templates"
-RUNTIME = Path(__file__).parent / "shipyard_runtime.py"
+RUNTIME = Path(__file__).parent / "_mlserver_runtime.py"  # ships as shipyard_runtime.py
 TRITON_TYPES = {
     "float32": "TYPE_FP32",
     "float16": "TYPE_FP16",
@@ -50,7 +50,7 @@ def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("version", "task", "bundle"),
         upstream=("export/model_info.json", "quantize/quant_info.json", "plan/plan.json"),
-        code=("stages/templates", "stages/shipyard_runtime.py"),
+        code=("stages/templates", "stages/_mlserver_runtime.py"),
     )
 
 
@@ -72,7 +72,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     files = render(ctx.work, rendered(ctx.release), context)
     for path in files:
         parse_back(path, info, values)
-    runtime = ctx.work / "serving" / "mlserver" / ctx.release / RUNTIME.name
+    runtime = ctx.work / "serving" / "mlserver" / ctx.release / "shipyard_runtime.py"
     shutil.copyfile(RUNTIME, runtime)
     return StageResult.passed(
         f"{len(files)} configs rendered and parsed back; max_batch_size "

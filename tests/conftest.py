@@ -20,6 +20,21 @@ TINY = REPO / "models" / "tiny-gpt2"
 TRAPS = Path(__file__).parent / "fixtures" / "traps.py"
 
 
+# A load test of a few seconds: one grid point, concurrency 1-2, no soak, no comparison.
+QUICK_LOADTEST: dict[str, Any] = {
+    "grid": {"batch_sizes": [2], "input_lengths": [8], "requests": 2},
+    "ramp": {
+        "max_concurrency": 2,
+        "window_seconds": 0.3,
+        "max_windows": 3,
+        "output_tokens": 4,
+        "input_length": 8,
+    },
+    "soak": {"seconds": 0},
+    "batching_comparison": False,
+}
+
+
 def generic_spec(name: str, factory: str, **overrides: Any) -> dict[str, Any]:
     """A release spec for a trap model: x [batch, 4, 8] -> y [batch, ...]."""
     spec: dict[str, Any] = {
@@ -39,6 +54,8 @@ def generic_spec(name: str, factory: str, **overrides: Any) -> dict[str, Any]:
         "evaluation": {"dataset": {"path": "data/generic.npz", "samples": 8}},
         "capacity": {"device_memory": "1GiB"},
         "bundle": {},
+        "engine": {},
+        "loadtest": QUICK_LOADTEST,
     }
     for key, value in overrides.items():
         spec[key] = value
@@ -47,6 +64,7 @@ def generic_spec(name: str, factory: str, **overrides: Any) -> dict[str, Any]:
 
 def gpt2_spec(**overrides: Any) -> dict[str, Any]:
     spec: dict[str, Any] = yaml.safe_load((REPO / "releases" / "tiny-gpt2.yaml").read_text())
+    spec["loadtest"] = QUICK_LOADTEST
     spec["export"]["dims"] = {
         "batch": {"min": 1, "opt": 2, "max": 3},
         "sequence": {"min": 1, "opt": 4, "max": 64},

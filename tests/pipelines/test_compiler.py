@@ -32,6 +32,8 @@ def test_each_stage_params_name_only_its_own_sections() -> None:
         "quantize": ["task", "export", "quantization"],
         "evaluate": ["model", "task", "export", "evaluation"],
         "plan": ["task", "export", "capacity"],
+        "serve": ["version", "task", "bundle"],
+        "loadtest": ["task", "loadtest", "capacity"],
         "manifest": ["version", "task"],
         "bundle": ["version", "task", "bundle"],
     }

@@ -49,9 +49,22 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
         "reports/quantize.json",
         "reports/evaluate.json",
         "reports/plan.json",
+        "reports/serve.json",
+        "reports/loadtest.json",
+        "reports/loadtest/loadtest.json",
+        "reports/loadtest/server.log",
+        "reports/loadtest/latency_throughput.png",
+        "reports/loadtest/latency_throughput.svg",
+        "reports/loadtest/ttft_itl.png",
+        "reports/loadtest/ttft_itl.svg",
         "model/quant_info.json",
         "serving.yaml",
         "ort_session.json",
+        "serving/triton/tiny-gpt2/config.pbtxt",
+        "serving/triton/tiny-gpt2/1/model.onnx",
+        "serving/mlserver/settings.json",
+        "serving/mlserver/tiny-gpt2/model-settings.json",
+        "serving/mlserver/tiny-gpt2/shipyard_runtime.py",
         "MODEL_CARD.md",
     }
     onnx_bytes = (built_gpt2.out("tiny-gpt2", "bundle") / "model/model.onnx").read_bytes()
@@ -115,10 +128,10 @@ def test_serving_config_is_rendered_from_spec_and_export(built_gpt2: Workspace) 
     assert "| parity | passed |" in card and "Apache-2.0" in card
 
 
-def test_bundle_refuses_a_batch_larger_than_the_export(built_gpt2: Workspace) -> None:
+def test_serving_configs_refuse_a_batch_larger_than_the_export(built_gpt2: Workspace) -> None:
     spec = gpt2_spec()
     spec["bundle"] = {"serving": {"max_batch_size": 64}}
-    report = built_gpt2.run("bundle", spec)
+    report = built_gpt2.run("serve", spec)
     assert report.status.value == "failed"
     assert report.reasons[0].startswith(
         "bundle.serving.max_batch_size = 64 exceeds export.dims.batch.max = 3"
@@ -127,8 +140,9 @@ def test_bundle_refuses_a_batch_larger_than_the_export(built_gpt2: Workspace) ->
 
 def test_manifest_refuses_a_release_whose_checks_failed(ws: Workspace) -> None:
     spec = gpt2_spec()
-    for stage in ("pin", "export", "evalcheck", "quantize", "evaluate", "plan"):
+    for stage in ("pin", "export", "evalcheck", "quantize", "evaluate", "plan", "serve"):
         ws.run(stage, spec)
+    ws.run("loadtest", spec)
     ws.run("parity", gpt2_spec(parity={"tolerance": {"atol": 0, "rtol": 0}, "outputs": {}}))
     report = ws.run("manifest", spec)
     assert report.status.value == "failed"

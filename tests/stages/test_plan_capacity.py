@@ -5,7 +5,7 @@ import json
 import pytest
 
 from schemas import StageError
-from stages.make_bundle import serving_values
+from stages.render_serving import serving_values
 from tests.conftest import Workspace, gpt2_spec
 
 MIB = 1 << 20

@@ -1,0 +1,362 @@
+"""TensorRT build, engine parity and CUDA-graph replay; imported only where TensorRT and a
+CUDA device exist (the engine stage checks first). Written against TensorRT 10+ through
+Polygraphy, plus cuda-python for graph capture.
+
+TensorRT 10/11 engines here are strongly typed: INT8 comes from the Q/DQ nodes in the ONNX.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from schemas import StageError
+from stages._runtime import StageContext, StageResult, write_json
+
+GRAPH_REPLAYS = 50
+
+
+def build_and_check(
+    ctx: StageContext,
+    release: Any,
+    info: dict[str, Any],
+    profiles: list[dict[str, Any]],
+    model: Path,
+    details: dict[str, Any],
+) -> StageResult:
+    import tensorrt as trt
+
+    cfg = release.engine
+    cache = ctx.root / cfg.timing_cache if cfg.timing_cache else ctx.work / "timing.cache"
+    plan, seconds = build(model, profiles, cfg, cache)
+    capability, gpu = device_facts()
+    plan_name = f"model_sm{capability.replace('.', '')}.plan"
+    (ctx.work / plan_name).write_bytes(plan)
+    if cache.is_file() and cache != ctx.work / "timing.cache":
+        (ctx.work / "timing.cache").write_bytes(cache.read_bytes())
+    tol = cfg.parity or release.parity.tolerance
+    parity = engine_parity(plan, model, profiles, info, tol.atol, tol.rtol)
+    graphs = cuda_graph_check(plan, profiles, cfg.cuda_graphs) if cfg.cuda_graphs.enabled else []
+    details.update(
+        tensorrt=trt.__version__,
+        gpu=gpu,
+        compute_capability=capability,
+        plan=plan_name,
+        build_seconds=round(seconds, 1),
+        parity=parity,
+        cuda_graphs=graphs,
+    )
+    render_triton(ctx, release, profiles, capability)
+    write_json(ctx.work / "engine.json", details)
+    bad = [p["why"] for p in parity if not p["ok"]] + [g["why"] for g in graphs if not g["ok"]]
+    summary = (
+        f"TensorRT {trt.__version__} on {gpu} (sm {capability}): {len(profiles)} profile(s), "
+        f"parity at {len(parity)} shapes, CUDA graphs at batch {cfg.cuda_graphs.batch_sizes}"
+    )
+    if bad:
+        return StageResult.failed(summary, bad, details=details)
+    return StageResult.passed(summary, details=details)
+
+
+def build(
+    model: Path, profiles: list[dict[str, Any]], cfg: Any, cache: Path
+) -> tuple[bytes, float]:
+    """Parse strongly typed, add the profiles, build; the timing cache is read and rewritten."""
+    import tensorrt as trt
+    from polygraphy.backend.trt import (
+        CreateConfig,
+        EngineBytesFromNetwork,
+        NetworkFromOnnxPath,
+        Profile,
+    )
+
+    trt_profiles = []
+    for p in profiles:
+        prof = Profile()
+        for name, s in p["shapes"].items():
+            prof.add(name, min=s["min"], opt=s["opt"], max=s["max"])
+        trt_profiles.append(prof)
+    levels = {
+        "none": trt.HardwareCompatibilityLevel.NONE,
+        "ampere_plus": trt.HardwareCompatibilityLevel.AMPERE_PLUS,
+        "same_compute_capability": trt.HardwareCompatibilityLevel.SAME_COMPUTE_CAPABILITY,
+    }
+    config = CreateConfig(
+        profiles=trt_profiles,
+        memory_pool_limits={trt.MemoryPoolType.WORKSPACE: int(cfg.workspace)},
+        builder_optimization_level=cfg.optimization_level,
+        hardware_compatibility_level=levels[cfg.hardware_compatibility],
+        version_compatible=cfg.version_compatible,
+        load_timing_cache=str(cache) if cache.is_file() else None,
+    )
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    network = NetworkFromOnnxPath(str(model), strongly_typed=True)
+    start = time.monotonic()
+    try:
+        plan = EngineBytesFromNetwork(network, config, save_timing_cache=str(cache))()
+    except Exception as exc:  # Polygraphy raises PolygraphyException with the parser's log
+        raise StageError(
+            "engine",
+            f"TensorRT could not build {model.name}: {exc}",
+            "read the TensorRT log above; unsupported ops need a plugin or a different opset",
+        ) from None
+    return bytes(plan), time.monotonic() - start
+
+
+def device_facts() -> tuple[str, str]:
+    from cuda.bindings import runtime as cudart
+
+    err, props = cudart.cudaGetDeviceProperties(0)
+    _check(err, "cudaGetDeviceProperties")
+    return f"{props.major}.{props.minor}", props.name.decode(errors="replace").strip("\x00")
+
+
+def parity_shapes(profile: dict[str, Any]) -> dict[str, dict[str, list[int]]]:
+    """min, opt, max and an odd size in between, per input."""
+    shapes = profile["shapes"]
+    odd = {
+        n: [
+            lo + (hi - lo) // 2 + ((hi - lo) // 2 + 1) % 2 if hi > lo else lo
+            for lo, hi in zip(s["min"], s["max"], strict=True)
+        ]
+        for n, s in shapes.items()
+    }
+    picked = {k: {n: s[k] for n, s in shapes.items()} for k in ("min", "opt", "max")}
+    return {**picked, "odd": odd}
+
+
+def _feeds(info: dict[str, Any], shapes: dict[str, list[int]], seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    vocab = info.get("arch", {}).get("vocab", 2)
+    feeds = {}
+    for t in info["inputs"]:
+        shape = shapes[t["name"]]
+        if "mask" in t["name"]:
+            feeds[t["name"]] = np.ones(shape, dtype=t["dtype"])
+        elif t["dtype"].startswith("int"):
+            feeds[t["name"]] = rng.integers(0, vocab, shape).astype(t["dtype"])
+        else:
+            feeds[t["name"]] = rng.standard_normal(shape).astype(t["dtype"])
+    return feeds
+
+
+def engine_parity(
+    plan: bytes,
+    model: Path,
+    profiles: list[dict[str, Any]],
+    info: dict[str, Any],
+    atol: float,
+    rtol: float,
+) -> list[dict[str, Any]]:
+    """TensorRT vs ONNX Runtime per profile at min/opt/max/odd; names the first bad layer."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+    rows = []
+    with OnnxrtRunner(SessionFromOnnx(str(model))) as ort_runner:
+        for i, profile in enumerate(profiles):
+            with TrtRunner(EngineFromBytes(plan), optimization_profile=i) as trt_runner:
+                for label, shapes in parity_shapes(profile).items():
+                    feeds = _feeds(info, shapes, seed=i)
+                    want = ort_runner.infer(feeds)
+                    have = trt_runner.infer(feeds)
+                    rows.append(_compare(profile["name"], label, want, have, atol, rtol))
+    if any(not r["ok"] for r in rows):
+        rows.append(first_diverging_layer(plan, model, profiles, info, rows, atol, rtol))
+    return rows
+
+
+def _compare(
+    profile: str, label: str, want: dict[str, Any], have: dict[str, Any], atol: float, rtol: float
+) -> dict[str, Any]:
+    worst, where = 0.0, ""
+    for name, ref in want.items():
+        got = np.asarray(have[name], dtype=np.float64)
+        excess = np.abs(got - ref) - (atol + rtol * np.abs(ref))
+        if excess.size and float(excess.max()) > worst:
+            worst, where = float(excess.max()), name
+    ok = worst <= 0
+    why = f"profile {profile} {label}: " + (
+        "ok" if ok else f"{where} exceeds tolerance by {worst:.3g}"
+    )
+    return {"profile": profile, "shape": label, "ok": ok, "why": why}
+
+
+def first_diverging_layer(
+    plan: bytes,
+    model: Path,
+    profiles: list[dict[str, Any]],
+    info: dict[str, Any],
+    rows: list[dict[str, Any]],
+    atol: float,
+    rtol: float,
+) -> dict[str, Any]:
+    """Rebuild with every tensor marked as an output at the first failing shape; the first
+    tensor in graph order that disagrees with ONNX Runtime's is the diverging layer."""
+    from polygraphy import constants
+    from polygraphy.backend.onnx import ModifyOutputs, OnnxFromPath
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.backend.trt import (
+        CreateConfig,
+        EngineFromNetwork,
+        ModifyNetworkOutputs,
+        NetworkFromOnnxPath,
+        Profile,
+        TrtRunner,
+    )
+
+    bad = next(r for r in rows if not r["ok"])
+    index = next(i for i, p in enumerate(profiles) if p["name"] == bad["profile"])
+    shapes = parity_shapes(profiles[index])[bad["shape"]]
+    feeds = _feeds(info, shapes, seed=index)
+    prof = Profile()
+    for name, s in shapes.items():
+        prof.add(name, min=s, opt=s, max=s)
+    network = ModifyNetworkOutputs(
+        NetworkFromOnnxPath(str(model), strongly_typed=True), outputs=constants.MARK_ALL
+    )
+    with TrtRunner(EngineFromNetwork(network, CreateConfig(profiles=[prof]))) as runner:
+        have = runner.infer(feeds)
+    onnx_all = ModifyOutputs(OnnxFromPath(str(model)), outputs=constants.MARK_ALL)
+    with OnnxrtRunner(SessionFromOnnx(onnx_all)) as ort_runner:
+        want = ort_runner.infer(feeds)
+    for name, ref in want.items():  # ONNX Runtime returns outputs in graph order
+        if name in have and not np.allclose(have[name], ref, atol=atol, rtol=rtol):
+            return {
+                "profile": bad["profile"],
+                "shape": bad["shape"],
+                "ok": False,
+                "why": f"first diverging tensor: {name}",
+            }
+    return {
+        "profile": bad["profile"],
+        "shape": bad["shape"],
+        "ok": False,
+        "why": "no single intermediate tensor diverges; the outputs do",
+    }
+
+
+def cuda_graph_check(
+    plan: bytes, profiles: list[dict[str, Any]], graphs: Any
+) -> list[dict[str, Any]]:
+    """Capture execute_async_v3 in a CUDA graph per batch size; replay must match a plain
+    run bit for bit, and the latency of both is recorded."""
+    import tensorrt as trt
+    from cuda.bindings import runtime as cudart
+
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    engine = runtime.deserialize_cuda_engine(plan)
+    rows = []
+    for batch in graphs.batch_sizes:
+        index = next(
+            i
+            for i, p in enumerate(profiles)
+            if p["dims"]["batch"]["min"] <= batch <= p["dims"]["batch"]["max"]
+        )
+        shapes = {
+            n: [batch if j == 0 else v for j, v in enumerate(s["opt"])]
+            for n, s in profiles[index]["shapes"].items()
+        }
+        rows.append(_graph_one(engine, index, shapes, batch, cudart))
+    return rows
+
+
+def _graph_one(
+    engine: Any, index: int, shapes: dict[str, list[int]], batch: int, cudart: Any
+) -> dict[str, Any]:
+    import tensorrt as trt
+
+    err, stream = cudart.cudaStreamCreate()
+    _check(err, "cudaStreamCreate")
+    context = engine.create_execution_context()
+    context.set_optimization_profile_async(index, stream)
+    buffers: dict[str, tuple[int, np.ndarray]] = {}
+    rng = np.random.default_rng(0)
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
+            context.set_input_shape(name, shapes[name])
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        dtype = trt.nptype(engine.get_tensor_dtype(name))
+        host = np.zeros(tuple(context.get_tensor_shape(name)), dtype=dtype)
+        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
+            host[...] = 1 if dtype.kind in "iu" else rng.standard_normal(host.shape)
+        err, ptr = cudart.cudaMalloc(max(host.nbytes, 1))
+        _check(err, "cudaMalloc")
+        buffers[name] = (ptr, host)
+        context.set_tensor_address(name, ptr)
+        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
+            cudart.cudaMemcpy(
+                ptr, host.ctypes.data, host.nbytes, cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+            )
+    try:
+        plain_ms, plain = _timed(lambda: context.execute_async_v3(stream), stream, buffers, cudart)
+        _check(
+            cudart.cudaStreamBeginCapture(
+                stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+            )[0],
+            "capture",
+        )
+        context.execute_async_v3(stream)
+        err, graph = cudart.cudaStreamEndCapture(stream)
+        _check(err, "cudaStreamEndCapture")
+        err, exec_graph = cudart.cudaGraphInstantiate(graph, 0)
+        _check(err, "cudaGraphInstantiate")
+        graph_ms, replay = _timed(
+            lambda: cudart.cudaGraphLaunch(exec_graph, stream), stream, buffers, cudart
+        )
+    finally:
+        for ptr, _ in buffers.values():
+            cudart.cudaFree(ptr)
+        cudart.cudaStreamDestroy(stream)
+    same = all(np.array_equal(plain[n], replay[n]) for n in plain)
+    why = (
+        f"batch {batch}: graph replay {'matches' if same else 'DIFFERS from'} plain execution; "
+        f"{plain_ms:.3f} ms plain, {graph_ms:.3f} ms graph"
+    )
+    return {"batch": batch, "ok": same, "plain_ms": plain_ms, "graph_ms": graph_ms, "why": why}
+
+
+def _timed(
+    launch: Any, stream: Any, buffers: dict[str, Any], cudart: Any
+) -> tuple[float, dict[str, np.ndarray]]:
+    launch()
+    cudart.cudaStreamSynchronize(stream)
+    start = time.perf_counter()
+    for _ in range(GRAPH_REPLAYS):
+        launch()
+    cudart.cudaStreamSynchronize(stream)
+    ms = (time.perf_counter() - start) * 1000 / GRAPH_REPLAYS
+    outputs = {}
+    for name, (ptr, host) in buffers.items():
+        out = np.empty_like(host)
+        cudart.cudaMemcpy(
+            out.ctypes.data, ptr, out.nbytes, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        )
+        outputs[name] = out
+    return ms, outputs
+
+
+def _check(err: Any, what: str) -> None:
+    from cuda.bindings import runtime as cudart
+
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise StageError("engine", f"{what} failed: {err}", "check the CUDA driver and device")
+
+
+def render_triton(
+    ctx: StageContext, release: Any, profiles: list[dict[str, Any]], capability: str
+) -> None:
+    import json
+
+    from stages import build_engine
+
+    plan_batch = json.loads((ctx.upstream("plan") / "plan.json").read_text())["batch"]
+    values = build_engine.triton_trt_values(
+        profiles, release.bundle.serving, plan_batch, release.engine.cuda_graphs, capability
+    )
+    build_engine.render_trt_triton(ctx.work, ctx.release, values)

@@ -1,0 +1,162 @@
+"""engine: a TensorRT engine from the quantized ONNX, with parity and CUDA-graph checks.
+
+Where TensorRT or a CUDA device is missing the stage is `skipped` with that reason (still
+writing the profile table it would have built), unless `engine.required`, when it fails.
+A GPU is detected by asking the driver (NVML, then the CUDA driver API), never from ONNX
+Runtime's provider list. Engines are not byte-reproducible: the report records TensorRT
+version, GPU, compute capability and parity, and nothing gates on engine bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from schemas import ReleaseSpec, StageError
+from stages._runtime import StageContext, StageIO, StageResult, write_json
+
+NAME = "engine"
+
+
+def io(release: ReleaseSpec) -> StageIO:
+    return StageIO(
+        params=("task", "export", "parity", "engine", "bundle"),
+        upstream=("export/model_info.json", "quantize/model.onnx", "plan/plan.json"),
+        code=("stages/_tensorrt.py", "stages/render_serving.py", "stages/templates"),
+    )
+
+
+def run(ctx: StageContext, release: Any) -> StageResult:
+    cfg = release.engine
+    info = json.loads((ctx.upstream("export") / "model_info.json").read_text())
+    profiles = derive_profiles(cfg, info)
+    details: dict[str, Any] = {"optional": not cfg.required, "profiles": profiles}
+    write_json(ctx.work / "profiles.json", profiles)
+    if cfg.backend == "none":
+        return StageResult.skipped("engine.backend is none", details=details)
+    missing = why_unavailable()
+    if missing:
+        if cfg.required:
+            raise StageError(
+                NAME,
+                f"engine.required is true but {missing}",
+                "run on a machine with an NVIDIA GPU and TensorRT, or set engine.required: false",
+            )
+        return StageResult.skipped(missing, details=details)
+    from stages import _tensorrt as trt_build
+
+    model = ctx.upstream("quantize") / "model.onnx"
+    return trt_build.build_and_check(ctx, release, info, profiles, model, details)
+
+
+def why_unavailable() -> str:
+    """'' when TensorRT imports and the driver reports a CUDA device, else the reason."""
+    missing = []
+    if importlib.util.find_spec("tensorrt") is None:
+        missing.append("TensorRT is not installed (no `tensorrt` Python package)")
+    count, how = cuda_devices()
+    if count == 0:
+        missing.append(f"no CUDA device ({how})")
+    return "; ".join(missing)
+
+
+def cuda_devices() -> tuple[int, str]:
+    """Device count from NVML, else from the CUDA driver; 0 with the reason when neither."""
+    for lib, init, count_fn in (
+        ("libnvidia-ml.so.1", "nvmlInit_v2", "nvmlDeviceGetCount_v2"),
+        ("libcuda.so.1", "cuInit", "cuDeviceGetCount"),
+    ):
+        try:
+            handle = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        args = (0,) if lib.startswith("libcuda") else ()
+        if getattr(handle, init)(*args) != 0:
+            return 0, f"{lib}: {init} failed (driver loaded but no usable device)"
+        n = ctypes.c_uint() if lib.startswith("libnvidia") else ctypes.c_int()
+        if getattr(handle, count_fn)(ctypes.byref(n)) != 0:
+            return 0, f"{lib}: {count_fn} failed"
+        return int(n.value), f"{lib} reports {n.value}"
+    return 0, "neither libnvidia-ml.so.1 nor libcuda.so.1 loads: no NVIDIA driver"
+
+
+def derive_profiles(cfg: Any, info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per profile, per graph input: min/opt/max shapes from the named axes.
+
+    A dim a profile does not set takes the export's range; `total_sequence` (the attention
+    mask of a KV-cache graph) is past + sequence at each of min, opt and max.
+    """
+    out = []
+    for p in cfg.profiles:
+        ranges = {k: v.model_dump() for k, v in info_dims(info).items()}
+        ranges.update({k: v.model_dump() for k, v in p.dims.items()})
+        shapes = {
+            t["name"]: {k: [_size(a, ranges, k) for a in t["axes"]] for k in ("min", "opt", "max")}
+            for t in info["inputs"]
+        }
+        out.append({"name": p.name, "dims": ranges, "shapes": shapes})
+    return out
+
+
+def info_dims(info: dict[str, Any]) -> dict[str, Any]:
+    from schemas.release import DimRange
+
+    return {k: DimRange(**v) for k, v in info["dims"].items()}
+
+
+def _size(axis: str | int, ranges: dict[str, dict[str, int]], which: str) -> int:
+    if isinstance(axis, int):
+        return axis
+    if axis == "total_sequence":
+        size = ranges["past_sequence"][which] + ranges["sequence"][which]
+        return max(size, 1)
+    return int(ranges[axis][which])
+
+
+def triton_trt_values(
+    profiles: list[dict[str, Any]], serving: Any, plan_batch: int, graphs: Any, capability: str
+) -> dict[str, Any]:
+    """Values for the tensorrt-backend Triton config; max_batch_size within every profile."""
+    served = serving.max_batch_size or plan_batch
+    batch_max = min(p["dims"].get("batch", {"max": 0})["max"] for p in profiles)
+    if served > batch_max:
+        raise StageError(
+            NAME,
+            f"bundle.serving.max_batch_size = {served} exceeds the engine profiles' "
+            f"batch max = {batch_max}",
+            "lower bundle.serving.max_batch_size or widen engine.profiles[*].dims.batch",
+        )
+    specs = []
+    for b in graphs.batch_sizes if graphs.enabled else []:
+        profile = next(
+            p for p in profiles if p["dims"]["batch"]["min"] <= b <= p["dims"]["batch"]["max"]
+        )
+        specs.append(
+            {"batch": b, "inputs": {n: s["opt"][1:] for n, s in profile["shapes"].items()}}
+        )
+    return {
+        "max_batch_size": served,
+        "max_queue_delay_microseconds": serving.max_queue_delay_microseconds,
+        "graphs": graphs.enabled,
+        "graph_specs": specs,
+        "cc_model_filenames": {capability: f"model_sm{capability.replace('.', '')}.plan"},
+    }
+
+
+def render_trt_triton(work: Path, release: str, values: dict[str, Any]) -> Path:
+    """`serving/triton/<release>-trt/config.pbtxt`, parsed back with Triton's protobuf."""
+    from stages import render_serving
+
+    context = {"model_name": f"{release}-trt", "release": release, "trt": values}
+    out = f"serving/triton/{release}-trt/config.pbtxt"
+    [path] = render_serving.render(work, {out: "triton_trt_config.pbtxt.j2"}, context)
+    try:
+        config = render_serving.parse_triton(path.read_text())
+    except ValueError as exc:
+        raise StageError(NAME, f"rendered {out} is not valid: {exc}", "fix the template") from None
+    if config.max_batch_size != values["max_batch_size"]:
+        raise StageError(NAME, f"{out}: max_batch_size did not survive the render", "fix it")
+    return path

@@ -1,0 +1,191 @@
+"""serve + loadtest: configs parsed back by Triton's protobuf, a real MLServer on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import psutil
+import pytest
+
+from pipelines.gate import gate
+from schemas import StageError
+from schemas.loader import load_release
+from stages import _loadgen as lg
+from stages import render_serving
+from stages._server import LocalServer, assemble
+from tests.conftest import QUICK_LOADTEST, Workspace, gpt2_spec
+
+
+def _tree(ws: Workspace, dest: Path) -> Path:
+    models = sorted(ws.out("tiny-gpt2", "quantize").glob("model.onnx*"))
+    assemble(dest, models, ws.out("tiny-gpt2", "serve"))
+    return dest
+
+
+def test_triton_config_parses_back_with_dynamic_dims(built_gpt2: Workspace) -> None:
+    path = built_gpt2.out("tiny-gpt2", "serve") / "serving/triton/tiny-gpt2/config.pbtxt"
+    config = render_serving.parse_triton(path.read_text())
+    assert config.backend == "onnxruntime"
+    assert config.max_batch_size == 3  # export.dims.batch.max of the test spec
+    dims = {i.name: list(i.dims) for i in config.input}
+    assert dims["input_ids"] == [-1]
+    assert dims["past_key_values.0.key"] == [4, -1, 16]
+    assert config.dynamic_batching.default_queue_policy.max_queue_size == 64
+    assert config.model_warmup[0].batch_size == 3
+
+
+def test_a_malformed_triton_config_is_refused_with_its_line() -> None:
+    with pytest.raises(ValueError, match=r"model_config.proto rejects it at 2:"):
+        render_serving.parse_triton('name: "m"\nmax_batch_size: "eight"\n')
+
+
+def test_a_malformed_template_variable_is_refused_at_render(
+    built_gpt2: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    templates = tmp_path / "templates"
+    shutil.copytree(render_serving.TEMPLATES, templates)
+    broken = templates / "triton_config.pbtxt.j2"
+    broken.write_text(broken.read_text().replace("triton.max_batch_size", "triton.max_batch"))
+    monkeypatch.setattr(render_serving, "TEMPLATES", templates)
+    report = built_gpt2.run("serve", gpt2_spec())
+    assert report.status.value == "failed"
+    assert "stages/templates/triton_config.pbtxt.j2 does not render" in report.reasons[0]
+    assert "max_batch" in report.reasons[0]
+    assert not (built_gpt2.out("tiny-gpt2", "serve") / "serving").exists()
+    monkeypatch.undo()
+    assert built_gpt2.run("serve", gpt2_spec()).status.value == "passed"
+
+
+def test_preferred_batch_sizes_beyond_the_served_batch_are_refused(
+    built_gpt2: Workspace,
+) -> None:
+    spec = gpt2_spec()
+    spec["bundle"] = {"serving": {"preferred_batch_sizes": [2, 4]}}
+    report = built_gpt2.run("serve", spec)
+    assert report.status.value == "failed"
+    assert "preferred_batch_sizes = 4 exceeds the served max_batch_size = 3" in report.reasons[0]
+    assert built_gpt2.run("serve", gpt2_spec()).status.value == "passed"
+
+
+async def _infer(url: str, ids: list[list[int]], tokens: int, stream: bool = False) -> list:
+    body = lg.v2_body({"input_ids": np.array(ids, dtype=np.int64)}, {"max_new_tokens": tokens})
+    async with aiohttp.ClientSession() as s:
+        path = "infer_stream" if stream else "infer"
+        headers = {"content-type": "application/json"}
+        async with s.post(f"{url}/v2/models/tiny-gpt2/{path}", data=body, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            if not stream:
+                return (await resp.json())["outputs"][0]["data"]
+            events = [line async for line in resp.content if line.startswith(b"data:")]
+            return [json.loads(e[5:])["outputs"][0]["data"][0] for e in events]
+
+
+def test_server_batches_concurrent_requests_without_mixing_rows(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    """Adaptive batching merges concurrent requests; each must get its own tokens back,
+    the same as alone and the same as streamed."""
+    prompts = [[5, 9, 2, 7], [100, 3, 3, 1], [42, 42, 8, 0]]
+    with LocalServer(_tree(built_gpt2, tmp_path), "tiny-gpt2", tmp_path / "log", 60) as srv:
+        alone = [asyncio.run(_infer(srv.url, [p], 5)) for p in prompts]
+
+        async def together() -> list:
+            return list(await asyncio.gather(*(_infer(srv.url, [p], 5) for p in prompts)))
+
+        assert asyncio.run(together()) == alone
+        assert asyncio.run(_infer(srv.url, [prompts[0]], 5, stream=True)) == alone[0]
+    assert len({tuple(a) for a in alone}) > 1  # different prompts, different continuations
+
+
+def test_a_server_that_cannot_start_fails_clearly_and_leaves_no_process(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    tree = _tree(built_gpt2, tmp_path / "tree")
+    (tree / "model" / "model.onnx").unlink()
+    (tree / "model" / "model.onnx").write_bytes(b"not an onnx file")
+    before = {p.pid for p in psutil.process_iter()}
+    server = LocalServer(tree, "tiny-gpt2", tmp_path / "server.log", startup=60)
+    with pytest.raises(StageError, match="could not load the model|exited with code") as exc:
+        server.__enter__()
+    assert "server.log" in exc.value.message
+    assert server.proc is not None and server.proc.returncode is not None
+    leftovers = [
+        p
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if p.pid not in before and "mlserver" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftovers == []
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.proc.pid, 0)
+
+
+def test_an_slo_that_cannot_be_met_fails_the_stage_and_turns_the_gate_red(
+    built_gpt2: Workspace,
+) -> None:
+    spec = gpt2_spec()
+    spec["loadtest"] = {**QUICK_LOADTEST, "slo": {"p95_latency_ms": 0.001}}
+    report = built_gpt2.run("loadtest", spec)
+    assert report.status.value == "failed"
+    assert report.reasons[0].startswith("SLO p95_latency_ms:")
+    assert not (built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").exists()
+    result = gate(built_gpt2.root, [load_release(built_gpt2.write(spec))], None)
+    rows = {r.check: r for r in result.rows}
+    assert rows["loadtest"].verdict == "FAIL"
+    assert rows["SLO p95_latency_ms"].verdict == "FAIL"
+    assert not result.ok
+    assert built_gpt2.run("loadtest", gpt2_spec()).status.value == "passed"
+
+
+def test_load_test_measures_streaming_and_writes_plots(built_gpt2: Workspace) -> None:
+    report = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "report.json").read_text())
+    head = report["details"]["summary"]
+    assert head["target"] == "local MLServer"
+    assert 0 < head["p95_ttft_ms"] and 0 < head["p95_itl_ms"] and head["tokens_per_s"] > 0
+    for name in ("latency_throughput.png", "latency_throughput.svg", "ttft_itl.png"):
+        assert (built_gpt2.out("tiny-gpt2", "loadtest") / name).stat().st_size > 1000
+    data = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").read_text())
+    assert [p["concurrency"] for p in data["ramp"]["points"]] == [1, 2]
+    assert data["grid"][0]["batch"] == 2 and data["grid"][0]["errors"] == 0
+
+
+def test_an_external_target_is_measured_without_starting_a_server(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    with LocalServer(_tree(built_gpt2, tmp_path), "tiny-gpt2", tmp_path / "log", 60) as srv:
+        spec = gpt2_spec()
+        spec["loadtest"] = {**QUICK_LOADTEST, "target": {"url": srv.url}}
+        report = built_gpt2.run("loadtest", spec)
+    assert report.status.value == "passed", report.reasons
+    assert report.details["summary"]["target"] == srv.url
+    data = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").read_text())
+    assert data["soak"]["skipped"].startswith("external target")
+    assert not (built_gpt2.out("tiny-gpt2", "loadtest") / "server.log").exists()
+    assert built_gpt2.run("loadtest", gpt2_spec()).status.value == "passed"
+
+
+def test_stability_needs_three_agreeing_windows() -> None:
+    def w(rps: float, p95: float = 10.0) -> dict[str, float]:
+        return {"throughput_rps": rps, "p95_latency_ms": p95}
+
+    assert lg.stable([w(100), w(104), w(98)], 0.10)
+    assert not lg.stable([w(100), w(104)], 0.10)
+    assert not lg.stable([w(100), w(130), w(98)], 0.10)
+    assert not lg.stable([w(100), w(100, 10), w(100, 20)], 0.10)
+
+
+def test_soak_growth_flags_a_steady_climb_not_a_warm_up() -> None:
+    from stages.loadtest import growth
+
+    mb = 1 << 20
+    t = np.linspace(0, 60, 61)
+    warm = [(x, int((100 + (50 if x > 5 else 10 * x)) * mb)) for x in t]  # jump, then flat
+    leak = [(x, int((100 + 2 * x) * mb)) for x in t]  # +2 MB every second
+    assert growth(warm, 50)["growth_ok"]
+    climbing = growth(leak, 50)
+    assert not climbing["growth_ok"] and climbing["growth_mb_per_min"] == pytest.approx(120, 1)
