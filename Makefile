@@ -37,6 +37,7 @@ bench: release
 	$(BIN)/python benchmarks/bench_hashing.py
 	$(BIN)/python benchmarks/bench_noop_repro.py
 	$(BIN)/python benchmarks/bench_quantize.py
+	$(BIN)/python benchmarks/bench_loadclient.py
 
 clean:
 	rm -rf build .dvc/cache .dvc/tmp

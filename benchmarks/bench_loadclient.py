@@ -11,7 +11,6 @@ bundle's own MLServer on loopback and, against the same endpoint and concurrency
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import re
 import shutil
@@ -51,7 +50,7 @@ def wrk(url: str, body: bytes, concurrency: int, seconds: float, tmp: Path) -> f
 
 def ours(req: lg.Request, concurrency: int, seconds: float) -> float:
     windows = max(3, round(seconds / WINDOW))
-    point = asyncio.run(lg.measure(req, concurrency, seconds / windows, windows, 1e-9, 60.0))
+    point = lg.run(lg.measure(req, concurrency, seconds / windows, windows, 1e-9, 60.0))
     assert point["errors"] == 0, point
     return float(point["throughput_rps"])
 

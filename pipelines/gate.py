@@ -90,9 +90,7 @@ def _slo_rows(root: Path, release: str) -> list[Row]:
     if not path.is_file():
         return []  # the stage row already fails
     slo = json.loads(path.read_text()).get("details", {}).get("slo", [])
-    return [
-        Row(release, f"SLO {r['slo']}", "PASS" if r["ok"] else "FAIL", r["why"]) for r in slo
-    ]
+    return [Row(release, f"SLO {r['slo']}", "PASS" if r["ok"] else "FAIL", r["why"]) for r in slo]
 
 
 def _production_rows(root: Path, spec: ReleaseSpec, registry: Any) -> list[Row]:

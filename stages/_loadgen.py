@@ -61,6 +61,17 @@ def v2_body(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None = N
     return json.dumps(body).encode()
 
 
+HEADERS = {"content-type": "application/json"}
+
+
+def run(coro: Any) -> Any:
+    """asyncio.run on uvloop: the stock loop costs the client about a third of its rate."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
 async def _one(session: Any, req: Request, timeout: float) -> Sample:
     import aiohttp
 
@@ -68,10 +79,7 @@ async def _one(session: Any, req: Request, timeout: float) -> Sample:
     marks: list[float] = []
     try:
         async with session.post(
-            req.url,
-            data=req.body,
-            headers={"content-type": "application/json"},
-            timeout=aiohttp.ClientTimeout(total=timeout),
+            req.url, data=req.body, headers=HEADERS, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
             if req.stream:
                 async for line in resp.content:

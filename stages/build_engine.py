@@ -57,6 +57,8 @@ def why_unavailable() -> str:
     missing = []
     if importlib.util.find_spec("tensorrt") is None:
         missing.append("TensorRT is not installed (no `tensorrt` Python package)")
+    elif importlib.util.find_spec("cuda") is None:
+        missing.append("cuda-python is not installed (needed for CUDA-graph capture)")
     count, how = cuda_devices()
     if count == 0:
         missing.append(f"no CUDA device ({how})")

@@ -135,7 +135,7 @@ def grid(base: str, release: Any, info: dict[str, Any]) -> list[dict[str, Any]]:
     for b in batches:
         for n in lengths:
             req = request(base, info, b, n, 1, stream=False)
-            point = asyncio.run(lg.fixed_count(req, g.requests, timeout))
+            point = lg.run(lg.fixed_count(req, g.requests, timeout))
             points.append({"batch": b, "input_length": n or None, **point})
     return points
 
@@ -150,9 +150,7 @@ def ramp(
     best, flat, knee = 0.0, 0, 1
     c = 1
     while c <= min(r.max_concurrency, upto or r.max_concurrency):
-        p = asyncio.run(
-            lg.measure(req, c, r.window_seconds, r.max_windows, r.stability, timeout=60.0)
-        )
+        p = lg.run(lg.measure(req, c, r.window_seconds, r.max_windows, r.stability, timeout=60.0))
         points.append(p)
         if slo.p95_latency_ms and (p["p95_latency_ms"] or 0) > slo.p95_latency_ms and c > 1:
             p["breaks_slo"] = True
@@ -195,7 +193,7 @@ def soak(base: str, release: Any, info: dict[str, Any], server: Any, knee: int) 
         sampler.cancel()
         return point
 
-    point = asyncio.run(go())
+    point = lg.run(go())
     return {**growth(samples, s.max_growth_mb_per_min), "load": point}
 
 
@@ -239,7 +237,7 @@ def batching(
     ) as srv:
         base = f"{srv.url}/v2/models/{model}"
         req = request(base, info, 1, r.input_length, r.output_tokens, stream=False)
-        off = asyncio.run(
+        off = lg.run(
             lg.measure(req, knee, r.window_seconds, r.max_windows, r.stability, timeout=60.0)
         )
     on = ramp_result["knee_point"]

@@ -65,6 +65,7 @@ def generic_spec(name: str, factory: str, **overrides: Any) -> dict[str, Any]:
 def gpt2_spec(**overrides: Any) -> dict[str, Any]:
     spec: dict[str, Any] = yaml.safe_load((REPO / "releases" / "tiny-gpt2.yaml").read_text())
     spec["loadtest"] = QUICK_LOADTEST
+    spec["engine"] = {}  # the example's profiles exceed these smaller test dims
     spec["export"]["dims"] = {
         "batch": {"min": 1, "opt": 2, "max": 3},
         "sequence": {"min": 1, "opt": 4, "max": 64},
@@ -116,7 +117,8 @@ def built_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     ws = Workspace(tmp_path_factory.mktemp("gpt2"))
     for stage in load_stages():
         report = ws.run(stage, gpt2_spec())
-        assert report.status.value == "passed", (stage, report.reasons)
+        optional = stage == "engine" and report.status.value == "skipped"  # no GPU here
+        assert report.status.value == "passed" or optional, (stage, report.reasons)
     return ws
 
 

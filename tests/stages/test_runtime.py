@@ -22,6 +22,9 @@ def test_registry_lists_every_stage_module_once_in_pipeline_order() -> None:
         "quantize",
         "evaluate",
         "plan",
+        "engine",
+        "serve",
+        "loadtest",
         "manifest",
         "bundle",
     ]

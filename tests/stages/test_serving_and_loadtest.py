@@ -146,7 +146,7 @@ def test_load_test_measures_streaming_and_writes_plots(built_gpt2: Workspace) ->
     report = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "report.json").read_text())
     head = report["details"]["summary"]
     assert head["target"] == "local MLServer"
-    assert 0 < head["p95_ttft_ms"] and 0 < head["p95_itl_ms"] and head["tokens_per_s"] > 0
+    assert head["p95_ttft_ms"] > 0 and head["p95_itl_ms"] > 0 and head["tokens_per_s"] > 0
     for name in ("latency_throughput.png", "latency_throughput.svg", "ttft_itl.png"):
         assert (built_gpt2.out("tiny-gpt2", "loadtest") / name).stat().st_size > 1000
     data = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").read_text())

@@ -1,0 +1,130 @@
+"""engine: what runs without TensorRT: profiles, validation, skip/required paths, config."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.gate import gate
+from schemas import SpecError, StageError
+from schemas.loader import load_release
+from schemas.release import CudaGraphs, EngineConfig, ServingConfig
+from stages import build_engine, render_serving
+from tests.conftest import REPO, Workspace, gpt2_spec
+
+INFO = {
+    "dims": {
+        "batch": {"min": 1, "opt": 2, "max": 8},
+        "sequence": {"min": 1, "opt": 16, "max": 64},
+        "past_sequence": {"min": 0, "opt": 16, "max": 128},
+    },
+    "inputs": [
+        {"name": "input_ids", "axes": ["batch", "sequence"], "dtype": "int64"},
+        {"name": "attention_mask", "axes": ["batch", "total_sequence"], "dtype": "int64"},
+        {"name": "past.0", "axes": ["batch", 4, "past_sequence", 16], "dtype": "float32"},
+    ],
+}
+
+
+def _engine(**kw: object) -> EngineConfig:
+    return EngineConfig.model_validate(kw)
+
+
+def test_profiles_come_from_the_export_ranges_with_overrides() -> None:
+    cfg = _engine(
+        profiles=[
+            {"name": "prefill", "dims": {"sequence": {"min": 1, "opt": 16, "max": 64}}},
+            {"name": "decode", "dims": {"sequence": {"min": 1, "opt": 1, "max": 1}}},
+        ]
+    )
+    prefill, decode = build_engine.derive_profiles(cfg, INFO)
+    assert prefill["shapes"]["input_ids"] == {"min": [1, 1], "opt": [2, 16], "max": [8, 64]}
+    assert prefill["shapes"]["past.0"]["max"] == [8, 4, 128, 16]
+    # total_sequence = past + sequence at each of min/opt/max (min clamped to 1)
+    assert prefill["shapes"]["attention_mask"] == {"min": [1, 1], "opt": [2, 32], "max": [8, 192]}
+    assert decode["shapes"]["input_ids"] == {"min": [1, 1], "opt": [2, 1], "max": [8, 1]}
+    assert decode["shapes"]["attention_mask"]["max"] == [8, 129]
+
+
+def _spec_error(ws: Workspace, engine: dict[str, object]) -> str:
+    with pytest.raises(SpecError) as exc:
+        ws.spec(gpt2_spec(engine=engine))
+    return "\n".join(exc.value.problems)
+
+
+def test_profiles_and_graph_batches_outside_the_export_are_refused(ws: Workspace) -> None:
+    wide = {"profiles": [{"name": "p", "dims": {"batch": {"min": 1, "opt": 2, "max": 16}}}]}
+    assert "engine.profiles[0]: (p) dim 'batch' [1, 16] lies outside the export's [1, 3]" in (
+        _spec_error(ws, wide)
+    )
+    unknown = {"profiles": [{"name": "p", "dims": {"frames": {"min": 1, "opt": 1, "max": 2}}}]}
+    assert "dim 'frames' is not in export.dims" in _spec_error(ws, unknown)
+    graphs = {"cuda_graphs": {"batch_sizes": [1, 4]}}
+    assert "engine.cuda_graphs.batch_sizes: has 4, outside every profile's batch range" in (
+        _spec_error(ws, graphs)
+    )
+
+
+def test_without_tensorrt_the_stage_skips_as_optional_and_the_gate_says_n_a(
+    built_gpt2: Workspace,
+) -> None:
+    report = built_gpt2.run("engine", gpt2_spec())
+    assert report.status.value == "skipped"
+    assert "TensorRT is not installed" in report.summary
+    assert report.details["optional"] is True
+    assert (built_gpt2.out("tiny-gpt2", "engine") / "profiles.json").is_file()
+    rows = {r.check: r for r in gate(built_gpt2.root, [built_gpt2.spec(gpt2_spec())], None).rows}
+    assert rows["engine"].verdict == "n/a"
+    # The same skipped report is a failure once the spec requires the engine.
+    required = built_gpt2.spec(gpt2_spec(engine={"required": True}))
+    rows = {r.check: r for r in gate(built_gpt2.root, [required], None).rows}
+    assert rows["engine"].verdict == "FAIL"
+    built_gpt2.write(gpt2_spec())
+
+
+def test_a_required_engine_fails_with_the_reason(built_gpt2: Workspace) -> None:
+    report = built_gpt2.run("engine", gpt2_spec(engine={"required": True}))
+    assert report.status.value == "failed"
+    assert report.reasons[0].startswith("engine.required is true but TensorRT is not installed")
+    assert "engine.required: false" in report.reasons[0]
+    assert built_gpt2.run("engine", gpt2_spec()).status.value == "skipped"
+
+
+def test_backend_none_skips_without_looking_for_a_gpu(built_gpt2: Workspace) -> None:
+    report = built_gpt2.run("engine", gpt2_spec(engine={"backend": "none"}))
+    assert report.status.value == "skipped" and report.summary == "skipped: engine.backend is none"
+    assert built_gpt2.run("engine", gpt2_spec()).status.value == "skipped"
+
+
+def test_gpu_detection_asks_the_driver() -> None:
+    count, how = build_engine.cuda_devices()
+    assert count == 0  # these machines have no NVIDIA driver
+    assert "libnvidia-ml.so.1" in how
+
+
+def _values(max_batch: int | None, batches: list[int]) -> dict[str, object]:
+    profiles = build_engine.derive_profiles(_engine(), INFO)
+    serving = ServingConfig(max_batch_size=max_batch)
+    graphs = CudaGraphs(batch_sizes=batches)
+    return build_engine.triton_trt_values(profiles, serving, 8, graphs, "9.0")
+
+
+def test_tensorrt_triton_config_renders_and_parses_back(tmp_path: object) -> None:
+    path = build_engine.render_trt_triton(tmp_path, "tiny", _values(4, [1, 2]))  # type: ignore[arg-type]
+    config = render_serving.parse_triton(path.read_text())
+    assert config.platform == "tensorrt_plan" and config.max_batch_size == 4
+    assert dict(config.cc_model_filenames) == {"9.0": "model_sm90.plan"}
+    assert config.optimization.cuda.graphs is True
+    specs = config.optimization.cuda.graph_spec
+    assert [s.batch_size for s in specs] == [1, 2]
+    assert list(specs[0].input["past.0"].dim) == [4, 16, 16]
+
+
+def test_tensorrt_config_refuses_a_batch_beyond_the_profile() -> None:
+    with pytest.raises(StageError, match="max_batch_size = 16 exceeds the engine profiles'"):
+        _values(16, [1])
+
+
+def test_the_example_release_declares_two_profiles() -> None:
+    spec = load_release(REPO / "releases" / "tiny-gpt2.yaml")
+    assert [p.name for p in spec.engine.profiles] == ["prefill", "decode"]
+    assert spec.engine.required is False
