@@ -258,7 +258,8 @@ def check_slo(slo: Any, results: dict[str, Any], device_memory: int) -> list[dic
     judged = steady[-1] if steady else results["ramp"]["knee_point"]
     results["ramp"]["judged_at"] = judged["concurrency"]
     stream = results.get("streaming", {}).get("points", [])
-    at = next((p for p in stream if p["concurrency"] == judged["concurrency"]), None)
+    steady_stream = [p for p in stream if p["stable"] and p["concurrency"] <= judged["concurrency"]]
+    at = steady_stream[-1] if steady_stream else (stream[-1] if stream else None)
     peak = results.get("peak_rss_bytes", 0)
     checks = [
         ("p95_latency_ms", judged, judged.get("p95_latency_ms"), "max"),
