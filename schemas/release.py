@@ -535,6 +535,9 @@ class LoadTestConfig(Strict):
         default=True, description="Measure dynamic batching on vs off at the knee."
     )
     startup_seconds: float = Field(default=120.0, gt=0, description="Server start timeout.")
+    request_timeout_seconds: float = Field(
+        default=60.0, gt=0, description="One request's timeout; a timeout counts as an error."
+    )
 
 
 # ----------------------------------------------------------------------------- release

@@ -1,6 +1,5 @@
-"""TensorRT build, engine parity and CUDA-graph replay; imported only where TensorRT and a
-CUDA device exist (the engine stage checks first). Written against TensorRT 10+ through
-Polygraphy, plus cuda-python for graph capture.
+"""TensorRT build and engine parity; imported only where TensorRT and a CUDA device exist
+(the engine stage checks first). Written against TensorRT 10+ through Polygraphy.
 
 TensorRT 10/11 engines here are strongly typed: INT8 comes from the Q/DQ nodes in the ONNX.
 """
@@ -15,8 +14,6 @@ import numpy as np
 
 from schemas import StageError
 from stages._runtime import StageContext, StageResult, write_json
-
-GRAPH_REPLAYS = 50
 
 
 def build_and_check(
@@ -39,7 +36,11 @@ def build_and_check(
         (ctx.work / "timing.cache").write_bytes(cache.read_bytes())
     tol = cfg.parity or release.parity.tolerance
     parity = engine_parity(plan, model, profiles, info, tol.atol, tol.rtol)
-    graphs = cuda_graph_check(plan, profiles, cfg.cuda_graphs) if cfg.cuda_graphs.enabled else []
+    graphs = []
+    if cfg.cuda_graphs.enabled:
+        from stages._cuda_graphs import cuda_graph_check
+
+        graphs = cuda_graph_check(plan, profiles, cfg.cuda_graphs.batch_sizes)
     details.update(
         tensorrt=trt.__version__,
         gpu=gpu,
@@ -109,23 +110,32 @@ def build(
 def device_facts() -> tuple[str, str]:
     from cuda.bindings import runtime as cudart
 
-    err, props = cudart.cudaGetDeviceProperties(0)
-    _check(err, "cudaGetDeviceProperties")
+    from stages._cuda_graphs import _ok
+
+    props = _ok(cudart.cudaGetDeviceProperties(0), "cudaGetDeviceProperties")
     return f"{props.major}.{props.minor}", props.name.decode(errors="replace").strip("\x00")
 
 
-def parity_shapes(profile: dict[str, Any]) -> dict[str, dict[str, list[int]]]:
-    """min, opt, max and an odd size in between, per input."""
-    shapes = profile["shapes"]
-    odd = {
-        n: [
-            lo + (hi - lo) // 2 + ((hi - lo) // 2 + 1) % 2 if hi > lo else lo
-            for lo, hi in zip(s["min"], s["max"], strict=True)
-        ]
-        for n, s in shapes.items()
+def parity_shapes(profile: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+    """Input shapes at the profile's min, opt and max, and at an odd size in between; the
+    odd one is chosen per named dim, so past + sequence still equals total_sequence."""
+    from stages.build_engine import axis_size
+
+    picked = {k: {n: s[k] for n, s in profile["shapes"].items()} for k in ("min", "opt", "max")}
+    ranges = {d: {**r, "odd": odd_between(r["min"], r["max"])} for d, r in profile["dims"].items()}
+    picked["odd"] = {
+        t["name"]: [axis_size(a, ranges, "odd") for a in t["axes"]] for t in info["inputs"]
     }
-    picked = {k: {n: s[k] for n, s in shapes.items()} for k in ("min", "opt", "max")}
-    return {**picked, "odd": odd}
+    return picked
+
+
+def odd_between(lo: int, hi: int) -> int:
+    """An odd size near the middle of [lo, hi] (lo itself when the range has no odd size)."""
+    mid = (lo + hi) // 2
+    for candidate in (mid, mid + 1, mid - 1):
+        if lo <= candidate <= hi and candidate % 2 == 1:
+            return candidate
+    return lo
 
 
 def _feeds(info: dict[str, Any], shapes: dict[str, list[int]], seed: int) -> dict[str, Any]:
@@ -159,7 +169,7 @@ def engine_parity(
     with OnnxrtRunner(SessionFromOnnx(str(model))) as ort_runner:
         for i, profile in enumerate(profiles):
             with TrtRunner(EngineFromBytes(plan), optimization_profile=i) as trt_runner:
-                for label, shapes in parity_shapes(profile).items():
+                for label, shapes in parity_shapes(profile, info).items():
                     feeds = _feeds(info, shapes, seed=i)
                     want = ort_runner.infer(feeds)
                     have = trt_runner.infer(feeds)
@@ -210,7 +220,7 @@ def first_diverging_layer(
 
     bad = next(r for r in rows if not r["ok"])
     index = next(i for i, p in enumerate(profiles) if p["name"] == bad["profile"])
-    shapes = parity_shapes(profiles[index])[bad["shape"]]
+    shapes = parity_shapes(profiles[index], info)[bad["shape"]]
     feeds = _feeds(info, shapes, seed=index)
     prof = Profile()
     for name, s in shapes.items():
@@ -237,115 +247,6 @@ def first_diverging_layer(
         "ok": False,
         "why": "no single intermediate tensor diverges; the outputs do",
     }
-
-
-def cuda_graph_check(
-    plan: bytes, profiles: list[dict[str, Any]], graphs: Any
-) -> list[dict[str, Any]]:
-    """Capture execute_async_v3 in a CUDA graph per batch size; replay must match a plain
-    run bit for bit, and the latency of both is recorded."""
-    import tensorrt as trt
-    from cuda.bindings import runtime as cudart
-
-    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    engine = runtime.deserialize_cuda_engine(plan)
-    rows = []
-    for batch in graphs.batch_sizes:
-        index = next(
-            i
-            for i, p in enumerate(profiles)
-            if p["dims"]["batch"]["min"] <= batch <= p["dims"]["batch"]["max"]
-        )
-        shapes = {
-            n: [batch if j == 0 else v for j, v in enumerate(s["opt"])]
-            for n, s in profiles[index]["shapes"].items()
-        }
-        rows.append(_graph_one(engine, index, shapes, batch, cudart))
-    return rows
-
-
-def _graph_one(
-    engine: Any, index: int, shapes: dict[str, list[int]], batch: int, cudart: Any
-) -> dict[str, Any]:
-    import tensorrt as trt
-
-    err, stream = cudart.cudaStreamCreate()
-    _check(err, "cudaStreamCreate")
-    context = engine.create_execution_context()
-    context.set_optimization_profile_async(index, stream)
-    buffers: dict[str, tuple[int, np.ndarray]] = {}
-    rng = np.random.default_rng(0)
-    for i in range(engine.num_io_tensors):
-        name = engine.get_tensor_name(i)
-        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-            context.set_input_shape(name, shapes[name])
-    for i in range(engine.num_io_tensors):
-        name = engine.get_tensor_name(i)
-        dtype = trt.nptype(engine.get_tensor_dtype(name))
-        host = np.zeros(tuple(context.get_tensor_shape(name)), dtype=dtype)
-        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-            host[...] = 1 if dtype.kind in "iu" else rng.standard_normal(host.shape)
-        err, ptr = cudart.cudaMalloc(max(host.nbytes, 1))
-        _check(err, "cudaMalloc")
-        buffers[name] = (ptr, host)
-        context.set_tensor_address(name, ptr)
-        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-            cudart.cudaMemcpy(
-                ptr, host.ctypes.data, host.nbytes, cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
-            )
-    try:
-        plain_ms, plain = _timed(lambda: context.execute_async_v3(stream), stream, buffers, cudart)
-        _check(
-            cudart.cudaStreamBeginCapture(
-                stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
-            )[0],
-            "capture",
-        )
-        context.execute_async_v3(stream)
-        err, graph = cudart.cudaStreamEndCapture(stream)
-        _check(err, "cudaStreamEndCapture")
-        err, exec_graph = cudart.cudaGraphInstantiate(graph, 0)
-        _check(err, "cudaGraphInstantiate")
-        graph_ms, replay = _timed(
-            lambda: cudart.cudaGraphLaunch(exec_graph, stream), stream, buffers, cudart
-        )
-    finally:
-        for ptr, _ in buffers.values():
-            cudart.cudaFree(ptr)
-        cudart.cudaStreamDestroy(stream)
-    same = all(np.array_equal(plain[n], replay[n]) for n in plain)
-    why = (
-        f"batch {batch}: graph replay {'matches' if same else 'DIFFERS from'} plain execution; "
-        f"{plain_ms:.3f} ms plain, {graph_ms:.3f} ms graph"
-    )
-    return {"batch": batch, "ok": same, "plain_ms": plain_ms, "graph_ms": graph_ms, "why": why}
-
-
-def _timed(
-    launch: Any, stream: Any, buffers: dict[str, Any], cudart: Any
-) -> tuple[float, dict[str, np.ndarray]]:
-    launch()
-    cudart.cudaStreamSynchronize(stream)
-    start = time.perf_counter()
-    for _ in range(GRAPH_REPLAYS):
-        launch()
-    cudart.cudaStreamSynchronize(stream)
-    ms = (time.perf_counter() - start) * 1000 / GRAPH_REPLAYS
-    outputs = {}
-    for name, (ptr, host) in buffers.items():
-        out = np.empty_like(host)
-        cudart.cudaMemcpy(
-            out.ctypes.data, ptr, out.nbytes, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        )
-        outputs[name] = out
-    return ms, outputs
-
-
-def _check(err: Any, what: str) -> None:
-    from cuda.bindings import runtime as cudart
-
-    if err != cudart.cudaError_t.cudaSuccess:
-        raise StageError("engine", f"{what} failed: {err}", "check the CUDA driver and device")
 
 
 def render_triton(

@@ -19,6 +19,7 @@ from schemas import ReleaseSpec, StageError
 from stages._runtime import StageContext, StageIO, StageResult, write_json
 
 NAME = "engine"
+BOUNDS = ("min", "opt", "max")
 
 
 def io(release: ReleaseSpec) -> StageIO:
@@ -96,7 +97,7 @@ def derive_profiles(cfg: Any, info: dict[str, Any]) -> list[dict[str, Any]]:
         ranges = {k: v.model_dump() for k, v in info_dims(info).items()}
         ranges.update({k: v.model_dump() for k, v in p.dims.items()})
         shapes = {
-            t["name"]: {k: [_size(a, ranges, k) for a in t["axes"]] for k in ("min", "opt", "max")}
+            t["name"]: {k: [axis_size(a, ranges, k) for a in t["axes"]] for k in BOUNDS}
             for t in info["inputs"]
         }
         out.append({"name": p.name, "dims": ranges, "shapes": shapes})
@@ -109,7 +110,7 @@ def info_dims(info: dict[str, Any]) -> dict[str, Any]:
     return {k: DimRange(**v) for k, v in info["dims"].items()}
 
 
-def _size(axis: str | int, ranges: dict[str, dict[str, int]], which: str) -> int:
+def axis_size(axis: str | int, ranges: dict[str, dict[str, int]], which: str) -> int:
     if isinstance(axis, int):
         return axis
     if axis == "total_sequence":

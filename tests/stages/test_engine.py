@@ -128,3 +128,19 @@ def test_the_example_release_declares_two_profiles() -> None:
     spec = load_release(REPO / "releases" / "tiny-gpt2.yaml")
     assert [p.name for p in spec.engine.profiles] == ["prefill", "decode"]
     assert spec.engine.required is False
+
+
+def test_engine_parity_shapes_keep_the_kv_dims_consistent() -> None:
+    from stages._tensorrt import odd_between, parity_shapes
+
+    [profile] = build_engine.derive_profiles(_engine(), INFO)
+    shapes = parity_shapes(profile, INFO)
+    assert list(shapes) == ["min", "opt", "max", "odd"]
+    for label, s in shapes.items():
+        batch, seq = s["input_ids"]
+        past = s["past.0"][2]
+        assert s["attention_mask"] == [batch, max(past + seq, 1)], label
+        assert s["past.0"][0] == batch
+    odd = shapes["odd"]
+    assert odd["input_ids"] == [5, 33] and odd["past.0"] == [5, 4, 65, 16]
+    assert odd_between(1, 1) == 1 and odd_between(2, 2) == 2 and odd_between(0, 1) == 1

@@ -180,7 +180,7 @@ def test_stability_needs_three_agreeing_windows() -> None:
 
 
 def test_soak_growth_flags_a_steady_climb_not_a_warm_up() -> None:
-    from stages.loadtest import growth
+    from stages._load_phases import growth
 
     mb = 1 << 20
     t = np.linspace(0, 60, 61)
@@ -189,3 +189,21 @@ def test_soak_growth_flags_a_steady_climb_not_a_warm_up() -> None:
     assert growth(warm, 50)["growth_ok"]
     climbing = growth(leak, 50)
     assert not climbing["growth_ok"] and climbing["growth_mb_per_min"] == pytest.approx(120, 1)
+
+
+def _pt(c: int, rps: float, p95: float = 10.0) -> dict[str, float]:
+    return {"concurrency": c, "throughput_rps": rps, "p95_latency_ms": p95}
+
+
+def test_the_knee_is_the_last_real_gain_and_the_ramp_stops_after_four_flat_steps() -> None:
+    from stages._load_phases import find_knee
+
+    rising = [_pt(1, 100), _pt(2, 190), _pt(4, 300)]
+    assert find_knee(rising, 0.05, 4, None) == (4, False)
+    flat = [*rising, _pt(8, 310), _pt(16, 305), _pt(32, 312), _pt(64, 309)]
+    assert find_knee(flat[:6], 0.05, 4, None) == (4, False)  # three flat steps: keep going
+    assert find_knee(flat, 0.05, 4, None) == (4, True)
+    slo_break = [*rising, _pt(8, 400, p95=250)]
+    assert find_knee(slo_break, 0.05, 4, 200) == (4, True)
+    assert slo_break[-1]["breaks_slo"] is True
+    assert find_knee([_pt(1, 100, p95=250)], 0.05, 4, 200) == (1, False)  # judged by the SLO

@@ -1,0 +1,133 @@
+"""CUDA-graph capture and replay of a TensorRT engine (cuda-python), per batch size.
+
+Each batch size: one plain `execute_async_v3` (which also finishes TensorRT's
+shape-dependent setup, as capture requires), then capture of the same call into a graph.
+The outputs are zeroed before the replays so a graph that did nothing cannot "match".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from schemas import StageError
+
+REPLAYS = 50
+
+
+def cuda_graph_check(
+    plan: bytes, profiles: list[dict[str, Any]], batch_sizes: list[int]
+) -> list[dict[str, Any]]:
+    """One row per batch size: replay matches plain execution; latency of both in ms."""
+    import tensorrt as trt
+
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(plan)
+    rows = []
+    for batch in batch_sizes:
+        index = next(
+            i
+            for i, p in enumerate(profiles)
+            if p["dims"]["batch"]["min"] <= batch <= p["dims"]["batch"]["max"]
+        )
+        shapes = {n: [batch, *s["opt"][1:]] for n, s in profiles[index]["shapes"].items()}
+        with _Bindings(engine, index, shapes) as b:
+            rows.append(_compare(batch, *b.plain_and_graph()))
+    return rows
+
+
+def _compare(
+    batch: int, plain_ms: float, graph_ms: float, plain: dict[str, Any], replay: dict[str, Any]
+) -> dict[str, Any]:
+    worst = max(float(np.max(np.abs(plain[n] - replay[n]), initial=0.0)) for n in plain)
+    ok = all(np.allclose(plain[n], replay[n], rtol=1e-5, atol=1e-6) for n in plain)
+    why = (
+        f"batch {batch}: graph replay {'matches' if ok else 'DIFFERS from'} plain execution "
+        f"(max |diff| {worst:.3g}); {plain_ms:.3f} ms plain, {graph_ms:.3f} ms graph"
+    )
+    return {"batch": batch, "ok": ok, "plain_ms": plain_ms, "graph_ms": graph_ms, "why": why}
+
+
+class _Bindings:
+    """Device buffers for every I/O tensor of one execution context; freed on exit."""
+
+    def __init__(self, engine: Any, profile: int, shapes: dict[str, list[int]]) -> None:
+        import tensorrt as trt
+        from cuda.bindings import runtime as cudart
+
+        self.cudart = cudart
+        self.stream = _ok(cudart.cudaStreamCreate(), "cudaStreamCreate")
+        self.context = engine.create_execution_context()
+        self.context.set_optimization_profile_async(profile, int(self.stream))
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        is_input = {n: engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT for n in names}
+        for n in names:
+            if is_input[n]:
+                self.context.set_input_shape(n, shapes[n])
+        self.outputs = [n for n in names if not is_input[n]]
+        self.buffers: dict[str, tuple[int, np.ndarray]] = {}
+        rng = np.random.default_rng(0)
+        for n in names:
+            dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(n)))
+            host = np.zeros(tuple(self.context.get_tensor_shape(n)), dtype=dtype)
+            if is_input[n]:
+                host[...] = 1 if dtype.kind in "iub" else rng.standard_normal(host.shape)
+            ptr = _ok(cudart.cudaMalloc(max(host.nbytes, 1)), "cudaMalloc")
+            self.buffers[n] = (ptr, host)
+            self.context.set_tensor_address(n, ptr)
+            if is_input[n]:
+                kind = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+                _ok(cudart.cudaMemcpy(ptr, host.ctypes.data, host.nbytes, kind), "cudaMemcpy")
+
+    def __enter__(self) -> _Bindings:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ptr, _ in self.buffers.values():
+            self.cudart.cudaFree(ptr)
+        self.cudart.cudaStreamDestroy(self.stream)
+
+    def plain_and_graph(self) -> tuple[float, float, dict[str, Any], dict[str, Any]]:
+        cudart, stream = self.cudart, self.stream
+        plain_ms, plain = self._timed(lambda: self.context.execute_async_v3(int(stream)))
+        mode = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+        _ok(cudart.cudaStreamBeginCapture(stream, mode), "cudaStreamBeginCapture")
+        self.context.execute_async_v3(int(stream))
+        graph = _ok(cudart.cudaStreamEndCapture(stream), "cudaStreamEndCapture")
+        exec_graph = _ok(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+        for n in self.outputs:
+            ptr, host = self.buffers[n]
+            _ok(cudart.cudaMemset(ptr, 0, host.nbytes), "cudaMemset")
+        graph_ms, replay = self._timed(lambda: cudart.cudaGraphLaunch(exec_graph, stream))
+        cudart.cudaGraphExecDestroy(exec_graph)
+        cudart.cudaGraphDestroy(graph)
+        return plain_ms, graph_ms, plain, replay
+
+    def _timed(self, launch: Any) -> tuple[float, dict[str, np.ndarray]]:
+        cudart = self.cudart
+        launch()
+        _ok(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        start = time.perf_counter()
+        for _ in range(REPLAYS):
+            launch()
+        _ok(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        ms = (time.perf_counter() - start) * 1000 / REPLAYS
+        outputs = {}
+        for n in self.outputs:
+            ptr, host = self.buffers[n]
+            out = np.empty_like(host)
+            kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+            _ok(cudart.cudaMemcpy(out.ctypes.data, ptr, out.nbytes, kind), "cudaMemcpy")
+            outputs[n] = out.astype(np.float64)
+        return ms, outputs
+
+
+def _ok(result: tuple[Any, ...], what: str) -> Any:
+    """cuda-python returns (err, *values): raise on an error, else the value(s)."""
+    from cuda.bindings import runtime as cudart
+
+    err, *values = result
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise StageError("engine", f"{what} failed: {err}", "check the CUDA driver and device")
+    return values[0] if len(values) == 1 else (values or None)

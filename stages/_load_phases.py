@@ -1,0 +1,181 @@
+"""The load test's phases: inputs, the batch x length grid, the concurrency ramp and its
+knee, and the soak with its memory-growth fit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+
+from stages import _loadgen as lg
+
+MB = 1 << 20
+
+
+def _inputs(info: dict[str, Any], batch: int, length: int, seed: int = 0) -> dict[str, Any]:
+    """Real-looking inputs for the exported graph: token ids, masks of ones, floats."""
+    rng = np.random.default_rng(seed)
+    sizes = {"batch": batch, "sequence": length}
+    feeds = {}
+    for t in info["inputs"]:
+        if (
+            t["name"].startswith("past_key_values.")
+            or t["name"] == "attention_mask"
+            and (info["task"] == "causal-lm")
+        ):
+            continue
+        shape = [
+            a if isinstance(a, int) else sizes.get(a, info["dims"][a]["opt"]) for a in t["axes"]
+        ]
+        if "mask" in t["name"]:
+            feeds[t["name"]] = np.ones(shape, dtype=t["dtype"])
+        elif t["dtype"].startswith("int"):
+            vocab = info.get("arch", {}).get("vocab", 2)
+            feeds[t["name"]] = rng.integers(0, vocab, shape).astype(t["dtype"])
+        else:
+            feeds[t["name"]] = rng.standard_normal(shape).astype(t["dtype"])
+    return feeds
+
+
+def request(
+    base: str, info: dict[str, Any], batch: int, length: int, tokens: int, stream: bool
+) -> lg.Request:
+    causal = info["task"] == "causal-lm"
+    params = {"max_new_tokens": tokens} if causal else None
+    return lg.Request(
+        url=f"{base}/{'infer_stream' if stream else 'infer'}",
+        body=lg.v2_body(_inputs(info, batch, length), params),
+        stream=stream,
+        rows=batch,
+        tokens=tokens if causal else 0,
+    )
+
+
+def trimmed(values: list[int], limit: int) -> list[int]:
+    """The spec's values, those beyond the export's range replaced by its max."""
+    return sorted({min(v, limit) for v in values})
+
+
+def grid(base: str, release: Any, info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Latency per batch x input length at concurrency 1 (prefill only for causal-lm)."""
+    g, dims = release.loadtest.grid, info["dims"]
+    batches = trimmed(g.batch_sizes, dims.get("batch", {}).get("max", 1))
+    has_seq = "sequence" in dims
+    lengths = trimmed(g.input_lengths, dims["sequence"]["max"]) if has_seq else [0]
+    timeout = release.loadtest.request_timeout_seconds
+    points = []
+    for b in batches:
+        for n in lengths:
+            req = request(base, info, b, n, 1, stream=False)
+            point = lg.run(lg.fixed_count(req, g.requests, timeout))
+            points.append({"batch": b, "input_length": n or None, **point})
+    return points
+
+
+def ramp(
+    base: str, release: Any, info: dict[str, Any], stream: bool, upto: int | None = None
+) -> dict[str, Any]:
+    """Concurrency 1, 2, 4, ... until the knee (Model Analyzer's rule) or the SLO breaks."""
+    r, slo = release.loadtest.ramp, release.loadtest.slo
+    req = request(base, info, 1, r.input_length, r.output_tokens, stream)
+    points: list[dict[str, Any]] = []
+    knee, c = 1, 1
+    while c <= min(r.max_concurrency, upto or r.max_concurrency):
+        points.append(
+            lg.run(
+                lg.measure(
+                    req,
+                    c,
+                    r.window_seconds,
+                    r.max_windows,
+                    r.stability,
+                    release.loadtest.request_timeout_seconds,
+                )
+            )
+        )
+        knee, stop = find_knee(points, r.knee_gain, r.knee_patience, slo.p95_latency_ms)
+        if stop:
+            break
+        c *= 2
+    return {"points": points, "knee": knee, "knee_point": _at(points, knee)}
+
+
+def find_knee(
+    points: list[dict[str, Any]], gain: float, patience: int, slo_ms: float | None
+) -> tuple[int, bool]:
+    """(knee concurrency, stop?) after the points so far. The knee is the last point that
+    raised throughput by at least `gain`; stop after `patience` points that did not, or at
+    the first point (beyond the first) whose p95 latency breaks the SLO."""
+    best, flat, knee = 0.0, 0, points[0]["concurrency"]
+    for p in points:
+        if (
+            slo_ms
+            and len(points) > 1
+            and (p["p95_latency_ms"] or 0) > slo_ms
+            and p is not points[0]
+        ):
+            p["breaks_slo"] = True
+            return knee, True
+        if p["throughput_rps"] >= best * (1 + gain):
+            best, flat, knee = p["throughput_rps"], 0, p["concurrency"]
+        else:
+            flat += 1
+    return knee, flat >= patience
+
+
+def _at(points: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    return next(p for p in points if p["concurrency"] == concurrency)
+
+
+def soak(base: str, release: Any, info: dict[str, Any], server: Any, knee: int) -> dict[str, Any]:
+    """Load at the knee for `soak.seconds` while sampling the server's RSS."""
+    s, r = release.loadtest.soak, release.loadtest.ramp
+    if server is None:
+        return {"skipped": "external target: the server's memory is not observable from here"}
+    if s.seconds == 0:
+        return {"skipped": "loadtest.soak.seconds is 0"}
+    req = request(base, info, 1, r.input_length, r.output_tokens, stream=False)
+    concurrency = s.concurrency or knee
+    samples: list[tuple[float, int]] = []
+
+    async def go() -> dict[str, Any]:
+        async def sample() -> None:
+            start = time.monotonic()
+            while True:
+                samples.append((time.monotonic() - start, server.rss()))
+                await asyncio.sleep(max(s.seconds / 40, 0.05))
+
+        sampler = asyncio.create_task(sample())
+        windows = max(3, round(s.seconds / r.window_seconds))
+        point = await lg.measure(
+            req,
+            concurrency,
+            s.seconds / windows,
+            windows,
+            1e-9,
+            release.loadtest.request_timeout_seconds,
+        )
+        sampler.cancel()
+        return point
+
+    point = lg.run(go())
+    return {**growth(samples, s.max_growth_mb_per_min), "load": point}
+
+
+def growth(samples: list[tuple[float, int]], limit_mb_per_min: float) -> dict[str, Any]:
+    """Least-squares RSS slope after the first third (warm-up), in MB per minute."""
+    t = np.array([s[0] for s in samples])
+    rss = np.array([s[1] for s in samples], dtype=float)
+    steady = t >= t[-1] / 3 if len(t) else t
+    slope = float(np.polyfit(t[steady], rss[steady], 1)[0]) * 60 / MB if steady.sum() > 2 else 0.0
+    return {
+        "samples": len(samples),
+        "rss_start_mb": round(rss[0] / MB, 1) if len(rss) else None,
+        "rss_end_mb": round(rss[-1] / MB, 1) if len(rss) else None,
+        "peak_rss_bytes": int(rss.max()) if len(rss) else 0,
+        "growth_mb_per_min": round(slope, 2),
+        "growth_ok": slope <= limit_mb_per_min,
+        "growth_limit_mb_per_min": limit_mb_per_min,
+    }
