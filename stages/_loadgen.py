@@ -72,15 +72,27 @@ def run(coro: Any) -> Any:
         return runner.run(coro)
 
 
+def session_for(concurrency: int, timeout: float) -> Any:
+    """A session that does no per-request work it need not: no cookies, no decompression,
+    no default headers, one timeout object for every request."""
+    import aiohttp
+
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=concurrency),
+        timeout=aiohttp.ClientTimeout(total=timeout),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+    )
+
+
 async def _one(session: Any, req: Request, timeout: float) -> Sample:
     import aiohttp
 
     start = time.perf_counter()
     marks: list[float] = []
     try:
-        async with session.post(
-            req.url, data=req.body, headers=HEADERS, timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
+        async with session.post(req.url, data=req.body, headers=HEADERS) as resp:
             if req.stream:
                 async for line in resp.content:
                     if line.startswith(b"data:"):
@@ -148,12 +160,10 @@ async def measure(
     timeout: float,
 ) -> dict[str, Any]:
     """Closed loop at `concurrency` until three windows agree or max_windows pass."""
-    import aiohttp
 
     samples: list[Sample] = []
     stop = asyncio.Event()
-    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with session_for(concurrency, timeout) as session:
 
         async def worker() -> None:
             while not stop.is_set():
@@ -188,9 +198,8 @@ async def measure(
 
 async def fixed_count(req: Request, count: int, timeout: float) -> dict[str, Any]:
     """`count` requests one after another (concurrency 1): the grid's latency per shape."""
-    import aiohttp
 
-    async with aiohttp.ClientSession() as session:
+    async with session_for(1, timeout) as session:
         await _one(session, req, timeout)  # warm the connection and the shape
         start = time.perf_counter()
         samples = [await _one(session, req, timeout) for _ in range(count)]

@@ -60,10 +60,17 @@ class LocalServer:
     """`with LocalServer(...) as server:` -> server.url is ready to take requests."""
 
     def __init__(
-        self, tree: Path, model: str, log: Path, startup: float, batching: bool = True
+        self,
+        tree: Path,
+        model: str,
+        log: Path,
+        startup: float,
+        batching: bool = True,
+        cpus: set[int] | None = None,
     ) -> None:
         self.tree, self.model, self.log, self.startup = tree, model, log, startup
         self.batching = batching
+        self.cpus = cpus  # pin the server (and every thread it starts) to these cores
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
 
@@ -91,6 +98,7 @@ class LocalServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
             )
         try:
             self._wait_ready()
