@@ -5,6 +5,8 @@ The bundle ships this file next to `model-settings.json`; MLServer imports it fr
 onnxruntime and numpy.
 
 - generic task: `infer` feeds the request's tensors by name and returns every graph output.
+- Concurrent `infer` requests are batched by the runtime itself (see Batcher), not by
+  MLServer's adaptive batching, which would merge incompatible requests.
 - causal-lm: `infer` takes `input_ids` INT64 [batch, prompt] and the request parameter
   `max_new_tokens` (default 1) and returns `output_ids` INT64 [batch, max_new_tokens] by
   greedy decoding with the KV-cache graph (prefill runs on the same graph with an empty
@@ -89,6 +91,57 @@ class Decoder:
             total += 1
 
 
+class Batcher:
+    """Dynamic batching that only merges compatible requests.
+
+    MLServer's own adaptive batching concatenates any requests that arrive together and
+    keeps one request's parameters, so two prompts of different lengths, or two different
+    `max_new_tokens`, would break or silently change each other. Here requests wait up to
+    `delay` seconds for others with the same key (the shapes after the batch axis and the
+    generation parameters); a batch runs once it has `max_rows` rows or the wait is over.
+    """
+
+    def __init__(self, run: Any, max_rows: int, delay: float) -> None:
+        self.run, self.max_rows, self.delay = run, max_rows, delay
+        self.pending: dict[Any, list[tuple[dict[str, np.ndarray], asyncio.Future[Any]]]] = {}
+
+    async def submit(self, key: Any, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if _rows(self.pending.get(key, [])) + _rows([(arrays, future)]) > self.max_rows:
+            self._flush(key)  # never grow a batch beyond max_rows
+        queue = self.pending.setdefault(key, [])
+        queue.append((arrays, future))
+        if len(queue) == 1:
+            loop.call_later(self.delay, self._flush, key)
+        if _rows(queue) >= self.max_rows:
+            self._flush(key)
+        result: dict[str, np.ndarray] = await future
+        return result
+
+    def _flush(self, key: Any) -> None:
+        queue = self.pending.pop(key, [])
+        if queue:
+            asyncio.ensure_future(self._run(key, queue))
+
+    async def _run(self, key: Any, queue: list[Any]) -> None:
+        rows = [_rows([item]) for item in queue]
+        merged = {n: np.concatenate([a[n] for a, _ in queue]) for n in queue[0][0]}
+        try:
+            out = await asyncio.to_thread(self.run, key, merged)
+        except Exception as exc:  # every request of the batch gets the error
+            for _, f in queue:
+                f.set_exception(exc)
+            return
+        bounds = np.cumsum([0, *rows])
+        for (_, f), a, b in zip(queue, bounds[:-1], bounds[1:], strict=True):
+            f.set_result({n: v[a:b] for n, v in out.items()})
+
+
+def _rows(queue: list[tuple[dict[str, np.ndarray], Any]]) -> int:
+    return sum(len(next(iter(arrays.values()))) for arrays, _ in queue)
+
+
 class ShipyardOnnxRuntime(MLModel):
     """Loads the bundle's ONNX model; parameters.extra carries task and session config."""
 
@@ -102,18 +155,27 @@ class ShipyardOnnxRuntime(MLModel):
         self.session = session_from(model_path, config)
         if self.task == "causal-lm":
             self.decoder = Decoder(self.session, int(extra.get("max_context_length", 1 << 30)))
+        rows = int(extra.get("max_batch_rows", 1)) if extra.get("dynamic_batching") else 1
+        self.batcher = Batcher(self._run_batch, rows, float(extra.get("max_batch_delay_s", 0)))
         self.ready = True
         return self.ready
 
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:
         if self.task != "causal-lm":
             feeds = {i.name: NumpyCodec.decode_input(i) for i in payload.inputs}
-            names = [o.name for o in self.session.get_outputs()]
-            values = await asyncio.to_thread(self.session.run, names, feeds)
-            return self._response(dict(zip(names, values, strict=True)))
+            key = tuple(sorted((n, v.shape[1:], str(v.dtype)) for n, v in feeds.items()))
+            return self._response(await self.batcher.submit(key, feeds))
         input_ids, new_tokens = self._generation_args(payload)
-        tokens = await asyncio.to_thread(lambda: list(self.decoder.steps(input_ids, new_tokens)))
-        return self._response({"output_ids": np.concatenate(tokens, axis=1)})
+        key = (input_ids.shape[1], new_tokens)
+        return self._response(await self.batcher.submit(key, {"input_ids": input_ids}))
+
+    def _run_batch(self, key: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One batch in a worker thread: greedy generation, or one pass of the graph."""
+        if self.task == "causal-lm":
+            steps = self.decoder.steps(feeds["input_ids"], key[1])
+            return {"output_ids": np.concatenate(list(steps), axis=1)}
+        names = [o.name for o in self.session.get_outputs()]
+        return dict(zip(names, self.session.run(names, feeds), strict=True))
 
     async def predict_stream(
         self, payloads: AsyncIterator[InferenceRequest]

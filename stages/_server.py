@@ -83,7 +83,7 @@ class LocalServer:
         model_settings = folder / self.model / "model-settings.json"
         ms = json.loads(model_settings.read_text())
         if not self.batching:
-            ms.update(max_batch_size=1, max_batch_time=0)
+            ms["parameters"]["extra"]["dynamic_batching"] = False
         model_settings.write_text(json.dumps(ms, indent=2))
         self.url = f"http://127.0.0.1:{http}"
 

@@ -6,6 +6,8 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -19,7 +21,7 @@ from schemas.loader import load_release
 from stages import _loadgen as lg
 from stages import render_serving
 from stages._server import LocalServer, assemble
-from tests.conftest import QUICK_LOADTEST, Workspace, gpt2_spec
+from tests.conftest import QUICK_LOADTEST, REPO, Workspace, gpt2_spec
 
 
 def _tree(ws: Workspace, dest: Path) -> Path:
@@ -89,18 +91,58 @@ async def _infer(url: str, ids: list[list[int]], tokens: int, stream: bool = Fal
 def test_server_batches_concurrent_requests_without_mixing_rows(
     built_gpt2: Workspace, tmp_path: Path
 ) -> None:
-    """Adaptive batching merges concurrent requests; each must get its own tokens back,
-    the same as alone and the same as streamed."""
-    prompts = [[5, 9, 2, 7], [100, 3, 3, 1], [42, 42, 8, 0]]
+    """Concurrent requests share a batch only when compatible; each gets its own tokens
+    back: the same as alone, the same as streamed, whatever arrived with it."""
+    prompts = [[5, 9, 2, 7], [100, 3, 3, 1], [42, 42, 8, 0], [7, 7], [1, 2, 3, 4, 5, 6]]
+    tokens = [5, 5, 5, 5, 3]
+    jobs = list(zip(prompts, tokens, strict=True))
     with LocalServer(_tree(built_gpt2, tmp_path), "tiny-gpt2", tmp_path / "log", 60) as srv:
-        alone = [asyncio.run(_infer(srv.url, [p], 5)) for p in prompts]
+        alone = [asyncio.run(_infer(srv.url, [p], n)) for p, n in jobs]
 
         async def together() -> list:
-            return list(await asyncio.gather(*(_infer(srv.url, [p], 5) for p in prompts)))
+            return list(await asyncio.gather(*(_infer(srv.url, [p], n) for p, n in jobs)))
 
-        assert asyncio.run(together()) == alone
+        for _ in range(3):
+            assert asyncio.run(together()) == alone
         assert asyncio.run(_infer(srv.url, [prompts[0]], 5, stream=True)) == alone[0]
+        two_rows = asyncio.run(_infer(srv.url, prompts[:2], 5))
+        assert two_rows == alone[0] + alone[1]  # [2, 5] row-major
+    assert [len(a) for a in alone] == tokens
     assert len({tuple(a) for a in alone}) > 1  # different prompts, different continuations
+
+
+BATCHER_CHECK = """
+import asyncio, json
+import numpy as np
+from stages._mlserver_runtime import Batcher
+
+batches = []
+
+def run(key, feeds):
+    batches.append([key, len(feeds["x"])])
+    return {"y": feeds["x"] * 10}
+
+async def go():
+    b = Batcher(run, max_rows=4, delay=0.05)
+    jobs = [("a", [[1], [2]]), ("a", [[3]]), ("b", [[4]]), ("a", [[5], [6]])]
+    return await asyncio.gather(*(b.submit(k, {"x": np.array(r)}) for k, r in jobs))
+
+results = asyncio.run(go())
+print(json.dumps({"y": [r["y"].ravel().tolist() for r in results], "batches": batches}))
+"""
+
+
+def test_the_batcher_merges_only_compatible_requests_up_to_max_rows() -> None:
+    # A process of its own: mlserver's and tritonclient's protobufs share names and cannot
+    # both be imported into one process (the server never imports tritonclient).
+    done = subprocess.run(
+        [sys.executable, "-c", BATCHER_CHECK], capture_output=True, text=True, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["y"] == [[10, 20], [30], [40], [50, 60]]
+    # a: 2 rows + 1 row wait together; 2 more would exceed 4, so they start a batch of their own
+    assert sorted(map(tuple, out["batches"])) == [("a", 2), ("a", 3), ("b", 1)]
 
 
 def test_a_server_that_cannot_start_fails_clearly_and_leaves_no_process(
