@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from schemas import StageError
 from stages import _loadgen as lg
 
 MB = 1 << 20
@@ -69,7 +70,7 @@ def grid(base: str, release: Any, info: dict[str, Any]) -> list[dict[str, Any]]:
     for b in batches:
         for n in lengths:
             req = request(base, info, b, n, 1, stream=False)
-            point = lg.run(lg.fixed_count(req, g.requests, timeout))
+            point = require_success(lg.run(lg.fixed_count(req, g.requests, timeout)), req)
             points.append({"batch": b, "input_length": n or None, **point})
     return points
 
@@ -81,25 +82,26 @@ def ramp(
     r, slo = release.loadtest.ramp, release.loadtest.slo
     req = request(base, info, 1, r.input_length, r.output_tokens, stream)
     points: list[dict[str, Any]] = []
-    knee, c = 1, 1
+    knee, c, timeout = 1, 1, release.loadtest.request_timeout_seconds
     while c <= min(r.max_concurrency, upto or r.max_concurrency):
-        points.append(
-            lg.run(
-                lg.measure(
-                    req,
-                    c,
-                    r.window_seconds,
-                    r.max_windows,
-                    r.stability,
-                    release.loadtest.request_timeout_seconds,
-                )
-            )
-        )
+        point = lg.run(lg.measure(req, c, r.window_seconds, r.max_windows, r.stability, timeout))
+        points.append(require_success(point, req))
         knee, stop = find_knee(points, r.knee_gain, r.knee_patience, slo.p95_latency_ms)
         if stop:
             break
         c *= 2
     return {"points": points, "knee": knee, "knee_point": _at(points, knee)}
+
+
+def require_success(point: dict[str, Any], req: lg.Request) -> dict[str, Any]:
+    """A point where no request succeeded ends the load test with the first error."""
+    if point["requests"] == 0:
+        raise StageError(
+            "loadtest",
+            f"every request to {req.url} failed: {point.get('first_error', 'no response')}",
+            "check loadtest.target (URL and model name) or the server log in the report",
+        )
+    return point
 
 
 def find_knee(

@@ -100,6 +100,9 @@ def batching(
         return {"skipped": "loadtest.batching_comparison is false"}
     if cfg.target is not None:
         return {"skipped": "external target: its batching cannot be switched from here"}
+    settings = tree / "serving" / "mlserver" / model / "model-settings.json"
+    if not json.loads(settings.read_text())["parameters"]["extra"]["dynamic_batching"]:
+        return {"skipped": "the served config has dynamic batching off (bundle.serving)"}
     r = cfg.ramp
     with LocalServer(
         tree, model, ctx.work / "server.log", cfg.startup_seconds, batching=False
@@ -125,7 +128,7 @@ def verdict(results: dict[str, Any], slo: list[dict[str, Any]], plots: list[str]
     knee = results["ramp"]["knee_point"]
     summary = (
         f"knee at concurrency {results['ramp']['knee']}: {knee['throughput_rps']:.1f} req/s, "
-        f"p95 {knee['p95_latency_ms']:.1f} ms"
+        f"p95 {_round(knee['p95_latency_ms'], 1)} ms"
     )
     b = results["batching"]
     if b.get("ratio"):
@@ -155,24 +158,30 @@ def _first_error(results: dict[str, Any]) -> str:
 
 def _headline(results: dict[str, Any]) -> dict[str, Any]:
     knee = results["ramp"]["knee_point"]
+    judged = results["ramp"].get("judged_at")
     head = {
         "target": results["target"],
         "knee_concurrency": results["ramp"]["knee"],
-        "knee_throughput_rps": round(knee["throughput_rps"], 3),
-        "knee_p95_latency_ms": round(knee["p95_latency_ms"], 3),
+        "knee_throughput_rps": _round(knee["throughput_rps"]),
+        "knee_p95_latency_ms": _round(knee["p95_latency_ms"]),
         "knee_stable": knee["stable"],
-        "slo_judged_at_concurrency": results["ramp"].get("judged_at"),
+        "slo_judged_at_concurrency": judged,
     }
     stream = results.get("streaming", {}).get("points", [])
-    if stream:
-        last = stream[-1]
+    if stream:  # the streaming point where the SLOs were judged, else the highest one
+        at = next((p for p in stream if p["concurrency"] == judged), stream[-1])
         head.update(
-            p95_ttft_ms=round(last.get("p95_ttft_ms", 0), 3),
-            p95_itl_ms=round(last.get("p95_itl_ms", 0), 3),
-            tokens_per_s=round(last["tokens_per_s"], 3),
+            streaming_concurrency=at["concurrency"],
+            p95_ttft_ms=_round(at.get("p95_ttft_ms")),
+            p95_itl_ms=_round(at.get("p95_itl_ms")),
+            tokens_per_s=_round(at["tokens_per_s"]),
         )
     if results["batching"].get("ratio"):
         head["batching_ratio"] = round(results["batching"]["ratio"], 3)
     if results.get("peak_rss_bytes"):
         head["peak_rss_mb"] = round(results["peak_rss_bytes"] / MB, 1)
     return head
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)

@@ -211,6 +211,19 @@ def test_an_external_target_is_measured_without_starting_a_server(
     assert built_gpt2.run("loadtest", gpt2_spec()).status.value == "passed"
 
 
+def test_a_target_that_answers_only_errors_fails_the_stage_cleanly(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    with LocalServer(_tree(built_gpt2, tmp_path), "tiny-gpt2", tmp_path / "log", 60) as srv:
+        spec = gpt2_spec()
+        spec["loadtest"] = {**QUICK_LOADTEST, "target": {"url": srv.url, "model": "no-such"}}
+        report = built_gpt2.run("loadtest", spec)
+    assert report.status.value == "failed"
+    assert report.reasons[0].startswith(f"every request to {srv.url}/v2/models/no-such/infer")
+    assert "HTTP 404" in report.reasons[0]
+    assert built_gpt2.run("loadtest", gpt2_spec()).status.value == "passed"
+
+
 def test_stability_needs_three_agreeing_windows() -> None:
     def w(rps: float, p95: float = 10.0) -> dict[str, float]:
         return {"throughput_rps": rps, "p95_latency_ms": p95}
