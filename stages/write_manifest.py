@@ -98,6 +98,13 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     }
     # The gate compares later candidates with these when this release is in production.
     facts["evaluation"] = reports["evaluate"].details["metrics"]
+    engine = reports["engine"].details
+    facts["engine"] = {
+        "status": reports["engine"].status.value,
+        "profiles": [{"name": p["name"], "dims": p["dims"]} for p in engine.get("profiles", [])],
+        **{k: engine[k] for k in ("tensorrt", "gpu", "compute_capability") if k in engine},
+    }
+    facts["loadtest"] = reports["loadtest"].details.get("summary", {})
     calibration = reports["quantize"].details.get("calibration")
     if calibration:  # the data the weights were fitted to is part of what ships
         facts["calibration"] = {k: calibration[k] for k in ("path", "sha256")}

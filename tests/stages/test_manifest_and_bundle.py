@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from stages._hashing import hash_range, hash_shards, shard_ranges
+from stages.build_engine import why_unavailable
 from stages.write_manifest import CHECKED, load_manifest, verify_bundle
 from tests.conftest import Workspace, gpt2_spec
 
@@ -75,6 +76,9 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
     facts = manifest.predicate.shipyard
     assert facts["pins"]["packages"]["torch"].startswith("2.13.0")
     assert set(facts["stages"]) == set(CHECKED)  # every stage before the manifest
+    assert facts["engine"]["status"] == ("skipped" if why_unavailable() else "passed")
+    assert [p["name"] for p in facts["engine"]["profiles"]] == ["default"]
+    assert facts["loadtest"]["target"] == "local MLServer"
     assert facts["evaluation"]["greedy_exact_match"] == 1.0
     assert facts["quantization"] == {"method": "int8-dynamic", "dtype": "int8", "float_nodes": []}
     assert len(facts["calibration"]["sha256"]) == 64
