@@ -92,39 +92,58 @@ class Decoder:
 
 
 class Batcher:
-    """Dynamic batching that only merges compatible requests.
+    """Dynamic batching that only merges compatible requests, Triton-style.
 
     MLServer's own adaptive batching concatenates any requests that arrive together and
     keeps one request's parameters, so two prompts of different lengths, or two different
-    `max_new_tokens`, would break or silently change each other. Here requests wait up to
-    `delay` seconds for others with the same key (the shapes after the batch axis and the
-    generation parameters); a batch runs once it has `max_rows` rows or the wait is over.
+    `max_new_tokens`, would break or silently change each other. Here a request joins the
+    queue of its key (the shapes after the batch axis and the generation parameters). A
+    queue is due when it holds `max_rows` rows or its first request has waited `delay`
+    seconds; it then runs on the next free model instance (`instances` at once), taking
+    every compatible request that arrived meanwhile, up to `max_rows` rows.
     """
 
-    def __init__(self, run: Any, max_rows: int, delay: float) -> None:
+    def __init__(self, run: Any, max_rows: int, delay: float, instances: int = 1) -> None:
         self.run, self.max_rows, self.delay = run, max_rows, delay
         self.pending: dict[Any, list[tuple[dict[str, np.ndarray], asyncio.Future[Any]]]] = {}
+        self.due: set[Any] = set()
+        self.instances = instances
+        self._slots: asyncio.Semaphore | None = None
 
     async def submit(self, key: Any, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        if _rows(self.pending.get(key, [])) + _rows([(arrays, future)]) > self.max_rows:
-            self._flush(key)  # never grow a batch beyond max_rows
         queue = self.pending.setdefault(key, [])
         queue.append((arrays, future))
         if len(queue) == 1:
-            loop.call_later(self.delay, self._flush, key)
+            loop.call_later(self.delay, self._make_due, key)
         if _rows(queue) >= self.max_rows:
-            self._flush(key)
+            self._make_due(key)
         result: dict[str, np.ndarray] = await future
         return result
 
-    def _flush(self, key: Any) -> None:
-        queue = self.pending.pop(key, [])
-        if queue:
-            asyncio.ensure_future(self._run(key, queue))
+    def _make_due(self, key: Any) -> None:
+        if self.pending.get(key) and key not in self.due:
+            self.due.add(key)
+            asyncio.ensure_future(self._run(key))
 
-    async def _run(self, key: Any, queue: list[Any]) -> None:
+    async def _run(self, key: Any) -> None:
+        if self._slots is None:  # created on the server's event loop
+            self._slots = asyncio.Semaphore(self.instances)
+        async with self._slots:
+            self.due.discard(key)
+            queue = self.pending.pop(key, [])
+            take = 1
+            while take < len(queue) and _rows(queue[: take + 1]) <= self.max_rows:
+                take += 1
+            queue, rest = queue[:take], queue[take:]
+            if rest:  # the next batch of this key, on the next free instance
+                self.pending[key] = rest
+                self._make_due(key)
+            if queue:
+                await self._execute(key, queue)
+
+    async def _execute(self, key: Any, queue: list[Any]) -> None:
         rows = [_rows([item]) for item in queue]
         merged = {n: np.concatenate([a[n] for a, _ in queue]) for n in queue[0][0]}
         try:
@@ -156,7 +175,9 @@ class ShipyardOnnxRuntime(MLModel):
         if self.task == "causal-lm":
             self.decoder = Decoder(self.session, int(extra.get("max_context_length", 1 << 30)))
         rows = int(extra.get("max_batch_rows", 1)) if extra.get("dynamic_batching") else 1
-        self.batcher = Batcher(self._run_batch, rows, float(extra.get("max_batch_delay_s", 0)))
+        delay = float(extra.get("max_batch_delay_s", 0))
+        instances = int(extra.get("instance_count", 1))
+        self.batcher = Batcher(self._run_batch, rows, delay, instances)
         self.ready = True
         return self.ready
 

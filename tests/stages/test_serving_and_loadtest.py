@@ -112,7 +112,7 @@ def test_server_batches_concurrent_requests_without_mixing_rows(
 
 
 BATCHER_CHECK = """
-import asyncio, json
+import asyncio, json, time
 import numpy as np
 from stages._mlserver_runtime import Batcher
 
@@ -128,7 +128,24 @@ async def go():
     return await asyncio.gather(*(b.submit(k, {"x": np.array(r)}) for k, r in jobs))
 
 results = asyncio.run(go())
-print(json.dumps({"y": [r["y"].ravel().tolist() for r in results], "batches": batches}))
+busy = []
+
+def slow(key, feeds):
+    busy.append(len(feeds["x"]))
+    time.sleep(0.2)
+    return {"y": feeds["x"]}
+
+async def queued():
+    # one instance, busy with the first request: the next five wait and share one batch
+    b = Batcher(slow, max_rows=8, delay=0.0)
+    first = asyncio.ensure_future(b.submit("k", {"x": np.zeros((1, 1))}))
+    await asyncio.sleep(0.05)
+    rest = [b.submit("k", {"x": np.zeros((1, 1))}) for _ in range(5)]
+    await asyncio.gather(first, *rest)
+
+asyncio.run(queued())
+print(json.dumps({"y": [r["y"].ravel().tolist() for r in results], "batches": batches,
+                  "busy": busy}))
 """
 
 
@@ -143,6 +160,7 @@ def test_the_batcher_merges_only_compatible_requests_up_to_max_rows() -> None:
     assert out["y"] == [[10, 20], [30], [40], [50, 60]]
     # a: 2 rows + 1 row wait together; 2 more would exceed 4, so they start a batch of their own
     assert sorted(map(tuple, out["batches"])) == [("a", 2), ("a", 3), ("b", 1)]
+    assert out["busy"] == [1, 5]  # requests that queued behind a busy instance batched
 
 
 def test_a_server_that_cannot_start_fails_clearly_and_leaves_no_process(
