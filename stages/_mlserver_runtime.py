@@ -64,6 +64,8 @@ class Decoder:
         self.past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
         self.present = [o.name for o in session.get_outputs() if o.name.startswith("present.")]
         self.float = np.float16 if "float16" in (self.past[0].type if self.past else "") else None
+        logits = next(o for o in session.get_outputs() if o.name == "logits")
+        self.vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else 0
 
     def _empty_past(self, batch: int) -> dict[str, np.ndarray]:
         dtype = self.float or np.float32
@@ -74,11 +76,6 @@ class Decoder:
     def steps(self, input_ids: np.ndarray, new_tokens: int) -> Iterator[np.ndarray]:
         """Yields the next token ids [batch, 1], new_tokens times."""
         batch, prompt = input_ids.shape
-        if prompt + new_tokens - 1 > self.max_context:
-            raise BadRequest(
-                f"prompt {prompt} + {new_tokens} new tokens exceeds the served context "
-                f"{self.max_context}"
-            )
         feeds: dict[str, np.ndarray] = {"input_ids": input_ids, **self._empty_past(batch)}
         total = prompt
         for _ in range(new_tokens):
@@ -174,7 +171,9 @@ class ShipyardOnnxRuntime(MLModel):
         self.session = session_from(model_path, config)
         if self.task == "causal-lm":
             self.decoder = Decoder(self.session, int(extra.get("max_context_length", 1 << 30)))
-        rows = int(extra.get("max_batch_rows", 1)) if extra.get("dynamic_batching") else 1
+        self.max_request_rows = int(extra.get("max_batch_rows", 1))  # the served batch
+        self.limits = {k: int(extra.get(k, 0)) for k in ("max_prompt_tokens", "max_past_tokens")}
+        rows = self.max_request_rows if extra.get("dynamic_batching") else 1
         delay = float(extra.get("max_batch_delay_s", 0))
         instances = int(extra.get("instance_count", 1))
         self.batcher = Batcher(self._run_batch, rows, delay, instances)
@@ -220,6 +219,35 @@ class ShipyardOnnxRuntime(MLModel):
         new_tokens = int((extra or {}).get("max_new_tokens", 1))
         if new_tokens < 1:
             raise BadRequest("max_new_tokens must be at least 1")
+        batch, prompt = input_ids.shape
+        if batch > self.max_request_rows:
+            raise BadRequest(
+                f"batch {batch} exceeds the served max_batch_size {self.max_request_rows}"
+            )
+        limits = self.limits
+        if limits["max_prompt_tokens"] and prompt > limits["max_prompt_tokens"]:
+            raise BadRequest(
+                f"prompt of {prompt} tokens exceeds the exported maximum "
+                f"{limits['max_prompt_tokens']}"
+            )
+        past = prompt + new_tokens - 2  # the longest past the last decode step feeds
+        if limits["max_past_tokens"] and past > limits["max_past_tokens"]:
+            raise BadRequest(
+                f"prompt {prompt} + {new_tokens} new tokens needs a past of {past} tokens; "
+                f"the export's past_sequence max is {limits['max_past_tokens']}"
+            )
+        if prompt + new_tokens - 1 > self.decoder.max_context:
+            raise BadRequest(
+                f"prompt {prompt} + {new_tokens} new tokens - 1 exceeds the served context "
+                f"{self.decoder.max_context}"
+            )
+        vocab = self.decoder.vocab
+        if (
+            vocab
+            and input_ids.size
+            and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab
+        ):
+            raise BadRequest(f"input_ids must lie in [0, {vocab}) (the model's vocabulary)")
         return input_ids, new_tokens
 
     def _response(self, outputs: dict[str, np.ndarray]) -> InferenceResponse:

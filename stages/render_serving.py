@@ -68,6 +68,10 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         "task": release.task,
         "ort": release.bundle.ort_session.model_dump(),
         "triton": triton,
+        # what the KV-cache graph accepts: a prompt of at most sequence.max tokens, then a
+        # past of at most past_sequence.max (0 = no such dim: the runtime does not check)
+        "max_prompt_tokens": info["dims"].get("sequence", {}).get("max", 0),
+        "max_past_tokens": info["dims"].get("past_sequence", {}).get("max", 0),
     }
     files = render(ctx.work, rendered(ctx.release), context)
     for path in files:

@@ -163,6 +163,30 @@ def test_the_batcher_merges_only_compatible_requests_up_to_max_rows() -> None:
     assert out["busy"] == [1, 5]  # requests that queued behind a busy instance batched
 
 
+def test_the_server_refuses_bad_generation_requests_with_400(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    async def status(ids: list[list[int]], tokens: int) -> tuple[int, str]:
+        body = lg.v2_body({"input_ids": np.array(ids, dtype=np.int64)}, {"max_new_tokens": tokens})
+        async with aiohttp.ClientSession() as s:
+            headers = {"content-type": "application/json"}
+            url = f"{srv.url}/v2/models/tiny-gpt2/infer"
+            async with s.post(url, data=body, headers=headers) as resp:
+                return resp.status, await resp.text()
+
+    with LocalServer(_tree(built_gpt2, tmp_path), "tiny-gpt2", tmp_path / "log", 60) as srv:
+        too_long = asyncio.run(status([[1] * 20], 10))  # needs a past of 28 > 24
+        long_prompt = asyncio.run(status([[1] * 65], 1))  # sequence max is 64
+        too_many = asyncio.run(status([[1, 2]] * 4, 1))  # served max_batch_size is 3
+        off_vocab = asyncio.run(status([[1, 512]], 1))  # vocabulary is 512
+        fine = asyncio.run(status([[1, 511]], 2))
+    assert too_long[0] == 400 and "needs a past of 28 tokens" in too_long[1]
+    assert long_prompt[0] == 400 and "exceeds the exported maximum 64" in long_prompt[1]
+    assert too_many[0] == 400 and "exceeds the served max_batch_size 3" in too_many[1]
+    assert off_vocab[0] == 400 and "[0, 512)" in off_vocab[1]
+    assert fine[0] == 200
+
+
 def test_a_server_that_cannot_start_fails_clearly_and_leaves_no_process(
     built_gpt2: Workspace, tmp_path: Path
 ) -> None:
