@@ -24,9 +24,19 @@ BOUNDS = ("min", "opt", "max")
 
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
-        params=("task", "export", "parity", "engine", "bundle"),
-        upstream=("export/model_info.json", "quantize/model.onnx", "plan/plan.json"),
-        code=("stages/_tensorrt.py", "stages/render_serving.py", "stages/templates"),
+        params=("task", "export", "parity", "quantization", "engine", "bundle"),
+        upstream=(
+            "export/model_info.json",
+            "export/model.onnx",
+            "quantize/model.onnx",
+            "plan/plan.json",
+        ),
+        code=(
+            "stages/_tensorrt.py",
+            "stages/_cuda_graphs.py",
+            "stages/render_serving.py",
+            "stages/templates",
+        ),
     )
 
 
@@ -34,7 +44,12 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     cfg = release.engine
     info = json.loads((ctx.upstream("export") / "model_info.json").read_text())
     profiles = derive_profiles(cfg, info)
-    details: dict[str, Any] = {"optional": not cfg.required, "profiles": profiles}
+    source, why = engine_source(release.quantization.method)
+    details: dict[str, Any] = {
+        "optional": not cfg.required,
+        "profiles": profiles,
+        "source": {"stage": source, "why": why},
+    }
     write_json(ctx.work / "profiles.json", profiles)
     if cfg.backend == "none":
         return StageResult.skipped("engine.backend is none", details=details)
@@ -49,8 +64,22 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         return StageResult.skipped(missing, details=details)
     from stages import _tensorrt as trt_build
 
-    model = ctx.upstream("quantize") / "model.onnx"
+    model = ctx.upstream(source) / "model.onnx"
     return trt_build.build_and_check(ctx, release, info, profiles, model, details)
+
+
+def engine_source(method: str) -> tuple[str, str]:
+    """Which ONNX the engine is built from, and why. TensorRT takes INT8 from explicit
+    Q/DQ nodes; ONNX Runtime's dynamic INT8 (MatMulInteger, DynamicQuantizeLinear) and
+    weight-only INT4 (MatMulNBits) are ORT-only ops it cannot parse."""
+    if method == "int8-static":
+        return "quantize", "Q/DQ graph: TensorRT builds INT8 from its Q/DQ nodes"
+    if method == "none":
+        return "quantize", "no quantization: the exported graph"
+    return "export", (
+        f"quantization.method {method} writes ONNX Runtime-only ops TensorRT cannot parse; "
+        "the engine is built from the FP32 export (use int8-static for an INT8 engine)"
+    )
 
 
 def why_unavailable() -> str:

@@ -32,7 +32,7 @@ def test_each_stage_params_name_only_its_own_sections() -> None:
         "quantize": ["task", "export", "quantization"],
         "evaluate": ["model", "task", "export", "evaluation"],
         "plan": ["task", "export", "capacity"],
-        "engine": ["task", "export", "parity", "engine", "bundle"],
+        "engine": ["task", "export", "parity", "quantization", "engine", "bundle"],
         "serve": ["version", "task", "bundle"],
         "loadtest": ["task", "loadtest", "capacity"],
         "manifest": ["version", "task"],

@@ -71,6 +71,7 @@ def test_without_tensorrt_the_stage_skips_as_optional_and_the_gate_says_n_a(
     assert report.status.value == "skipped"
     assert "TensorRT is not installed" in report.summary
     assert report.details["optional"] is True
+    assert report.details["source"]["stage"] == "export"  # the example is int8-dynamic
     assert (built_gpt2.out("tiny-gpt2", "engine") / "profiles.json").is_file()
     rows = {r.check: r for r in gate(built_gpt2.root, [built_gpt2.spec(gpt2_spec())], None).rows}
     assert rows["engine"].verdict == "n/a"
@@ -144,3 +145,11 @@ def test_engine_parity_shapes_keep_the_kv_dims_consistent() -> None:
     odd = shapes["odd"]
     assert odd["input_ids"] == [5, 33] and odd["past.0"] == [5, 4, 65, 16]
     assert odd_between(1, 1) == 1 and odd_between(2, 2) == 2 and odd_between(0, 1) == 1
+
+
+def test_the_engine_is_built_from_a_graph_tensorrt_can_parse() -> None:
+    assert build_engine.engine_source("int8-static")[0] == "quantize"
+    assert build_engine.engine_source("none")[0] == "quantize"
+    for method in ("int8-dynamic", "int4-weight-only"):
+        source, why = build_engine.engine_source(method)
+        assert source == "export" and "ONNX Runtime-only ops" in why
