@@ -11,32 +11,26 @@ import numpy as np
 
 from schemas import StageError
 from stages import _loadgen as lg
+from stages._model import sample_input
 
 MB = 1 << 20
 
 
 def _inputs(info: dict[str, Any], batch: int, length: int, seed: int = 0) -> dict[str, Any]:
-    """Real-looking inputs for the exported graph: token ids, masks of ones, floats."""
+    """Real-looking inputs for the exported graph; for causal-lm only input_ids (the server
+    builds the attention mask and the past itself)."""
     rng = np.random.default_rng(seed)
     sizes = {"batch": batch, "sequence": length}
+    vocab = info.get("arch", {}).get("vocab", 2)
+    causal = info["task"] == "causal-lm"
     feeds = {}
     for t in info["inputs"]:
-        if (
-            t["name"].startswith("past_key_values.")
-            or t["name"] == "attention_mask"
-            and (info["task"] == "causal-lm")
-        ):
+        if causal and t["name"] != "input_ids":
             continue
         shape = [
             a if isinstance(a, int) else sizes.get(a, info["dims"][a]["opt"]) for a in t["axes"]
         ]
-        if "mask" in t["name"]:
-            feeds[t["name"]] = np.ones(shape, dtype=t["dtype"])
-        elif t["dtype"].startswith("int"):
-            vocab = info.get("arch", {}).get("vocab", 2)
-            feeds[t["name"]] = rng.integers(0, vocab, shape).astype(t["dtype"])
-        else:
-            feeds[t["name"]] = rng.standard_normal(shape).astype(t["dtype"])
+        feeds[t["name"]] = sample_input(t["name"], t["dtype"], shape, vocab, rng)
     return feeds
 
 

@@ -224,6 +224,28 @@ def odd_sizes(dims: dict[str, DimRange], avoid: dict[str, int]) -> dict[str, int
     return out
 
 
+def axis_size(axis: str | int, ranges: dict[str, dict[str, int]], which: str) -> int:
+    """The size of one axis at `which` (min, opt, max, ...) of named dim ranges;
+    total_sequence is past + sequence there (at least 1)."""
+    if isinstance(axis, int):
+        return axis
+    if axis == TOTAL:
+        return max(ranges["past_sequence"][which] + ranges["sequence"][which], 1)
+    return int(ranges[axis][which])
+
+
+def sample_input(
+    name: str, dtype: str, shape: list[int], vocab: int, rng: np.random.Generator
+) -> np.ndarray:
+    """A real-looking value for a graph input of the export: masks of ones, token ids
+    inside the vocabulary, normal floats."""
+    if "mask" in name:
+        return np.ones(shape, dtype=dtype)
+    if dtype.startswith("int"):
+        return rng.integers(0, vocab, shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
 def make_inputs(lay: Layout, sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:
     """Deterministic inputs for the given dim sizes."""
     rng = np.random.default_rng(seed)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from schemas import StageError
+from stages._model import axis_size, sample_input
 from stages._runtime import StageContext, StageResult, write_json
 
 
@@ -119,8 +120,6 @@ def device_facts() -> tuple[str, str]:
 def parity_shapes(profile: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
     """Input shapes at the profile's min, opt and max, and at an odd size in between; the
     odd one is chosen per named dim, so past + sequence still equals total_sequence."""
-    from stages.build_engine import axis_size
-
     picked = {k: {n: s[k] for n, s in profile["shapes"].items()} for k in ("min", "opt", "max")}
     ranges = {d: {**r, "odd": odd_between(r["min"], r["max"])} for d, r in profile["dims"].items()}
     picked["odd"] = {
@@ -141,16 +140,10 @@ def odd_between(lo: int, hi: int) -> int:
 def _feeds(info: dict[str, Any], shapes: dict[str, list[int]], seed: int) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     vocab = info.get("arch", {}).get("vocab", 2)
-    feeds = {}
-    for t in info["inputs"]:
-        shape = shapes[t["name"]]
-        if "mask" in t["name"]:
-            feeds[t["name"]] = np.ones(shape, dtype=t["dtype"])
-        elif t["dtype"].startswith("int"):
-            feeds[t["name"]] = rng.integers(0, vocab, shape).astype(t["dtype"])
-        else:
-            feeds[t["name"]] = rng.standard_normal(shape).astype(t["dtype"])
-    return feeds
+    return {
+        t["name"]: sample_input(t["name"], t["dtype"], shapes[t["name"]], vocab, rng)
+        for t in info["inputs"]
+    }
 
 
 def engine_parity(

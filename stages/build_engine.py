@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
+from stages._model import axis_size
 from stages._runtime import StageContext, StageIO, StageResult, write_json
 
 NAME = "engine"
@@ -34,6 +35,7 @@ def io(release: ReleaseSpec) -> StageIO:
         code=(
             "stages/_tensorrt.py",
             "stages/_cuda_graphs.py",
+            "stages/_model.py",
             "stages/render_serving.py",
             "stages/templates",
         ),
@@ -137,15 +139,6 @@ def info_dims(info: dict[str, Any]) -> dict[str, Any]:
     from schemas.release import DimRange
 
     return {k: DimRange(**v) for k, v in info["dims"].items()}
-
-
-def axis_size(axis: str | int, ranges: dict[str, dict[str, int]], which: str) -> int:
-    if isinstance(axis, int):
-        return axis
-    if axis == "total_sequence":
-        size = ranges["past_sequence"][which] + ranges["sequence"][which]
-        return max(size, 1)
-    return int(ranges[axis][which])
 
 
 def triton_trt_values(

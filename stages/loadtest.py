@@ -29,6 +29,7 @@ def io(release: ReleaseSpec) -> StageIO:
         code=(
             "stages/_loadgen.py",
             "stages/_load_phases.py",
+            "stages/_model.py",
             "stages/_slo.py",
             "stages/_server.py",
             "stages/_plots.py",
@@ -145,8 +146,9 @@ def verdict(results: dict[str, Any], slo: list[dict[str, Any]], plots: list[str]
         reasons.append(f"{errors} request(s) failed in the ramp: {_first_error(results)}")
     keys = ("concurrency", "throughput_rps", "p95_latency_ms", "stable", "window_throughput")
     points = [{k: p.get(k) for k in keys} for p in results["ramp"]["points"]]
-    details = {"summary": _headline(results), "slo": slo, "plots": plots, "ramp": points}
-    metrics = {k: v for k, v in _headline(results).items() if isinstance(v, int | float)}
+    head = _headline(results)
+    details = {"summary": head, "slo": slo, "plots": plots, "ramp": points}
+    metrics = {k: v for k, v in head.items() if isinstance(v, int | float)}
     if reasons:
         return StageResult.failed(summary, reasons, metrics=metrics, details=details)
     return StageResult.passed(summary, metrics=metrics, details=details)

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from schemas import ReleaseSpec, StageError
+from stages._model import axis_size
 from stages._runtime import StageContext, StageIO, StageResult
 
 NAME = "serve"
@@ -50,7 +51,7 @@ def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("version", "task", "bundle"),
         upstream=("export/model_info.json", "quantize/quant_info.json", "plan/plan.json"),
-        code=("stages/templates", "stages/_mlserver_runtime.py"),
+        code=("stages/templates", "stages/_mlserver_runtime.py", "stages/_model.py"),
     )
 
 
@@ -155,7 +156,7 @@ def triton_values(info: dict[str, Any], values: dict[str, Any]) -> dict[str, Any
 
     def entry(t: dict[str, Any], warm: bool = False) -> dict[str, Any]:
         axes = t["axes"][1:] if batched else t["axes"]
-        dims = [_warm_dim(a, info["dims"]) if warm else a for a in axes]
+        dims = [axis_size(a, info["dims"], "opt") if warm else a for a in axes]
         return {
             "name": t["name"],
             "data_type": TRITON_TYPES[t["dtype"]],
@@ -168,15 +169,6 @@ def triton_values(info: dict[str, Any], values: dict[str, Any]) -> dict[str, Any
         "outputs": [entry(t) for t in info["outputs"]],
         "warmup": [entry(t, warm=True) for t in info["inputs"]],
     }
-
-
-def _warm_dim(axis: str | int, dims: dict[str, Any]) -> int:
-    """The opt size of a named axis; total_sequence = past + sequence."""
-    if isinstance(axis, int):
-        return axis
-    if axis == "total_sequence":
-        return int(dims["past_sequence"]["opt"] + dims["sequence"]["opt"])
-    return int(dims[axis]["opt"])
 
 
 def render(
