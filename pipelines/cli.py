@@ -73,15 +73,81 @@ def cmd_run_stage(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from schemas import RegistryError
-    from stages.write_manifest import verify_bundle
+    from stages._oms import load_manifest, verify_bundle
 
-    problems = verify_bundle(Path(args.bundle))
+    bundle = Path(args.bundle)
+    identity = _identity(args)
+    if identity is not None:
+        from pipelines.signing import verify_signed
+
+        digest = verify_signed(bundle, identity)
+        print(f"{bundle}: signed by {identity.describe()}; every file matches manifest.json")
+        print(f"bundle digest {digest}")
+        return 0
+    problems = verify_bundle(bundle)
     if problems:
         raise RegistryError(
             f"bundle {args.bundle} does not match its manifest:\n"
             + "\n".join(f"  {p}" for p in problems)
         )
-    print(f"{args.bundle}: every file matches manifest.json")
+    print(f"{bundle}: every file matches manifest.json (signature not checked: no key given)")
+    print(f"bundle digest {load_manifest(bundle / 'manifest.json').digest}")
+    return 0
+
+
+def _identity(args: argparse.Namespace) -> Any:
+    from pipelines.signing import Identity
+    from schemas import RegistryError
+
+    chain = tuple(Path(c) for c in args.certificate_chain or ())
+    given = sum(bool(x) for x in (args.public_key, chain, args.sigstore_identity))
+    if given > 1:
+        raise RegistryError("give one of --public-key, --certificate-chain, --sigstore-identity")
+    if args.sigstore_identity and not args.sigstore_issuer:
+        raise RegistryError("--sigstore-identity needs --sigstore-issuer (the OIDC issuer URL)")
+    if not given:
+        return None
+    return Identity(
+        public_key=Path(args.public_key) if args.public_key else None,
+        certificate_chain=chain,
+        sigstore_identity=args.sigstore_identity,
+        sigstore_issuer=args.sigstore_issuer,
+    )
+
+
+def cmd_sign(args: argparse.Namespace) -> int:
+    from pipelines.signing import sign
+
+    digest = sign(
+        Path(args.bundle),
+        private_key=Path(args.private_key) if args.private_key else None,
+        signing_certificate=Path(args.signing_certificate) if args.signing_certificate else None,
+        certificate_chain=tuple(Path(c) for c in args.certificate_chain or ()),
+        sigstore=args.sigstore,
+    )
+    print(f"{args.bundle}: signed bundle digest {digest} -> {args.bundle}/model.sig")
+    return 0
+
+
+def cmd_registry_check(args: argparse.Namespace) -> int:
+    registry = _registry(args)
+    actions = registry.check()
+    for line in actions:
+        print(line)
+    if not actions:
+        print(f"{registry.url}: consistent (no interrupted publish, no leftovers)")
+    _warn(registry)
+    return 0
+
+
+def cmd_require_signature(args: argparse.Namespace) -> int:
+    registry = _registry(args)
+    keys = [Path(k) for k in args.public_key]
+    policy = registry.require_signature(args.channel, keys)
+    print(
+        f"channel {args.channel!r} now requires a signature by one of "
+        f"{len(policy['public_keys'])} trusted key(s)"
+    )
     return 0
 
 
@@ -135,11 +201,13 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from stages import repo_root
 
     [spec] = _specs([args.release])
-    record = _registry(args).publish(
-        repo_root() / "build" / spec.name / "bundle", spec.name, spec.version
-    )
+    registry = _registry(args)
+    record = registry.publish(repo_root() / "build" / spec.name / "bundle", spec.name, spec.version)
+    for line in record.get("recovered", []):
+        print(line)
     state = "already published" if record.get("already") else "published"
-    print(f"{spec.name}@{spec.version} {state} (digest {record['digest'][:16]})")
+    print(f"{spec.name}@{spec.version} {state} (bundle digest {record['digest']})")
+    _warn(registry)
     return 0
 
 
@@ -149,8 +217,10 @@ def cmd_promote(args: argparse.Namespace) -> int:
     if "@" not in args.target:
         raise RegistryError(f"{args.target!r}: write NAME@VERSION, e.g. tiny-gpt2@0.1.0")
     name, version = args.target.rsplit("@", 1)
-    entry = _registry(args).promote(name, version, args.to, args.reason)
+    registry = _registry(args)
+    entry = registry.promote(name, version, args.to, args.reason)
     print(f"{args.to}: {entry['from'] or '(empty)'} -> {entry['to']} (#{entry['seq']})")
+    _warn(registry)
     return 0
 
 
@@ -167,16 +237,25 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         )
     entry = registry.rollback(name, args.channel, args.reason)
     print(f"{args.channel}: {entry['from']} -> {entry['to']} (#{entry['seq']}, rollback)")
+    _warn(registry)
     return 0
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    for e in _registry(args).history():
+    registry = _registry(args)
+    for e in registry.history():
         print(
             f"#{e['seq']:<3} {e['at']} {e['who']:10} {e['action']:8} {e['channel']:10} "
-            f"{e['from'] or '(empty)'} -> {e['to']}  {e['digest'][:12]}  {e['reason']}"
+            f"{e['from'] or '(empty)'} -> {e['to']}  {str(e.get('digest'))[:12]}  "
+            f"{e.get('reason', '')}"
         )
+    _warn(registry)
     return 0
+
+
+def _warn(registry: Any) -> None:
+    for warning in registry.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -205,9 +284,20 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("stage")
     r.add_argument("--release", required=True, help="path of the release spec")
     r.set_defaults(func=cmd_run_stage)
-    f = sub.add_parser("verify", help="re-hash a bundle against its manifest")
+    f = sub.add_parser("verify", help="re-hash a bundle against its manifest (and signature)")
     f.add_argument("bundle")
+    f.add_argument("--public-key", help="PEM public key the signature must verify with")
+    f.add_argument("--certificate-chain", nargs="+", help="PEM chain for certificate signatures")
+    f.add_argument("--sigstore-identity", help="Sigstore signer identity (e.g. an email)")
+    f.add_argument("--sigstore-issuer", help="OIDC issuer of the Sigstore identity")
     f.set_defaults(func=cmd_verify)
+    sg = sub.add_parser("sign", help="sign a verified bundle (writes BUNDLE/model.sig)")
+    sg.add_argument("bundle")
+    sg.add_argument("--private-key", help="PEM private key (elliptic curve)")
+    sg.add_argument("--signing-certificate", help="PEM certificate of --private-key")
+    sg.add_argument("--certificate-chain", nargs="+", help="PEM chain of the certificate")
+    sg.add_argument("--sigstore", action="store_true", help="keyless signing with Sigstore")
+    sg.set_defaults(func=cmd_sign)
     g = sub.add_parser("gate", help="check every stage report; exit 4 if anything failed")
     g.add_argument("releases", nargs="*", help="release names (default: all)")
     g.add_argument("--report", help="write a markdown report here (for the PR comment)")
@@ -221,7 +311,15 @@ def parser() -> argparse.ArgumentParser:
     rb.add_argument("--release", help="release name (needed when several have the channel)")
     hist = sub.add_parser("history", help="print the append-only promotion history")
     st = sub.add_parser("status", help="print every channel pointer")
+    reg = sub.add_parser("registry", help="registry maintenance and policy")
+    reg_sub = reg.add_subparsers(dest="registry_command", required=True)
+    chk = reg_sub.add_parser("check", help="finish or remove interrupted publishes")
+    req = reg_sub.add_parser("require-signature", help="a channel accepts only signed bundles")
+    req.add_argument("channel")
+    req.add_argument("--public-key", nargs="+", required=True, help="trusted PEM public key(s)")
     for cmd, func in (
+        (chk, cmd_registry_check),
+        (req, cmd_require_signature),
         (g, cmd_gate),
         (pub, cmd_publish),
         (pro, cmd_promote),

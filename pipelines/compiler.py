@@ -11,7 +11,7 @@ from schemas import ReleaseSpec, SpecError
 from schemas.loader import load_release
 from stages import load_stages, stage_io
 from stages._model import model_paths
-from stages._runtime import COMMON_CODE, StageIO
+from stages._runtime import COMMON_CODE, StageIO, report_dir
 
 MODEL_SLOTS = ("model", "model_weights")
 HEADER = (
@@ -95,7 +95,9 @@ def _template(name: str, module: Any, io: Any, slots: int, data: list[str]) -> d
         "cmd": f"shipyard run-stage {name} --release ${{item.spec}}",
         "deps": deps,
         "params": [{"${item.spec}": list(io.params)}],
-        "outs": [f"build/${{key}}/{name}"],
+        "outs": [
+            f"build/${{key}}/{p}" for p in dict.fromkeys((name, report_dir(Path(), name).name))
+        ],
         "metrics": [{f"build/${{key}}/metrics/{name}.json": {"cache": False}}],
     }
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from schemas import ReleaseSpec
 from stages import load_stages
+from stages._runtime import report_dir
 from stages.evaluate import check, has_change
 
 
@@ -50,6 +51,7 @@ def gate(root: Path, releases: list[ReleaseSpec], registry: Any) -> GateResult:
     result = GateResult()
     for spec in releases:
         result.rows += _stage_rows(root, spec)
+        result.rows += _bundle_rows(root, spec.name)
         result.rows += _slo_rows(root, spec.name)
         result.rows += _production_rows(root, spec, registry)
     return result
@@ -59,7 +61,7 @@ def _stage_rows(root: Path, spec: ReleaseSpec) -> list[Row]:
     release = spec.name
     rows = []
     for stage in load_stages():
-        path = root / "build" / release / stage / "report.json"
+        path = report_dir(root / "build" / release, stage) / "report.json"
         if not path.is_file():
             rows.append(
                 Row(release, stage, "FAIL", f"no report: run `dvc repro {stage}@{release}`")
@@ -76,6 +78,21 @@ def _stage_rows(root: Path, spec: ReleaseSpec) -> list[Row]:
             detail = f"skipped, but required: {'; '.join(report['reasons'])}"
         rows.append(Row(release, stage, "PASS" if status == "passed" else "FAIL", detail))
     return rows
+
+
+def _bundle_rows(root: Path, release: str) -> list[Row]:
+    """The built bundle, verified, and the digest a signature and the registry will use."""
+    from stages._oms import load_manifest, verify_bundle
+
+    folder = root / "build" / release / "bundle"
+    if not (folder / "manifest.json").is_file():
+        return []  # the bundle stage row already fails
+    problems = verify_bundle(folder)
+    if problems:
+        return [Row(release, "bundle verify", "FAIL", "; ".join(problems[:3]))]
+    digest = load_manifest(folder / "manifest.json").digest
+    detail = f"bundle digest (OMS root, manifest.json subject) {digest}"
+    return [Row(release, "bundle verify", "PASS", detail)]
 
 
 def _optional(spec: ReleaseSpec, stage: str, report: dict[str, Any]) -> bool:
@@ -101,7 +118,8 @@ def _production_rows(root: Path, spec: ReleaseSpec, registry: Any) -> list[Row]:
     if not current:
         note = "no release of this name in production yet; nothing to regress from"
         return [Row(spec.name, f"{t.metric} vs production", "n/a", note) for t in wanted]
-    baseline = registry.manifest(current["release"], current["version"]).predicate.shipyard
+    # Only from a verified bundle: its digest matches its manifest and its publish record.
+    baseline = registry.facts(current["release"], current["version"])
     report = root / "build" / spec.name / "evaluate" / "report.json"
     if not report.is_file():
         return []  # the stage row already fails

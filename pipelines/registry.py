@@ -1,10 +1,23 @@
 """The registry: immutable published bundles, channel pointers and an append-only history.
 
-Any fsspec URL works (a local folder by default). Layout:
-    releases/<name>/<version>/     the bundle, byte for byte (verifiable with its manifest)
-    releases/<name>/<version>.json who published it, when, and its manifest digest
-    channels/<name>/<channel>.json the version of release <name> a channel points at
-    history.jsonl                  one line per promotion or rollback, never rewritten
+Any fsspec URL works (a local folder by default; `s3://bucket/prefix` through s3fs).
+Layout:
+    releases/<name>/<version>/       the bundle, byte for byte (verifiable with its manifest)
+    releases/<name>/<version>.json   the publish record: digest, who, when (the commit point)
+    channels/<name>/<channel>.json   the version of release <name> a channel points at
+    policy/<channel>.json            trusted public keys, when a channel requires a signature
+    history.jsonl (local) or history/<seq>.json (object stores, one object per entry)
+
+Guarantees, each with a test in tests/pipelines/test_registry_trust.py:
+- names, SemVer versions and channels are validated, and every path is checked to stay
+  under the root before anything is read or written;
+- publish holds the lock and commits in two phases: copy to a staging place, verify what
+  was copied (not what was checked before), atomic rename, then the record;
+- an interrupted publish (a version without its record, a staging leftover) is finished or
+  removed by the next publish or `shipyard registry check`, which say which;
+- promote and rollback re-verify the published bundle and compare its digest with both its
+  manifest and the publish record; a channel can require a signature from trusted keys;
+- history is never rewritten; a torn line is reported and skipped, never blocking.
 """
 
 from __future__ import annotations
@@ -12,6 +25,11 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import posixpath
+import re
+import secrets
+import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -21,9 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from schemas import RegistryError
-from stages.write_manifest import load_manifest, verify_bundle
+from schemas.release import NAME_PATTERN, SEMVER_PATTERN
+from stages._oms import load_manifest, read_facts, verify_bundle
 
-LOCK_TIMEOUT_S = 60
+LOCK_TIMEOUT_S = float(os.environ.get("SHIPYARD_LOCK_TIMEOUT_S", "60"))
+# A remote lock older than this is taken to belong to a crashed holder and is broken.
+LOCK_STALE_S = float(os.environ.get("SHIPYARD_LOCK_STALE_S", "900"))
+CHANNEL_PATTERN = r"[a-z][a-z0-9-]{0,62}"
+STAGING = ".staging-"
 
 
 def who() -> str:
@@ -34,61 +57,236 @@ def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or len(name) > 128 or not re.fullmatch(NAME_PATTERN, name):
+        raise RegistryError(
+            f"release name {name!r} is not valid: use lowercase letters, digits, '.', '_' "
+            "and '-', starting with a letter or digit"
+        )
+    if name in (".", "..") or name.startswith(".") or ".." in name:
+        raise RegistryError(f"release name {name!r} is not valid: no '..' or leading '.'")
+    return name
+
+
+def check_version(version: str) -> str:
+    if not isinstance(version, str) or not re.fullmatch(SEMVER_PATTERN, version):
+        raise RegistryError(
+            f"version {version!r} is not Semantic Versioning 2.0 (e.g. 1.2.0 or 1.2.0-rc.1)"
+        )
+    return version
+
+
+def check_channel(channel: str) -> str:
+    if not isinstance(channel, str) or not re.fullmatch(CHANNEL_PATTERN, channel):
+        raise RegistryError(
+            f"channel {channel!r} is not valid: a lowercase letter, then lowercase letters, "
+            "digits or '-' (e.g. production, staging, canary-eu)"
+        )
+    return channel
+
+
 class Registry:
     def __init__(self, url: str) -> None:
         from fsspec.core import url_to_fs
 
         self.url = url
-        self.fs, self.root = url_to_fs(url)
-        self.local = "file" in (
-            self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        )
+        self.fs, root = url_to_fs(url)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.local = "file" in protocols or "local" in protocols
+        self.root = os.path.realpath(root) if self.local else posixpath.normpath(root)
         self.fs.makedirs(self.root, exist_ok=True)
+        self.warnings: list[str] = []
 
+    # ------------------------------------------------------------------ paths
     def path(self, *parts: str) -> str:
-        return "/".join([self.root.rstrip("/"), *parts])
+        """A path under the root; refuses any part that could leave it."""
+        for part in parts:
+            if not part or "/" in part or "\\" in part or part in (".", "..") or "\0" in part:
+                raise RegistryError(f"registry path part {part!r} is not allowed")
+        joined = posixpath.normpath("/".join([self.root.rstrip("/"), *parts]))
+        resolved = os.path.realpath(joined) if self.local else joined
+        if resolved != self.root and not resolved.startswith(self.root.rstrip("/") + "/"):
+            raise RegistryError(f"{'/'.join(parts)} resolves outside the registry {self.url}")
+        return joined
+
+    def _version_dir(self, name: str, version: str) -> str:
+        return self.path("releases", check_name(name), check_version(version))
+
+    def _record_path(self, name: str, version: str) -> str:
+        return self.path("releases", check_name(name), f"{check_version(version)}.json")
 
     # ------------------------------------------------------------------ publish
     def publish(self, bundle: Path, name: str, version: str) -> dict[str, Any]:
         """Copy a verified, passing bundle in as name@version; never overwrite another."""
-        _refuse_if_broken(bundle, f"build bundle {bundle}")
-        digest = _digest(bundle)
-        target = self.path("releases", name, version)
-        if self.fs.exists(target):
-            existing = json.loads(self.fs.cat_file(self.path("releases", name, f"{version}.json")))
-            if existing["digest"] == digest:
-                return {**existing, "already": True}
+        target, record_path = self._version_dir(name, version), self._record_path(name, version)
+        with self.lock():
+            done = self._recover(name)
+            record = self.record(name, version)
+            if record is not None:
+                digest = _verified_digest(bundle, f"build bundle {bundle}")
+                if record["digest"] == digest:
+                    return {**record, "already": True, "recovered": done}
+                raise RegistryError(
+                    f"{name}@{version} is already published with digest "
+                    f"{record['digest'][:16]}; this bundle's is {digest[:16]}. Published "
+                    "versions are immutable: bump `version` in the release spec"
+                )
+            if self.local:
+                digest = self._publish_local(bundle, name, version, target)
+            else:
+                digest = self._publish_remote(bundle, name, version, target)
+            record = {
+                "release": name,
+                "version": version,
+                "digest": digest,
+                "by": who(),
+                "at": now(),
+            }
+            self._create(record_path, record)
+            return {**record, "recovered": done}
+
+    def _publish_local(self, bundle: Path, name: str, version: str, target: str) -> str:
+        staging = self.path("releases", name, f"{STAGING}{version}-{secrets.token_hex(4)}")
+        os.makedirs(os.path.dirname(staging), exist_ok=True)
+        try:
+            shutil.copytree(bundle, staging, symlinks=True)
+            digest = _verified_digest(Path(staging), f"copied bundle {bundle}")
+            _read_only(Path(staging))
+            os.rename(staging, target)  # atomic; fails if the target exists
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return digest
+
+    def _publish_remote(self, bundle: Path, name: str, version: str, target: str) -> str:
+        with tempfile.TemporaryDirectory(prefix="shipyard-publish-") as tmp:
+            snapshot = Path(tmp) / "bundle"  # private: what is verified is what is uploaded
+            shutil.copytree(bundle, snapshot, symlinks=True)
+            digest = _verified_digest(snapshot, f"copied bundle {bundle}")
+            if self.fs.exists(target):
+                self.fs.rm(target, recursive=True)
+            self.fs.put(str(snapshot) + "/", target, recursive=True)
+        return digest
+
+    def record(self, name: str, version: str) -> dict[str, Any] | None:
+        path = self._record_path(name, version)
+        if not self.fs.exists(path):
+            return None
+        try:
+            data: dict[str, Any] = json.loads(self.fs.cat_file(path))
+            data["digest"]  # noqa: B018 (a record without a digest is not a record)
+            return data
+        except (ValueError, KeyError, TypeError):
             raise RegistryError(
-                f"{name}@{version} is already published with digest {existing['digest'][:16]}; "
-                f"this bundle's is {digest[:16]}. Published versions are immutable: bump "
-                "`version` in the release spec"
-            )
-        staging = self.path("releases", name, f".{version}.{os.getpid()}.tmp")
-        self.fs.put(str(bundle), staging, recursive=True)
-        self.fs.mv(staging, target, recursive=True)
-        record = {"release": name, "version": version, "digest": digest, "by": who(), "at": now()}
-        self._write(self.path("releases", name, f"{version}.json"), record)
-        return record
+                f"publish record {path} is unreadable; restore it from a backup "
+                "(published versions are immutable)"
+            ) from None
+
+    def check(self) -> list[str]:
+        """`shipyard registry check`: finish or remove interrupted publishes, say which."""
+        releases = self.path("releases")
+        names = (
+            [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(releases, detail=False)]
+            if self.fs.exists(releases)
+            else []
+        )
+        actions: list[str] = []
+        with self.lock():
+            for name in sorted(names):
+                try:
+                    check_name(name)
+                except RegistryError:
+                    actions.append(f"releases/{name}: not a valid release name; left alone")
+                    continue
+                actions += self._recover(name)
+        return actions
+
+    def _recover(self, name: str) -> list[str]:
+        """Under the lock: staging leftovers go; a version folder without its record is
+        finished when it verifies and passed, removed otherwise."""
+        folder = self.path("releases", name)
+        if not self.fs.exists(folder):
+            return []
+        actions = []
+        for entry in sorted(self.fs.ls(folder, detail=False)):
+            base = posixpath.basename(entry.rstrip("/"))
+            if base.startswith(STAGING) or base.endswith(".tmp"):
+                self.fs.rm(entry, recursive=True)
+                actions.append(f"removed {name}/{base}: leftover of an interrupted publish")
+                continue
+            if base.endswith(".json") or not re.fullmatch(SEMVER_PATTERN, base):
+                continue
+            if self.fs.exists(self._record_path(name, base)):
+                continue
+            try:
+                with self._local_copy(name, base) as copy:
+                    digest = _verified_digest(copy, f"unrecorded {name}@{base}")
+            except RegistryError as exc:
+                self.fs.rm(entry, recursive=True)
+                why = str(exc).splitlines()[0]
+                actions.append(
+                    f"removed {name}@{base}: interrupted publish that does not verify ({why})"
+                )
+                continue
+            record = {
+                "release": name,
+                "version": base,
+                "digest": digest,
+                "by": who(),
+                "at": now(),
+                "recovered": True,
+            }
+            self._create(self._record_path(name, base), record)
+            actions.append(f"finished {name}@{base}: interrupted publish verified, record written")
+        return actions
 
     # ------------------------------------------------------------------ channels
     def channel(self, name: str, channel: str) -> dict[str, Any] | None:
-        path = self.path("channels", name, f"{channel}.json")
+        path = self.path("channels", check_name(name), f"{check_channel(channel)}.json")
         return json.loads(self.fs.cat_file(path)) if self.fs.exists(path) else None
 
     def channels(self) -> list[dict[str, Any]]:
         """Every (release, channel) pointer."""
         folder = self.path("channels")
         found = self.fs.glob(self.path("channels", "*", "*.json")) if self.fs.exists(folder) else []
-        return [{"channel": Path(p).stem, **json.loads(self.fs.cat_file(p))} for p in sorted(found)]
+        out = []
+        for p in sorted(found):
+            channel = posixpath.basename(p)[: -len(".json")]
+            if re.fullmatch(CHANNEL_PATTERN, channel):
+                out.append({"channel": channel, **json.loads(self.fs.cat_file(p))})
+        return out
+
+    def require_signature(self, channel: str, keys: list[Path]) -> dict[str, Any]:
+        """From now on, `channel` accepts only bundles signed by one of `keys`."""
+        from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+        pems = []
+        for key in keys:
+            try:
+                pem = key.read_text(encoding="ascii")
+                load_pem_public_key(pem.encode())
+            except (OSError, ValueError) as exc:
+                raise RegistryError(f"{key}: not a PEM public key ({exc})") from None
+            pems.append(pem)
+        policy = {"require_signature": True, "public_keys": pems, "by": who(), "at": now()}
+        with self.lock():
+            self._write(self.path("policy", f"{check_channel(channel)}.json"), policy)
+        return policy
+
+    def policy(self, channel: str) -> dict[str, Any] | None:
+        path = self.path("policy", f"{check_channel(channel)}.json")
+        return json.loads(self.fs.cat_file(path)) if self.fs.exists(path) else None
 
     def promote(self, name: str, version: str, channel: str, reason: str) -> dict[str, Any]:
         """Re-verify name@version, then point name's `channel` at it and record why."""
+        check_name(name), check_version(version), check_channel(channel)
         with self.lock():
-            target = self._checked(name, version)
+            target = self._checked(name, version, channel)
             return self._move(channel, target, "promote", reason)
 
     def rollback(self, name: str, channel: str, reason: str) -> dict[str, Any]:
         """Point name's `channel` back at what it held before its current version."""
+        check_name(name), check_channel(channel)
         with self.lock():
             stack = self._stack(name, channel)
             if len(stack) < 2:
@@ -96,39 +294,77 @@ class Registry:
                     f"{name}'s channel {channel!r} has no earlier version to "
                     f"roll back to ({len(stack)} in its history)"
                 )
-            target = self._checked(name, stack[-2])
+            target = self._checked(name, stack[-2], channel)
             return self._move(channel, target, "rollback", reason)
 
     def history(self) -> list[dict[str, Any]]:
-        path = self.path("history.jsonl")
-        if not self.fs.exists(path):
-            return []
-        text = self.fs.cat_file(path).decode()
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        """Every entry, oldest first; a torn or foreign line is reported and skipped."""
+        self.warnings = [w for w in self.warnings if not w.startswith("history")]
+        if self.local:
+            path = self.path("history.jsonl")
+            if not self.fs.exists(path):
+                return []
+            texts = self.fs.cat_file(path).decode("utf-8", errors="replace").splitlines()
+            where = [f"history.jsonl line {i}" for i in range(1, len(texts) + 1)]
+        else:
+            folder = self.path("history")
+            paths = sorted(self.fs.glob(self.path("history", "*.json")))
+            texts = [self.fs.cat_file(p).decode("utf-8", errors="replace") for p in paths]
+            where = [f"history/{posixpath.basename(p)}" for p in paths] if folder else []
+        entries = []
+        for text, place in zip(texts, where, strict=True):
+            if not text.strip():
+                continue
+            try:
+                entry = json.loads(text)
+                entry["seq"], entry["channel"], entry["to"], entry["action"]  # noqa: B018
+                entries.append(entry)
+            except (ValueError, KeyError, TypeError):
+                self.warnings.append(
+                    f"{place} is torn or not an entry ({text[:60]!r}); skipped. History is "
+                    "append-only: the entry it held is lost, later ones are intact"
+                )
+        return entries
 
-    def manifest(self, name: str, version: str) -> Any:
+    def facts(self, name: str, version: str) -> dict[str, Any]:
+        """`shipyard.json` of a published version, after re-verifying the whole bundle
+        against its manifest and its publish record."""
         with self._local_copy(name, version) as folder:
-            return load_manifest(folder / "manifest.json")
+            self._verify_published(folder, name, version)
+            return read_facts(folder)
 
     # ------------------------------------------------------------------ internals
-    def _checked(self, name: str, version: str) -> dict[str, Any]:
-        meta = self.path("releases", name, f"{version}.json")
-        if not self.fs.exists(meta):
+    def _checked(self, name: str, version: str, channel: str) -> dict[str, Any]:
+        with self._local_copy(name, version) as folder:
+            digest = self._verify_published(folder, name, version)
+            policy = self.policy(channel)
+            if policy and policy.get("require_signature"):
+                _check_signature(folder, policy, f"{name}@{version}", channel, digest)
+        return {"release": name, "version": version, "digest": digest}
+
+    def _verify_published(self, folder: Path, name: str, version: str) -> str:
+        record = self.record(name, version)
+        if record is None:
             raise RegistryError(
                 f"{name}@{version} is not published in {self.url}; run "
                 f"`shipyard publish {name}` first"
             )
-        with self._local_copy(name, version) as folder:
-            _refuse_if_broken(folder, f"published {name}@{version}")
-            digest = _digest(folder)
-        return {"release": name, "version": version, "digest": digest}
+        digest = _verified_digest(folder, f"published {name}@{version}")
+        if digest != record["digest"]:
+            raise RegistryError(
+                f"published {name}@{version} has digest {digest[:16]}, but its publish record "
+                f"says {record['digest'][:16]}: the bundle and its manifest were replaced after "
+                "publishing; refusing it (restore the version from a backup)"
+            )
+        return digest
 
     def _move(
         self, channel: str, target: dict[str, Any], action: str, reason: str
     ) -> dict[str, Any]:
         current = self.channel(target["release"], channel)
+        history = self.history()
         entry = {
-            "seq": len(self.history()) + 1,
+            "seq": max((e["seq"] for e in history), default=0) + 1,
             "at": now(),
             "who": who(),
             "action": action,
@@ -138,11 +374,11 @@ class Registry:
             "digest": target["digest"],
             "reason": reason,
         }
+        self._append(entry)
         self._write(
             self.path("channels", target["release"], f"{channel}.json"),
             {**target, "since": entry["at"]},
         )
-        self._append(entry)
         return entry
 
     def _stack(self, name: str, channel: str) -> list[str]:
@@ -152,115 +388,197 @@ class Registry:
             if entry["channel"] != channel or entry["to"].rsplit("@", 1)[0] != name:
                 continue
             if entry["action"] == "rollback":
-                stack.pop()
+                if stack:
+                    stack.pop()
             else:
                 stack.append(entry["to"].rsplit("@", 1)[1])
         return stack
 
     def _write(self, path: str, data: dict[str, Any]) -> None:
         """Write JSON next to `path`, then move it over: readers never see half a file."""
-        tmp = f"{path}.{os.getpid()}.tmp"
-        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        self.fs.pipe_file(tmp, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        self.fs.pipe_file(tmp, _dump(data))
         self.fs.mv(tmp, path)
 
-    def _append(self, entry: dict[str, Any]) -> None:
-        line = json.dumps(entry, sort_keys=True) + "\n"
-        path = self.path("history.jsonl")
+    def _create(self, path: str, data: dict[str, Any]) -> None:
+        """Exclusive create: fails (never overwrites) when `path` exists."""
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
         if self.local:
-            with open(path, "a", encoding="utf-8") as fh:
-                fh.write(line)
+            tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            Path(tmp).write_bytes(_dump(data))
+            try:
+                os.link(tmp, path)  # atomic and exclusive
+            except FileExistsError:
+                raise RegistryError(f"{path} exists already; refusing to overwrite it") from None
+            finally:
+                os.unlink(tmp)
+            return
+        try:
+            with self.fs.open(path, "xb") as fh:
+                fh.write(_dump(data))
+        except FileExistsError:
+            raise RegistryError(f"{path} exists already; refusing to overwrite it") from None
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        line = json.dumps(entry, sort_keys=True)
+        if self.local:
+            path = self.path("history.jsonl")
+            with open(path, "ab") as fh:
+                # A torn last line (a crash mid-write) must not swallow this entry.
+                if fh.tell() and not _ends_with_newline(path):
+                    fh.write(b"\n")
+                fh.write(line.encode() + b"\n")
                 fh.flush()
                 os.fsync(fh.fileno())
             return
-        old = self.fs.cat_file(path) if self.fs.exists(path) else b""
-        self.fs.pipe_file(path, old + line.encode())  # safe: callers hold the lock
+        # Object stores: one object per entry, created exclusively; nothing is rewritten.
+        self._create(self.path("history", f"{entry['seq']:010d}.json"), entry)
 
     @contextmanager
     def lock(self) -> Iterator[None]:
-        """Serialize channel moves: flock locally, an exclusive marker file elsewhere."""
-        path = self.path(".lock")
+        """Serialize writers: filelock locally, an owner-stamped lock object elsewhere."""
         if self.local:
-            import fcntl
+            from filelock import FileLock, Timeout
 
-            with open(path, "a+") as fh:
-                _wait(lambda: _try_flock(fcntl, fh), path)
-                try:
+            try:
+                with FileLock(self.path(".lock"), timeout=LOCK_TIMEOUT_S):
                     yield
-                finally:
-                    fcntl.flock(fh, fcntl.LOCK_UN)
+            except Timeout:
+                raise RegistryError(
+                    f"registry lock {self.path('.lock')} held for over {LOCK_TIMEOUT_S:.0f} s; "
+                    "another publish or promotion is running"
+                ) from None
             return
-        _wait(lambda: self._try_marker(path), path)
+        path = self.path(".lock")
+        token = secrets.token_hex(16)
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while not self._try_remote_lock(path, token):
+            if time.monotonic() > deadline:
+                raise RegistryError(
+                    f"registry lock {path} held for over {LOCK_TIMEOUT_S:.0f} s by "
+                    f"{self._lock_owner(path)}; it expires {LOCK_STALE_S:.0f} s after it was taken"
+                )
+            time.sleep(0.2)
         try:
             yield
         finally:
-            self.fs.rm(path)
+            if self._lock_owner(path).get("token") == token:
+                self.fs.rm(path)
 
-    def _try_marker(self, path: str) -> bool:
+    def _try_remote_lock(self, path: str, token: str) -> bool:
+        stamp = {
+            "owner": who(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "token": token,
+            "taken": time.time(),
+            "expires": time.time() + LOCK_STALE_S,
+        }
         try:
             with self.fs.open(path, "xb") as fh:
-                fh.write(f"{who()} {now()}".encode())
+                fh.write(_dump(stamp))
             return True
         except FileExistsError:
+            held = self._lock_owner(path)
+            if held and held.get("expires", 0) < time.time():
+                self.warnings.append(
+                    f"broke a stale registry lock held by {held.get('owner')}@{held.get('host')} "
+                    f"since {held.get('taken')}"
+                )
+                self.fs.rm(path)
             return False
+
+    def _lock_owner(self, path: str) -> dict[str, Any]:
+        try:
+            data: dict[str, Any] = json.loads(self.fs.cat_file(path))
+            return data
+        except (FileNotFoundError, ValueError):
+            return {}
 
     @contextmanager
     def _local_copy(self, name: str, version: str) -> Iterator[Path]:
-        source = self.path("releases", name, version)
+        source = self._version_dir(name, version)
+        if not self.fs.exists(source):
+            raise RegistryError(f"{name}@{version} has no bundle in {self.url}")
         if self.local:
             yield Path(source)
             return
         with tempfile.TemporaryDirectory() as tmp:
-            self.fs.get(source, tmp + "/bundle", recursive=True)
+            self.fs.get(source + "/", tmp + "/bundle", recursive=True)
             yield Path(tmp) / "bundle"
 
 
-def _try_flock(fcntl: Any, fh: Any) -> bool:
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-
-
-def _wait(attempt: Any, path: str) -> None:
-    deadline = time.monotonic() + LOCK_TIMEOUT_S
-    while not attempt():
-        if time.monotonic() > deadline:
-            raise RegistryError(
-                f"registry lock {path} held for over {LOCK_TIMEOUT_S} s; "
-                "another promotion is running (or crashed: remove the file)"
-            )
-        time.sleep(0.05)
-
-
-def _refuse_if_broken(folder: Path, what: str) -> None:
+def _verified_digest(folder: Path, what: str) -> str:
+    """Strict verify + every stage acceptable; the bundle's root digest."""
     problems = verify_bundle(folder)
     if problems:
         raise RegistryError(
             f"{what} does not match its manifest; refusing it:\n"
             + "\n".join(f"  {p}" for p in problems)
         )
+    facts = read_facts(folder)
     reports = {
         p.stem: json.loads(p.read_text()) for p in sorted((folder / "reports").glob("*.json"))
     }
+    statuses = {s: r["status"] for s, r in reports.items()}
+    statuses |= {s: v["status"] for s, v in facts.get("stages", {}).items()}
+    optional = {s for s, r in reports.items() if r.get("details", {}).get("optional") is True}
     failed = [
-        f"{name}: {r['status']}"
-        for name, r in reports.items()
+        f"{name}: {status}"
+        for name, status in sorted(statuses.items())
         # an optional skip (the engine where no GPU is) is what the manifest accepted too
-        if r["status"] != "passed"
-        and not (r["status"] == "skipped" and r.get("details", {}).get("optional") is True)
+        if status != "passed" and not (status == "skipped" and name in optional)
     ]
     if failed:
         raise RegistryError(
             f"{what} has stages that did not pass ({', '.join(failed)}); "
             "only a release whose gate passed can be published or promoted"
         )
-
-
-def _digest(folder: Path) -> str:
-    digest: str = load_manifest(folder / "manifest.json").subject[0].digest["sha256"]
+    digest: str = load_manifest(folder / "manifest.json").digest
     return digest
+
+
+def _check_signature(
+    folder: Path, policy: dict[str, Any], label: str, channel: str, digest: str
+) -> None:
+    from pipelines.signing import Identity, verify_signed
+
+    errors = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, pem in enumerate(policy.get("public_keys", [])):
+            key = Path(tmp) / f"key{i}.pub"
+            key.write_text(pem, encoding="ascii")
+            try:
+                if verify_signed(folder, Identity(public_key=key)) == digest:
+                    return
+            except RegistryError as exc:
+                errors.append(str(exc).splitlines()[0])
+                if "is not signed" in errors[-1]:
+                    break
+    unsigned = any("is not signed" in e for e in errors)
+    raise RegistryError(
+        f"channel {channel!r} requires a signature by a trusted key; {label} "
+        f"{'is not signed' if unsigned else 'is not signed by one'}"
+        f" ({'; '.join(errors[:2]) or 'no trusted keys configured'}). Sign the bundle with "
+        "`shipyard sign BUNDLE --private-key KEY` before publishing it as a new version"
+    )
+
+
+def _read_only(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            p.chmod(0o444)
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
+
+
+def _dump(data: dict[str, Any]) -> bytes:
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
 
 def _label(entry: dict[str, Any] | None) -> str | None:

@@ -8,6 +8,13 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]*$"
+# Semantic Versioning 2.0.0 (semver.org's regular expression): a version becomes a registry
+# path. pydantic's (Rust) `$` matches only at the very end; Python code uses re.fullmatch.
+SEMVER_PATTERN = (
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
+    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
+)
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 Task = Literal["causal-lm", "text-embedding", "sequence-classification", "generic"]
 
@@ -550,7 +557,11 @@ class ReleaseSpec(Strict):
 
     schema_version: Literal[1] = Field(description="Spec format version; currently 1.")
     name: str = Field(pattern=NAME_PATTERN, description="Release name; equals the file stem.")
-    version: str = Field(description="Model version, e.g. 1.0.0.")
+    version: str = Field(
+        pattern=SEMVER_PATTERN,
+        max_length=128,
+        description="Model version, Semantic Versioning 2.0 (e.g. 1.0.0 or 1.1.0-rc.1).",
+    )
     task: Task = Field(description="What the model does; decides inputs, outputs and metrics.")
     model: ModelSource = Field(description="Where the model comes from (discriminated on kind).")
     pins: PinsConfig = Field(description="Versions and digests (`pins: {}` for none).")

@@ -16,6 +16,7 @@ from stages._runtime import (
     StageIO,
     StageResult,
     publish,
+    report_dir,
     write_json,
 )
 
@@ -54,7 +55,7 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
         raise StageError(name, "no such stage", f"choose one of: {', '.join(load_stages())}")
     build = root / "build" / release.name
     out = build / name
-    work = build / f".{name}.tmp"
+    work = build / f".{name}.{os.getpid()}.tmp"  # per run: two runs never share one
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     ctx = StageContext(name, release.name, root, work, spec_path)
@@ -82,8 +83,17 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
         metrics=result.metrics,
         details=result.details,
     )
-    write_json(work / "report.json", report.model_dump(mode="json"))
-    publish(work, out)
+    reports = report_dir(build, name)
+    if reports == out:
+        write_json(work / "report.json", report.model_dump(mode="json"))
+        publish(work, out)
+    else:  # a shipped folder: outputs first, then the verdict beside them
+        report_work = build / f".{reports.name}.{os.getpid()}.tmp"
+        shutil.rmtree(report_work, ignore_errors=True)
+        report_work.mkdir()
+        write_json(report_work / "report.json", report.model_dump(mode="json"))
+        publish(work, out)
+        publish(report_work, reports)
     (build / "metrics").mkdir(exist_ok=True)
     # Timing lives only here (cache: false, nobody depends on it), so reports stay
     # byte-identical when a stage reruns on unchanged inputs.

@@ -16,6 +16,16 @@ from typing import Any
 from schemas import ReleaseSpec, StageError, StageReport, StageStatus
 
 ALWAYS_VISIBLE = ("name",)
+# Stages whose output folder ships as it is (the bundle): their report lives in a folder
+# beside it, so that the shipped folder holds nothing unhashed (verify skips only the
+# manifest and the signature).
+REPORT_APART = ("bundle",)
+
+
+def report_dir(build: Path, stage: str) -> Path:
+    """The folder holding `report.json` of `stage` in a release's build folder."""
+    return build / (f"{stage}-report" if stage in REPORT_APART else stage)
+
 # Every stage runs these (the runner, the spec defaults), so every stage depends on them.
 COMMON_CODE = ("stages/__init__.py", "stages/_runtime.py", "schemas/release.py")
 
@@ -108,7 +118,7 @@ class StageContext:
     def upstream(self, stage: str) -> Path:
         """The finished output folder of an upstream stage of the same release."""
         path = self.build / stage
-        if not (path / "report.json").is_file():
+        if not (report_dir(self.build, stage) / "report.json").is_file():
             raise StageError(
                 self.stage,
                 f"upstream output {path} is missing",

@@ -41,9 +41,13 @@ def free_ports(n: int) -> list[int]:
 
 
 def assemble(tree: Path, model_files: list[Path], serve: Path) -> None:
-    """The bundle's serving layout in `tree`: model/ (hard links), configs (copies)."""
+    """The bundle's serving layout in `tree`: the model where serving.yaml's `model_path`
+    puts it (hard links), the configs (copies)."""
+    import yaml
+
+    model_path = yaml.safe_load((serve / "serving.yaml").read_text(encoding="utf-8"))["model_path"]
     for f in model_files:
-        link_or_copy(f, tree / "model" / f.name)
+        link_or_copy(f, tree / Path(model_path).parent / f.name)
     for f in serve.rglob("*"):
         if f.is_file() and f.name != "report.json":
             target = tree / f.relative_to(serve)

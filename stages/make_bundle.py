@@ -6,16 +6,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from schemas import ReleaseSpec
+from schemas import ReleaseSpec, StageError
+from schemas.manifest import FACTS_FILE, MANIFEST_FILE, Manifest
 from stages import write_manifest as wm
 from stages._hashing import hash_shards
+from stages._oms import build_manifest, load_manifest, read_facts, verify_bundle, write_manifest
 from stages._runtime import (
     StageContext,
     StageIO,
     StageResult,
     link_or_copy,
     read_report,
-    write_json,
 )
 
 NAME = "bundle"
@@ -30,6 +31,8 @@ def io(release: ReleaseSpec) -> StageIO:
         code=(
             "stages/write_manifest.py",
             "stages/_hashing.py",
+            "stages/_oms.py",
+            "schemas/manifest.py",
             "stages/render_serving.py",
             "stages/templates/MODEL_CARD.md.j2",
         ),
@@ -37,36 +40,44 @@ def io(release: ReleaseSpec) -> StageIO:
 
 
 def run(ctx: StageContext, release: Any) -> StageResult:
-    manifest = wm.load_manifest(ctx.upstream("manifest") / "manifest.json")
+    content = load_manifest(ctx.upstream("manifest") / MANIFEST_FILE)
     for name, source in wm.payload(ctx).items():
         link_or_copy(source, ctx.work / name)
+    link_or_copy(ctx.upstream("manifest") / FACTS_FILE, ctx.work / FACTS_FILE)
+    facts = read_facts(ctx.work)
     info = json.loads((ctx.work / "model/model_info.json").read_text())
-    info["dtype"] = json.loads((ctx.work / "model/quant_info.json").read_text())["dtype"]
-    values = read_report(ctx.upstream("serve")).details["serving"]
+    info["dtype"] = facts["quantization"]["dtype"]
+    values = facts["serving"]
     loadtest = read_report(ctx.upstream("loadtest")).details
-    rendered = render(ctx, release, info, values | {"loadtest": loadtest}, manifest)
-    extra = hash_shards(
-        {n: ctx.work / n for n in rendered}, manifest.predicate.serialization.shard_size
-    )
-    digests = {r.name: r.digest for r in manifest.predicate.resources} | extra
-    final = wm.build_manifest(
-        manifest.subject[0].name,
-        digests,
-        {**manifest.predicate.shipyard, "serving": values},
-        manifest.predicate.serialization.shard_size,
-    )
-    write_json(ctx.work / "manifest.json", final.model_dump(mode="json", by_alias=True))
+    rendered = render(ctx, release, info, values | {"loadtest": loadtest}, content, facts)
+    shard = content.predicate.serialization.shard_size
+    extra = hash_shards({n: ctx.work / n for n in rendered}, shard)
+    digests = {r.name: r.digest for r in content.predicate.resources} | extra
+    final = build_manifest(content.subject[0].name, digests, shard)
+    write_manifest(ctx.work / MANIFEST_FILE, final)
+    problems = verify_bundle(ctx.work)
+    if problems:  # what ships must verify as it is, or nothing ships
+        raise StageError(
+            NAME,
+            "the assembled bundle does not verify: " + "; ".join(problems[:5]),
+            "a payload file changed while the bundle was assembled; rerun the bundle stage",
+        )
     files = sum(1 for p in ctx.work.rglob("*") if p.is_file())
     return StageResult.passed(
-        f"{files} files in build/{ctx.release}/bundle, manifest digest "
-        f"{final.subject[0].digest['sha256'][:16]}",
+        f"{files} files in build/{ctx.release}/bundle; bundle digest {final.digest} "
+        "(OMS root digest: manifest.json's subject, what a signature covers)",
         metrics={"files": files},
-        details={"serving": values},
+        details={"serving": values, "bundle_digest": final.digest},
     )
 
 
 def render(
-    ctx: StageContext, release: Any, info: dict[str, Any], values: dict[str, Any], manifest: Any
+    ctx: StageContext,
+    release: Any,
+    info: dict[str, Any],
+    values: dict[str, Any],
+    content: Manifest,
+    facts: dict[str, Any],
 ) -> list[str]:
     from stages.render_serving import render as render_templates
 
@@ -78,9 +89,11 @@ def render(
         "ort": release.bundle.ort_session.model_dump(),
         "info": info,
         "card": release.bundle.model_card.model_dump(),
-        "stages": manifest.predicate.shipyard["stages"],
-        "digest": manifest.subject[0].digest["sha256"],
-        "quant": manifest.predicate.shipyard["quantization"],
+        "stages": facts["stages"],
+        # The card cannot carry the digest of a bundle that contains the card: it shows the
+        # root digest of everything else (the manifest stage's), and says so.
+        "content_digest": content.digest,
+        "quant": facts["quantization"],
     }
     render_templates(ctx.work, RENDERED, context, trim=False)
     return list(RENDERED)

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from schemas import ReleaseSpec, StageError
+from schemas.manifest import MODEL_DIR
 from stages._model import axis_size
 from stages._runtime import StageContext, StageIO, StageResult
 
@@ -51,7 +52,12 @@ def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("version", "task", "bundle"),
         upstream=("export/model_info.json", "quantize/quant_info.json", "plan/plan.json"),
-        code=("stages/templates", "stages/_mlserver_runtime.py", "stages/_model.py"),
+        code=(
+            "stages/templates",
+            "stages/_mlserver_runtime.py",
+            "stages/_model.py",
+            "schemas/manifest.py",
+        ),
     )
 
 
@@ -121,7 +127,7 @@ def serving_values(release: Any, info: dict[str, Any], plan: dict[str, Any]) -> 
     )
     causal = release.task == "causal-lm"
     return {
-        "model_path": "model/model.onnx",
+        "model_path": f"{MODEL_DIR.format(release=release.name)}/model.onnx",
         "dtype": info["dtype"],
         "port": s.port,
         "max_batch_size": batch,

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from schemas.manifest import Manifest, Predicate, Resource, Serialization, Subject
-from stages._hashing import SHARD, hash_shards
+from schemas.manifest import FACTS_FILE, MANIFEST_FILE, MODEL_DIR
+from stages._hashing import hash_shards
+from stages._oms import build_manifest, empty_files, write_manifest
 from stages._runtime import StageContext, StageIO, StageResult, read_report, write_json
 
 NAME = "manifest"
+NOT_SHIPPED = ("server.log", ".lock")
 CHECKED = (
     "pin",
     "export",
@@ -31,7 +32,7 @@ def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("version", "task"),
         upstream=CHECKED,
-        code=("stages/_hashing.py", "schemas/manifest.py"),
+        code=("stages/_hashing.py", "stages/_oms.py", "schemas/manifest.py"),
     )
 
 
@@ -43,16 +44,21 @@ def acceptable(report: Any) -> bool:
 
 
 def payload(ctx: StageContext) -> dict[str, Path]:
-    """Bundle path -> upstream file, for the model and the stage reports."""
+    """Bundle path -> upstream file, for the model, the stage reports and the serving configs.
+
+    The ONNX model is stored once, inside Triton's version folder (Triton needs it there;
+    serving.yaml and MLServer point at the same file). The load-test server log stays in the
+    build folder: it is a diagnostic, not something a deployment needs.
+    """
     quantized = ctx.upstream("quantize")
-    files = {f"model/{p.name}": p for p in sorted(quantized.glob("model.onnx*"))}
+    files = {
+        f"{MODEL_DIR.format(release=ctx.release)}/{p.name}": p
+        for p in sorted(quantized.glob("model.onnx*"))
+    }
     files["model/model_info.json"] = ctx.upstream("export") / "model_info.json"
     files["model/quant_info.json"] = quantized / "quant_info.json"
     for stage in CHECKED:
         files[f"reports/{stage}.json"] = ctx.upstream(stage) / "report.json"
-    # Triton wants the model inside its repository entry: the same file under a second name.
-    for p in sorted(quantized.glob("model.onnx*")):
-        files[f"serving/triton/{ctx.release}/1/{p.name}"] = p
     files.update(_outputs(ctx.upstream("serve"), ""))
     engine = ctx.upstream("engine")
     files.update(
@@ -60,7 +66,8 @@ def payload(ctx: StageContext) -> dict[str, Path]:
         | {f"engine/{p.name}": p for p in sorted(engine.glob("*")) if p.is_file()}
     )
     files.pop("engine/report.json", None)
-    files.update(_outputs(ctx.upstream("loadtest"), "reports/loadtest/"))
+    loadtest = _outputs(ctx.upstream("loadtest"), "reports/loadtest/")
+    files.update({k: v for k, v in loadtest.items() if not k.endswith(NOT_SHIPPED)})
     return files
 
 
@@ -83,11 +90,34 @@ def run(ctx: StageContext, release: Any) -> StageResult:
             "fix those stages first; a manifest only covers passing releases",
         )
     files = payload(ctx)
+    empty = empty_files(files)
+    if empty:
+        raise StageError(
+            NAME,
+            f"empty file(s) would ship: {', '.join(empty)}; OMS manifests list no empty files, "
+            "so verify would refuse them",
+            "make the stage that writes them write content, or leave them out of the bundle",
+        )
+    write_json(ctx.work / FACTS_FILE, facts(ctx, release, reports))
+    files[FACTS_FILE] = ctx.work / FACTS_FILE
     total = sum(p.stat().st_size for p in files.values())
     with ctx.progress(f"hashing {total / 1e6:.1f} MB", total) as advance:
         digests = hash_shards(files, advance=advance)
+    manifest = build_manifest(f"{ctx.release}@{release.version}", digests)
+    write_manifest(ctx.work / MANIFEST_FILE, manifest)
+    return StageResult.passed(
+        f"{len(files)} files, {len(digests)} shards, {total / 1e6:.1f} MB "
+        f"hashed; content digest {manifest.digest[:16]} (before the model card)",
+        metrics={"bytes_hashed": total, "files": len(files)},
+    )
+
+
+def facts(ctx: StageContext, release: Any, reports: dict[str, Any]) -> dict[str, Any]:
+    """Everything the gate, the registry or a reader trusts: shipped as `shipyard.json`,
+    hashed (and signed) like every other bundle file."""
     pin = reports["pin"].details
-    facts = {
+    engine = reports["engine"].details
+    out: dict[str, Any] = {
         "release": ctx.release,
         "version": release.version,
         "task": release.task,
@@ -95,85 +125,19 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         "provenance": {"git": pin["git"]},
         "stages": {s: {"status": r.status.value, "summary": r.summary} for s, r in reports.items()},
         "quantization": json.loads((ctx.upstream("quantize") / "quant_info.json").read_text()),
+        # The gate compares later candidates with these when this release is in production.
+        "evaluation": reports["evaluate"].details["metrics"],
+        "engine": {
+            "status": reports["engine"].status.value,
+            "profiles": [
+                {"name": p["name"], "dims": p["dims"]} for p in engine.get("profiles", [])
+            ],
+            **{k: engine[k] for k in ("tensorrt", "gpu", "compute_capability") if k in engine},
+        },
+        "loadtest": reports["loadtest"].details.get("summary", {}),
+        "serving": reports["serve"].details["serving"],
     }
-    # The gate compares later candidates with these when this release is in production.
-    facts["evaluation"] = reports["evaluate"].details["metrics"]
-    engine = reports["engine"].details
-    facts["engine"] = {
-        "status": reports["engine"].status.value,
-        "profiles": [{"name": p["name"], "dims": p["dims"]} for p in engine.get("profiles", [])],
-        **{k: engine[k] for k in ("tensorrt", "gpu", "compute_capability") if k in engine},
-    }
-    facts["loadtest"] = reports["loadtest"].details.get("summary", {})
     calibration = reports["quantize"].details.get("calibration")
     if calibration:  # the data the weights were fitted to is part of what ships
-        facts["calibration"] = {k: calibration[k] for k in ("path", "sha256")}
-    manifest = build_manifest(f"{ctx.release}@{release.version}", digests, facts)
-    write_json(ctx.work / "manifest.json", manifest.model_dump(mode="json", by_alias=True))
-    return StageResult.passed(
-        f"{len(files)} files, {len(digests)} shards, {total / 1e6:.1f} MB "
-        f"hashed; digest {manifest.subject[0].digest['sha256'][:16]}",
-        metrics={"bytes_hashed": total, "files": len(files)},
-    )
-
-
-# The manifest cannot hash itself; report.json is the bundle stage's own verdict, written
-# after the manifest by the stage runner.
-IGNORED = ["manifest.json", "report.json"]
-
-
-def build_manifest(
-    subject: str, digests: dict[str, str], facts: dict[str, Any], shard: int = SHARD
-) -> Manifest:
-    resources = [Resource(name=n, algorithm="sha256", digest=d) for n, d in sorted(digests.items())]
-    serialization = Serialization(shard_size=shard, ignore_paths=IGNORED)
-    return Manifest(
-        subject=[Subject(name=subject, digest={"sha256": subject_digest(resources)})],
-        predicate=Predicate(serialization=serialization, resources=resources, shipyard=facts),
-    )
-
-
-def subject_digest(resources: list[Resource]) -> str:
-    h = hashlib.sha256()
-    for r in sorted(resources, key=lambda r: r.name):
-        h.update(bytes.fromhex(r.digest))
-    return h.hexdigest()
-
-
-def load_manifest(path: Path) -> Manifest:
-    return Manifest.model_validate(json.loads(path.read_text(encoding="utf-8")))
-
-
-def verify_bundle(folder: Path, workers: int | None = None) -> list[str]:
-    """Re-hash a bundle; list every added, missing or changed file (empty = intact)."""
-    manifest_path = folder / "manifest.json"
-    if not manifest_path.is_file():
-        return [f"{manifest_path}: missing; not a Shipyard bundle"]
-    manifest = load_manifest(manifest_path)
-    listed = manifest.files()
-    present = {
-        p.relative_to(folder).as_posix(): p
-        for p in folder.rglob("*")
-        if p.is_file() or p.is_symlink()
-    }
-    for ignored in manifest.predicate.serialization.ignore_paths:
-        present.pop(ignored, None)
-    problems = [f"{n}: added (not in the manifest)" for n in sorted(set(present) - set(listed))]
-    problems += [
-        f"{n}: missing (listed in the manifest)" for n in sorted(set(listed) - set(present))
-    ]
-    problems += [
-        f"{n}: is a symlink; bundles hold plain files" for n, p in present.items() if p.is_symlink()
-    ]
-    common = {
-        n: present[n] for n in sorted(set(listed) & set(present)) if not present[n].is_symlink()
-    }
-    actual = hash_shards(common, manifest.predicate.serialization.shard_size, workers)
-    for name in common:
-        want = {r.name: r.digest for r in listed[name]}
-        have = {k: v for k, v in actual.items() if k.rsplit(":", 2)[0] == name}
-        if want != have:
-            problems.append(f"{name}: changed (sha256 differs from the manifest)")
-    if subject_digest(manifest.predicate.resources) != manifest.subject[0].digest["sha256"]:
-        problems.append("manifest.json: subject digest does not match its resources (edited?)")
-    return problems
+        out["calibration"] = {k: calibration[k] for k in ("path", "sha256")}
+    return out

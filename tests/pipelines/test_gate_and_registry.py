@@ -17,6 +17,7 @@ from schemas import RegistryError
 from tests.conftest import Workspace, gpt2_spec
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
+ONNX = "serving/triton/tiny-gpt2/1/model.onnx"
 
 
 @pytest.fixture
@@ -72,7 +73,10 @@ def test_publish_is_immutable_per_version(built_gpt2, registry, tmp_path) -> Non
     card.write_text(card.read_text() + "edited\n")
     with pytest.raises(RegistryError, match="does not match its manifest"):
         registry.publish(other, "tiny-gpt2", "0.1.0")
-    assert first["digest"] == registry.manifest("tiny-gpt2", "0.1.0").subject[0].digest["sha256"]
+    manifest = json.loads(
+        Path(registry.path("releases", "tiny-gpt2", "0.1.0", "manifest.json")).read_text()
+    )
+    assert first["digest"] == manifest["subject"][0]["digest"]["sha256"]
 
 
 def test_regression_vs_production_turns_the_gate_red(built_gpt2, registry) -> None:
@@ -102,14 +106,14 @@ def test_regression_vs_production_turns_the_gate_red(built_gpt2, registry) -> No
 
 def test_promote_refuses_a_tampered_published_bundle_naming_the_file(built_gpt2, registry) -> None:
     registry.publish(bundle(built_gpt2), "tiny-gpt2", "0.1.0")
-    weights = Path(registry.path("releases", "tiny-gpt2", "0.1.0", "model", "model.onnx"))
+    weights = Path(registry.path("releases", "tiny-gpt2", "0.1.0", *ONNX.split("/")))
     weights.chmod(0o644)
     data = bytearray(weights.read_bytes())
     data[100] ^= 0xFF
     weights.write_bytes(bytes(data))
     with pytest.raises(RegistryError) as info:
         registry.promote("tiny-gpt2", "0.1.0", "production", "should fail")
-    assert "model/model.onnx: changed (sha256 differs from the manifest)" in str(info.value)
+    assert f"{ONNX}: changed (sha256 differs from the manifest)" in str(info.value)
     assert registry.channel("tiny-gpt2", "production") is None and registry.history() == []
 
 

@@ -1,0 +1,189 @@
+"""The manifest is exactly OMS, and signatures interoperate with model_signing both ways."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import model_signing
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from pipelines.signing import Identity, hashing_config, sign, verify_signed
+from schemas import RegistryError
+from stages._oms import build_manifest, load_manifest, verify_bundle
+from tests.conftest import Workspace
+
+SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
+
+
+def keypair(folder: Path, name: str) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = folder / f"{name}.pem", folder / f"{name}.pub"
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return private, public
+
+
+@pytest.fixture
+def bundle(built_gpt2: Workspace, tmp_path: Path) -> Path:
+    copy = tmp_path / "bundle"
+    shutil.copytree(built_gpt2.out("tiny-gpt2", "bundle"), copy)
+    for p in copy.rglob("*"):
+        p.chmod(0o644 if p.is_file() else 0o755)
+    return copy
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Path]:
+    private, public = keypair(tmp_path, "team")
+    other_private, other_public = keypair(tmp_path, "other")
+    return {"private": private, "public": public, "other": other_public}
+
+
+def library_statement(folder: Path) -> dict:
+    from google.protobuf import json_format
+    from model_signing._signing.signing import Payload
+
+    payload = Payload(hashing_config().hash(folder))
+    return json.loads(json_format.MessageToJson(payload.statement.pb))
+
+
+def test_the_manifest_is_what_model_signing_produces_for_the_bundle(bundle: Path) -> None:
+    ours = json.loads((bundle / "manifest.json").read_text())
+    theirs = library_statement(bundle)
+    assert ours["predicate"]["resources"] == theirs["predicate"]["resources"]
+    assert ours["subject"][0]["digest"] == theirs["subject"][0]["digest"]
+    assert ours["predicateType"] == theirs["predicateType"] and ours["_type"] == theirs["_type"]
+    serial = theirs["predicate"]["serialization"]
+    assert ours["predicate"]["serialization"] == {
+        **serial,
+        "shard_size": int(serial["shard_size"]),
+        "ignore_paths": sorted(serial["ignore_paths"]),
+    }
+
+
+def test_resource_order_labels_and_empty_files_follow_model_signing(tmp_path: Path) -> None:
+    # `reports/x.json` sorts after `reports/x/y.json` by path components, though not as strings
+    folder = tmp_path / "m"
+    (folder / "reports" / "x").mkdir(parents=True)
+    (folder / "reports" / "x.json").write_text("a")
+    (folder / "reports" / "x" / "y.json").write_text("b")
+    (folder / "reports" / "x-y.json").write_text("c")
+    (folder / "big.bin").write_bytes(bytes(range(256)) * 40)  # 3 shards of 4 KiB
+    (folder / "empty.txt").write_bytes(b"")
+    from stages._hashing import hash_shards
+
+    files = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.is_file()}
+    files.pop("empty.txt")  # OMS lists no empty files; the bundle stage refuses them
+    ours = build_manifest("m", hash_shards(files, 4096), 4096)
+    config = (
+        model_signing.hashing.Config()
+        .use_shard_serialization(shard_size=4096)
+        .set_ignored_paths(paths=["manifest.json", "model.sig"], ignore_git_paths=False)
+    )
+    from google.protobuf import json_format
+    from model_signing._signing.signing import Payload
+
+    theirs = json.loads(json_format.MessageToJson(Payload(config.hash(folder)).statement.pb))
+    dumped = ours.model_dump(mode="json", by_alias=True)
+    assert dumped["predicate"]["resources"] == theirs["predicate"]["resources"]
+    assert dumped["subject"][0]["digest"] == theirs["subject"][0]["digest"]
+    names = [r["name"] for r in dumped["predicate"]["resources"]]
+    assert names.index("reports/x/y.json:0:1") < names.index("reports/x.json:0:1")
+    assert dumped["predicate"]["resources"][0]["algorithm"] == "sha256-sharded-4096"
+
+
+def test_a_bundle_signed_by_shipyard_verifies_with_model_signing(bundle, keys) -> None:
+    digest = sign(bundle, private_key=keys["private"])
+    assert digest == load_manifest(bundle / "manifest.json").digest
+    config = (
+        model_signing.verifying.Config()
+        .use_elliptic_key_verifier(public_key=keys["public"])
+        .set_hashing_config(hashing_config())
+    )
+    config.verify(bundle, bundle / "model.sig")  # raises on any mismatch
+    assert verify_bundle(bundle) == []  # the signature is one of the two fixed skips
+
+
+def test_a_bundle_signed_by_model_signing_verifies_with_shipyard(bundle, keys) -> None:
+    config = (
+        model_signing.signing.Config()
+        .use_elliptic_key_signer(private_key=keys["private"])
+        .set_hashing_config(hashing_config())
+    )
+    config.sign(bundle, bundle / "model.sig")
+    assert verify_signed(bundle, Identity(public_key=keys["public"])) == load_manifest(
+        bundle / "manifest.json"
+    ).digest
+
+
+def test_verify_refuses_a_signature_by_another_key(bundle, keys) -> None:
+    sign(bundle, private_key=keys["private"])
+    with pytest.raises(RegistryError, match="signature does not verify with public key"):
+        verify_signed(bundle, Identity(public_key=keys["other"]))
+
+
+def test_verify_refuses_a_file_changed_after_signing(bundle, keys) -> None:
+    sign(bundle, private_key=keys["private"])
+    card = bundle / "MODEL_CARD.md"
+    card.write_text(card.read_text() + "\nedited after signing\n")
+    with pytest.raises(RegistryError, match="signature does not verify.*MODEL_CARD.md"):
+        verify_signed(bundle, Identity(public_key=keys["public"]))
+
+
+def test_verify_refuses_a_manifest_replaced_after_signing(bundle, keys) -> None:
+    sign(bundle, private_key=keys["private"])
+    facts = bundle / "shipyard.json"
+    data = json.loads(facts.read_text())
+    data["evaluation"]["perplexity"] = 1.0  # a better baseline, manifest re-written to match
+    facts.write_text(json.dumps(data))
+    from stages._hashing import hash_shards
+
+    files = {
+        p.relative_to(bundle).as_posix(): p
+        for p in bundle.rglob("*")
+        if p.is_file() and p.name not in ("manifest.json", "model.sig")
+    }
+    rewritten = build_manifest("tiny-gpt2@0.1.0", hash_shards(files))
+    (bundle / "manifest.json").write_text(
+        json.dumps(rewritten.model_dump(mode="json", by_alias=True))
+    )
+    assert verify_bundle(bundle) == []  # consistent with itself: only the signature tells
+    with pytest.raises(RegistryError, match="signature does not verify.*shipyard.json"):
+        verify_signed(bundle, Identity(public_key=keys["public"]))
+
+
+def test_an_unsigned_bundle_is_refused_when_a_key_is_given(bundle, keys) -> None:
+    with pytest.raises(RegistryError, match="is not signed: no model.sig"):
+        verify_signed(bundle, Identity(public_key=keys["public"]))
+
+
+def test_cli_sign_then_verify_with_the_public_key(bundle, keys) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [SHIPYARD, *args], text=True, capture_output=True, timeout=120, env=os.environ
+        )
+
+    done = run("sign", str(bundle), "--private-key", str(keys["private"]))
+    assert done.returncode == 0, done.stderr
+    done = run("verify", str(bundle), "--public-key", str(keys["public"]))
+    assert done.returncode == 0, done.stderr
+    assert "signed by public key" in done.stdout
+    done = run("verify", str(bundle), "--public-key", str(keys["other"]))
+    assert done.returncode == 5 and "signature does not verify" in done.stderr
