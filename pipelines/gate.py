@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schemas import ReleaseSpec
+from schemas import RegistryError, ReleaseSpec
 from stages import load_stages
 from stages._runtime import report_dir
 from stages.evaluate import check, has_change
@@ -119,7 +119,11 @@ def _production_rows(root: Path, spec: ReleaseSpec, registry: Any) -> list[Row]:
         note = "no release of this name in production yet; nothing to regress from"
         return [Row(spec.name, f"{t.metric} vs production", "n/a", note) for t in wanted]
     # Only from a verified bundle: its digest matches its manifest and its publish record.
-    baseline = registry.facts(current["release"], current["version"])
+    try:
+        baseline = registry.facts(current["release"], current["version"])
+    except RegistryError as exc:
+        why = f"production {current['version']} does not verify: {' '.join(str(exc).split())}"
+        return [Row(spec.name, f"{t.metric} vs production", "FAIL", why) for t in wanted]
     report = root / "build" / spec.name / "evaluate" / "report.json"
     if not report.is_file():
         return []  # the stage row already fails

@@ -223,7 +223,8 @@ class Registry:
                     digest = _verified_digest(copy, f"unrecorded {name}@{base}")
             except RegistryError as exc:
                 self.fs.rm(entry, recursive=True)
-                why = str(exc).splitlines()[0]
+                lines = str(exc).splitlines()
+                why = "; ".join(x.strip() for x in lines[1:4]) or lines[0]
                 actions.append(
                     f"removed {name}@{base}: interrupted publish that does not verify ({why})"
                 )

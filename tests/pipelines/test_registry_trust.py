@@ -1,0 +1,454 @@
+"""The trust chain, attacked: each test tries one attack on a bundle or the registry and
+asserts the refusal and its message. The same registry tests run against a local folder
+and against a real S3 API on localhost (moto's server mode)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipelines.gate import gate
+from pipelines.registry import Registry
+from pipelines.signing import sign
+from schemas import RegistryError
+from stages._hashing import hash_shards
+from stages._oms import build_manifest, verify_bundle
+from tests.conftest import Workspace, gpt2_spec
+from tests.pipelines.test_signing import keypair
+
+SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
+MOTO = str(Path(sys.executable).with_name("moto_server"))
+ONNX = "serving/triton/tiny-gpt2/1/model.onnx"
+RUNTIME_DIR = "serving/mlserver/tiny-gpt2"
+
+
+def writable_copy(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    for p in target.rglob("*"):
+        p.chmod(0o644 if p.is_file() else 0o755)
+    return target
+
+
+def remanifest(bundle: Path) -> None:
+    """What an attacker with write access does after editing files: a self-consistent
+    manifest for the edited folder."""
+    files = {
+        p.relative_to(bundle).as_posix(): p
+        for p in bundle.rglob("*")
+        if p.is_file() and p.name not in ("manifest.json", "model.sig")
+    }
+    manifest = build_manifest("tiny-gpt2@0.1.0", hash_shards(files))
+    (bundle / "manifest.json").write_text(
+        json.dumps(manifest.model_dump(mode="json", by_alias=True))
+    )
+
+
+@pytest.fixture
+def bundle(built_gpt2: Workspace, tmp_path: Path) -> Path:
+    return writable_copy(built_gpt2.out("tiny-gpt2", "bundle"), tmp_path / "bundle")
+
+
+def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
+    return subprocess.run(
+        [SHIPYARD, *args],
+        text=True,
+        capture_output=True,
+        timeout=180,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
+
+
+# --------------------------------------------------------------------------- S3 (moto)
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [MOTO, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    saved = {
+        k: os.environ.get(k)
+        for k in (
+            "AWS_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION",
+        )
+    }
+    os.environ.update(
+        AWS_ENDPOINT_URL=url,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_buckets = iter(range(1_000_000))
+
+
+@pytest.fixture(params=["local", "s3"])
+def registry(request: pytest.FixtureRequest, tmp_path: Path) -> Registry:
+    if request.param == "local":
+        return Registry(str(tmp_path / "registry"))
+    request.getfixturevalue("s3_server")
+    return Registry(f"s3://shipyard-{next(_buckets)}/registry")
+
+
+# --------------------------------------------------------------------------- attack 1
+def test_attack_1_a_hidden_module_listed_in_ignore_paths_fails_verify(bundle: Path) -> None:
+    (bundle / RUNTIME_DIR / "numpy.py").write_text("import os; os.system('id')\n")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["predicate"]["serialization"]["ignore_paths"].append(f"{RUNTIME_DIR}/numpy.py")
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    problems = verify_bundle(bundle)
+    assert problems[0].startswith("manifest.json: ignore_paths is [")
+    assert "skips only ['manifest.json', 'model.sig']" in problems[0]
+    done = cli("verify", str(bundle))
+    assert done.returncode == 5 and "ignore_paths" in done.stderr
+
+
+def test_attack_1b_an_added_file_fails_even_when_empty(bundle: Path) -> None:
+    (bundle / RUNTIME_DIR / "numpy.py").write_bytes(b"")  # OMS lists no empty files
+    assert verify_bundle(bundle) == [f"{RUNTIME_DIR}/numpy.py: added (not in the manifest)"]
+    (bundle / RUNTIME_DIR / "numpy.py").unlink()
+    (bundle / "model.sig").write_text("not a signature")  # one of the two fixed skips
+    assert verify_bundle(bundle) == []
+
+
+# --------------------------------------------------------------------------- attack 2
+def test_attack_2_edited_facts_fail_verify(bundle: Path) -> None:
+    facts = bundle / "shipyard.json"
+    data = json.loads(facts.read_text())
+    data["stages"]["parity"]["status"] = "passed"
+    data["evaluation"]["perplexity"] = 1.0
+    facts.write_text(json.dumps(data))
+    assert verify_bundle(bundle) == ["shipyard.json: changed (sha256 differs from the manifest)"]
+
+
+def test_attack_2_the_gate_baseline_comes_only_from_a_verified_bundle(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    registry = Registry(str(tmp_path / "registry"))
+    registry.publish(built_gpt2.out("tiny-gpt2", "bundle"), "tiny-gpt2", "0.1.0")
+    registry.promote("tiny-gpt2", "0.1.0", "production", "baseline")
+    published = Path(registry.path("releases", "tiny-gpt2", "0.1.0"))
+    facts = published / "shipyard.json"
+    facts.chmod(0o644)
+    data = json.loads(facts.read_text())
+    data["evaluation"]["perplexity"] = 1e9  # a terrible baseline makes any candidate pass
+    facts.write_text(json.dumps(data))
+    spec = gpt2_spec()
+    spec["evaluation"]["thresholds"] = [
+        {
+            "metric": "perplexity",
+            "min_relative_change": -0.01,
+            "greater_is_better": False,
+            "baseline": "production",
+        }
+    ]
+    result = gate(built_gpt2.root, [built_gpt2.spec(spec)], registry)
+    row = next(r for r in result.rows if r.check.startswith("perplexity vs production"))
+    assert row.verdict == "FAIL" and not result.ok
+    assert "shipyard.json: changed" in row.detail
+
+
+# --------------------------------------------------------------------------- attack 3
+def test_attack_3_a_replaced_bundle_with_a_rewritten_manifest_is_not_promoted(
+    built_gpt2: Workspace, registry: Registry, tmp_path: Path
+) -> None:
+    registry.publish(built_gpt2.out("tiny-gpt2", "bundle"), "tiny-gpt2", "0.1.0")
+    evil = writable_copy(built_gpt2.out("tiny-gpt2", "bundle"), tmp_path / "evil")
+    card = evil / "MODEL_CARD.md"
+    card.write_text(card.read_text() + "\nreplaced\n")
+    remanifest(evil)
+    assert verify_bundle(evil) == []  # self-consistent: only the publish record tells
+    target = registry.path("releases", "tiny-gpt2", "0.1.0")
+    if registry.local:
+        shutil.rmtree(target)
+        shutil.copytree(evil, target)
+    else:
+        registry.fs.rm(target, recursive=True)
+        registry.fs.put(str(evil) + "/", target, recursive=True)
+    with pytest.raises(RegistryError, match="but its publish record says") as info:
+        registry.promote("tiny-gpt2", "0.1.0", "production", "should fail")
+    assert "replaced after publishing" in str(info.value)
+    assert registry.channel("tiny-gpt2", "production") is None and registry.history() == []
+
+
+# --------------------------------------------------------------------------- attack 4
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("promote", "../../outside@0.1.0", "--to", "production"), "release name '../../outside'"),
+        (("promote", "tiny-gpt2@../../x", "--to", "production"), "version '../../x'"),
+        (("promote", "tiny-gpt2@0.1.0", "--to", "../../x"), "channel '../../x' is not valid"),
+        (("promote", "tiny-gpt2@0.1.0", "--to", "a/b"), "channel 'a/b' is not valid"),
+        (("promote", "tiny-gpt2@0.1.0", "--to", "Production"), "channel 'Production'"),
+        (("rollback", "../x", "--release", "tiny-gpt2"), "channel '../x' is not valid"),
+    ],
+)
+def test_attack_4_registry_paths_cannot_leave_the_root(
+    tmp_path: Path, args: tuple[str, ...], message: str
+) -> None:
+    root = tmp_path / "deep" / "registry"
+    done = cli(*args, "--registry", str(root), cwd=tmp_path)
+    assert done.returncode == 5, done.stderr
+    assert message in done.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) in ([], [".lock"])
+
+
+def test_attack_4_a_spec_version_that_walks_out_is_refused_at_validate(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    path = ws.write(gpt2_spec(version="../../x"))
+    done = cli("validate", str(path), cwd=tmp_path)
+    assert done.returncode == 2 and "version" in done.stderr
+    registry = Registry(str(tmp_path / "registry"))
+    with pytest.raises(RegistryError, match="is not Semantic Versioning"):
+        registry.publish(tmp_path, "tiny-gpt2", "../../x")
+    with pytest.raises(RegistryError, match="resolves outside the registry"):
+        (Path(registry.root) / "releases").mkdir()
+        (Path(registry.root) / "releases" / "tiny-gpt2").symlink_to(tmp_path)
+        registry.promote("tiny-gpt2", "0.1.0", "production", "via a symlink")
+
+
+# --------------------------------------------------------------------------- attack 5
+def test_attack_5_two_concurrent_publishes_of_one_version_leave_one_good_copy(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    url = str(tmp_path / "registry")
+    env = {"SHIPYARD_REGISTRY": url, "SHIPYARD_ROOT": str(built_gpt2.root)}
+    procs = [
+        subprocess.Popen(
+            [SHIPYARD, "publish", "tiny-gpt2"],
+            env={**os.environ, **env},
+            cwd=built_gpt2.root,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    said = sorted(o[0].split(" (")[0] for o in outputs)
+    assert said == ["tiny-gpt2@0.1.0 already published", "tiny-gpt2@0.1.0 published"]
+    registry = Registry(url)
+    assert verify_bundle(Path(registry.path("releases", "tiny-gpt2", "0.1.0"))) == []
+    assert [p.name for p in Path(registry.path("releases", "tiny-gpt2")).iterdir()] != []
+    leftovers = [p.name for p in Path(registry.path("releases", "tiny-gpt2")).iterdir()]
+    assert sorted(leftovers) == ["0.1.0", "0.1.0.json"]
+
+
+def test_attack_5_an_interrupted_publish_is_finished_or_removed_saying_which(
+    built_gpt2: Workspace, registry: Registry, tmp_path: Path
+) -> None:
+    source = built_gpt2.out("tiny-gpt2", "bundle")
+    # Crash after the bundle landed, before its record: intact, so it is finished.
+    registry.fs.put(
+        str(source) + "/", registry.path("releases", "tiny-gpt2", "1.0.0"), recursive=True
+    )
+    # Crash mid-copy: a file is missing, so it is removed.
+    broken = writable_copy(source, tmp_path / "broken")
+    (broken / "MODEL_CARD.md").unlink()
+    registry.fs.put(
+        str(broken) + "/", registry.path("releases", "tiny-gpt2", "1.1.0"), recursive=True
+    )
+    registry.fs.makedirs(registry.path("releases", "tiny-gpt2", ".staging-2.0.0-dead"))
+    registry.fs.pipe_file(registry.path("releases", "tiny-gpt2", ".staging-2.0.0-dead", "x"), b"x")
+    actions = registry.check()
+    assert "finished tiny-gpt2@1.0.0: interrupted publish verified, record written" in actions
+    assert any(
+        a.startswith("removed tiny-gpt2@1.1.0: interrupted publish that does not verify")
+        and "MODEL_CARD.md: missing" in a
+        for a in actions
+    ), actions
+    assert "removed tiny-gpt2/.staging-2.0.0-dead: leftover of an interrupted publish" in actions
+    assert (
+        registry.record("tiny-gpt2", "1.0.0")["digest"]
+        == json.loads((source / "manifest.json").read_text())["subject"][0]["digest"]["sha256"]
+    )
+    assert registry.check() == []
+    # 1.1.0 can now be published for real, and 1.0.0 promoted
+    assert not registry.publish(source, "tiny-gpt2", "1.1.0").get("already")
+    assert registry.promote("tiny-gpt2", "1.0.0", "staging", "recovered")["to"] == "tiny-gpt2@1.0.0"
+
+
+# --------------------------------------------------------------------------- attack 6
+def test_attack_6_a_torn_history_line_is_reported_never_blocking(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    url = str(tmp_path / "registry")
+    registry = Registry(url)
+    for version in ("1.0.0", "1.1.0"):
+        registry.publish(built_gpt2.out("tiny-gpt2", "bundle"), "tiny-gpt2", version)
+    registry.promote("tiny-gpt2", "1.0.0", "production", "first")
+    with open(registry.path("history.jsonl"), "ab") as fh:
+        fh.write(b'{"seq": 2, "at": "2026-')  # a crash mid-append
+    registry.promote("tiny-gpt2", "1.1.0", "production", "second")
+    assert [e["seq"] for e in registry.history()] == [1, 2]
+    assert registry.warnings and "history.jsonl line 2 is torn" in registry.warnings[0]
+    assert registry.rollback("tiny-gpt2", "production", "back")["to"] == "tiny-gpt2@1.0.0"
+    done = cli("history", "--registry", url)
+    assert done.returncode == 0 and "rollback" in done.stdout
+    assert "warning: history.jsonl line 2 is torn" in done.stderr
+
+
+def test_attack_6_object_store_history_appends_one_object_per_entry(
+    built_gpt2: Workspace, s3_server: str
+) -> None:
+    registry = Registry(f"s3://history-{next(_buckets)}/reg")
+    registry.publish(built_gpt2.out("tiny-gpt2", "bundle"), "tiny-gpt2", "1.0.0")
+    registry.promote("tiny-gpt2", "1.0.0", "production", "first")
+    first = registry.fs.info(registry.path("history", f"{1:010d}.json"))
+    registry.promote("tiny-gpt2", "1.0.0", "staging", "second")
+    objects = sorted(registry.fs.ls(registry.path("history"), detail=False))
+    assert [o.rsplit("/", 1)[1] for o in objects] == [f"{1:010d}.json", f"{2:010d}.json"]
+    assert registry.fs.info(registry.path("history", f"{1:010d}.json"))["ETag"] == first["ETag"]
+    registry.fs.pipe_file(registry.path("history", f"{3:010d}.json"), b'{"seq": 3, "at')
+    assert [e["seq"] for e in registry.history()] == [1, 2]
+    assert "history/0000000003.json is torn" in registry.warnings[0]
+
+
+def test_remote_lock_is_owner_stamped_and_a_stale_one_expires(
+    s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pipelines.registry as reg
+
+    registry = Registry(f"s3://lock-{next(_buckets)}/reg")
+    stale = {"owner": "ghost", "host": "gone", "token": "t", "taken": 0, "expires": 1}
+    registry.fs.pipe_file(registry.path(".lock"), json.dumps(stale).encode())
+    with registry.lock():
+        held = json.loads(registry.fs.cat_file(registry.path(".lock")))
+        assert held["owner"] != "ghost" and held["expires"] > time.time()
+    assert "broke a stale registry lock held by ghost@gone" in registry.warnings[0]
+    assert not registry.fs.exists(registry.path(".lock"))
+    live = {**stale, "expires": time.time() + 600}
+    registry.fs.pipe_file(registry.path(".lock"), json.dumps(live).encode())
+    monkeypatch.setattr(reg, "LOCK_TIMEOUT_S", 0.5)
+    with pytest.raises(RegistryError, match="held for over 0 s by .*ghost"), registry.lock():
+        pass
+
+
+# --------------------------------------------------------------------------- attack 7
+def test_attack_7_publish_hashes_what_it_copied_not_what_it_checked(
+    built_gpt2: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pipelines.registry as reg
+
+    real_copytree = shutil.copytree
+
+    def copy_then_tamper(src, dst, *args, **kwargs):  # the file changes while it is copied
+        out = real_copytree(src, dst, *args, **kwargs)
+        if not Path(dst).name.startswith(".staging-"):
+            return out
+        path = Path(dst) / ONNX
+        path.chmod(0o644)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+        return out
+
+    monkeypatch.setattr(reg.shutil, "copytree", copy_then_tamper)
+    registry = Registry(str(tmp_path / "registry"))
+    with pytest.raises(RegistryError, match=f"copied bundle (?s:.*){ONNX}: changed"):
+        registry.publish(built_gpt2.out("tiny-gpt2", "bundle"), "tiny-gpt2", "0.1.0")
+    assert registry.record("tiny-gpt2", "0.1.0") is None
+    assert list(Path(registry.path("releases", "tiny-gpt2")).iterdir()) == []
+
+
+# --------------------------------------------------------------------------- attack 8
+def test_attack_8_a_symlinked_manifest_or_file_is_refused(bundle: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.json"
+    shutil.move(bundle / "manifest.json", outside)
+    (bundle / "manifest.json").symlink_to(outside)
+    [problem] = verify_bundle(bundle)
+    assert problem.startswith("manifest.json: not a valid OMS manifest (manifest.json is a symlink")
+    (bundle / "manifest.json").unlink()
+    shutil.move(outside, bundle / "manifest.json")
+    card = bundle / "MODEL_CARD.md"
+    shutil.move(card, tmp_path / "card.md")
+    card.symlink_to(tmp_path / "card.md")
+    assert verify_bundle(bundle) == [
+        "MODEL_CARD.md: is a symlink; bundles hold plain files only",
+        "MODEL_CARD.md: missing (listed in the manifest)",
+    ]
+
+
+# --------------------------------------------------------------------------- signatures
+def test_a_channel_requiring_a_signature_refuses_unsigned_and_wrongly_signed_bundles(
+    built_gpt2: Workspace, registry: Registry, tmp_path: Path
+) -> None:
+    team_key, team_pub = keypair(tmp_path, "team")
+    rogue_key, _ = keypair(tmp_path, "rogue")
+    registry.require_signature("production", [team_pub])
+    source = built_gpt2.out("tiny-gpt2", "bundle")
+    registry.publish(source, "tiny-gpt2", "1.0.0")
+    with pytest.raises(
+        RegistryError, match="requires a signature by a trusted key; tiny-gpt2@1.0.0 is not signed "
+    ):
+        registry.promote("tiny-gpt2", "1.0.0", "production", "unsigned")
+    assert registry.promote("tiny-gpt2", "1.0.0", "staging", "no policy there")["to"]
+    rogue = writable_copy(source, tmp_path / "rogue")
+    sign(rogue, private_key=rogue_key)
+    registry.publish(rogue, "tiny-gpt2", "1.1.0")
+    with pytest.raises(RegistryError, match="is not signed by one .*signature does not verify"):
+        registry.promote("tiny-gpt2", "1.1.0", "production", "rogue key")
+    good = writable_copy(source, tmp_path / "good")
+    sign(good, private_key=team_key)
+    registry.publish(good, "tiny-gpt2", "1.2.0")
+    assert registry.promote("tiny-gpt2", "1.2.0", "production", "signed")["to"] == "tiny-gpt2@1.2.0"
+    assert [e["to"] for e in registry.history()] == ["tiny-gpt2@1.0.0", "tiny-gpt2@1.2.0"]
+
+
+def test_s3_registry_publish_promote_rollback_status_through_the_cli(
+    built_gpt2: Workspace, s3_server: str
+) -> None:
+    url = f"s3://cli-{next(_buckets)}/registry"
+    env = {"SHIPYARD_REGISTRY": url, "SHIPYARD_ROOT": str(built_gpt2.root)}
+    spec = built_gpt2.root / "releases" / "tiny-gpt2.yaml"
+    assert spec.is_file()
+    done = cli("publish", "tiny-gpt2", env=env, cwd=built_gpt2.root)
+    assert done.returncode == 0, done.stderr
+    registry = Registry(url)
+    registry.publish(built_gpt2.out("tiny-gpt2", "bundle"), "tiny-gpt2", "0.2.0")
+    for version in ("0.1.0", "0.2.0"):
+        done = cli(
+            "promote", f"tiny-gpt2@{version}", "--to", "production", env=env, cwd=built_gpt2.root
+        )
+        assert done.returncode == 0, done.stderr
+    done = cli("rollback", "production", "--reason", "p99", env=env, cwd=built_gpt2.root)
+    assert done.returncode == 0 and "tiny-gpt2@0.2.0 -> tiny-gpt2@0.1.0" in done.stdout
+    assert "tiny-gpt2        production 0.1.0" in cli("status", env=env).stdout
+    history = cli("history", env=env).stdout
+    assert history.count("promote") == 2 and "rollback" in history
