@@ -35,6 +35,7 @@ test: lint
 
 bench: release
 	$(BIN)/python benchmarks/bench_hashing.py
+	$(BIN)/python benchmarks/bench_promote_verify.py
 	$(BIN)/python benchmarks/bench_noop_repro.py
 	$(BIN)/python benchmarks/bench_quantize.py
 	$(BIN)/python benchmarks/bench_loadclient.py

@@ -67,7 +67,7 @@ def release(**serving: object) -> object:
     from schemas.release import ServingConfig
 
     return SimpleNamespace(
-        task="causal-lm", bundle=SimpleNamespace(serving=ServingConfig(**serving))
+        name="r", task="causal-lm", bundle=SimpleNamespace(serving=ServingConfig(**serving))
     )
 
 

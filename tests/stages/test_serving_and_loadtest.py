@@ -191,8 +191,9 @@ def test_a_server_that_cannot_start_fails_clearly_and_leaves_no_process(
     built_gpt2: Workspace, tmp_path: Path
 ) -> None:
     tree = _tree(built_gpt2, tmp_path / "tree")
-    (tree / "model" / "model.onnx").unlink()
-    (tree / "model" / "model.onnx").write_bytes(b"not an onnx file")
+    model = tree / "serving" / "triton" / "tiny-gpt2" / "1" / "model.onnx"
+    model.unlink()
+    model.write_bytes(b"not an onnx file")
     before = {p.pid for p in psutil.process_iter()}
     server = LocalServer(tree, "tiny-gpt2", tmp_path / "server.log", startup=60)
     with pytest.raises(StageError, match="could not load the model|exited with code") as exc:
