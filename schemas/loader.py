@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from schemas.errors import SpecError
 from schemas.release import ReleaseSpec
@@ -22,6 +24,14 @@ QUANT_METHODS = ("none", "int8-dynamic", "int8-static", "int4-weight-only")
 _DOTTED = re.compile(r"[a-z_]+(?:\.[a-z_]+|\[\d+\])+")
 
 
+MAX_SPEC_BYTES = 256 * 1024
+# Nodes the document may expand to through aliases (a "billion laughs" spec expands to
+# billions); a real spec has a few hundred.
+MAX_EXPANDED_NODES = 20_000
+EXCERPT = 80
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufeff\ufffe\uffff]")
+
+
 def load_release(path: str | Path, shown: str | None = None) -> ReleaseSpec:
     """Parse and validate one release spec; raise SpecError listing every problem.
 
@@ -29,22 +39,9 @@ def load_release(path: str | Path, shown: str | None = None) -> ReleaseSpec:
     """
     path = Path(path)
     shown = shown or str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(shown, [f"{shown}: file not found"]) from None
-    except OSError as exc:
-        raise SpecError(shown, [f"{shown}: cannot read: {exc.strerror}"]) from None
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark else 1
-        raise SpecError(shown, [f"{shown}:{line}: not valid YAML: {exc}"]) from None
-    if not isinstance(root, yaml.MappingNode):
-        raise SpecError(shown, [f"{shown}:1: a release spec is a mapping of sections"])
+    root = _compose(path, shown)
     problems = [f"{shown}:{line}: {msg}" for line, msg in _duplicate_keys(root)]
-    data = yaml.safe_load(text)
+    data = _construct(root, shown)
     try:
         spec = ReleaseSpec.model_validate(data)
     except ValidationError as exc:
@@ -55,13 +52,196 @@ def load_release(path: str | Path, shown: str | None = None) -> ReleaseSpec:
             f"{shown}:{_line_of(root, ('name',))}: name: {spec.name!r} must equal the file "
             f"name {path.stem!r}; rename the file or the release"
         )
+    problems += [
+        f"{shown}:{_line_of(root, loc)}: {_field(loc)}: {msg}"
+        for loc, msg in _paths_outside(spec, repo_of(path))
+    ]
     if problems:
         raise SpecError(shown, problems)
     return spec
 
 
+def repo_of(spec_path: Path) -> Path:
+    """The repository a spec belongs to: $SHIPYARD_ROOT, else the folder above releases/."""
+    env = os.environ.get("SHIPYARD_ROOT")
+    if env:
+        return Path(env).resolve()
+    folder = spec_path.resolve().parent
+    return folder.parent if folder.name == "releases" else Path.cwd().resolve()
+
+
+def _compose(path: Path, shown: str) -> yaml.Node:
+    """Read (capped), decode, screen and compose the YAML once, with LibYAML when present."""
+    try:
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_SPEC_BYTES + 1)
+    except FileNotFoundError:
+        raise SpecError(shown, [f"{shown}: file not found"]) from None
+    except OSError as exc:
+        raise SpecError(shown, [f"{shown}: cannot read: {exc.strerror}"]) from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(
+            shown,
+            [
+                f"{shown}:1: the file is over {MAX_SPEC_BYTES // 1024} KiB; a release spec is a "
+                "few kilobytes (keep data in data files the spec points at)"
+            ],
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise SpecError(
+            shown,
+            [
+                f"{shown}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at line {line}); "
+                "save the file as UTF-8"
+            ],
+        ) from None
+    bad = _CONTROL.search(text)
+    if bad:
+        line = text.count("\n", 0, bad.start()) + 1
+        column = bad.start() - (text.rfind("\n", 0, bad.start()) + 1) + 1
+        raise SpecError(
+            shown,
+            [
+                f"{shown}:{line}: control character U+{ord(bad.group()):04X} at column "
+                f"{column}; remove it (only tabs and newlines are allowed)"
+            ],
+        )
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+    except yaml.YAMLError as exc:
+        raise SpecError(shown, [_yaml_problem(shown, exc)]) from None
+    finally:
+        loader.dispose()
+    if not isinstance(root, yaml.MappingNode):
+        raise SpecError(shown, [f"{shown}:1: a release spec is a mapping of sections"])
+    size = _expanded_size(root, shown)
+    if size > MAX_EXPANDED_NODES:
+        raise SpecError(
+            shown,
+            [
+                f"{shown}:1: the document expands to over {MAX_EXPANDED_NODES} nodes through "
+                "anchors and aliases; write the values out (a release spec needs no such reuse)"
+            ],
+        )
+    return root
+
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _construct(root: yaml.Node, shown: str) -> Any:
+    """Python data from the composed tree: safe tags only, no second parse."""
+    constructor = yaml.SafeLoader("")
+    try:
+        return constructor.construct_document(root)
+    except yaml.YAMLError as exc:
+        raise SpecError(shown, [_yaml_problem(shown, exc)]) from None
+    finally:
+        constructor.dispose()
+
+
+def _yaml_problem(shown: str, exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    line = mark.line + 1 if mark else 1
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    problem = _excerpt(str(problem))
+    if "could not determine a constructor for the tag" in problem:
+        problem += "; tags (`!!python/...`, custom `!tags`) are not allowed in a release spec"
+    return f"{shown}:{line}: not valid YAML: {problem}"
+
+
+def _expanded_size(root: yaml.Node, shown: str) -> int:
+    """Nodes the tree has with every alias expanded, counted without expanding (memoized
+    per node), stopping at the cap; a node that contains itself is refused."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            line = node.start_mark.line + 1
+            raise SpecError(shown, [f"{shown}:{line}: an alias refers to a node containing it"])
+        active.add(key)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                total += size(k) + size(v)
+                if total > MAX_EXPANDED_NODES:
+                    break
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                total += size(item)
+                if total > MAX_EXPANDED_NODES:
+                    break
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+def _excerpt(text: str) -> str:
+    return text if len(text) <= EXCERPT else text[: EXCERPT - 1] + "…"
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def _paths_outside(spec: BaseModel, repo: Path) -> list[tuple[tuple[Any, ...], str]]:
+    """Every repo path of the spec, resolved with symlinks followed, must stay inside."""
+    found = []
+    for loc, value in _repo_paths(spec, ()):
+        resolved = (repo / value).resolve()
+        if resolved != repo and repo not in resolved.parents:
+            found.append(
+                (
+                    loc,
+                    f"{_excerpt(value)!r} resolves to {resolved}, outside the repository "
+                    f"{repo} (a symlink?); keep data and models inside the repository",
+                )
+            )
+    return found
+
+
+def _is_repo_path(info: FieldInfo) -> bool:
+    """A field typed `RepoPath` (or `RepoPath | None`)."""
+
+    def marked(meta: Any) -> bool:
+        extra = getattr(meta, "json_schema_extra", None)
+        return isinstance(extra, dict) and bool(extra.get("x-repo-path"))
+
+    if any(marked(m) for m in [info, *info.metadata]):
+        return True
+    return any(
+        marked(m) for arg in get_args(info.annotation) for m in getattr(arg, "__metadata__", ())
+    )
+
+
+def _repo_paths(model: BaseModel, loc: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], str]]:
+    out: list[tuple[tuple[Any, ...], str]] = []
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        if _is_repo_path(info) and isinstance(value, str):
+            out.append(((*loc, name), value))
+        elif isinstance(value, BaseModel):
+            out += _repo_paths(value, (*loc, name))
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    out += _repo_paths(item, (*loc, name, i))
+    return out
+
+
 def _describe(shown: str, root: yaml.Node, err: Any) -> str:
-    loc = tuple(p for p in err["loc"] if not _is_union_tag(p))
+    raw = err["loc"]
+    loc = tuple(p for i, p in enumerate(raw) if not _is_union_tag(p, raw[i - 1] if i else None))
     message = err["msg"].removeprefix("Value error, ")
     if not loc:
         loc = _path_in_message(message)
@@ -75,13 +255,27 @@ def _describe(shown: str, root: yaml.Node, err: Any) -> str:
         message = f"required section is missing; write `{loc[0]}: {default}` for the defaults"
     elif err["type"] == "missing":
         message = "required field is missing"
+    elif err["type"] == "string_type" and isinstance(err.get("input"), int | float):
+        message += f" (found the number {err['input']!r}); quote it, e.g. \"{err['input']}\""
     elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
-        message += f" (found {err['input']!r})"
+        message += f" (found {_excerpt(repr(err['input']))})"
+    message = _excerpt_long(message)
     return f"{shown}:{_line_of(root, loc)}: {field}: {message}"
 
 
-def _is_union_tag(part: Any) -> bool:
-    return part in ("hf", "python", *QUANT_METHODS) or (isinstance(part, str) and "[" in part)
+def _excerpt_long(message: str) -> str:
+    """Messages quote the input: never more than a short excerpt of it."""
+    return message if len(message) <= 400 else message[:399] + "…"
+
+
+def _is_union_tag(part: Any, parent: Any) -> bool:
+    """pydantic puts the chosen member of a discriminated union (and validator wrappers)
+    into error locations; they are not fields of the spec."""
+    if parent == "model" and part in ("hf", "python"):
+        return True
+    if parent == "quantization" and part in QUANT_METHODS:
+        return True
+    return isinstance(part, str) and "[" in part
 
 
 def _path_in_message(message: str) -> tuple[Any, ...]:

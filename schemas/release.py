@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import posixpath
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]*$"
@@ -27,14 +30,117 @@ TASK_DIMS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Every string of a spec is capped (a megabyte of free text is a mistake or an attack);
+# longer prose fields say so with their own max_length.
+MAX_STR = 1024
+MAX_PROSE = 8192
+# PEP 508 distribution names.
+PACKAGE_NAME = r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$"
+# Execution providers onnxruntime knows (any build); a typo here would only fail at serving.
+ORT_PROVIDERS = (
+    "CPUExecutionProvider",
+    "CUDAExecutionProvider",
+    "TensorrtExecutionProvider",
+    "NvTensorRTRTXExecutionProvider",
+    "ROCMExecutionProvider",
+    "MIGraphXExecutionProvider",
+    "OpenVINOExecutionProvider",
+    "DnnlExecutionProvider",
+    "DmlExecutionProvider",
+    "CoreMLExecutionProvider",
+    "QNNExecutionProvider",
+    "SNPEExecutionProvider",
+    "NnapiExecutionProvider",
+    "XnnpackExecutionProvider",
+    "ACLExecutionProvider",
+    "ArmNNExecutionProvider",
+    "CANNExecutionProvider",
+    "VitisAIExecutionProvider",
+    "WebGpuExecutionProvider",
+    "JsExecutionProvider",
+    "AzureExecutionProvider",
+    "RknpuExecutionProvider",
+    "TvmExecutionProvider",
+)
+# The MLServer config derives its gRPC and metrics ports from `port` (+1, +2).
+DERIVED_PORTS = {"grpc": 1, "metrics": 2}
+
+
+def _repo_relative(value: str) -> str:
+    """Syntactic half of the path rule (the loader resolves symlinks against the repo)."""
+    if "\0" in value or "\\" in value:
+        raise ValueError(f"{value[:80]!r}: NUL bytes and backslashes are not allowed in paths")
+    if value.startswith(("/", "~")) or re.match(r"^[A-Za-z]:", value):
+        raise ValueError(f"{value[:80]!r} is absolute; give a path relative to the repo root")
+    normal = posixpath.normpath(value)
+    if normal == "." or normal == ".." or normal.startswith("../"):
+        raise ValueError(
+            f"{value[:80]!r} {'is the repo root itself' if normal == '.' else 'leaves the repo'}; "
+            "give a path inside the repository (e.g. models/<name>)"
+        )
+    return value
+
+
+# A path in the repository: relative, and (checked by the loader) resolving inside it.
+RepoPath = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_STR, json_schema_extra={"x-repo-path": True}),
+    AfterValidator(_repo_relative),
+]
+
+
+def _specifier(value: str) -> str:
+    try:
+        SpecifierSet(value)
+    except InvalidSpecifier:
+        raise ValueError(
+            f"{value[:80]!r} is not a PEP 440 version specifier; write e.g. `==2.13.0` or "
+            "`>=3.11,<3.12`"
+        ) from None
+    if not value.strip():
+        raise ValueError("an empty specifier pins nothing; write e.g. `==2.13.0`")
+    return value
+
+
+Specifier = Annotated[str, Field(max_length=256), AfterValidator(_specifier)]
+PackageName = Annotated[str, Field(pattern=PACKAGE_NAME, max_length=128)]
+
+
+def _inside_model_folder(value: str) -> str:
+    _repo_relative(value)
+    return value
+
+
+CheckpointName = Annotated[str, Field(max_length=MAX_STR), AfterValidator(_inside_model_folder)]
+
+
+def _semver(value: str) -> str:
+    if not re.fullmatch(SEMVER_PATTERN, value):
+        shown = value if len(value) <= 40 else value[:39] + "…"
+        raise ValueError(
+            f"{shown!r} is not a Semantic Versioning 2.0 version; write MAJOR.MINOR.PATCH, "
+            "e.g. 1.0.0 or 1.1.0-rc.1 (it names the registry folder, so nothing else)"
+        )
+    return value
+
+
+def _positive_bytes(value: ByteSize) -> ByteSize:
+    if value <= 0:
+        raise ValueError(f"must be more than 0 bytes (found {int(value)}); write e.g. `24GiB`")
+    return value
+
+
+PositiveBytes = Annotated[ByteSize, AfterValidator(_positive_bytes)]
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=MAX_STR)
 
 
 # ----------------------------------------------------------------------------- model
 class HfModel(Strict):
     kind: Literal["hf"] = Field(description="A local Hugging Face folder.")
-    path: str = Field(
+    path: RepoPath = Field(
         description="Folder with config.json and *.safetensors, relative to the repo root."
     )
 
@@ -45,10 +151,10 @@ class PythonModel(Strict):
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
         description="`module:factory`; the factory takes no arguments and returns an nn.Module.",
     )
-    source: str = Field(
+    source: RepoPath = Field(
         description="File or folder holding the module, put on sys.path (a DVC dependency)."
     )
-    weights: str | None = Field(
+    weights: RepoPath | None = Field(
         default=None, description="Optional safetensors state dict loaded into the module."
     )
 
@@ -58,12 +164,12 @@ ModelSource = Annotated[HfModel | PythonModel, Field(discriminator="kind")]
 
 # ----------------------------------------------------------------------------- pins
 class PinsConfig(Strict):
-    python: str | None = Field(default=None, description="PEP 440 specifier for Python.")
-    packages: dict[str, str] = Field(
+    python: Specifier | None = Field(default=None, description="PEP 440 specifier for Python.")
+    packages: dict[PackageName, Specifier] = Field(
         default_factory=dict,
         description="Package name -> PEP 440 specifier, e.g. `torch: ==2.13.0`.",
     )
-    checkpoints: dict[str, Annotated[str, Field(pattern=SHA256_PATTERN)]] = Field(
+    checkpoints: dict[CheckpointName, Annotated[str, Field(pattern=SHA256_PATTERN)]] = Field(
         default_factory=dict,
         description="Checkpoint file (relative to the model folder) -> expected sha256. "
         "When given, every weight file must be listed.",
@@ -161,11 +267,11 @@ class ParityConfig(Strict):
 
 # ----------------------------------------------------------------------------- quantization
 class CalibrationData(Strict):
-    path: str = Field(
+    path: RepoPath = Field(
         description="JSONL of texts (with `tokenizer`) or NPZ of input tensors (first axis = "
         "sample), relative to the repo root. Never replaced by random data."
     )
-    tokenizer: str | None = Field(
+    tokenizer: RepoPath | None = Field(
         default=None, description="Folder with tokenizer.json; required for JSONL."
     )
     text_field: str = Field(default="text", description="JSONL key holding the text.")
@@ -286,8 +392,12 @@ TASK_METRICS: dict[str, tuple[str, ...]] = {
 
 
 class EvalData(Strict):
-    path: str = Field(description="JSONL of texts (or NPZ of inputs), relative to the repo root.")
-    tokenizer: str | None = Field(default=None, description="Folder with tokenizer.json (JSONL).")
+    path: RepoPath = Field(
+        description="JSONL of texts (or NPZ of inputs), relative to the repo root."
+    )
+    tokenizer: RepoPath | None = Field(
+        default=None, description="Folder with tokenizer.json (JSONL)."
+    )
     text_field: str = Field(default="text", description="JSONL key holding the text.")
     samples: int = Field(default=64, ge=1, description="Samples to evaluate.")
 
@@ -341,7 +451,9 @@ KV_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 class CapacityConfig(Strict):
     """The device the release must fit, for the plan stage's memory budget."""
 
-    device_memory: ByteSize = Field(description="Memory of one device, e.g. `24GiB` or `80GB`.")
+    device_memory: PositiveBytes = Field(
+        description="Memory of one device, e.g. `24GiB` or `80GB`."
+    )
     headroom: float = Field(
         default=0.85, gt=0, le=1, description="Fraction of device memory the plan may use."
     )
@@ -361,7 +473,12 @@ class CapacityConfig(Strict):
 
 # ----------------------------------------------------------------------------- bundle
 class ServingConfig(Strict):
-    port: int = Field(default=8000, ge=1, le=65535, description="Port the server listens on.")
+    port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535 - max(DERIVED_PORTS.values()),
+        description="HTTP port; MLServer's gRPC and metrics ports are port+1 and port+2.",
+    )
     max_batch_size: int | None = Field(
         default=None, ge=1, description="Default: the export's batch max; may not exceed it."
     )
@@ -399,16 +516,30 @@ class OrtSessionConfig(Strict):
     execution_mode: Literal["sequential", "parallel"] = Field(
         default="sequential", description="onnxruntime ExecutionMode."
     )
-    providers: list[str] = Field(
-        default_factory=lambda: ["CPUExecutionProvider"], description="Execution providers."
+    providers: list[Literal[ORT_PROVIDERS]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["CPUExecutionProvider"],
+        min_length=1,
+        description="Execution providers, in order of preference (onnxruntime names).",
     )
+
+    @model_validator(mode="after")
+    def _unique(self) -> OrtSessionConfig:
+        if len(set(self.providers)) != len(self.providers):
+            raise ValueError(f"providers lists one twice ({self.providers}); keep one of each")
+        return self
 
 
 class ModelCard(Strict):
-    description: str = Field(default="", description="What the model does.")
-    license: str = Field(default="unspecified", description="License of the weights.")
-    intended_use: str = Field(default="", description="Who should use it for what.")
-    limitations: str = Field(default="", description="Known limitations.")
+    description: str = Field(
+        default="", max_length=MAX_PROSE, description="What the model does."
+    )
+    license: str = Field(
+        default="unspecified", max_length=128, description="License of the weights (SPDX id)."
+    )
+    intended_use: str = Field(
+        default="", max_length=MAX_PROSE, description="Who should use it for what."
+    )
+    limitations: str = Field(default="", max_length=MAX_PROSE, description="Known limitations.")
 
 
 class BundleConfig(Strict):
@@ -450,9 +581,11 @@ class EngineConfig(Strict):
         min_length=1,
         description="Optimization profiles; one spanning the export's ranges by default.",
     )
-    workspace: ByteSize = Field(default=ByteSize(4 << 30), description="Workspace pool limit.")
+    workspace: PositiveBytes = Field(
+        default=ByteSize(4 << 30), description="Workspace pool limit."
+    )
     optimization_level: int = Field(default=3, ge=0, le=5, description="Builder level 0-5.")
-    timing_cache: str | None = Field(
+    timing_cache: RepoPath | None = Field(
         default=None, description="Timing-cache file reused across builds (repo-relative)."
     )
     hardware_compatibility: Literal["none", "ampere_plus", "same_compute_capability"] = Field(
@@ -557,9 +690,9 @@ class ReleaseSpec(Strict):
 
     schema_version: Literal[1] = Field(description="Spec format version; currently 1.")
     name: str = Field(pattern=NAME_PATTERN, description="Release name; equals the file stem.")
-    version: str = Field(
-        pattern=SEMVER_PATTERN,
+    version: Annotated[str, AfterValidator(_semver)] = Field(
         max_length=128,
+        json_schema_extra={"pattern": SEMVER_PATTERN},
         description="Model version, Semantic Versioning 2.0 (e.g. 1.0.0 or 1.1.0-rc.1).",
     )
     task: Task = Field(description="What the model does; decides inputs, outputs and metrics.")
@@ -603,6 +736,7 @@ class ReleaseSpec(Strict):
         self._check_evaluation()
         self._check_loadtest()
         self._check_engine()
+        self._check_serving()
         for i, shape in enumerate(self.parity.shapes or []):
             bad = {k: v for k, v in shape.items() if k not in self.export.dims}
             if bad:
@@ -669,8 +803,32 @@ class ReleaseSpec(Strict):
                     f"{s.max_batch_size}"
                 )
 
+    def _check_serving(self) -> None:
+        s, dims = self.bundle.serving, self.export.dims
+        batch_max = dims["batch"].max if "batch" in dims else None
+        if s.max_batch_size is not None and batch_max is not None and s.max_batch_size > batch_max:
+            raise ValueError(
+                f"bundle.serving.max_batch_size: {s.max_batch_size} exceeds "
+                f"export.dims.batch.max ({batch_max}); the exported graph is not promised to "
+                "run beyond it: lower max_batch_size or raise the export's batch max"
+            )
+        served = s.max_batch_size or batch_max
+        for size in s.preferred_batch_sizes or []:
+            if served is not None and size > served:
+                raise ValueError(
+                    f"bundle.serving.preferred_batch_sizes: {size} is beyond the served "
+                    f"max_batch_size {served}; each preferred size must be <= it"
+                )
+
     def _check_engine(self) -> None:
         dims = self.export.dims
+        names = [p.name for p in self.engine.profiles]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"engine.profiles names {repeated} more than once; profile names must be "
+                "unique (Triton and the engine report refer to profiles by name)"
+            )
         for i, p in enumerate(self.engine.profiles):
             for name, r in p.dims.items():
                 where = f"engine.profiles[{i}] ({p.name}) dim {name!r}"
