@@ -6,6 +6,8 @@ TensorRT 10/11 engines here are strongly typed: INT8 comes from the Q/DQ nodes i
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -28,13 +30,20 @@ def build_and_check(
     import tensorrt as trt
 
     cfg = release.engine
-    cache = ctx.root / cfg.timing_cache if cfg.timing_cache else ctx.work / "timing.cache"
-    plan, seconds = build(model, profiles, cfg, cache)
+    shared = ctx.root / cfg.timing_cache if cfg.timing_cache else None
+    local = ctx.work / "timing.cache"
+    plan, seconds = build(model, profiles, cfg, shared, local)
+    # Polygraphy guards the cache with a sibling lock file: not an output.
+    local.with_name(local.name + ".lock").unlink(missing_ok=True)
+    if shared is not None and local.is_file():
+        # Written beside the shared cache, then renamed: a reader never sees half a cache.
+        tmp = shared.with_name(f".{shared.name}.{os.getpid()}.tmp")
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(local, tmp)
+        os.replace(tmp, shared)
     capability, gpu = device_facts()
     plan_name = f"model_sm{capability.replace('.', '')}.plan"
     (ctx.work / plan_name).write_bytes(plan)
-    if cache.is_file() and cache != ctx.work / "timing.cache":
-        (ctx.work / "timing.cache").write_bytes(cache.read_bytes())
     tol = cfg.parity or release.parity.tolerance
     parity = engine_parity(plan, model, profiles, info, tol.atol, tol.rtol)
     graphs = []
@@ -63,10 +72,31 @@ def build_and_check(
     return StageResult.passed(summary, details=details)
 
 
+def compatibility_level(trt: Any, name: str) -> Any:
+    """The HardwareCompatibilityLevel for a spec value, looked up only when asked for:
+    SAME_COMPUTE_CAPABILITY first appears in TensorRT 10.9, so reading it eagerly broke
+    every build on 10.0-10.8."""
+    attr = {
+        "none": "NONE",
+        "ampere_plus": "AMPERE_PLUS",
+        "same_compute_capability": "SAME_COMPUTE_CAPABILITY",
+    }[name]
+    level = getattr(trt.HardwareCompatibilityLevel, attr, None)
+    if level is None:
+        raise StageError(
+            "engine",
+            f"engine.hardware_compatibility {name!r} needs a newer TensorRT than "
+            f"{getattr(trt, '__version__', '?')} (no HardwareCompatibilityLevel.{attr})",
+            "upgrade TensorRT (>= 10.9 for same_compute_capability) or choose another level",
+        )
+    return level
+
+
 def build(
-    model: Path, profiles: list[dict[str, Any]], cfg: Any, cache: Path
+    model: Path, profiles: list[dict[str, Any]], cfg: Any, shared: Path | None, cache: Path
 ) -> tuple[bytes, float]:
-    """Parse strongly typed, add the profiles, build; the timing cache is read and rewritten."""
+    """Parse strongly typed, add the profiles, build; the timing cache is read from the
+    shared one (when given) and written to `cache` in the stage's own folder."""
     import tensorrt as trt
     from polygraphy.backend.trt import (
         CreateConfig,
@@ -81,20 +111,14 @@ def build(
         for name, s in p["shapes"].items():
             prof.add(name, min=s["min"], opt=s["opt"], max=s["max"])
         trt_profiles.append(prof)
-    levels = {
-        "none": trt.HardwareCompatibilityLevel.NONE,
-        "ampere_plus": trt.HardwareCompatibilityLevel.AMPERE_PLUS,
-        "same_compute_capability": trt.HardwareCompatibilityLevel.SAME_COMPUTE_CAPABILITY,
-    }
     config = CreateConfig(
         profiles=trt_profiles,
         memory_pool_limits={trt.MemoryPoolType.WORKSPACE: int(cfg.workspace)},
         builder_optimization_level=cfg.optimization_level,
-        hardware_compatibility_level=levels[cfg.hardware_compatibility],
+        hardware_compatibility_level=compatibility_level(trt, cfg.hardware_compatibility),
         version_compatible=cfg.version_compatible,
-        load_timing_cache=str(cache) if cache.is_file() else None,
+        load_timing_cache=str(shared) if shared is not None and shared.is_file() else None,
     )
-    cache.parent.mkdir(parents=True, exist_ok=True)
     network = NetworkFromOnnxPath(str(model), strongly_typed=True)
     start = time.monotonic()
     try:
