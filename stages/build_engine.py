@@ -37,6 +37,7 @@ def io(release: ReleaseSpec) -> StageIO:
             "stages/_cuda_graphs.py",
             "stages/_model.py",
             "stages/render_serving.py",
+            "stages/_escape.py",
             "stages/templates",
         ),
     )

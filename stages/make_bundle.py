@@ -34,6 +34,7 @@ def io(release: ReleaseSpec) -> StageIO:
             "stages/_oms.py",
             "schemas/manifest.py",
             "stages/render_serving.py",
+            "stages/_escape.py",
             "stages/templates/MODEL_CARD.md.j2",
         ),
     )

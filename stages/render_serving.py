@@ -19,6 +19,7 @@ import yaml
 
 from schemas import ReleaseSpec, StageError
 from schemas.manifest import MODEL_DIR
+from stages._escape import FILTERS
 from stages._model import axis_size
 from stages._runtime import StageContext, StageIO, StageResult
 
@@ -57,6 +58,7 @@ def io(release: ReleaseSpec) -> StageIO:
             "stages/_mlserver_runtime.py",
             "stages/_model.py",
             "schemas/manifest.py",
+            "stages/_escape.py",
         ),
     )
 
@@ -191,6 +193,7 @@ def render(
         trim_blocks=trim,
         autoescape=False,
     )
+    env.filters.update(FILTERS)  # every value goes through its format's escaping
     paths = []
     for out, template in outputs.items():
         try:
@@ -215,7 +218,11 @@ def parse_back(path: Path, info: dict[str, Any], values: dict[str, Any]) -> None
         if path.suffix == ".json":
             json.loads(text)
         elif path.suffix == ".yaml":
-            yaml.safe_load(text)
+            data = yaml.safe_load(text)
+            wrong = {k: v for k, v in data.items() if k in values and values[k] != v}
+            extra = set(data) - set(values) - {"ort_session_config"}
+            if wrong or extra:
+                raise ValueError(f"values do not read back as rendered: {wrong or extra}")
         elif path.suffix == ".pbtxt":
             check_triton(parse_triton(text), info, values)
     except (ValueError, yaml.YAMLError) as exc:

@@ -1,0 +1,85 @@
+"""Escaping for every format Shipyard renders: a value can never add a key, a line or a
+heading to a config, whatever it contains. Registered as Jinja filters by the renderer;
+tests/stages/test_escaping.py renders every template with hostile values and parses back."""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from typing import Any
+
+import yaml
+
+# Characters YAML treats as line breaks or refuses; they must be escaped inside quotes.
+_YAML_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff\ud800-\udfff\"\\\\]")
+_MD_PUNCT = set(string.punctuation)
+
+
+def pbtxt(value: Any) -> str:
+    """A protobuf text-format string literal: printable ASCII as is, every other byte of
+    the UTF-8 encoding as an octal escape (text_format's CUnescape reads them back)."""
+    out = ['"']
+    for byte in str(value).encode("utf-8", errors="surrogatepass"):
+        ch = chr(byte)
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif 0x20 <= byte < 0x7F:
+            out.append(ch)
+        else:
+            out.append(f"\\{byte:03o}")
+    out.append('"')
+    return "".join(out)
+
+
+def yaml_scalar(value: Any) -> str:
+    """A YAML scalar on one line: plain where YAML reads it back as the same string,
+    double-quoted with escapes otherwise (numbers, booleans, ':' or '#', newlines, ...)."""
+    if not isinstance(value, str):
+        return json.dumps(value)
+    dumped = yaml.safe_dump(value, width=float("inf"), allow_unicode=True)
+    dumped = dumped.removesuffix("\n...\n").removesuffix("\n")
+    if "\n" not in dumped and not dumped.startswith(("'", '"', "|", ">")):
+        try:
+            if yaml.safe_load(dumped) == value:
+                return dumped
+        except yaml.YAMLError:
+            pass
+    return '"' + _YAML_UNSAFE.sub(_yaml_escape, value) + '"'
+
+
+def _yaml_escape(match: re.Match[str]) -> str:
+    ch = match.group()
+    if ch in ('"', "\\"):
+        return "\\" + ch
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def comment(value: Any) -> str:
+    """Text for a `#` comment line (YAML, pbtxt): stays on its line, whatever it holds."""
+    text = json.dumps(str(value), ensure_ascii=True)[1:-1]
+    return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+def markdown(value: Any) -> str:
+    """Markdown inline text: every ASCII punctuation character backslash-escaped (valid in
+    CommonMark), so no heading, list, table, link, HTML or code can start from a value;
+    line breaks stay line breaks inside the paragraph."""
+    lines = str(value).replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    escaped = ["".join("\\" + c if c in _MD_PUNCT else c for c in line.strip()) for line in lines]
+    return "  \n".join(line for line in escaped if line)
+
+
+def markdown_cell(value: Any) -> str:
+    """Markdown for one table cell: escaped, on one line."""
+    return markdown(" ".join(str(value).split()))
+
+
+FILTERS = {
+    "pbtxt": pbtxt,
+    "yaml": yaml_scalar,
+    "comment": comment,
+    "md": markdown,
+    "md_cell": markdown_cell,
+}
