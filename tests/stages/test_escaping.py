@@ -17,8 +17,8 @@ from stages.render_serving import parse_triton, render, rendered, triton_values
 HOSTILE = [
     "plain",
     "new\nline: injected",
-    "0.1.0\ndefault_model_filename: \"evil.onnx\"",
-    'quote " and \' both',
+    '0.1.0\ndefault_model_filename: "evil.onnx"',
+    "quote \" and ' both",
     "back\\slash \\n not a newline",
     "{{ 7 * 7 }} {% if true %}x{% endif %}",
     "{ braces: [1, 2] }",
@@ -46,9 +46,7 @@ def test_pbtxt_strings_round_trip_through_tritons_parser(value: str) -> None:
     text = f"# {comment(value)}\nname: {pbtxt(value)}\nbackend: {pbtxt(value)}\n"
     config = parse_triton(text)
     assert config.name == value and config.backend == value
-    assert sorted(f.name for f, _ in config.ListFields()) == (
-        ["backend", "name"] if value else []
-    )
+    assert sorted(f.name for f, _ in config.ListFields()) == (["backend", "name"] if value else [])
 
 
 @pytest.mark.parametrize("value", HOSTILE, ids=IDS)
@@ -105,8 +103,10 @@ def hostile_context(value: str) -> tuple[dict[str, Any], dict[str, Any], dict[st
     info = {
         "inputs": [{"name": f"in {value}", "dtype": "int64", "axes": ["batch", "sequence"]}],
         "outputs": [{"name": f"out {value}", "dtype": "float32", "axes": ["batch", "sequence"]}],
-        "dims": {"batch": {"min": 1, "opt": 2, "max": 4}, "sequence": {"min": 1, "opt": 4,
-                                                                       "max": 8}},
+        "dims": {
+            "batch": {"min": 1, "opt": 2, "max": 4},
+            "sequence": {"min": 1, "opt": 4, "max": 8},
+        },
     }
     values = {
         "model_path": f"models/{value}",
@@ -152,8 +152,15 @@ def test_every_serving_template_round_trips_hostile_values(tmp_path: Path, value
     serving = yaml.safe_load((tmp_path / "serving.yaml").read_text())
     assert serving["model_path"] == f"models/{value}" and serving["dtype"] == value
     assert set(serving) == {
-        "model_path", "dtype", "port", "max_batch_size", "max_queue_depth",
-        "max_context_length", "kv_cache_budget", "request_timeout_seconds", "streaming",
+        "model_path",
+        "dtype",
+        "port",
+        "max_batch_size",
+        "max_queue_depth",
+        "max_context_length",
+        "kv_cache_budget",
+        "request_timeout_seconds",
+        "streaming",
         "ort_session_config",
     }
     config = parse_triton((tmp_path / "serving/triton/r/config.pbtxt").read_text())
@@ -175,20 +182,32 @@ def test_the_model_card_keeps_its_structure_with_hostile_values(tmp_path: Path, 
         "release": "r",
         "version": value,
         "info": info,
-        "card": {"description": value, "license": value, "intended_use": value,
-                 "limitations": value},
+        "card": {
+            "description": value,
+            "license": value,
+            "intended_use": value,
+            "limitations": value,
+        },
         "quant": {"method": value, "float_nodes": [{"node": value, "why": value}]},
         "content_digest": "0" * 64,
         "stages": {"parity": {"status": value, "summary": value}},
-        "loadtest": {"summary": {"target": value, value or "k": value},
-                     "slo": [{"slo": value, "ok": True, "why": value}]},
+        "loadtest": {
+            "summary": {"target": value, value or "k": value},
+            "slo": [{"slo": value, "ok": True, "why": value}],
+        },
     }
     render(tmp_path, {"MODEL_CARD.md": "MODEL_CARD.md.j2"}, context, trim=False)
     blocks = md_blocks((tmp_path / "MODEL_CARD.md").read_text())
     headings = [text for kind, text in blocks if kind == "heading_open"]
     assert headings == [
-        f"r {' '.join(value.split())}".strip(), "Intended use", "Limitations", "Inputs",
-        "Dynamic dims", "Checks", "Nodes kept in float", "Serving",
+        f"r {' '.join(value.split())}".strip(),
+        "Intended use",
+        "Limitations",
+        "Inputs",
+        "Dynamic dims",
+        "Checks",
+        "Nodes kept in float",
+        "Serving",
     ]
     flat = [line.strip() for line in value.replace("\r", "\n").split("\n") if line.strip()]
     paragraphs = [text for kind, text in blocks if kind == "paragraph_open"]

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from pipelines.gate import gate
-from schemas import StageError
+from schemas import SpecError, StageError
 from schemas.loader import load_release
 from stages import _loadgen as lg
 from stages import render_serving
@@ -69,9 +69,11 @@ def test_preferred_batch_sizes_beyond_the_served_batch_are_refused(
 ) -> None:
     spec = gpt2_spec()
     spec["bundle"] = {"serving": {"preferred_batch_sizes": [2, 4]}}
-    report = built_gpt2.run("serve", spec)
-    assert report.status.value == "failed"
-    assert "preferred_batch_sizes = 4 exceeds the served max_batch_size = 3" in report.reasons[0]
+    with pytest.raises(SpecError) as info:  # known from the spec alone: refused at validate
+        built_gpt2.spec(spec)
+    assert "preferred_batch_sizes: 4 is beyond the served max_batch_size 3" in str(info.value)
+    spec["bundle"] = {"serving": {"preferred_batch_sizes": [2, 3]}}  # at the limit: passes
+    assert built_gpt2.run("serve", spec).status.value == "passed"
     assert built_gpt2.run("serve", gpt2_spec()).status.value == "passed"
 
 

@@ -1,0 +1,59 @@
+"""Batcher scenarios run in their own interpreter (see test_runtime_requests.py); each
+prints its observations as JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from stages._mlserver_runtime import Batcher, QueueFull  # noqa: E402
+
+
+async def stream_holds_instance() -> list[str]:
+    batcher = Batcher(lambda key, feeds: feeds, 1, 0.0, instances=1, max_queue=1)
+    release = asyncio.Event()
+    seen: list[str] = []
+
+    async def stream(name: str) -> None:
+        async with batcher.instance():
+            seen.append(f"{name} runs")
+            await release.wait()
+
+    first = asyncio.ensure_future(stream("first"))
+    await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(stream("second"))  # waits for the only instance
+    await asyncio.sleep(0.01)
+    try:
+        await batcher.submit(("k",), {"x": np.zeros((1, 2))})  # the queue is full
+    except QueueFull as exc:
+        seen.append(str(exc))
+    release.set()
+    await asyncio.gather(first, second)
+    return seen
+
+
+async def failed_merge() -> dict[str, Any]:
+    batcher = Batcher(lambda key, feeds: feeds, 4, 0.05, max_queue=8, timeout=30)
+    key = ("k",)  # a key that (wrongly) lets different widths meet in one batch
+    start = time.monotonic()
+    results = await asyncio.gather(
+        batcher.submit(key, {"x": np.zeros((1, 2))}),
+        batcher.submit(key, {"x": np.zeros((1, 3))}),
+        return_exceptions=True,
+    )
+    return {
+        "seconds": time.monotonic() - start,
+        "errors": [type(r).__name__ for r in results],
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(globals()[sys.argv[1]]())))

@@ -1,0 +1,254 @@
+"""Bad and abusive requests to a served bundle, over HTTP against a real MLServer: every
+malformed request gets a 400 with its reason, a burst beyond the queue gets 503 "queue
+full" (and the server's memory stays flat), a slow request gets 504, streams hold a model
+instance, and generated requests never get a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stages._server import LocalServer, assemble
+from tests.conftest import Workspace
+
+
+def tree_with(ws: Workspace, dest: Path, **extra: Any) -> Path:
+    assemble(
+        dest,
+        sorted(ws.out("tiny-gpt2", "quantize").glob("model.onnx*")),
+        ws.out("tiny-gpt2", "serve"),
+    )
+    path = dest / "serving" / "mlserver" / "tiny-gpt2" / "model-settings.json"
+    data = json.loads(path.read_text())
+    data["parameters"]["extra"].update(extra)
+    path.write_text(json.dumps(data))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def server(built_gpt2: Workspace, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("served")
+    with LocalServer(tree_with(built_gpt2, tmp / "tree"), "tiny-gpt2", tmp / "log", 60) as srv:
+        yield srv.url
+
+
+async def post(url: str, body: Any, path: str = "infer") -> tuple[int, str]:
+    data = body if isinstance(body, bytes | str) else json.dumps(body)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"{url}/v2/models/tiny-gpt2/{path}",
+            data=data,
+            headers={"content-type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=60),
+        ) as resp,
+    ):
+        return resp.status, await resp.text()
+
+
+def ids(data: Any, shape: list[Any], datatype: str = "INT64", **params: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "inputs": [{"name": "input_ids", "shape": shape, "datatype": datatype, "data": data}]
+    }
+    if params:
+        body["parameters"] = params
+    return body
+
+
+BAD = [
+    (
+        "max_new_tokens not an integer",
+        ids([1, 2], [1, 2], max_new_tokens=2.9),
+        "max_new_tokens must be an integer",
+    ),
+    (
+        "max_new_tokens a string",
+        ids([1, 2], [1, 2], max_new_tokens="3"),
+        "max_new_tokens must be an integer",
+    ),
+    (
+        "max_new_tokens a bool",
+        ids([1, 2], [1, 2], max_new_tokens=True),
+        "max_new_tokens must be an integer",
+    ),
+    ("max_new_tokens zero", ids([1, 2], [1, 2], max_new_tokens=0), "at least 1"),
+    ("float ids", ids([1.7, 2.9], [1, 2]), "INT64 needs integers"),
+    ("BYTES ids", ids(["a", "b"], [1, 2], "BYTES"), "must be INT64 (or INT32); got BYTES"),
+    ("FP32 ids", ids([1.0, 2.0], [1, 2], "FP32"), "must be INT64 (or INT32); got FP32"),
+    ("shape/data mismatch", ids([1, 2], [1, 3]), "2 values do not fill shape [1, 3]"),
+    ("empty prompt", ids([], [1, 0]), "send at least one row of one token"),
+    ("zero batch", ids([], [0, 4]), "send at least one row of one token"),
+    ("0-d tensor", ids([5], []), "a 0-d tensor"),
+    ("1-d tensor", ids([5, 6], [2]), "must be [batch, prompt]"),
+    ("negative dim", ids([1], [1, -1]), "non-negative integers"),
+    (
+        "wrong name",
+        {"inputs": [{"name": "ids", "shape": [1, 1], "datatype": "INT64", "data": [1]}]},
+        "exactly one input 'input_ids'",
+    ),
+    (
+        "two inputs",
+        {"inputs": [ids([1], [1, 1])["inputs"][0]] * 2},
+        "exactly one input 'input_ids'",
+    ),
+    ("off vocabulary", ids([1, 512], [1, 2]), "[0, 512)"),
+    ("negative id", ids([-1, 2], [1, 2]), "[0, 512)"),
+    ("batch beyond the served max", ids([1] * 4, [4, 1]), "exceeds the served max_batch_size 3"),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "reason"), BAD, ids=[b[0] for b in BAD])
+def test_each_malformed_request_gets_400_with_its_reason(server, case, body, reason) -> None:
+    status, text = asyncio.run(post(server, body))
+    assert status == 400, (case, status, text)
+    assert reason in text, text
+
+
+def test_the_same_request_at_the_limit_is_served(server: str) -> None:
+    status, text = asyncio.run(post(server, ids([0, 511, 2], [3, 1], max_new_tokens=2)))
+    assert status == 200, text
+    outputs = json.loads(text)["outputs"]
+    assert outputs[0]["shape"] == [3, 2]
+
+
+def test_a_malformed_stream_gets_one_error_event_with_400_and_no_tokens(server: str) -> None:
+    # MLServer commits a stream's HTTP status before the model runs: the refusal is in-band
+    status, text = asyncio.run(post(server, ids([1.5], [1, 1]), "infer_stream"))
+    events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+    assert status == 200 and len(events) == 1, (status, text)
+    assert events[0]["outputs"] == []
+    assert events[0]["parameters"]["status_code"] == 400
+    assert "INT64 needs integers" in events[0]["parameters"]["error"]
+
+
+def test_two_prompts_of_different_lengths_in_one_batch_window_are_both_right(
+    server: str,
+) -> None:
+    async def both() -> list[tuple[int, str]]:
+        return await asyncio.gather(
+            post(server, ids([1, 2, 3], [1, 3], max_new_tokens=3)),
+            post(server, ids([4, 5], [1, 2], max_new_tokens=3)),
+            post(server, ids([1, 2, 3], [1, 3], max_new_tokens=3)),
+        )
+
+    results = asyncio.run(both())
+    assert [s for s, _ in results] == [200, 200, 200], results
+    first, _, third = (json.loads(t)["outputs"][0]["data"] for _, t in results)
+    assert first == third  # merged with its twin, not with the shorter prompt
+
+
+def test_a_burst_beyond_the_queue_is_refused_with_503_and_memory_stays_flat(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    tree = tree_with(built_gpt2, tmp_path / "tree", max_queue_depth=2, instance_count=1)
+    body = ids([1] * 8, [1, 8], max_new_tokens=16)
+
+    async def burst(n: int) -> list[tuple[int, str]]:
+        return await asyncio.gather(*(post(srv.url, body) for _ in range(n)))
+
+    with LocalServer(tree, "tiny-gpt2", tmp_path / "log", 60) as srv:
+        asyncio.run(burst(4))  # warm up allocations
+        before = srv.rss()
+        codes: list[int] = []
+        for _ in range(5):
+            results = asyncio.run(burst(40))
+            codes += [s for s, _ in results]
+            assert all("queue full" in t for s, t in results if s == 503)
+        after = srv.rss()
+    assert set(codes) <= {200, 503}, sorted(set(codes))
+    assert codes.count(503) > 0 and codes.count(200) >= 5
+    assert after - before < 40 * 2**20, (before, after)  # no growth with refused requests
+
+
+def test_a_request_over_its_timeout_gets_504(built_gpt2: Workspace, tmp_path: Path) -> None:
+    tree = tree_with(
+        built_gpt2,
+        tmp_path / "tree",
+        request_timeout_seconds=0.001,
+        instance_count=1,
+        max_queue_depth=64,
+    )
+    body = ids([1] * 60, [3, 20], max_new_tokens=5)
+
+    async def many() -> list[tuple[int, str]]:
+        return await asyncio.gather(*(post(srv.url, body) for _ in range(12)))
+
+    with LocalServer(tree, "tiny-gpt2", tmp_path / "log", 60) as srv:
+        results = asyncio.run(many())
+        ok = asyncio.run(post(srv.url, ids([1], [1, 1])))  # the server is still fine
+    codes = [s for s, _ in results]
+    assert 504 in codes and set(codes) <= {200, 504}, codes
+    assert all("timed out after 0.001 s" in t for s, t in results if s == 504)
+    assert ok[0] in (200, 504)
+
+
+def in_own_process(scenario: str) -> Any:
+    """The runtime imports mlserver, whose protobufs clash with tritonclient's (imported
+    by the serve stage in this process): run the scenario in a fresh interpreter."""
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("batcher_scenarios.py")), scenario],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_streams_hold_a_model_instance_and_count_in_the_queue() -> None:
+    seen = in_own_process("stream_holds_instance")
+    assert seen[0] == "first runs" and "queue full: 1 requests waiting" in seen[1]
+    assert seen[2] == "second runs"
+
+
+def test_a_failed_merge_answers_every_request_of_the_batch_at_once() -> None:
+    result = in_own_process("failed_merge")
+    assert result["seconds"] < 5  # not each client's 30 s timeout
+    assert result["errors"] == ["ValueError", "ValueError"]
+
+
+# --------------------------------------------------------------------------- properties
+_json_scalar = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=4),
+    st.booleans(),
+    st.none(),
+)
+_data = st.recursive(
+    st.lists(_json_scalar, max_size=6), lambda c: st.lists(c, max_size=3), max_leaves=20
+)
+_input = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["input_ids", "x", "", "attention_mask"]),
+        "shape": st.lists(st.integers(-2, 70), max_size=4),
+        "datatype": st.sampled_from(["INT64", "INT32", "FP32", "BYTES", "BOOL", "UINT8", "X"]),
+        "data": _data,
+    }
+)
+_body = st.fixed_dictionaries(
+    {"inputs": st.lists(_input, max_size=3)},
+    optional={
+        "parameters": st.dictionaries(
+            st.sampled_from(["max_new_tokens", "content_type", "x"]), _json_scalar, max_size=2
+        )
+    },
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_body)
+def test_generated_requests_never_get_a_500(server: str, body: dict[str, Any]) -> None:
+    status, text = asyncio.run(post(server, body))
+    assert status < 500 or status in (503, 504), (status, text)
