@@ -53,6 +53,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def cmd_schema(args: argparse.Namespace) -> int:
     from schemas import ReleaseSpec
 
+    if args.rules:
+        from schemas.rules import markdown
+
+        print(markdown(), end="")
+        return 0
     print(json.dumps(ReleaseSpec.model_json_schema(), indent=2))
     return 0
 
@@ -277,9 +282,9 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="write dvc.yaml from releases/*.yaml")
     c.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml is stale")
     c.set_defaults(func=cmd_compile)
-    sub.add_parser("schema", help="print the release spec JSON Schema").set_defaults(
-        func=cmd_schema
-    )
+    sch = sub.add_parser("schema", help="print the release spec JSON Schema")
+    sch.add_argument("--rules", action="store_true", help="the rules as Markdown instead")
+    sch.set_defaults(func=cmd_schema)
     r = sub.add_parser("run-stage", help="run one stage for one release (dvc.yaml's cmd)")
     r.add_argument("stage")
     r.add_argument("--release", required=True, help="path of the release spec")

@@ -187,6 +187,7 @@ class DimRange(Strict):
 
     @model_validator(mode="after")
     def _ordered(self) -> DimRange:
+        """Rule: min <= opt <= max for every dim range."""
         if not self.min <= self.opt <= self.max:
             raise ValueError(
                 f"need min <= opt <= max, found min={self.min}, opt={self.opt}, max={self.max}"
@@ -288,6 +289,8 @@ class CalibrationData(Strict):
 
     @model_validator(mode="after")
     def _enough(self) -> CalibrationData:
+        """Rule: sensitivity_samples <= samples; a .jsonl calibration set needs `tokenizer`; the
+        path ends in .jsonl or .npz."""
         if self.sensitivity_samples > self.samples:
             raise ValueError(
                 f"sensitivity_samples ({self.sensitivity_samples}) cannot exceed samples "
@@ -318,6 +321,7 @@ class AccuracyBudget(Strict):
 
     @model_validator(mode="after")
     def _some(self) -> AccuracyBudget:
+        """Rule: An accuracy budget gives at least one bound."""
         if all(v is None for v in self.model_dump().values()):
             raise ValueError("give at least one bound, e.g. `top1_agreement_min: 0.99`")
         return self
@@ -365,6 +369,7 @@ class Int4WeightOnly(QuantizedBase):
 
     @model_validator(mode="after")
     def _power_of_two(self) -> Int4WeightOnly:
+        """Rule: int4 block_size is a power of 2."""
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size {self.block_size} must be a power of 2 (16, 32, 64…)")
         return self
@@ -431,6 +436,7 @@ class MetricThreshold(Strict):
 
     @model_validator(mode="after")
     def _something(self) -> MetricThreshold:
+        """Rule: A threshold gives threshold, min_absolute_change or min_relative_change."""
         if (self.threshold, self.min_absolute_change, self.min_relative_change) == (None,) * 3:
             raise ValueError("give threshold, min_absolute_change or min_relative_change")
         return self
@@ -524,6 +530,7 @@ class OrtSessionConfig(Strict):
 
     @model_validator(mode="after")
     def _unique(self) -> OrtSessionConfig:
+        """Rule: ONNX Runtime providers are listed once each."""
         if len(set(self.providers)) != len(self.providers):
             raise ValueError(f"providers lists one twice ({self.providers}); keep one of each")
         return self
@@ -711,6 +718,9 @@ class ReleaseSpec(Strict):
 
     @model_validator(mode="after")
     def _task_needs(self) -> ReleaseSpec:
+        """Rule: The task's dims are in export.dims (causal-lm: batch, sequence, past_sequence);
+        generic and python models declare export.inputs; every shape names declared dims;
+        parity.shapes lie inside export.dims."""
         missing = [d for d in TASK_DIMS[self.task] if d not in self.export.dims]
         if missing:
             raise ValueError(
@@ -754,6 +764,8 @@ class ReleaseSpec(Strict):
         return self
 
     def _check_quantization(self) -> None:
+        """Rule: perplexity_increase_max only for causal-lm; calibration.max_length <=
+        export.dims.sequence.max."""
         q = self.quantization
         if q.method == "none":
             return
@@ -770,6 +782,8 @@ class ReleaseSpec(Strict):
             )
 
     def _check_evaluation(self) -> None:
+        """Rule: Thresholds name metrics the task computes; causal-lm decode prompt_tokens + tokens
+        - 1 <= past_sequence.max."""
         known = TASK_METRICS[self.task]
         for i, t in enumerate(self.evaluation.thresholds):
             if t.metric not in known:
@@ -785,6 +799,8 @@ class ReleaseSpec(Strict):
             )
 
     def _check_loadtest(self) -> None:
+        """Rule: causal-lm ramp input_length + output_tokens - 1 <= min(sequence.max,
+        past_sequence.max)."""
         r, dims = self.loadtest.ramp, self.export.dims
         if self.task == "causal-lm" and r.input_length + r.output_tokens - 1 > min(
             dims["sequence"].max, dims["past_sequence"].max
@@ -804,6 +820,8 @@ class ReleaseSpec(Strict):
                 )
 
     def _check_serving(self) -> None:
+        """Rule: bundle.serving.max_batch_size <= export.dims.batch.max; each preferred batch size
+        <= the served max."""
         s, dims = self.bundle.serving, self.export.dims
         batch_max = dims["batch"].max if "batch" in dims else None
         if s.max_batch_size is not None and batch_max is not None and s.max_batch_size > batch_max:
@@ -821,6 +839,8 @@ class ReleaseSpec(Strict):
                 )
 
     def _check_engine(self) -> None:
+        """Rule: Engine profile names are unique; profile dims are declared and inside the export's
+        ranges; CUDA-graph batch sizes fall inside some profile's batch range."""
         dims = self.export.dims
         names = [p.name for p in self.engine.profiles]
         repeated = sorted({n for n in names if names.count(n) > 1})

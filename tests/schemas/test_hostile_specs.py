@@ -305,3 +305,14 @@ def test_mutated_specs_never_crash_and_never_take_two_seconds(tmp_path_factory, 
         assert exc.problems and all(p.startswith(f"{path}:") for p in exc.problems)
         assert all(len(p) < 1200 for p in exc.problems)
     assert time.monotonic() - start < 2.0
+
+
+def test_the_spec_rules_document_is_generated_from_the_schema() -> None:
+    from schemas.rules import markdown
+
+    text = markdown()
+    assert (REPO / "docs" / "spec-rules.md").read_text() == text, (
+        "docs/spec-rules.md is stale: run `shipyard schema --rules > docs/spec-rules.md`"
+    )
+    assert "| `bundle.serving.port` | integer | >= 1; <= 65533 |" in text
+    assert "Engine profile names are unique" in text
