@@ -315,6 +315,10 @@ def _duplicate_keys(node: yaml.Node, prefix: str = "") -> list[tuple[int, str]]:
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode):
+                line = key.start_mark.line + 1
+                found.append((line, f"{prefix}(key): a key must be a plain name, not a {key.id}"))
+                continue
             path = f"{prefix}{key.value}"
             if key.value in seen:
                 found.append((key.start_mark.line + 1, f"{path}: duplicate key; keep one"))

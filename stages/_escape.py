@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import re
-import string
 from typing import Any
 
 import yaml
 
 # Characters YAML treats as line breaks or refuses; they must be escaped inside quotes.
 _YAML_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff\ud800-\udfff\"\\\\]")
-_MD_PUNCT = set(string.punctuation)
+_MD_ALWAYS = set("\\`*_[]<>|~&#")
+_MD_LINE_START = set("-+=")
+_MD_ORDERED = re.compile(r"^(\d{1,9})([.)])")
 
 
 def pbtxt(value: Any) -> str:
@@ -63,12 +64,19 @@ def comment(value: Any) -> str:
 
 
 def markdown(value: Any) -> str:
-    """Markdown inline text: every ASCII punctuation character backslash-escaped (valid in
-    CommonMark), so no heading, list, table, link, HTML or code can start from a value;
-    line breaks stay line breaks inside the paragraph."""
+    """Markdown inline text that reads as itself: backslash escapes (valid in CommonMark)
+    for every character that can start emphasis, code, links, HTML, entities, tables or
+    headings anywhere in a line, and for list, quote and setext markers at its start, so no
+    structure can come from a value; line breaks stay line breaks inside the paragraph."""
     lines = str(value).replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    escaped = ["".join("\\" + c if c in _MD_PUNCT else c for c in line.strip()) for line in lines]
-    return "  \n".join(line for line in escaped if line)
+    return "  \n".join(_md_line(line.strip()) for line in lines if line.strip())
+
+
+def _md_line(line: str) -> str:
+    text = "".join("\\" + c if c in _MD_ALWAYS else c for c in line)
+    if text[:1] in _MD_LINE_START:
+        text = "\\" + text
+    return _MD_ORDERED.sub(r"\1\\\2", text, count=1)
 
 
 def markdown_cell(value: Any) -> str:

@@ -192,7 +192,7 @@ def read_report(folder: Path) -> StageReport:
 def publish(work: Path, out: Path) -> None:
     """Move a finished temp folder into place; whatever was there before is replaced."""
     if out.exists():
-        trash = out.with_name(f".{out.name}.old")
+        trash = out.with_name(f".{out.name}.{os.getpid()}.old")  # per run, like the temp
         shutil.rmtree(trash, ignore_errors=True)
         os.replace(out, trash)
         shutil.rmtree(trash, ignore_errors=True)

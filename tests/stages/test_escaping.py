@@ -36,6 +36,11 @@ HOSTILE = [
     "<script>alert(1)</script>",
     "[link](http://x) ![img](y) `code`",
     "x" * 10_000,
+    "1. ordered\n2) also\n+ plus\n---\n===\n> quote",
+    "&copy; &amp; &#35; entity",
+    "***bold*** __under__ ~~strike~~",
+    "```fenced```\n    indented code",
+    "trailing hash #\nend \\",
     "",
 ]
 IDS = [repr(h[:12]) for h in HOSTILE]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from schemas import SpecError
 from stages._hashing import hash_range, hash_shards, shard_ranges
 from stages._oms import load_manifest, verify_bundle
 from stages.build_engine import why_unavailable
@@ -140,11 +141,8 @@ def test_serving_config_is_rendered_from_spec_and_export(built_gpt2: Workspace) 
 def test_serving_configs_refuse_a_batch_larger_than_the_export(built_gpt2: Workspace) -> None:
     spec = gpt2_spec()
     spec["bundle"] = {"serving": {"max_batch_size": 64}}
-    report = built_gpt2.run("serve", spec)
-    assert report.status.value == "failed"
-    assert report.reasons[0].startswith(
-        "bundle.serving.max_batch_size = 64 exceeds export.dims.batch.max = 3"
-    )
+    with pytest.raises(SpecError, match=r"max_batch_size: 64 exceeds export.dims.batch.max \(3\)"):
+        built_gpt2.spec(spec)  # known from the spec alone: refused at validate
 
 
 def test_manifest_refuses_a_release_whose_checks_failed(ws: Workspace) -> None:

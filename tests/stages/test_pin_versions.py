@@ -3,6 +3,9 @@ from __future__ import annotations
 import hashlib
 import json
 
+import pytest
+
+from schemas import SpecError
 from tests.conftest import TINY, Workspace, gpt2_spec
 
 DIGEST = hashlib.sha256((TINY / "model.safetensors").read_bytes()).hexdigest()
@@ -42,9 +45,9 @@ def test_pin_package_specifier_mismatch_and_missing_package(ws: Workspace) -> No
     ]
 
 
-def test_pin_invalid_specifier_is_a_clear_failure(ws: Workspace) -> None:
-    report = ws.run("pin", gpt2_spec(pins={"python": "three"}))
-    assert report.status.value == "failed" and "not a PEP 440 specifier" in report.reasons[0]
+def test_pin_invalid_specifier_is_refused_at_validate(ws: Workspace) -> None:
+    with pytest.raises(SpecError, match="pins.python: 'three' is not a PEP 440"):
+        ws.spec(gpt2_spec(pins={"python": "three"}))
 
 
 def test_pin_missing_checkpoint_folder_fails_naming_it(ws: Workspace) -> None:

@@ -85,3 +85,29 @@ def test_reports_do_not_change_when_a_stage_reruns_on_the_same_inputs(ws: Worksp
     ws.run("pin", gpt2_spec())
     assert (ws.out("tiny-gpt2", "pin") / "report.json").read_bytes() == first
     assert Path(ws.root / "build/tiny-gpt2/metrics/pin.json").is_file()
+
+
+def test_two_runs_of_one_stage_at_once_do_not_share_a_temp_folder(ws: Workspace) -> None:
+    import os
+    import subprocess
+    import sys
+
+    spec = ws.write(gpt2_spec())
+    shipyard = str(Path(sys.executable).with_name("shipyard"))
+    env = {**os.environ, "SHIPYARD_ROOT": str(ws.root)}
+    procs = [
+        subprocess.Popen(
+            [shipyard, "run-stage", "pin", "--release", str(spec)],
+            cwd=ws.root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    assert all(o[0].startswith("PASS pin@tiny-gpt2") for o in outputs)
+    assert (ws.out("tiny-gpt2", "pin") / "lock.json").is_file()
+    assert not list((ws.root / "build" / "tiny-gpt2").glob(".pin.*tmp"))
