@@ -63,8 +63,6 @@ def _walk(node: dict[str, Any], defs: dict[str, Any], prefix: str, rows: list[st
         for target in targets:
             if "properties" in target:
                 _walk(target, defs, f"{path}.", rows)
-            elif target.get("type") == "array" or target.get("additionalProperties"):
-                pass
 
 
 def _refs(prop: dict[str, Any], defs: dict[str, Any]) -> list[dict[str, Any]]:
@@ -113,7 +111,7 @@ def _rules() -> list[str]:
     for cls_name, cls in sorted(vars(release).items()):
         if not (inspect.isclass(cls) and issubclass(cls, release.Strict)):
             continue
-        for name, member in sorted(vars(cls).items()):
+        for _name, member in sorted(vars(cls).items()):
             func = getattr(member, "wrapped", None) or getattr(member, "__func__", member)
             doc = inspect.getdoc(func) if callable(func) else None
             if doc and doc.startswith("Rule:"):
