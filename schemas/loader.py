@@ -21,6 +21,11 @@ SECTIONS_WITH_DEFAULTS = {
     "quantization": "{method: none}",
 }
 QUANT_METHODS = ("none", "int8-dynamic", "int8-static", "int4-weight-only")
+# How pydantic names validator wrappers in error locations (never a user's key).
+_VALIDATOR_TAG = re.compile(
+    r"^(function-(after|before|wrap|plain)|tagged-union|union|lax-or-strict|constrained-\w+|"
+    r"nullable|default|chain|json-or-python)\[.*\]$"
+)
 _DOTTED = re.compile(r"[a-z_]+(?:\.[a-z_]+|\[\d+\])+")
 
 
@@ -45,7 +50,7 @@ def load_release(path: str | Path, shown: str | None = None) -> ReleaseSpec:
     try:
         spec = ReleaseSpec.model_validate(data)
     except ValidationError as exc:
-        problems += [_describe(shown, root, err) for err in exc.errors()]
+        problems += [_safe_describe(shown, root, err) for err in exc.errors()]
         raise SpecError(shown, problems) from None
     if spec.name != path.stem:
         problems.append(
@@ -239,6 +244,15 @@ def _repo_paths(model: BaseModel, loc: tuple[Any, ...]) -> list[tuple[tuple[Any,
     return out
 
 
+def _safe_describe(shown: str, root: yaml.Node, err: Any) -> str:
+    """A message for every error, even one whose location this module does not foresee."""
+    try:
+        return _describe(shown, root, err)
+    except (IndexError, KeyError, TypeError, ValueError):
+        where = ".".join(str(p) for p in err.get("loc", ()))[:200] or "(top level)"
+        return f"{shown}:1: {where}: {_excerpt_long(str(err.get('msg', 'invalid')))}"
+
+
 def _describe(shown: str, root: yaml.Node, err: Any) -> str:
     raw = err["loc"]
     loc = tuple(p for i, p in enumerate(raw) if not _is_union_tag(p, raw[i - 1] if i else None))
@@ -275,7 +289,7 @@ def _is_union_tag(part: Any, parent: Any) -> bool:
         return True
     if parent == "quantization" and part in QUANT_METHODS:
         return True
-    return isinstance(part, str) and "[" in part
+    return isinstance(part, str) and bool(_VALIDATOR_TAG.match(part))
 
 
 def _path_in_message(message: str) -> tuple[Any, ...]:

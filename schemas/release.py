@@ -840,7 +840,8 @@ class ReleaseSpec(Strict):
 
     def _check_engine(self) -> None:
         """Rule: Engine profile names are unique; profile dims are declared and inside the export's
-        ranges; CUDA-graph batch sizes fall inside some profile's batch range."""
+        ranges; CUDA-graph batch sizes fall inside some profile's batch range and within the
+        served max_batch_size."""
         dims = self.export.dims
         names = [p.name for p in self.engine.profiles]
         repeated = sorted({n for n in names if names.count(n) > 1})
@@ -860,6 +861,15 @@ class ReleaseSpec(Strict):
                         f"[{dims[name].min}, {dims[name].max}]"
                     )
         g = self.engine.cuda_graphs
+        served = self.bundle.serving.max_batch_size
+        if g.enabled and served is not None:
+            beyond = [b for b in g.batch_sizes if b > served]
+            if beyond:
+                raise ValueError(
+                    f"engine.cuda_graphs.batch_sizes {beyond} exceed bundle.serving."
+                    f"max_batch_size {served}; a graph for a batch never served is wasted "
+                    "memory: drop them or raise max_batch_size"
+                )
         if g.enabled and "batch" in dims:
             for b in g.batch_sizes:
                 ranges = [p.dims.get("batch", dims["batch"]) for p in self.engine.profiles]

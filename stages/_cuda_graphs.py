@@ -8,6 +8,7 @@ The outputs are zeroed before the replays so a graph that did nothing cannot "ma
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ def cuda_graph_check(
     """One row per batch size: replay matches plain execution; latency of both in ms."""
     import tensorrt as trt
 
-    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(plan)
+    engine = deserialize(trt, plan)
     rows = []
     for batch in batch_sizes:
         index = next(
@@ -37,16 +38,56 @@ def cuda_graph_check(
     return rows
 
 
+# A replay runs the very kernels of the plain execution: only float reassociation may differ.
+REPLAY = SimpleNamespace(
+    tolerance=SimpleNamespace(atol=1e-6, rtol=1e-5), outputs={}, statistic="max", quantile=0.99
+)
+
+
+def deserialize(trt: Any, plan: bytes) -> Any:
+    """The engine, with host code allowed (a version-compatible engine carries its own
+    runtime code; without the flag TensorRT returns None); None is an error, not a crash."""
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    if hasattr(runtime, "engine_host_code_allowed"):
+        runtime.engine_host_code_allowed = True
+    engine = runtime.deserialize_cuda_engine(plan)
+    if engine is None:
+        raise StageError(
+            "engine",
+            "TensorRT could not deserialize the engine it just built for the CUDA-graph check",
+            "read the TensorRT log above (a version-compatible engine needs host code allowed)",
+        )
+    return engine
+
+
 def _compare(
     batch: int, plain_ms: float, graph_ms: float, plain: dict[str, Any], replay: dict[str, Any]
 ) -> dict[str, Any]:
-    worst = max(float(np.max(np.abs(plain[n] - replay[n]), initial=0.0)) for n in plain)
-    ok = all(np.allclose(plain[n], replay[n], rtol=1e-5, atol=1e-6) for n in plain)
+    from stages._compare import compare_outputs
+
+    results = compare_outputs(plain, replay, REPLAY)
+    ok = all(r["ok"] for r in results)
+    worst = max((r["max_abs"] for r in results), default=0.0)
+    speedup = plain_ms / graph_ms if graph_ms > 0 else float("inf")
     why = (
         f"batch {batch}: graph replay {'matches' if ok else 'DIFFERS from'} plain execution "
-        f"(max |diff| {worst:.3g}); {plain_ms:.3f} ms plain, {graph_ms:.3f} ms graph"
+        f"(max |diff| {worst:.3g}); {plain_ms:.3f} ms plain, {graph_ms:.3f} ms graph, "
+        f"{speedup:.2f}x"
     )
-    return {"batch": batch, "ok": ok, "plain_ms": plain_ms, "graph_ms": graph_ms, "why": why}
+    return {
+        "batch": batch,
+        "ok": ok,
+        "plain_ms": plain_ms,
+        "graph_ms": graph_ms,
+        "speedup": speedup,
+        "why": why,
+    }
+
+
+def _check(ok: Any, what: str) -> None:
+    """TensorRT's context calls return False on failure instead of raising."""
+    if ok is False:
+        raise StageError("engine", f"{what} returned False", "read the TensorRT log above")
 
 
 class _Bindings:
@@ -59,12 +100,17 @@ class _Bindings:
         self.cudart = cudart
         self.stream = _ok(cudart.cudaStreamCreate(), "cudaStreamCreate")
         self.context = engine.create_execution_context()
-        self.context.set_optimization_profile_async(profile, int(self.stream))
+        if self.context is None:
+            raise StageError("engine", "create_execution_context returned None", "check memory")
+        _check(
+            self.context.set_optimization_profile_async(profile, int(self.stream)),
+            f"set_optimization_profile_async({profile})",
+        )
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         is_input = {n: engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT for n in names}
         for n in names:
             if is_input[n]:
-                self.context.set_input_shape(n, shapes[n])
+                _check(self.context.set_input_shape(n, shapes[n]), f"set_input_shape({n})")
         self.outputs = [n for n in names if not is_input[n]]
         self.buffers: dict[str, tuple[int, np.ndarray]] = {}
         rng = np.random.default_rng(0)
@@ -90,10 +136,15 @@ class _Bindings:
 
     def plain_and_graph(self) -> tuple[float, float, dict[str, Any], dict[str, Any]]:
         cudart, stream = self.cudart, self.stream
-        plain_ms, plain = self._timed(lambda: self.context.execute_async_v3(int(stream)))
+        plain_ms, plain = self._timed(
+            lambda: _check(self.context.execute_async_v3(int(stream)), "execute_async_v3")
+        )
         mode = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
         _ok(cudart.cudaStreamBeginCapture(stream, mode), "cudaStreamBeginCapture")
-        self.context.execute_async_v3(int(stream))
+        captured = self.context.execute_async_v3(int(stream))
+        if captured is False:
+            cudart.cudaStreamEndCapture(stream)  # leave the stream usable, then report
+            _check(captured, "execute_async_v3 during graph capture")
         graph = _ok(cudart.cudaStreamEndCapture(stream), "cudaStreamEndCapture")
         exec_graph = _ok(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
         for n in self.outputs:

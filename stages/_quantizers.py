@@ -132,14 +132,21 @@ def _static(
         quant_format=QuantFormat.QDQ,
         op_types_to_quantize=q.cfg.op_types,
         per_channel=q.cfg.per_channel,
-        activation_type=QuantType.QUInt8,
+        # Signed INT8 with zero points fixed at 0 for activations and weights: TensorRT builds
+        # INT8 from these Q/DQ nodes and refuses any other zero point ("TensorRT only supports
+        # symmetric quantization"); asymmetric QUInt8 activations gave zero points like 202.
+        activation_type=QuantType.QInt8,
         weight_type=QuantType.QInt8,
         nodes_to_quantize=only,
         nodes_to_exclude=exclude,
         use_external_data_format=large,
         calibrate_method=method,
         calibration_cache_path=q.folder / "calibration-cache.json",
-        extra_options={"CalibPercentile": q.cfg.percentile},
+        extra_options={
+            "CalibPercentile": q.cfg.percentile,
+            "ActivationSymmetric": True,
+            "WeightSymmetric": True,
+        },
     )
 
 

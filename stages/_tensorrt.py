@@ -41,11 +41,18 @@ def build_and_check(
         shared.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(local, tmp)
         os.replace(tmp, shared)
+    from stages import build_engine
+
     capability, gpu = device_facts()
-    plan_name = f"model_sm{capability.replace('.', '')}.plan"
-    (ctx.work / plan_name).write_bytes(plan)
-    tol = cfg.parity or release.parity.tolerance
-    parity = engine_parity(plan, model, profiles, info, tol.atol, tol.rtol)
+    plan_name = build_engine.plan_name(capability)
+    # The plan lives once, in the TensorRT Triton entry's version folder, where Triton
+    # loads it from (cc_model_filenames name files inside the version folder).
+    model_dir = ctx.work / build_engine.trt_model_dir(ctx.release)
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "1" / plan_name).write_bytes(plan)
+    # The same comparator and settings as the parity stage (per-output tolerances, statistic);
+    # engine.parity, when set, replaces the default tolerance.
+    parity = engine_parity(plan, model, profiles, info, release.parity, cfg.parity)
     graphs = []
     if cfg.cuda_graphs.enabled:
         from stages._cuda_graphs import cuda_graph_check
@@ -55,12 +62,19 @@ def build_and_check(
         tensorrt=trt.__version__,
         gpu=gpu,
         compute_capability=capability,
-        plan=plan_name,
         build_seconds=round(seconds, 1),
         parity=parity,
         cuda_graphs=graphs,
     )
     render_triton(ctx, release, profiles, capability)
+    layout = build_engine.check_trt_layout(model_dir)
+    if layout:
+        raise StageError(
+            "engine",
+            f"the TensorRT Triton entry is not loadable: {'; '.join(layout)}",
+            "fix triton_trt_values / the template so every named file is in version 1",
+        )
+    details["plan"] = f"{build_engine.trt_model_dir(ctx.release)}/1/{plan_name}"
     write_json(ctx.work / "engine.json", details)
     bad = [p["why"] for p in parity if not p["ok"]] + [g["why"] for g in graphs if not g["ok"]]
     summary = (
@@ -175,41 +189,79 @@ def engine_parity(
     model: Path,
     profiles: list[dict[str, Any]],
     info: dict[str, Any],
-    atol: float,
-    rtol: float,
+    parity: Any,
+    default: Any = None,
 ) -> list[dict[str, Any]]:
     """TensorRT vs ONNX Runtime per profile at min/opt/max/odd; names the first bad layer."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+    from polygraphy.backend.trt import TrtRunner
 
     rows = []
     with OnnxrtRunner(SessionFromOnnx(str(model))) as ort_runner:
         for i, profile in enumerate(profiles):
-            with TrtRunner(EngineFromBytes(plan), optimization_profile=i) as trt_runner:
+            with TrtRunner(engine_loader(plan), optimization_profile=i) as trt:
                 for label, shapes in parity_shapes(profile, info).items():
                     feeds = _feeds(info, shapes, seed=i)
                     want = ort_runner.infer(feeds)
-                    have = trt_runner.infer(feeds)
-                    rows.append(_compare(profile["name"], label, want, have, atol, rtol))
+                    have = trt.infer(feeds)
+                    rows.append(judge(profile["name"], label, want, have, parity, default))
     if any(not r["ok"] for r in rows):
-        rows.append(first_diverging_layer(plan, model, profiles, info, rows, atol, rtol))
+        try:
+            rows.append(first_diverging_layer(plan, model, profiles, info, rows, parity, default))
+        except Exception as exc:  # a diagnosis; its failure must not hide the verdict
+            bad = next(r for r in rows if not r["ok"])
+            rows.append({**bad, "why": f"could not localize the divergence: {exc}"})
     return rows
 
 
-def _compare(
-    profile: str, label: str, want: dict[str, Any], have: dict[str, Any], atol: float, rtol: float
+def engine_loader(plan: bytes) -> Any:
+    """Polygraphy's engine loader; it deserializes with host code allowed, as trtexec does,
+    so a version-compatible engine loads."""
+    from polygraphy.backend.trt import EngineFromBytes
+
+    return EngineFromBytes(plan)
+
+
+def judge(
+    profile: str,
+    label: str,
+    want: dict[str, Any],
+    have: dict[str, Any],
+    parity: Any,
+    default: Any = None,
 ) -> dict[str, Any]:
-    worst, where = 0.0, ""
-    for name, ref in want.items():
-        got = np.asarray(have[name], dtype=np.float64)
-        excess = np.abs(got - ref) - (atol + rtol * np.abs(ref))
-        if excess.size and float(excess.max()) > worst:
-            worst, where = float(excess.max()), name
-    ok = worst <= 0
-    why = f"profile {profile} {label}: " + (
-        "ok" if ok else f"{where} exceeds tolerance by {worst:.3g}"
+    """One parity row from the shared comparator: a NaN, a missing output or a shape
+    mismatch fails, and the first failing output is named."""
+    from stages._compare import compare_outputs
+
+    results = compare_outputs(want, have, parity, default)
+    bad = [r for r in results if not r["ok"]]
+    worst = max((r["error"] for r in results), default=0.0)
+    if not bad:
+        why = f"ok ({parity.statistic} normalized error {worst:.3g} <= 1)"
+    else:
+        first = bad[0]
+        why = f"{first['output']} out of tolerance: " + (
+            first.get("note") or f"{parity.statistic} normalized error {first['error']:.3g} > 1"
+        )
+    return {
+        "profile": profile,
+        "shape": label,
+        "ok": not bad,
+        "why": f"profile {profile} {label}: {why}",
+    }
+
+
+def onnx_with_every_tensor(model: Path) -> Any:
+    """An ONNX Runtime session loader whose outputs are every tensor of the graph.
+    SessionFromOnnx takes bytes or a path, never a ModelProto: serialize first."""
+    from polygraphy import constants
+    from polygraphy.backend.onnx import BytesFromOnnx, ModifyOutputs, OnnxFromPath
+    from polygraphy.backend.onnxrt import SessionFromOnnx
+
+    return SessionFromOnnx(
+        BytesFromOnnx(ModifyOutputs(OnnxFromPath(str(model)), outputs=constants.MARK_ALL))
     )
-    return {"profile": profile, "shape": label, "ok": ok, "why": why}
 
 
 def first_diverging_layer(
@@ -218,14 +270,13 @@ def first_diverging_layer(
     profiles: list[dict[str, Any]],
     info: dict[str, Any],
     rows: list[dict[str, Any]],
-    atol: float,
-    rtol: float,
+    parity: Any,
+    default: Any = None,
 ) -> dict[str, Any]:
     """Rebuild with every tensor marked as an output at the first failing shape; the first
     tensor in graph order that disagrees with ONNX Runtime's is the diverging layer."""
     from polygraphy import constants
-    from polygraphy.backend.onnx import ModifyOutputs, OnnxFromPath
-    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.backend.onnxrt import OnnxrtRunner
     from polygraphy.backend.trt import (
         CreateConfig,
         EngineFromNetwork,
@@ -234,6 +285,8 @@ def first_diverging_layer(
         Profile,
         TrtRunner,
     )
+
+    from stages._compare import compare_outputs
 
     bad = next(r for r in rows if not r["ok"])
     index = next(i for i, p in enumerate(profiles) if p["name"] == bad["profile"])
@@ -247,23 +300,13 @@ def first_diverging_layer(
     )
     with TrtRunner(EngineFromNetwork(network, CreateConfig(profiles=[prof]))) as runner:
         have = runner.infer(feeds)
-    onnx_all = ModifyOutputs(OnnxFromPath(str(model)), outputs=constants.MARK_ALL)
-    with OnnxrtRunner(SessionFromOnnx(onnx_all)) as ort_runner:
+    with OnnxrtRunner(onnx_with_every_tensor(model)) as ort_runner:
         want = ort_runner.infer(feeds)
-    for name, ref in want.items():  # ONNX Runtime returns outputs in graph order
-        if name in have and not np.allclose(have[name], ref, atol=atol, rtol=rtol):
-            return {
-                "profile": bad["profile"],
-                "shape": bad["shape"],
-                "ok": False,
-                "why": f"first diverging tensor: {name}",
-            }
-    return {
-        "profile": bad["profile"],
-        "shape": bad["shape"],
-        "ok": False,
-        "why": "no single intermediate tensor diverges; the outputs do",
-    }
+    common = {n: v for n, v in want.items() if n in have}  # ORT returns graph order
+    for row in compare_outputs(common, have, parity, default):
+        if not row["ok"]:
+            return {**bad, "why": f"first diverging tensor: {row['output']}"}
+    return {**bad, "why": "no single intermediate tensor diverges; the outputs do"}
 
 
 def render_triton(
@@ -275,6 +318,11 @@ def render_triton(
 
     plan_batch = json.loads((ctx.upstream("plan") / "plan.json").read_text())["batch"]
     values = build_engine.triton_trt_values(
-        profiles, release.bundle.serving, plan_batch, release.engine.cuda_graphs, capability
+        profiles,
+        release.bundle.serving,
+        plan_batch,
+        release.engine.cuda_graphs,
+        capability,
+        portable=release.engine.hardware_compatibility != "none",
     )
     build_engine.render_trt_triton(ctx.work, ctx.release, values)

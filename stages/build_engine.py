@@ -68,6 +68,14 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     from stages import _tensorrt as trt_build
 
     model = ctx.upstream(source) / "model.onnx"
+    asymmetric = asymmetric_qdq(model)
+    if asymmetric:
+        raise StageError(
+            NAME,
+            f"{len(asymmetric)} Q/DQ node(s) have non-zero zero points, which TensorRT refuses: "
+            f"{', '.join(asymmetric[:3])}",
+            "rebuild the quantize stage (int8-static now writes symmetric INT8)",
+        )
     return trt_build.build_and_check(ctx, release, info, profiles, model, details)
 
 
@@ -88,14 +96,48 @@ def engine_source(method: str) -> tuple[str, str]:
 def why_unavailable() -> str:
     """'' when TensorRT imports and the driver reports a CUDA device, else the reason."""
     missing = []
-    if importlib.util.find_spec("tensorrt") is None:
+    if not module_present("tensorrt"):
         missing.append("TensorRT is not installed (no `tensorrt` Python package)")
-    elif importlib.util.find_spec("cuda") is None:
-        missing.append("cuda-python is not installed (needed for CUDA-graph capture)")
+    elif not module_present("cuda.bindings"):
+        # `cuda` alone can be a bare namespace package; the code imports cuda.bindings
+        missing.append(
+            "cuda-python is not installed (no `cuda.bindings`, needed for CUDA-graph capture)"
+        )
     count, how = cuda_devices()
     if count == 0:
         missing.append(f"no CUDA device ({how})")
     return "; ".join(missing)
+
+
+def asymmetric_qdq(model: Path) -> list[str]:
+    """Q/DQ nodes whose zero point is not 0: TensorRT refuses them (symmetric INT8 only)."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    constants = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute:
+            constants[node.output[0]] = node.attribute[0].t
+    bad = []
+    for node in graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear") and len(node.input) > 2:
+            zero = constants.get(node.input[2])
+            if zero is None:
+                bad.append(f"{node.name or node.output[0]} (zero point is computed)")
+            elif np.any(numpy_helper.to_array(zero) != 0):
+                values = numpy_helper.to_array(zero).ravel()[:3].tolist()
+                bad.append(f"{node.name or node.output[0]} (zero point {values})")
+    return bad
+
+
+def module_present(name: str) -> bool:
+    """find_spec that answers False (not ModuleNotFoundError) when a parent is missing."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def cuda_devices() -> tuple[int, str]:
@@ -143,7 +185,12 @@ def info_dims(info: dict[str, Any]) -> dict[str, Any]:
 
 
 def triton_trt_values(
-    profiles: list[dict[str, Any]], serving: Any, plan_batch: int, graphs: Any, capability: str
+    profiles: list[dict[str, Any]],
+    serving: Any,
+    plan_batch: int,
+    graphs: Any,
+    capability: str,
+    portable: bool = False,
 ) -> dict[str, Any]:
     """Values for the tensorrt-backend Triton config; max_batch_size within every profile."""
     served = serving.max_batch_size or plan_batch
@@ -163,13 +210,50 @@ def triton_trt_values(
         specs.append(
             {"batch": b, "inputs": {n: s["opt"][1:] for n, s in profile["shapes"].items()}}
         )
+    plan = plan_name(capability)
     return {
         "max_batch_size": served,
         "max_queue_delay_microseconds": serving.max_queue_delay_microseconds,
         "graphs": graphs.enabled,
         "graph_specs": specs,
-        "cc_model_filenames": {capability: f"model_sm{capability.replace('.', '')}.plan"},
+        "cc_model_filenames": {capability: plan},
+        # A hardware-compatible engine runs on other GPUs too: they fall back to it.
+        "default_model_filename": plan if portable else "",
+        # Every optimization profile is available to the instances (Triton picks by shape);
+        # without this only profile 0 is used and the decode profile never serves.
+        "profiles": [str(i) for i in range(len(profiles))],
     }
+
+
+def plan_name(capability: str) -> str:
+    return f"model_sm{capability.replace('.', '')}.plan"
+
+
+def trt_model_dir(release: str) -> str:
+    """The Triton model folder of the TensorRT entry; its plan lives in version 1."""
+    return f"serving/triton/{release}-trt"
+
+
+def check_trt_layout(folder: Path) -> list[str]:
+    """Every file the TensorRT Triton config names must exist in its version folder."""
+    config = render_serving_parse(folder / "config.pbtxt")
+    names = [*config.cc_model_filenames.values()]
+    if config.default_model_filename:
+        names.append(config.default_model_filename)
+    problems = []
+    for name in names:
+        path = (folder / "1" / name).resolve()
+        if folder.resolve() not in path.parents:
+            problems.append(f"{name}: resolves outside the model folder")
+        elif not path.is_file():
+            problems.append(f"{name}: not in {folder.name}/1/ (Triton could not load it)")
+    return problems
+
+
+def render_serving_parse(path: Path) -> Any:
+    from stages import render_serving
+
+    return render_serving.parse_triton(path.read_text())
 
 
 def render_trt_triton(work: Path, release: str, values: dict[str, Any]) -> Path:
@@ -177,7 +261,7 @@ def render_trt_triton(work: Path, release: str, values: dict[str, Any]) -> Path:
     from stages import render_serving
 
     context = {"model_name": f"{release}-trt", "release": release, "trt": values}
-    out = f"serving/triton/{release}-trt/config.pbtxt"
+    out = f"{trt_model_dir(release)}/config.pbtxt"
     [path] = render_serving.render(work, {out: "triton_trt_config.pbtxt.j2"}, context)
     try:
         config = render_serving.parse_triton(path.read_text())

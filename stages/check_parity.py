@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +9,7 @@ import numpy as np
 
 from schemas import ReleaseSpec
 from stages import _model as m
+from stages._compare import compare, tolerance
 from stages._graph import all_tensors, scoped_outputs
 from stages._runtime import StageContext, StageIO, StageResult
 
@@ -21,7 +21,7 @@ def io(release: ReleaseSpec) -> StageIO:
         params=("model", "task", "export", "parity"),
         upstream=("export/model.onnx",),
         reads_model=True,
-        code=("stages/_model.py", "stages/_graph.py"),
+        code=("stages/_model.py", "stages/_graph.py", "stages/_compare.py"),
     )
 
 
@@ -86,34 +86,6 @@ def _shapes(release: Any) -> list[tuple[str, dict[str, int]]]:
         "odd": m.odd_sizes(dims, {n: d.opt for n, d in dims.items()}),
     }
     return list({str(s): (k, s) for k, s in shapes.items()}.values())
-
-
-def tolerance(cfg: Any, output: str) -> Any:
-    """The per-output tolerance whose key (name or glob) matches, else the default."""
-    return next(
-        (tol for pattern, tol in cfg.outputs.items() if fnmatch.fnmatchcase(output, pattern)),
-        cfg.tolerance,
-    )
-
-
-def compare(ref: np.ndarray, out: np.ndarray, tol: Any, cfg: Any) -> dict[str, Any]:
-    """Normalized error |a-b| / (atol + rtol*|ref|), reduced by the spec's statistic."""
-    if ref.shape != out.shape:
-        return {
-            "ok": False,
-            "error": float("inf"),
-            "max_abs": float("inf"),
-            "note": f"shape {list(out.shape)} != reference {list(ref.shape)}",
-        }
-    if ref.size == 0:
-        return {"ok": True, "error": 0.0, "max_abs": 0.0}
-    diff = np.abs(ref.astype(np.float64) - out.astype(np.float64))
-    with np.errstate(divide="ignore", invalid="ignore"):  # zero tolerance: exact or infinite
-        norm = np.where(diff == 0, 0.0, diff / (tol.atol + tol.rtol * np.abs(ref)))
-    stat = {"max": np.max, "mean": np.mean}.get(cfg.statistic)
-    error = float(stat(norm)) if stat else float(np.quantile(norm, cfg.quantile))
-    error = error if np.isfinite(error) else float("inf")
-    return {"ok": error <= 1.0, "error": error, "max_abs": float(np.nanmax(diff))}
 
 
 def layerwise(

@@ -247,7 +247,9 @@ _body = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
 @given(body=_body)
 def test_generated_requests_never_get_a_500(server: str, body: dict[str, Any]) -> None:
     status, text = asyncio.run(post(server, body))
