@@ -29,6 +29,7 @@ release: $(STAMP) $(CHECKPOINTS)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy schemas pipelines stages
 
 test: lint
 	$(BIN)/python -m pytest -q

@@ -52,7 +52,7 @@ def compile_dvc(root: Path) -> str:
         data = _data_slots(items, ios)
         stages[name] = {"foreach": items, "do": _template(name, module, io, slots, data)}
     body = yaml.safe_dump({"stages": stages}, sort_keys=False, default_flow_style=False, width=100)
-    return HEADER + body
+    return HEADER + str(body)
 
 
 def _model_slots(releases: list[tuple[Path, ReleaseSpec]]) -> int:

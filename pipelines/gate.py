@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schemas import RegistryError, ReleaseSpec
+from schemas import RegistryError, ReleaseSpec, StageReport
 from stages import load_stages
 from stages._runtime import report_dir
 from stages.evaluate import check, has_change
@@ -71,7 +71,9 @@ def _stage_rows(root: Path, spec: ReleaseSpec) -> list[Row]:
         status, detail = report["status"], report["summary"]
         if status == "failed":
             detail = "; ".join(report["reasons"]) or detail
-        elif status == "skipped" and _optional(spec, stage, report):
+        elif status == "skipped" and StageReport.model_validate(report).acceptable(
+            required=_required(spec, stage)
+        ):
             rows.append(Row(release, stage, "n/a", f"skipped (optional): {report['summary']}"))
             continue
         elif status == "skipped":  # skipped is never passed
@@ -95,10 +97,9 @@ def _bundle_rows(root: Path, release: str) -> list[Row]:
     return [Row(release, "bundle verify", "PASS", detail)]
 
 
-def _optional(spec: ReleaseSpec, stage: str, report: dict[str, Any]) -> bool:
+def _required(spec: ReleaseSpec, stage: str) -> bool:
     """Only the engine may skip, and only when the spec (as it is now) does not require it."""
-    required = spec.engine.required if stage == "engine" else True
-    return not required and report.get("details", {}).get("optional") is True
+    return spec.engine.required if stage == "engine" else True
 
 
 def _slo_rows(root: Path, release: str) -> list[Row]:

@@ -38,7 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from schemas import RegistryError
+from schemas import RegistryError, StageReport
 from schemas.release import NAME_PATTERN, SEMVER_PATTERN
 from stages._oms import load_manifest, read_facts, verify_bundle
 
@@ -519,17 +519,18 @@ def _verified_digest(folder: Path, what: str) -> str:
             + "\n".join(f"  {p}" for p in problems)
         )
     facts = read_facts(folder)
-    reports = {
-        p.stem: json.loads(p.read_text()) for p in sorted((folder / "reports").glob("*.json"))
-    }
-    statuses = {s: r["status"] for s, r in reports.items()}
-    statuses |= {s: v["status"] for s, v in facts.get("stages", {}).items()}
-    optional = {s for s, r in reports.items() if r.get("details", {}).get("optional") is True}
-    failed = [
-        f"{name}: {status}"
-        for name, status in sorted(statuses.items())
-        # an optional skip (the engine where no GPU is) is what the manifest accepted too
-        if status != "passed" and not (status == "skipped" and name in optional)
+    reports = {}
+    for path in sorted((folder / "reports").glob("*.json")):
+        try:
+            reports[path.stem] = StageReport.model_validate_json(path.read_text())
+        except ValueError:
+            raise RegistryError(f"{what}: reports/{path.name} is not a stage report") from None
+    failed = [f"{n}: {r.status.value}" for n, r in reports.items() if not r.acceptable()]
+    # the facts repeat each verdict: both are hashed, and both must say the same
+    failed += [
+        f"{n}: {v.get('status')} (shipyard.json)"
+        for n, v in sorted(facts.get("stages", {}).items())
+        if v.get("status") != (reports[n].status.value if n in reports else "passed")
     ]
     if failed:
         raise RegistryError(

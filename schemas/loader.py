@@ -304,13 +304,13 @@ def _path_in_message(message: str) -> tuple[Any, ...]:
 
 def _line_of(node: yaml.Node, loc: tuple[Any, ...]) -> int:
     """Walk a pydantic location down the composed YAML tree; the deepest node found wins."""
-    line = node.start_mark.line + 1
+    line = int(node.start_mark.line) + 1
     for part in loc:
         child = _child(node, part)
         if child is None:
             break
         key_node, node = child
-        line = (key_node or node).start_mark.line + 1
+        line = int((key_node or node).start_mark.line) + 1
     return line
 
 

@@ -734,9 +734,13 @@ class ReleaseSpec(Strict):
                 f"model.kind 'python' with task {self.task!r} needs export.inputs; "
                 "only Hugging Face models have derived inputs"
             )
-        for spec in [*(self.export.inputs or []), *(self.export.outputs or [])]:
-            shape = spec.shape or []
-            unknown = [d for d in shape if isinstance(d, str) and d not in self.export.dims]
+        tensors: list[TensorSpec | OutputSpec] = [
+            *(self.export.inputs or []),
+            *(self.export.outputs or []),
+        ]
+        for spec in tensors:
+            sizes = spec.shape or []
+            unknown = [d for d in sizes if isinstance(d, str) and d not in self.export.dims]
             if unknown:
                 raise ValueError(
                     f"export {spec.name!r} uses dims {unknown} that export.dims "

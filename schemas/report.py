@@ -30,3 +30,12 @@ class StageReport(BaseModel):
     details: dict[str, Any] = Field(
         default_factory=dict, description="Stage-specific structured results."
     )
+
+    def acceptable(self, required: bool = False) -> bool:
+        """The one rule for "this stage is fine" (manifest, registry and gate all ask here):
+        passed, or skipped by a stage that was optional for the release when it ran (its
+        report says so: the engine where no GPU is) and that is not `required` now."""
+        if self.status is StageStatus.PASSED:
+            return True
+        optional = self.details.get("optional") is True
+        return self.status is StageStatus.SKIPPED and optional and not required

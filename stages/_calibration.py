@@ -163,7 +163,7 @@ def to_feeds(task: str, lay: m.Layout, row: dict[str, np.ndarray]) -> dict[str, 
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     for t in lay.inputs:
         if t.name.startswith("past_key_values"):
-            shape = [
+            shape: list[Any] = [
                 ids.shape[0] if a == "batch" else 0 if a == "past_sequence" else a for a in t.axes
             ]
             feeds[t.name] = np.zeros(shape, dtype=np.float32)

@@ -37,7 +37,7 @@ def compare(ref: np.ndarray, out: np.ndarray, tol: Any, cfg: Any) -> dict[str, A
     diff = np.abs(ref.astype(np.float64) - out.astype(np.float64))
     with np.errstate(divide="ignore", invalid="ignore"):  # zero tolerance: exact or infinite
         norm = np.where(diff == 0, 0.0, diff / (tol.atol + tol.rtol * np.abs(ref)))
-    stat = {"max": np.max, "mean": np.mean}.get(cfg.statistic)
+    stat: Any = {"max": np.max, "mean": np.mean}.get(cfg.statistic)
     error = float(stat(norm)) if stat else float(np.quantile(norm, cfg.quantile))
     error = error if np.isfinite(error) else float("inf")  # NaN anywhere fails
     max_abs = float(np.max(diff)) if np.isfinite(diff).all() else float("inf")

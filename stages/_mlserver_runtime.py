@@ -345,8 +345,8 @@ class ShipyardOnnxRuntime(MLModel):
             key = tuple(sorted((n, v.shape[1:], str(v.dtype)) for n, v in feeds.items()))
             return self._response(await self.batcher.submit(key, feeds))
         input_ids, new_tokens = self._generation_args(payload)
-        key = (input_ids.shape[1], new_tokens)
-        return self._response(await self.batcher.submit(key, {"input_ids": input_ids}))
+        generation = (input_ids.shape[1], new_tokens)
+        return self._response(await self.batcher.submit(generation, {"input_ids": input_ids}))
 
     def _graph_inputs(self, payload: InferenceRequest) -> dict[str, np.ndarray]:
         """Exactly the graph's inputs: names, datatypes, ranks, static sizes, one batch."""

@@ -117,7 +117,9 @@ class LocalServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
+                preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus or set()))
+                if self.cpus
+                else None,
             )
         try:
             self._wait_ready()

@@ -61,9 +61,9 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     if task == "causal-lm":
         metrics |= decode_metrics(reference, candidate, lay, samples, cfg.decode)
     # Absolute bounds hold whatever the baseline; changes vs production are the gate's job.
-    reference = reference_values(metrics)
+    baselines = reference_values(metrics)
     results = [
-        check(t, metrics, reference[t.metric] if t.baseline == "reference" else None)
+        check(t, metrics, baselines[t.metric] if t.baseline == "reference" else None)
         for t in cfg.thresholds
         if t.threshold is not None or t.baseline == "reference"
     ]

@@ -67,7 +67,7 @@ def measure_all(
     cfg = release.loadtest
     local = cfg.target is None
     log = ctx.work / "server.log"
-    server = LocalServer(tree, model, log, cfg.startup_seconds) if local else nullcontext()
+    server: Any = LocalServer(tree, model, log, cfg.startup_seconds) if local else nullcontext()
     results: dict[str, Any] = {"target": "local MLServer" if local else cfg.target.url}
     with server as srv:
         url = srv.url if local else cfg.target.url

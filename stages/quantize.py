@@ -115,7 +115,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
 
 def _info(q: Any, float_nodes: list[str], ranked: list[dict] | None) -> dict[str, Any]:
     why = {
-        r["node"]: f"rank {i + 1} of {len(ranked)} by sensitivity, SNR {r['snr_db']:.1f} dB "
+        r["node"]: f"rank {i + 1} of {len(ranked or [])} by sensitivity, SNR {r['snr_db']:.1f} dB "
         "when quantized alone"
         for i, r in enumerate(ranked or [])
     }

@@ -36,13 +36,6 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def acceptable(report: Any) -> bool:
-    """Passed, or skipped by a stage that is optional for this release (an engine where no
-    GPU is; the report says so). A required stage that skipped is a failure."""
-    status = report.status.value
-    return status == "passed" or (status == "skipped" and report.details.get("optional") is True)
-
-
 def payload(ctx: StageContext) -> dict[str, Path]:
     """Bundle path -> upstream file, for the model, the stage reports and the serving configs.
 
@@ -82,7 +75,7 @@ def _outputs(folder: Path, prefix: str) -> dict[str, Path]:
 
 def run(ctx: StageContext, release: Any) -> StageResult:
     reports = {s: read_report(ctx.upstream(s)) for s in CHECKED}
-    bad = [f"{s}: {r.status.value}" for s, r in reports.items() if not acceptable(r)]
+    bad = [f"{s}: {r.status.value}" for s, r in reports.items() if not r.acceptable()]
     if bad:
         raise StageError(
             NAME,

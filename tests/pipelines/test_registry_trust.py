@@ -452,3 +452,24 @@ def test_s3_registry_publish_promote_rollback_status_through_the_cli(
     assert "tiny-gpt2        production 0.1.0" in cli("status", env=env).stdout
     history = cli("history", env=env).stdout
     assert history.count("promote") == 2 and "rollback" in history
+
+
+def test_a_bundle_whose_report_says_failed_is_neither_published_nor_promoted(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    evil = writable_copy(built_gpt2.out("tiny-gpt2", "bundle"), tmp_path / "evil")
+    report = evil / "reports" / "parity.json"
+    data = json.loads(report.read_text())
+    report.write_text(json.dumps({**data, "status": "failed", "reasons": ["out of tolerance"]}))
+    remanifest(evil)  # consistent with itself: only the verdicts tell
+    assert verify_bundle(evil) == []
+    registry = Registry(str(tmp_path / "registry"))
+    with pytest.raises(RegistryError, match=r"stages that did not pass \(parity: failed"):
+        registry.publish(evil, "tiny-gpt2", "0.1.0")
+    # the same refusal at promote, for a bundle slipped into the registry by hand
+    shutil.copytree(evil, registry.path("releases", "tiny-gpt2", "0.1.0"))
+    digest = json.loads((evil / "manifest.json").read_text())["subject"][0]["digest"]["sha256"]
+    record = {"release": "tiny-gpt2", "version": "0.1.0", "digest": digest}
+    Path(registry.path("releases", "tiny-gpt2", "0.1.0.json")).write_text(json.dumps(record))
+    with pytest.raises(RegistryError, match=r"parity: failed"):
+        registry.promote("tiny-gpt2", "0.1.0", "production", "should fail")
