@@ -16,17 +16,16 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_hashing import ROUNDS, best  # noqa: E402
 
 from pipelines.registry import Registry  # noqa: E402
 from schemas.manifest import FACTS_FILE  # noqa: E402
 from stages._hashing import hash_shards  # noqa: E402
 from stages._oms import build_manifest, write_manifest  # noqa: E402
-
-ROUNDS = 3
 
 
 def make_bundle(folder: Path, size: int) -> Path:
@@ -41,15 +40,6 @@ def make_bundle(folder: Path, size: int) -> Path:
     files = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.is_file()}
     write_manifest(folder / "manifest.json", build_manifest("bench@1.0.0", hash_shards(files)))
     return weights
-
-
-def best(fn) -> float:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:

@@ -123,3 +123,30 @@ def built_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
 
 
 Run = Callable[[str, dict[str, Any]], StageReport]
+
+
+def writable_copy(source: Path, target: Path) -> Path:
+    """A private copy of a (read-only) bundle that a test may tamper with."""
+    shutil.copytree(source, target)
+    for p in target.rglob("*"):
+        p.chmod(0o644 if p.is_file() else 0o755)
+    return target
+
+
+def remanifest(bundle: Path, subject: str = "tiny-gpt2@0.1.0") -> None:
+    """What an attacker with write access does after editing files: a manifest that is
+    consistent with the edited folder."""
+    import json
+
+    from stages._hashing import hash_shards
+    from stages._oms import build_manifest
+
+    files = {
+        p.relative_to(bundle).as_posix(): p
+        for p in bundle.rglob("*")
+        if p.is_file() and p.name not in ("manifest.json", "model.sig")
+    }
+    manifest = build_manifest(subject, hash_shards(files))
+    (bundle / "manifest.json").write_text(
+        json.dumps(manifest.model_dump(mode="json", by_alias=True))
+    )

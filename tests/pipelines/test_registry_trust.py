@@ -20,36 +20,14 @@ from pipelines.gate import gate
 from pipelines.registry import Registry
 from pipelines.signing import sign
 from schemas import RegistryError
-from stages._hashing import hash_shards
-from stages._oms import build_manifest, verify_bundle
-from tests.conftest import Workspace, gpt2_spec
+from stages._oms import verify_bundle
+from tests.conftest import Workspace, gpt2_spec, remanifest, writable_copy
 from tests.pipelines.test_signing import keypair
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
 MOTO = str(Path(sys.executable).with_name("moto_server"))
 ONNX = "serving/triton/tiny-gpt2/1/model.onnx"
 RUNTIME_DIR = "serving/mlserver/tiny-gpt2"
-
-
-def writable_copy(source: Path, target: Path) -> Path:
-    shutil.copytree(source, target)
-    for p in target.rglob("*"):
-        p.chmod(0o644 if p.is_file() else 0o755)
-    return target
-
-
-def remanifest(bundle: Path) -> None:
-    """What an attacker with write access does after editing files: a self-consistent
-    manifest for the edited folder."""
-    files = {
-        p.relative_to(bundle).as_posix(): p
-        for p in bundle.rglob("*")
-        if p.is_file() and p.name not in ("manifest.json", "model.sig")
-    }
-    manifest = build_manifest("tiny-gpt2@0.1.0", hash_shards(files))
-    (bundle / "manifest.json").write_text(
-        json.dumps(manifest.model_dump(mode="json", by_alias=True))
-    )
 
 
 @pytest.fixture

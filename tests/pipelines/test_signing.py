@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from pipelines.signing import Identity, hashing_config, sign, verify_signed
 from schemas import RegistryError
 from stages._oms import build_manifest, load_manifest, verify_bundle
-from tests.conftest import Workspace
+from tests.conftest import Workspace, remanifest, writable_copy
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
 
@@ -42,11 +41,7 @@ def keypair(folder: Path, name: str) -> tuple[Path, Path]:
 
 @pytest.fixture
 def bundle(built_gpt2: Workspace, tmp_path: Path) -> Path:
-    copy = tmp_path / "bundle"
-    shutil.copytree(built_gpt2.out("tiny-gpt2", "bundle"), copy)
-    for p in copy.rglob("*"):
-        p.chmod(0o644 if p.is_file() else 0o755)
-    return copy
+    return writable_copy(built_gpt2.out("tiny-gpt2", "bundle"), tmp_path / "bundle")
 
 
 @pytest.fixture
@@ -128,9 +123,10 @@ def test_a_bundle_signed_by_model_signing_verifies_with_shipyard(bundle, keys) -
         .set_hashing_config(hashing_config())
     )
     config.sign(bundle, bundle / "model.sig")
-    assert verify_signed(bundle, Identity(public_key=keys["public"])) == load_manifest(
-        bundle / "manifest.json"
-    ).digest
+    assert (
+        verify_signed(bundle, Identity(public_key=keys["public"]))
+        == load_manifest(bundle / "manifest.json").digest
+    )
 
 
 def test_verify_refuses_a_signature_by_another_key(bundle, keys) -> None:
@@ -153,17 +149,7 @@ def test_verify_refuses_a_manifest_replaced_after_signing(bundle, keys) -> None:
     data = json.loads(facts.read_text())
     data["evaluation"]["perplexity"] = 1.0  # a better baseline, manifest re-written to match
     facts.write_text(json.dumps(data))
-    from stages._hashing import hash_shards
-
-    files = {
-        p.relative_to(bundle).as_posix(): p
-        for p in bundle.rglob("*")
-        if p.is_file() and p.name not in ("manifest.json", "model.sig")
-    }
-    rewritten = build_manifest("tiny-gpt2@0.1.0", hash_shards(files))
-    (bundle / "manifest.json").write_text(
-        json.dumps(rewritten.model_dump(mode="json", by_alias=True))
-    )
+    remanifest(bundle)
     assert verify_bundle(bundle) == []  # consistent with itself: only the signature tells
     with pytest.raises(RegistryError, match="signature does not verify.*shipyard.json"):
         verify_signed(bundle, Identity(public_key=keys["public"]))

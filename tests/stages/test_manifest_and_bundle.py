@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,17 +12,13 @@ from stages._hashing import hash_range, hash_shards, shard_ranges
 from stages._oms import load_manifest, verify_bundle
 from stages.build_engine import why_unavailable
 from stages.write_manifest import CHECKED
-from tests.conftest import Workspace, gpt2_spec
+from tests.conftest import Workspace, gpt2_spec, writable_copy
 
 
 @pytest.fixture
 def bundle(built_gpt2: Workspace, tmp_path: Path) -> Path:
     """A private copy of the built bundle that a test may tamper with."""
-    copy = tmp_path / "bundle"
-    shutil.copytree(built_gpt2.out("tiny-gpt2", "bundle"), copy)
-    for p in copy.rglob("*"):
-        p.chmod(0o644 if p.is_file() else 0o755)
-    return copy
+    return writable_copy(built_gpt2.out("tiny-gpt2", "bundle"), tmp_path / "bundle")
 
 
 def test_shards_cover_the_file_and_match_hashlib(tmp_path: Path) -> None:
