@@ -31,10 +31,14 @@ def _strip(path: str) -> str:
 
 
 def constant_values(graph: Any) -> dict[str, np.ndarray]:
-    """Initializers and Constant-node outputs by tensor name."""
+    """Initializers and Constant-node outputs by tensor name. An initializer that is also a
+    graph input is only a default the caller may override: not a constant."""
     from onnx import helper, numpy_helper
 
-    values = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    inputs = {i.name for i in graph.input}
+    values = {
+        t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name not in inputs
+    }
     for node in graph.node:
         if node.op_type == "Constant" and node.attribute:
             value = helper.get_attribute_value(node.attribute[0])

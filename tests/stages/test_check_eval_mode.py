@@ -73,3 +73,19 @@ def test_dropout_node_with_constant_false_training_mode_is_inert(tmp_path) -> No
         graph = helper.make_graph([node], "g", [x], [y], initializer=[ratio, mode])
         onnx.save(helper.make_model(graph), tmp_path / "m.onnx")
         assert len(_random_nodes(tmp_path / "m.onnx")) == expected
+
+
+def test_dropout_whose_training_mode_is_a_graph_input_is_flagged(tmp_path) -> None:
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
+    mode_in = helper.make_tensor_value_info("training", onnx.TensorProto.BOOL, [])
+    ratio = helper.make_tensor("ratio", onnx.TensorProto.FLOAT, [], [0.5])
+    default = helper.make_tensor("training", onnx.TensorProto.BOOL, [], [False])
+    node = helper.make_node("Dropout", ["x", "ratio", "training"], ["y"], name="drop")
+    # a plain input, and an input whose initializer is only an overridable default
+    for initializers in ([ratio], [ratio, default]):
+        graph = helper.make_graph([node], "g", [x, mode_in], [y], initializer=initializers)
+        onnx.save(helper.make_model(graph), tmp_path / "m.onnx")
+        [problem] = _random_nodes(tmp_path / "m.onnx")
+        assert problem.startswith("active Dropout at node 'drop'")
+        assert "training_mode is computed at run time" in problem

@@ -196,3 +196,27 @@ def test_jsonl_without_a_tokenizer_is_a_spec_error(tmp_path: Path) -> None:
     spec["quantization"]["calibration"] = {**CALIBRATION, "tokenizer": None}
     with pytest.raises(ValidationError, match="needs `tokenizer`"):
         ReleaseSpec.model_validate(spec)
+
+
+def test_the_calibration_count_is_samples_plus_holdout_at_its_boundary(ws: Workspace) -> None:
+    """31 texts for 24 + 8 fail (more than `samples` alone, so a check of `samples` only
+    would pass them); exactly 32 load, split 24 / 8."""
+
+    from stages import _calibration
+    from stages import _model as m
+
+    texts = [json.dumps({"text": f"def f{i}(x): return x + {i}"}) for i in range(32)]
+    reason = calibration_error(ws, path=write_jsonl(ws, texts[:31]))
+    assert reason.startswith(
+        "quantization.calibration.path data/custom.jsonl has 31 sample(s); "
+        "samples + holdout need 32"
+    )
+    write_jsonl(ws, texts)
+    spec = ws.spec(quant_spec(method="int8-dynamic"))
+    cfg = spec.quantization.calibration.model_copy(update={"path": "data/custom.jsonl"})
+    info = json.loads((ws.out("tiny-gpt2", "export") / "model_info.json").read_text())
+    lay = m.layout_from_info(info)
+    samples = _calibration.load(
+        "quantize", ws.root, cfg, spec.task, lay, spec.export.dims, info["arch"]["vocab"]
+    )
+    assert (len(samples.calibration), len(samples.holdout)) == (24, 8)

@@ -254,3 +254,21 @@ _body = st.fixed_dictionaries(
 def test_generated_requests_never_get_a_500(server: str, body: dict[str, Any]) -> None:
     status, text = asyncio.run(post(server, body))
     assert status < 500 or status in (503, 504), (status, text)
+
+
+def test_prompt_and_past_limits_each_hold_exactly_at_their_boundary(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    """Each limit alone: the past limit lifted to test the prompt's, then the real one."""
+    tree = tree_with(built_gpt2, tmp_path / "tree", max_past_tokens=1000, max_context_length=2000)
+    with LocalServer(tree, "tiny-gpt2", tmp_path / "log", 60) as srv:
+        at = asyncio.run(post(srv.url, ids([1] * 64, [1, 64], max_new_tokens=1)))
+        past = asyncio.run(post(srv.url, ids([1] * 65, [1, 65], max_new_tokens=1)))
+    assert at[0] == 200, at
+    assert past[0] == 400 and "prompt of 65 tokens exceeds the exported maximum 64" in past[1]
+    tree = tree_with(built_gpt2, tmp_path / "tree2")  # past_sequence max is 24 here
+    with LocalServer(tree, "tiny-gpt2", tmp_path / "log2", 60) as srv:
+        at = asyncio.run(post(srv.url, ids([1] * 20, [1, 20], max_new_tokens=6)))
+        past = asyncio.run(post(srv.url, ids([1] * 20, [1, 20], max_new_tokens=7)))
+    assert at[0] == 200, at  # a past of 20 + 6 - 2 = 24: exactly the maximum
+    assert past[0] == 400 and "needs a past of 25 tokens" in past[1]
