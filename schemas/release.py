@@ -134,7 +134,10 @@ PositiveBytes = Annotated[ByteSize, AfterValidator(_positive_bytes)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=MAX_STR)
+    # .inf and .nan are valid YAML floats; no limit, tolerance or size of ours means either.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, str_max_length=MAX_STR, allow_inf_nan=False
+    )
 
 
 # ----------------------------------------------------------------------------- model

@@ -318,3 +318,10 @@ def test_the_spec_rules_document_is_generated_from_the_schema() -> None:
     )
     assert "| `bundle.serving.port` | integer | >= 1; <= 65533 |" in text
     assert "Engine profile names are unique" in text
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_infinite_or_nan_numbers_are_refused(root: Path, value: str) -> None:
+    text = example().replace("  tolerance: {atol: 1.0e-4,", f"  tolerance: {{atol: {value},")
+    [problem] = refuse(write(root, text))
+    assert ": parity.tolerance.atol: " in problem and "finite number" in problem
