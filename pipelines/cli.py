@@ -339,7 +339,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _record_imports(target: Path) -> None:
+    """Write which of our modules this process loaded (the dependency test reads it)."""
+    root = Path(__file__).resolve().parents[1]
+    files = set()
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.split(".")[0] in ("schemas", "stages", "pipelines") and path:
+            files.add(Path(path).resolve().relative_to(root).as_posix())
+    target.write_text("\n".join(sorted(files)) + "\n", encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
+    import atexit
+    import os
+
+    record = os.environ.get("SHIPYARD_RECORD_IMPORTS")
+    if record:
+        atexit.register(_record_imports, Path(record))
     args = parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

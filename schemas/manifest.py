@@ -30,9 +30,6 @@ MANIFEST_FILE = "manifest.json"
 SIGNATURE_FILE = "model.sig"
 FACTS_FILE = "shipyard.json"
 BUNDLE_UNHASHED = (MANIFEST_FILE, SIGNATURE_FILE)
-# The single copy of the ONNX model in a bundle: Triton's version folder (Triton needs it
-# there); serving.yaml and the MLServer settings point at the same file.
-MODEL_DIR = "serving/triton/{release}/1"
 
 
 def algorithm_label(shard_size: int) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 # Characters YAML treats as line breaks or refuses; they must be escaped inside quotes.
-_YAML_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff\ud800-\udfff\"\\\\]")
+_YAML_UNSAFE = re.compile('[\x00-\x1f\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff\ud800-\udfff"\\\\]')
 _MD_ALWAYS = set("\\`*_[]<>|~&#")
 _MD_LINE_START = set("-+=")
 _MD_ORDERED = re.compile(r"^(\d{1,9})([.)])")

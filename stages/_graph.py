@@ -36,9 +36,7 @@ def constant_values(graph: Any) -> dict[str, np.ndarray]:
     from onnx import helper, numpy_helper
 
     inputs = {i.name for i in graph.input}
-    values = {
-        t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name not in inputs
-    }
+    values = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name not in inputs}
     for node in graph.node:
         if node.op_type == "Constant" and node.attribute:
             value = helper.get_attribute_value(node.attribute[0])

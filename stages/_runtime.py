@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schemas import ReleaseSpec, StageError, StageReport, StageStatus
+from schemas import StageError, StageReport, StageStatus
 
 ALWAYS_VISIBLE = ("name",)
 # Stages whose output folder ships as it is (the bundle): their report lives in a folder
@@ -26,8 +26,15 @@ def report_dir(build: Path, stage: str) -> Path:
     """The folder holding `report.json` of `stage` in a release's build folder."""
     return build / (f"{stage}-report" if stage in REPORT_APART else stage)
 
+
 # Every stage runs these (the runner, the spec defaults), so every stage depends on them.
-COMMON_CODE = ("stages/__init__.py", "stages/_runtime.py", "schemas/release.py")
+# (The stage module's own imports are derived from the code: pipelines/closure.py.)
+COMMON_CODE = (
+    "stages/__init__.py",
+    "stages/_runtime.py",
+    "schemas/release.py",
+    "schemas/loader.py",
+)
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,8 @@ class StageIO:
     params:   top-level spec sections the stage reads (its DVC `params:`; nothing else is visible)
     upstream: upstream artifacts as `stage` (whole output folder) or `stage/file`
     reads_model: the stage loads the checkpoint, so the model files are dependencies
-    code:     helper files of ours it runs, besides COMMON_CODE and the stage module
+    code:     files it reads that are not Python modules (templates, the runtime it ships);
+              the Python modules it imports are derived from the code (pipelines/closure.py)
     data:     (slot, path) data files from the spec, e.g. the calibration set; None = unused
     """
 
@@ -83,22 +91,29 @@ class SpecView:
     """The release spec as a stage sees it: only the sections its StageIO declares.
 
     Reading an undeclared section is a bug (DVC would not rerun the stage when it changes),
-    so it raises at once instead of silently working.
+    so it raises at once instead of silently working. A dotted param (`bundle.serving`)
+    declares one sub-section: the stage then sees `release.bundle.serving` and nothing else
+    of `bundle`, and DVC reruns it only when that sub-section changes.
     """
 
-    def __init__(self, spec: ReleaseSpec, sections: Iterable[str]) -> None:
+    def __init__(self, spec: Any, sections: Iterable[str], prefix: str = "") -> None:
         self._spec = spec
-        self._allowed = frozenset(sections) | frozenset(ALWAYS_VISIBLE)
+        self._prefix = prefix
+        declared = frozenset(sections) | (frozenset(ALWAYS_VISIBLE) if not prefix else frozenset())
+        self._allowed = declared
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        if name not in self._allowed:
-            raise AttributeError(
-                f"stage reads spec section {name!r} without declaring it in io().params "
-                f"(declared: {sorted(self._allowed)})"
-            )
-        return getattr(self._spec, name)
+        if name in self._allowed:
+            return getattr(self._spec, name)
+        nested = [s.split(".", 1)[1] for s in self._allowed if s.startswith(name + ".")]
+        if nested:
+            return SpecView(getattr(self._spec, name), nested, f"{self._prefix}{name}.")
+        raise AttributeError(
+            f"stage reads spec section {self._prefix + name!r} without declaring it in "
+            f"io().params (declared: {sorted(self._prefix + s for s in self._allowed)})"
+        )
 
 
 @dataclass

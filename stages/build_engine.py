@@ -20,26 +20,20 @@ from stages._model import axis_size
 from stages._runtime import StageContext, StageIO, StageResult, write_json
 
 NAME = "engine"
+TRT_TEMPLATE = "triton_trt_config.pbtxt.j2"
 BOUNDS = ("min", "opt", "max")
 
 
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
-        params=("task", "export", "parity", "quantization", "engine", "bundle"),
+        params=("task", "export", "parity", "quantization.method", "engine", "bundle.serving"),
         upstream=(
             "export/model_info.json",
             "export/model.onnx",
             "quantize/model.onnx",
             "plan/plan.json",
         ),
-        code=(
-            "stages/_tensorrt.py",
-            "stages/_cuda_graphs.py",
-            "stages/_model.py",
-            "stages/render_serving.py",
-            "stages/_escape.py",
-            "stages/templates",
-        ),
+        code=(f"stages/templates/{TRT_TEMPLATE}",),  # the only template it renders
     )
 
 
@@ -262,7 +256,7 @@ def render_trt_triton(work: Path, release: str, values: dict[str, Any]) -> Path:
 
     context = {"model_name": f"{release}-trt", "release": release, "trt": values}
     out = f"{trt_model_dir(release)}/config.pbtxt"
-    [path] = render_serving.render(work, {out: "triton_trt_config.pbtxt.j2"}, context)
+    [path] = render_serving.render(work, {out: TRT_TEMPLATE}, context)
     try:
         config = render_serving.parse_triton(path.read_text())
     except ValueError as exc:

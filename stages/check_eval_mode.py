@@ -28,7 +28,6 @@ def io(release: ReleaseSpec) -> StageIO:
         params=("model", "task", "export"),
         upstream=("export/model.onnx",),
         reads_model=True,
-        code=("stages/_model.py", "stages/_graph.py"),
     )
 
 

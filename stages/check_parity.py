@@ -21,7 +21,6 @@ def io(release: ReleaseSpec) -> StageIO:
         params=("model", "task", "export", "parity"),
         upstream=("export/model.onnx",),
         reads_model=True,
-        code=("stages/_model.py", "stages/_graph.py", "stages/_compare.py"),
     )
 
 

@@ -25,12 +25,6 @@ def io(release: ReleaseSpec) -> StageIO:
         upstream=("quantize/model.onnx", "export/model_info.json"),
         reads_model=True,
         data=(("dataset", data.path), ("dataset_tokenizer", data.tokenizer)),
-        code=(
-            "stages/_model.py",
-            "stages/_calibration.py",
-            "stages/_accuracy.py",
-            "stages/_hashing.py",
-        ),
     )
 
 

@@ -21,7 +21,6 @@ def io(release: ReleaseSpec) -> StageIO:
         params=("model", "task", "export"),
         upstream=("pin/lock.json",),
         reads_model=True,
-        code=("stages/_model.py",),
     )
 
 

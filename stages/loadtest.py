@@ -26,14 +26,6 @@ def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("task", "loadtest", "capacity"),
         upstream=("export/model_info.json", "quantize/model.onnx", "serve"),
-        code=(
-            "stages/_loadgen.py",
-            "stages/_load_phases.py",
-            "stages/_model.py",
-            "stages/_slo.py",
-            "stages/_server.py",
-            "stages/_plots.py",
-        ),
     )
 
 

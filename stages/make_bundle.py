@@ -26,17 +26,9 @@ RENDERED = {"MODEL_CARD.md": "MODEL_CARD.md.j2"}
 
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
-        params=("version", "task", "bundle"),
+        params=("version", "task", "bundle.model_card"),
         upstream=(*wm.CHECKED, "manifest"),
-        code=(
-            "stages/write_manifest.py",
-            "stages/_hashing.py",
-            "stages/_oms.py",
-            "schemas/manifest.py",
-            "stages/render_serving.py",
-            "stages/_escape.py",
-            "stages/templates/MODEL_CARD.md.j2",
-        ),
+        code=("stages/templates/MODEL_CARD.md.j2",),
     )
 
 
@@ -87,7 +79,6 @@ def render(
         "release": ctx.release,
         "version": release.version,
         "task": release.task,
-        "ort": release.bundle.ort_session.model_dump(),
         "info": info,
         "card": release.bundle.model_card.model_dump(),
         "stages": facts["stages"],

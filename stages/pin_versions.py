@@ -33,7 +33,7 @@ def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("pins", "model"),
         reads_model=True,
-        code=("stages/_model.py", "stages/_hashing.py", "pyproject.toml"),
+        code=("pyproject.toml",),
     )
 
 

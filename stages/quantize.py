@@ -35,14 +35,6 @@ def io(release: ReleaseSpec) -> StageIO:
             ("calibration", cal.path if cal else None),
             ("tokenizer", cal.tokenizer if cal else None),
         ),
-        code=(
-            "stages/_model.py",
-            "stages/_graph.py",
-            "stages/_calibration.py",
-            "stages/_accuracy.py",
-            "stages/_quantizers.py",
-            "stages/_hashing.py",
-        ),
     )
 
 

@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 
 from schemas import ReleaseSpec, StageError
-from schemas.manifest import MODEL_DIR
 from stages._escape import FILTERS
+from stages._layout import MODEL_DIR
 from stages._model import axis_size
 from stages._runtime import StageContext, StageIO, StageResult
 
@@ -51,14 +51,12 @@ def rendered(release: str) -> dict[str, str]:
 
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
-        params=("version", "task", "bundle"),
+        params=("version", "task", "bundle.serving", "bundle.ort_session"),
         upstream=("export/model_info.json", "quantize/quant_info.json", "plan/plan.json"),
+        # the templates it renders (named once, in rendered()) and the runtime it ships
         code=(
-            "stages/templates",
+            *sorted({f"stages/templates/{t}" for t in rendered(release.name).values()}),
             "stages/_mlserver_runtime.py",
-            "stages/_model.py",
-            "schemas/manifest.py",
-            "stages/_escape.py",
         ),
     )
 

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from schemas.manifest import FACTS_FILE, MANIFEST_FILE, MODEL_DIR
+from schemas.manifest import FACTS_FILE, MANIFEST_FILE
 from stages._hashing import hash_shards
+from stages._layout import MODEL_DIR
 from stages._oms import build_manifest, empty_files, write_manifest
 from stages._runtime import StageContext, StageIO, StageResult, read_report, write_json
 
@@ -32,7 +33,6 @@ def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("version", "task"),
         upstream=CHECKED,
-        code=("stages/_hashing.py", "stages/_oms.py", "schemas/manifest.py"),
     )
 
 

@@ -86,3 +86,25 @@ def test_editing_a_code_comment_in_export_reruns_export_but_not_its_dependants(c
     code.write_text(code.read_text() + "\n# a comment changes the code hash, not the ONNX bytes\n")
     done = sh(["dvc", "repro", "bundle@tiny-gpt2"], clone)
     assert ran(done.stdout) == ["export"]
+
+
+def test_editing_the_model_card_text_reruns_only_the_bundle(clone: Path) -> None:
+    spec = clone / "releases" / "tiny-gpt2.yaml"
+    text = spec.read_text()
+    assert "    description: Tiny 2-layer GPT-2" in text
+    spec.write_text(
+        text.replace("    description: Tiny 2-layer GPT-2", "    description: A tiny GPT-2")
+    )
+    done = sh(["dvc", "repro", "bundle@tiny-gpt2"], clone)
+    assert ran(done.stdout) == ["bundle"]  # engine and serve read only bundle.serving (etc.)
+    template = clone / "stages" / "templates" / "MODEL_CARD.md.j2"
+    template.write_text(template.read_text() + "\n")
+    assert ran(sh(["dvc", "repro", "bundle@tiny-gpt2"], clone).stdout) == ["bundle"]
+
+
+def test_editing_the_manifest_schema_reruns_manifest_and_bundle_only(clone: Path) -> None:
+    code = clone / "schemas" / "manifest.py"
+    code.write_text(code.read_text() + "\n# derived dependencies: only its importers rerun\n")
+    done = sh(["dvc", "repro", "bundle@tiny-gpt2"], clone)
+    assert ran(done.stdout) == ["manifest", "bundle"]
+    sh(["shipyard", "verify", "build/tiny-gpt2/bundle"], clone)

@@ -34,7 +34,11 @@ def test_every_stage_declares_params_that_exist_in_the_spec(ws: Workspace) -> No
     spec = ws.spec(gpt2_spec())
     for name, module in stages.load_stages().items():
         io = module.io(spec)
-        assert all(hasattr(spec, p) for p in io.params), name
+        for param in io.params:  # dotted params name sub-sections
+            node = spec
+            for part in param.split("."):
+                assert hasattr(node, part), (name, param)
+                node = getattr(node, part)
         assert all((REPO / c).exists() for c in io.code), name
 
 
@@ -43,6 +47,13 @@ def test_spec_view_refuses_an_undeclared_section(ws: Workspace) -> None:
     assert view.export.opset == 18
     with pytest.raises(AttributeError, match="without declaring it in io"):
         _ = view.parity
+
+
+def test_a_dotted_param_shows_only_that_sub_section(ws: Workspace) -> None:
+    view = SpecView(ws.spec(gpt2_spec()), ["bundle.serving", "task"])
+    assert view.bundle.serving.port == 8000 and view.task == "causal-lm"
+    with pytest.raises(AttributeError, match="reads spec section 'bundle.model_card' without"):
+        _ = view.bundle.model_card
 
 
 def test_failed_stage_leaves_only_its_report(ws: Workspace) -> None:
