@@ -10,7 +10,7 @@ from typing import Any
 from schemas import RegistryError, ReleaseSpec, StageReport
 from stages import load_stages
 from stages._runtime import report_dir
-from stages.evaluate import check, has_change
+from stages._thresholds import check, has_change
 
 
 @dataclass

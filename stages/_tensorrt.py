@@ -41,13 +41,13 @@ def build_and_check(
         shared.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(local, tmp)
         os.replace(tmp, shared)
-    from stages import build_engine
+    from stages import _triton_trt as trt_entry
 
     capability, gpu = device_facts()
-    plan_name = build_engine.plan_name(capability)
+    plan_name = trt_entry.plan_name(capability)
     # The plan lives once, in the TensorRT Triton entry's version folder, where Triton
     # loads it from (cc_model_filenames name files inside the version folder).
-    model_dir = ctx.work / build_engine.trt_model_dir(ctx.release)
+    model_dir = ctx.work / trt_entry.trt_model_dir(ctx.release)
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     (model_dir / "1" / plan_name).write_bytes(plan)
     # The same comparator and settings as the parity stage (per-output tolerances, statistic);
@@ -67,14 +67,14 @@ def build_and_check(
         cuda_graphs=graphs,
     )
     render_triton(ctx, release, profiles, capability)
-    layout = build_engine.check_trt_layout(model_dir)
+    layout = trt_entry.check_trt_layout(model_dir)
     if layout:
         raise StageError(
             "engine",
             f"the TensorRT Triton entry is not loadable: {'; '.join(layout)}",
             "fix triton_trt_values / the template so every named file is in version 1",
         )
-    details["plan"] = f"{build_engine.trt_model_dir(ctx.release)}/1/{plan_name}"
+    details["plan"] = f"{trt_entry.trt_model_dir(ctx.release)}/1/{plan_name}"
     write_json(ctx.work / "engine.json", details)
     bad = [p["why"] for p in parity if not p["ok"]] + [g["why"] for g in graphs if not g["ok"]]
     summary = (
@@ -314,10 +314,10 @@ def render_triton(
 ) -> None:
     import json
 
-    from stages import build_engine
+    from stages import _triton_trt as trt_entry
 
     plan_batch = json.loads((ctx.upstream("plan") / "plan.json").read_text())["batch"]
-    values = build_engine.triton_trt_values(
+    values = trt_entry.triton_trt_values(
         profiles,
         release.bundle.serving,
         plan_batch,
@@ -325,4 +325,4 @@ def render_triton(
         capability,
         portable=release.engine.hardware_compatibility != "none",
     )
-    build_engine.render_trt_triton(ctx.work, ctx.release, values)
+    trt_entry.render_trt_triton(ctx.work, ctx.release, values)

@@ -13,6 +13,7 @@ from stages import _accuracy as acc
 from stages import _calibration as calib
 from stages import _model as m
 from stages._runtime import StageContext, StageIO, StageResult
+from stages._thresholds import check, has_change  # noqa: F401
 
 NAME = "evaluate"
 Run = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
@@ -132,40 +133,3 @@ def decode_metrics(
         "greedy_exact_match": exact / len(prompts),
         "greedy_token_match": same / (len(prompts) * cfg.tokens),
     }
-
-
-def check(
-    t: Any, metrics: dict[str, float], baseline: float | None, absolute: bool = True
-) -> dict[str, Any]:
-    """MLflow MetricThreshold semantics: an absolute bound (when `absolute`) and the
-    min absolute / relative change vs `baseline` (when given)."""
-    value, up = metrics[t.metric], t.greater_is_better
-    problems = []
-    if (
-        absolute
-        and t.threshold is not None
-        and (value < t.threshold if up else value > t.threshold)
-    ):
-        problems.append(f"{value:.4g} {'<' if up else '>'} threshold {t.threshold:g}")
-    for kind, change in (("absolute", t.min_absolute_change), ("relative", t.min_relative_change)):
-        if change is None or baseline is None:
-            continue
-        delta = change if kind == "absolute" else change * abs(baseline)
-        bound = baseline + delta if up else baseline - delta
-        if value < bound if up else value > bound:
-            problems.append(
-                f"needs {'>=' if up else '<='} {bound:.4g} (min_{kind}_change {change:g})"
-            )
-    shown = f"{value:.4g}" + (f" vs {t.baseline} {baseline:.4g}" if baseline is not None else "")
-    return {
-        "metric": t.metric,
-        "baseline": t.baseline,
-        "value": value,
-        "baseline_value": baseline,
-        "ok": not problems,
-        "message": f"{t.metric} {shown}: " + ("; ".join(problems) or "holds"),
-    }
-
-
-def has_change(t: Any) -> bool:
-    return t.min_absolute_change is not None or t.min_relative_change is not None

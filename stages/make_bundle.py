@@ -8,7 +8,7 @@ from typing import Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.manifest import FACTS_FILE, MANIFEST_FILE, Manifest
-from stages import write_manifest as wm
+from stages._bundle_files import CHECKED, payload
 from stages._hashing import hash_shards
 from stages._oms import build_manifest, load_manifest, read_facts, verify_bundle, write_manifest
 from stages._runtime import (
@@ -27,14 +27,14 @@ RENDERED = {"MODEL_CARD.md": "MODEL_CARD.md.j2"}
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("version", "task", "bundle.model_card"),
-        upstream=(*wm.CHECKED, "manifest"),
+        upstream=(*CHECKED, "manifest"),
         code=("stages/templates/MODEL_CARD.md.j2",),
     )
 
 
 def run(ctx: StageContext, release: Any) -> StageResult:
     content = load_manifest(ctx.upstream("manifest") / MANIFEST_FILE)
-    for name, source in wm.payload(ctx).items():
+    for name, source in payload(ctx).items():
         link_or_copy(source, ctx.work / name)
     link_or_copy(ctx.upstream("manifest") / FACTS_FILE, ctx.work / FACTS_FILE)
     facts = read_facts(ctx.work)
@@ -72,7 +72,7 @@ def render(
     content: Manifest,
     facts: dict[str, Any],
 ) -> list[str]:
-    from stages.render_serving import render as render_templates
+    from stages._render import render as render_templates
 
     context = {
         **values,
@@ -87,5 +87,5 @@ def render(
         "content_digest": content.digest,
         "quant": facts["quantization"],
     }
-    render_templates(ctx.work, RENDERED, context, trim=False)
+    render_templates(ctx.work, RENDERED, context, trim=False, stage=NAME)
     return list(RENDERED)

@@ -18,13 +18,12 @@ from typing import Any
 import yaml
 
 from schemas import ReleaseSpec, StageError
-from stages._escape import FILTERS
 from stages._layout import MODEL_DIR
 from stages._model import axis_size
+from stages._render import parse_triton, render
 from stages._runtime import StageContext, StageIO, StageResult
 
 NAME = "serve"
-TEMPLATES = Path(__file__).parent / "templates"
 RUNTIME = Path(__file__).parent / "_mlserver_runtime.py"  # ships as shipyard_runtime.py
 TRITON_TYPES = {
     "float32": "TYPE_FP32",
@@ -177,38 +176,6 @@ def triton_values(info: dict[str, Any], values: dict[str, Any]) -> dict[str, Any
     }
 
 
-def render(
-    work: Path, outputs: dict[str, str], context: dict[str, Any], trim: bool = True
-) -> list[Path]:
-    """Render each template in a sandbox; an undefined variable is an error, not ''."""
-    from jinja2 import FileSystemLoader, StrictUndefined, TemplateError
-    from jinja2.sandbox import SandboxedEnvironment
-
-    env = SandboxedEnvironment(
-        loader=FileSystemLoader(TEMPLATES),
-        undefined=StrictUndefined,
-        keep_trailing_newline=True,
-        trim_blocks=trim,
-        autoescape=False,
-    )
-    env.filters.update(FILTERS)  # every value goes through its format's escaping
-    paths = []
-    for out, template in outputs.items():
-        try:
-            text = env.get_template(template).render(context)
-        except TemplateError as exc:
-            raise StageError(
-                NAME,
-                f"template stages/templates/{template} does not render: {exc}",
-                "fix the template or the value it names",
-            ) from None
-        path = work / out
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        paths.append(path)
-    return paths
-
-
 def parse_back(path: Path, info: dict[str, Any], values: dict[str, Any]) -> None:
     """A rendered config must parse (and, for Triton, agree with the export and the plan)."""
     text = path.read_text(encoding="utf-8")
@@ -229,17 +196,6 @@ def parse_back(path: Path, info: dict[str, Any], values: dict[str, Any]) -> None
             f"rendered {path.name} is not valid: {exc}",
             "fix the template in stages/templates/ that produced it",
         ) from None
-
-
-def parse_triton(text: str) -> Any:
-    """Parse with Triton's own ModelConfig protobuf; text_format errors carry line:col."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    try:
-        return text_format.Parse(text, model_config_pb2.ModelConfig())
-    except text_format.ParseError as exc:
-        raise ValueError(f"Triton's model_config.proto rejects it at {exc}") from None
 
 
 def check_triton(config: Any, info: dict[str, Any], values: dict[str, Any]) -> None:

@@ -1,0 +1,62 @@
+"""Which upstream files go into a bundle, under which names: shared by the manifest stage
+(which hashes them) and the bundle stage (which assembles them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stages._layout import MODEL_DIR
+from stages._runtime import StageContext
+
+NOT_SHIPPED = ("server.log", ".lock")
+
+
+CHECKED = (
+    "pin",
+    "export",
+    "evalcheck",
+    "parity",
+    "quantize",
+    "evaluate",
+    "plan",
+    "engine",
+    "serve",
+    "loadtest",
+)
+
+
+def payload(ctx: StageContext) -> dict[str, Path]:
+    """Bundle path -> upstream file, for the model, the stage reports and the serving configs.
+
+    The ONNX model is stored once, inside Triton's version folder (Triton needs it there;
+    serving.yaml and MLServer point at the same file). The load-test server log stays in the
+    build folder: it is a diagnostic, not something a deployment needs.
+    """
+    quantized = ctx.upstream("quantize")
+    files = {
+        f"{MODEL_DIR.format(release=ctx.release)}/{p.name}": p
+        for p in sorted(quantized.glob("model.onnx*"))
+    }
+    files["model/model_info.json"] = ctx.upstream("export") / "model_info.json"
+    files["model/quant_info.json"] = quantized / "quant_info.json"
+    for stage in CHECKED:
+        files[f"reports/{stage}.json"] = ctx.upstream(stage) / "report.json"
+    files.update(_outputs(ctx.upstream("serve"), ""))
+    engine = ctx.upstream("engine")
+    files.update(
+        {k: v for k, v in _outputs(engine, "").items() if k.startswith("serving/")}
+        | {f"engine/{p.name}": p for p in sorted(engine.glob("*")) if p.is_file()}
+    )
+    files.pop("engine/report.json", None)
+    loadtest = _outputs(ctx.upstream("loadtest"), "reports/loadtest/")
+    files.update({k: v for k, v in loadtest.items() if not k.endswith(NOT_SHIPPED)})
+    return files
+
+
+def _outputs(folder: Path, prefix: str) -> dict[str, Path]:
+    """Every file a stage wrote but its report (which goes under reports/)."""
+    return {
+        prefix + p.relative_to(folder).as_posix(): p
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "report.json"
+    }
