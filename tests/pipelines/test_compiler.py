@@ -32,11 +32,11 @@ def test_each_stage_params_name_only_its_own_sections() -> None:
         "quantize": ["task", "export", "quantization"],
         "evaluate": ["model", "task", "export", "evaluation"],
         "plan": ["task", "export", "capacity"],
-        "engine": ["task", "export", "parity", "quantization", "engine", "bundle"],
-        "serve": ["version", "task", "bundle"],
+        "engine": ["task", "export", "parity", "quantization.method", "engine", "bundle.serving"],
+        "serve": ["version", "task", "bundle.serving", "bundle.ort_session"],
         "loadtest": ["task", "loadtest", "capacity"],
         "manifest": ["version", "task"],
-        "bundle": ["version", "task", "bundle"],
+        "bundle": ["version", "task", "bundle.model_card"],
     }
 
 
