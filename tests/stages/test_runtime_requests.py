@@ -272,3 +272,68 @@ def test_prompt_and_past_limits_each_hold_exactly_at_their_boundary(
         past = asyncio.run(post(srv.url, ids([1] * 20, [1, 20], max_new_tokens=7)))
     assert at[0] == 200, at  # a past of 20 + 6 - 2 = 24: exactly the maximum
     assert past[0] == 400 and "needs a past of 25 tokens" in past[1]
+
+
+@pytest.fixture(scope="module")
+def generic_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A served generic release (a trap model taking x FP32 [batch, 4, 8])."""
+    from tests.conftest import generic_spec
+
+    ws = Workspace(tmp_path_factory.mktemp("generic"))
+    spec = generic_spec("small", "small")
+    for stage in ("pin", "export", "quantize", "plan", "serve"):
+        assert ws.run(stage, spec).status.value == "passed", stage
+    tree = ws.root / "tree"
+    assemble(
+        tree, sorted(ws.out("small", "quantize").glob("model.onnx*")), ws.out("small", "serve")
+    )
+    with LocalServer(tree, "small", ws.root / "log", 60) as srv:
+        yield srv.url
+
+
+async def post_to(url: str, model: str, body: Any) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"{url}/v2/models/{model}/infer",
+            data=json.dumps(body),
+            headers={"content-type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=60),
+        ) as resp,
+    ):
+        return resp.status, await resp.text()
+
+
+def x(rows: int, datatype: str = "FP32", name: str = "x", cols: int = 8) -> dict[str, Any]:
+    data = [0.5] * (rows * 4 * cols)
+    return {"name": name, "shape": [rows, 4, cols], "datatype": datatype, "data": data}
+
+
+GENERIC_BAD = [
+    ("20,000 rows", {"inputs": [x(20_000)]}, "batch 20000 is outside [1, 4]"),
+    ("one row past the max", {"inputs": [x(5)]}, "batch 5 is outside [1, 4]"),
+    ("zero rows", {"inputs": [x(0)]}, "batch 0 is outside [1, 4]"),
+    ("wrong name", {"inputs": [x(1, name="y")]}, "inputs must be exactly ['x']"),
+    ("extra input", {"inputs": [x(1), x(1, name="z")]}, "inputs must be exactly ['x']"),
+    (
+        "wrong dtype",
+        {"inputs": [{**x(1), "datatype": "INT64", "data": [1] * 32}]},
+        "must be FP32; got INT64",
+    ),
+    ("static axis wrong", {"inputs": [x(1, cols=9)]}, "axis 2 must be 8; got 9"),
+    ("strings as numbers", {"inputs": [{**x(1), "data": ["a"] * 32}]}, "FP32 needs numbers"),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "reason"), GENERIC_BAD, ids=[c[0] for c in GENERIC_BAD])
+def test_a_generic_release_checks_names_dtypes_shapes_and_the_batch(
+    generic_server: str, case: str, body: dict[str, Any], reason: str
+) -> None:
+    status, text = asyncio.run(post_to(generic_server, "small", body))
+    assert status == 400 and reason in text, (case, status, text)
+
+
+def test_a_generic_release_serves_exactly_its_max_batch(generic_server: str) -> None:
+    status, text = asyncio.run(post_to(generic_server, "small", {"inputs": [x(4)]}))
+    assert status == 200, text
+    assert json.loads(text)["outputs"][0]["shape"][0] == 4  # every row answered
