@@ -53,7 +53,9 @@ def compile_dvc(root: Path) -> str:
         slots = _model_slots(releases) if io.reads_model else 0
         items = {spec.name: _item(root, path, spec, slots) for path, spec in releases}
         data = _data_slots(items, ios)
-        stages[name] = {"foreach": items, "do": _template(name, module, io, slots, data)}
+        texts = [yaml.safe_load(path.read_text(encoding="utf-8")) for path, _ in releases]
+        params = _params(io, texts)
+        stages[name] = {"foreach": items, "do": _template(name, module, io, slots, data, params)}
     body = yaml.safe_dump({"stages": stages}, sort_keys=False, default_flow_style=False, width=100)
     return HEADER + str(body)
 
@@ -89,7 +91,30 @@ def _data_slots(items: dict[str, dict[str, str]], ios: dict[str, StageIO]) -> li
     return used
 
 
-def _template(name: str, module: Any, io: Any, slots: int, data: list[str]) -> dict[str, Any]:
+def _params(io: StageIO, texts: list[dict[str, Any]]) -> list[str]:
+    """The stage's params; a dotted sub-section that some release spec leaves out (it takes
+    its defaults) falls back to its section: DVC refuses a params key absent from the file,
+    and a coarser dependency only reruns more, never less."""
+    out: list[str] = []
+    for param in io.params:
+        if "." in param and not all(_present(t, param) for t in texts):
+            param = param.split(".", 1)[0]
+        if param not in out:
+            out.append(param)
+    return [p for p in out if "." not in p or p.split(".", 1)[0] not in out]
+
+
+def _present(data: Any, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def _template(
+    name: str, module: Any, io: Any, slots: int, data: list[str], params: list[str]
+) -> dict[str, Any]:
     source = f"stages/{module.__name__.rsplit('.', 1)[1]}.py"
     code = [*COMMON_CODE, *io.code]
     code += [p for p in import_closure(Path(_ROOT), source) if p not in code]
@@ -99,7 +124,7 @@ def _template(name: str, module: Any, io: Any, slots: int, data: list[str]) -> d
     return {
         "cmd": f"shipyard run-stage {name} --release ${{item.spec}}",
         "deps": deps,
-        "params": [{"${item.spec}": list(io.params)}],
+        "params": [{"${item.spec}": params}],
         "outs": [
             f"build/${{key}}/{p}" for p in dict.fromkeys((name, report_dir(Path(), name).name))
         ],

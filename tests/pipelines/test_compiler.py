@@ -94,3 +94,15 @@ def test_compile_reports_every_bad_release_together(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
         compiler.compile_dvc(tmp_path)
     assert [p.split(":")[0] for p in info.value.problems] == ["releases/a.yaml", "releases/b.yaml"]
+
+
+def test_a_sub_section_a_release_leaves_out_falls_back_to_its_section() -> None:
+    from pipelines.compiler import _params
+    from stages._runtime import StageIO
+
+    io = StageIO(params=("task", "bundle.serving", "bundle.ort_session"))
+    full = {"task": "x", "bundle": {"serving": {}, "ort_session": {}}}
+    partial = {"task": "x", "bundle": {"serving": {}}}  # ort_session takes its defaults
+    assert _params(io, [full]) == ["task", "bundle.serving", "bundle.ort_session"]
+    # DVC refuses a params key absent from the file: the whole section, and nothing twice
+    assert _params(io, [full, partial]) == ["task", "bundle"]

@@ -51,10 +51,12 @@ def test_a_malformed_template_variable_is_refused_at_render(
     built_gpt2: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     templates = tmp_path / "templates"
-    shutil.copytree(render_serving.TEMPLATES, templates)
+    from stages import _render
+
+    shutil.copytree(_render.TEMPLATES, templates)
     broken = templates / "triton_config.pbtxt.j2"
     broken.write_text(broken.read_text().replace("triton.max_batch_size", "triton.max_batch"))
-    monkeypatch.setattr(render_serving, "TEMPLATES", templates)
+    monkeypatch.setattr(_render, "TEMPLATES", templates)
     report = built_gpt2.run("serve", gpt2_spec())
     assert report.status.value == "failed"
     assert "stages/templates/triton_config.pbtxt.j2 does not render" in report.reasons[0]
