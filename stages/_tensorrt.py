@@ -33,14 +33,7 @@ def build_and_check(
     shared = ctx.root / cfg.timing_cache if cfg.timing_cache else None
     local = ctx.work / "timing.cache"
     plan, seconds = build(model, profiles, cfg, shared, local)
-    # Polygraphy guards the cache with a sibling lock file: not an output.
-    local.with_name(local.name + ".lock").unlink(missing_ok=True)
-    if shared is not None and local.is_file():
-        # Written beside the shared cache, then renamed: a reader never sees half a cache.
-        tmp = shared.with_name(f".{shared.name}.{os.getpid()}.tmp")
-        shared.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(local, tmp)
-        os.replace(tmp, shared)
+    save_timing_cache(local, shared)
     from stages import _triton_trt as trt_entry
 
     capability, gpu = device_facts()
@@ -84,6 +77,21 @@ def build_and_check(
     if bad:
         return StageResult.failed(summary, bad, details=details)
     return StageResult.passed(summary, details=details)
+
+
+def save_timing_cache(local: Path, shared: Path | None) -> None:
+    """Drop Polygraphy's sibling lock file (not an output), then update the shared cache
+    atomically: written beside it and renamed, so a reader never sees half a cache."""
+    local.with_name(local.name + ".lock").unlink(missing_ok=True)
+    if shared is None or not local.is_file():
+        return
+    shared.parent.mkdir(parents=True, exist_ok=True)
+    tmp = shared.with_name(f".{shared.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(local, tmp)
+        os.replace(tmp, shared)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def compatibility_level(trt: Any, name: str) -> Any:

@@ -265,3 +265,34 @@ def test_a_hardware_compatible_engine_is_the_default_for_other_gpus(tmp_path) ->
     folder = tmp_path / build_engine.trt_model_dir("tiny")
     config = build_engine.render_serving_parse(folder / "config.pbtxt")
     assert config.default_model_filename == "model_sm90.plan"
+
+
+def test_the_shared_timing_cache_is_replaced_atomically_and_the_lock_file_dropped(
+    tmp_path, monkeypatch
+) -> None:
+    import os
+
+    from stages import _tensorrt
+
+    local = tmp_path / "work" / "timing.cache"
+    local.parent.mkdir()
+    local.write_bytes(b"new cache")
+    (tmp_path / "work" / "timing.cache.lock").write_text("")
+    shared = tmp_path / "caches" / "tiny.cache"
+    shared.parent.mkdir()
+    shared.write_bytes(b"old cache")
+    seen = []
+    real_replace = os.replace
+
+    def replace(src, dst):  # the shared file is only ever swapped in whole
+        seen.append((shared.read_bytes(), os.path.basename(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(_tensorrt.os, "replace", replace)
+    _tensorrt.save_timing_cache(local, shared)
+    assert seen == [(b"old cache", f".tiny.cache.{os.getpid()}.tmp")]
+    assert shared.read_bytes() == b"new cache"
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [
+        "timing.cache",
+        "tiny.cache",
+    ]
