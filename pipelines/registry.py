@@ -308,10 +308,9 @@ class Registry:
             texts = self.fs.cat_file(path).decode("utf-8", errors="replace").splitlines()
             where = [f"history.jsonl line {i}" for i in range(1, len(texts) + 1)]
         else:
-            folder = self.path("history")
             paths = sorted(self.fs.glob(self.path("history", "*.json")))
             texts = [self.fs.cat_file(p).decode("utf-8", errors="replace") for p in paths]
-            where = [f"history/{posixpath.basename(p)}" for p in paths] if folder else []
+            where = [f"history/{posixpath.basename(p)}" for p in paths]
         entries = []
         for text, place in zip(texts, where, strict=True):
             if not text.strip():

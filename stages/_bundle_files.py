@@ -5,24 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stages import STAGES
 from stages._layout import MODEL_DIR
 from stages._runtime import StageContext
 
 NOT_SHIPPED = ("server.log", ".lock")
 
 
-CHECKED = (
-    "pin",
-    "export",
-    "evalcheck",
-    "parity",
-    "quantize",
-    "evaluate",
-    "plan",
-    "engine",
-    "serve",
-    "loadtest",
-)
+# Every stage before the manifest: their reports ship, and their verdicts gate the bundle.
+CHECKED = tuple(STAGES)[: tuple(STAGES).index("manifest")]
 
 
 def payload(ctx: StageContext) -> dict[str, Path]:

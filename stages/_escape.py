@@ -59,8 +59,7 @@ def _yaml_escape(match: re.Match[str]) -> str:
 
 def comment(value: Any) -> str:
     """Text for a `#` comment line (YAML, pbtxt): stays on its line, whatever it holds."""
-    text = json.dumps(str(value), ensure_ascii=True)[1:-1]
-    return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return json.dumps(str(value), ensure_ascii=True)[1:-1]  # every non-ASCII char escaped
 
 
 def markdown(value: Any) -> str:

@@ -36,6 +36,7 @@ from schemas.manifest import (
     resource_order,
 )
 from stages._hashing import hash_shards
+from stages._runtime import write_json
 
 # Bundles are small in file count; a manifest beyond this is not ours (and not read whole).
 MAX_MANIFEST_BYTES = 64 << 20
@@ -61,10 +62,7 @@ def root_digest(resources: list[Resource]) -> str:
 
 
 def write_manifest(path: Path, manifest: Manifest) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    data = manifest.model_dump(mode="json", by_alias=True)
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_json(path, manifest.model_dump(mode="json", by_alias=True))
 
 
 def load_manifest(path: Path) -> Manifest:

@@ -202,12 +202,13 @@ def engine_parity(
 ) -> list[dict[str, Any]]:
     """TensorRT vs ONNX Runtime per profile at min/opt/max/odd; names the first bad layer."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-    from polygraphy.backend.trt import TrtRunner
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
     rows = []
     with OnnxrtRunner(SessionFromOnnx(str(model))) as ort_runner:
         for i, profile in enumerate(profiles):
-            with TrtRunner(engine_loader(plan), optimization_profile=i) as trt:
+            # EngineFromBytes allows host code, as trtexec does: version-compatible engines load
+            with TrtRunner(EngineFromBytes(plan), optimization_profile=i) as trt:
                 for label, shapes in parity_shapes(profile, info).items():
                     feeds = _feeds(info, shapes, seed=i)
                     want = ort_runner.infer(feeds)
@@ -220,14 +221,6 @@ def engine_parity(
             bad = next(r for r in rows if not r["ok"])
             rows.append({**bad, "why": f"could not localize the divergence: {exc}"})
     return rows
-
-
-def engine_loader(plan: bytes) -> Any:
-    """Polygraphy's engine loader; it deserializes with host code allowed, as trtexec does,
-    so a version-compatible engine loads."""
-    from polygraphy.backend.trt import EngineFromBytes
-
-    return EngineFromBytes(plan)
 
 
 def judge(
