@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -205,10 +207,22 @@ def read_report(folder: Path) -> StageReport:
 
 
 def publish(work: Path, out: Path) -> None:
-    """Move a finished temp folder into place; whatever was there before is replaced."""
-    if out.exists():
-        trash = out.with_name(f".{out.name}.{os.getpid()}.old")  # per run, like the temp
+    """Move a finished temp folder into place; whatever was there before is replaced.
+
+    Concurrent runs of one stage may publish at once: a check-then-move would let one of
+    them find `out` refilled by the other. So: try the rename; while a previous output is
+    in the way, move it aside (to this run's own trash) and try again. Each run lands whole.
+    """
+    trash = out.with_name(f".{out.name}.{os.getpid()}.old")  # per run, like the temp
+    for _ in range(100):
+        try:
+            os.replace(work, out)  # succeeds when `out` is absent
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR):
+                raise
         shutil.rmtree(trash, ignore_errors=True)
-        os.replace(out, trash)
+        with contextlib.suppress(FileNotFoundError):  # another run moved it first
+            os.replace(out, trash)
         shutil.rmtree(trash, ignore_errors=True)
-    os.replace(work, out)
+    raise OSError(f"could not publish {work} to {out}: other runs kept replacing it")
