@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages._hashing import SHARD, hash_range, hash_shards  # noqa: E402
+from stages.bundling.hashing import SHARD, hash_range, hash_shards  # noqa: E402
 
 ROUNDS = 3
 

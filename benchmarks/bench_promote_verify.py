@@ -24,8 +24,8 @@ from bench_hashing import ROUNDS, best  # noqa: E402
 
 from pipelines.registry import Registry  # noqa: E402
 from schemas.manifest import FACTS_FILE  # noqa: E402
-from stages._hashing import hash_shards  # noqa: E402
-from stages._oms import build_manifest, write_manifest  # noqa: E402
+from stages.bundling.hashing import hash_shards  # noqa: E402
+from stages.bundling.oms import build_manifest, write_manifest  # noqa: E402
 
 
 def make_bundle(folder: Path, size: int) -> Path:

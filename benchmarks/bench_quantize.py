@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from schemas.loader import load_release  # noqa: E402
-from stages import _accuracy as acc  # noqa: E402
-from stages import _calibration as calib  # noqa: E402
-from stages import _model as m  # noqa: E402
+from stages.onnx import model as m  # noqa: E402
+from stages.quant import accuracy as acc  # noqa: E402
+from stages.quant import calibration as calib  # noqa: E402
 
 RELEASE, ROUNDS, SEQ = "gpt2-small", 10, 128
 

@@ -78,7 +78,7 @@ def cmd_run_stage(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from schemas import RegistryError
-    from stages._oms import load_manifest, verify_bundle
+    from stages.bundling.oms import load_manifest, verify_bundle
 
     bundle = Path(args.bundle)
     identity = _identity(args)

@@ -11,8 +11,8 @@ from pipelines.closure import import_closure
 from schemas import ReleaseSpec, SpecError
 from schemas.loader import load_release
 from stages import load_stages, stage_io
-from stages._model import model_paths
 from stages._runtime import COMMON_CODE, StageIO, report_dir
+from stages.onnx.model import model_paths
 
 MODEL_SLOTS = ("model", "model_weights")
 # The code lives next to this package, wherever the repository with the specs is.

@@ -10,7 +10,7 @@ from typing import Any
 from schemas import RegistryError, ReleaseSpec, StageReport
 from stages import load_stages
 from stages._runtime import report_dir
-from stages._thresholds import check, has_change
+from stages.quant.thresholds import check, has_change
 
 
 @dataclass
@@ -84,7 +84,7 @@ def _stage_rows(root: Path, spec: ReleaseSpec) -> list[Row]:
 
 def _bundle_rows(root: Path, release: str) -> list[Row]:
     """The built bundle, verified, and the digest a signature and the registry will use."""
-    from stages._oms import load_manifest, verify_bundle
+    from stages.bundling.oms import load_manifest, verify_bundle
 
     folder = root / "build" / release / "bundle"
     if not (folder / "manifest.json").is_file():

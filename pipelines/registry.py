@@ -40,7 +40,7 @@ from typing import Any
 
 from schemas import RegistryError, StageReport
 from schemas.release import NAME_PATTERN, SEMVER_PATTERN
-from stages._oms import load_manifest, read_facts, verify_bundle
+from stages.bundling.oms import load_manifest, read_facts, verify_bundle
 
 LOCK_TIMEOUT_S = float(os.environ.get("SHIPYARD_LOCK_TIMEOUT_S", "60"))
 # A remote lock older than this is taken to belong to a crashed holder and is broken.

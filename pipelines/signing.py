@@ -25,7 +25,7 @@ from typing import Any
 
 from schemas import RegistryError
 from schemas.manifest import BUNDLE_UNHASHED, MANIFEST_FILE, SHARD_SIZE, SIGNATURE_FILE
-from stages._oms import load_manifest, verify_bundle
+from stages.bundling.oms import load_manifest, verify_bundle
 
 MAX_SIGNATURE_BYTES = 64 << 20
 

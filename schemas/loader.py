@@ -270,7 +270,7 @@ def _describe(shown: str, root: yaml.Node, err: Any) -> str:
     elif err["type"] == "missing":
         message = "required field is missing"
     elif err["type"] == "string_type" and isinstance(err.get("input"), int | float):
-        message += f" (found the number {err['input']!r}); quote it, e.g. \"{err['input']}\""
+        message += f' (found the number {err["input"]!r}); quote it, e.g. "{err["input"]}"'
     elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
         message += f" (found {_excerpt(repr(err['input']))})"
     message = _excerpt_long(message)

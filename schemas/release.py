@@ -540,9 +540,7 @@ class OrtSessionConfig(Strict):
 
 
 class ModelCard(Strict):
-    description: str = Field(
-        default="", max_length=MAX_PROSE, description="What the model does."
-    )
+    description: str = Field(default="", max_length=MAX_PROSE, description="What the model does.")
     license: str = Field(
         default="unspecified", max_length=128, description="License of the weights (SPDX id)."
     )
@@ -591,9 +589,7 @@ class EngineConfig(Strict):
         min_length=1,
         description="Optimization profiles; one spanning the export's ranges by default.",
     )
-    workspace: PositiveBytes = Field(
-        default=ByteSize(4 << 30), description="Workspace pool limit."
-    )
+    workspace: PositiveBytes = Field(default=ByteSize(4 << 30), description="Workspace pool limit.")
     optimization_level: int = Field(default=3, ge=0, le=5, description="Builder level 0-5.")
     timing_cache: RepoPath | None = Field(
         default=None, description="Timing-cache file reused across builds (repo-relative)."

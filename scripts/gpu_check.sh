@@ -23,7 +23,7 @@ import tensorrt
 from cuda import bindings
 print(f"tensorrt: {tensorrt.__version__}; cuda-bindings: {bindings.__version__}")
 PYEOF
-python -c 'from stages.build_engine import why_unavailable as w; m = w(); print("engine:", m or "TensorRT and a CUDA device found"); raise SystemExit(1 if m else 0)'
+python -c 'from stages.engine import why_unavailable as w; m = w(); print("engine:", m or "TensorRT and a CUDA device found"); raise SystemExit(1 if m else 0)'
 
 shipyard validate releases/tiny-gpt2.yaml
 # The engine needs pin, export, quantize and plan first; all of it counts in the timing.

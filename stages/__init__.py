@@ -21,26 +21,27 @@ from stages._runtime import (
 )
 
 # Explicit and ordered: the compiler walks this list; a test checks it matches the modules.
-STAGES: dict[str, str] = {
-    "pin": "pin_versions",
-    "export": "export_onnx",
-    "evalcheck": "check_eval_mode",
-    "parity": "check_parity",
-    "quantize": "quantize",
-    "evaluate": "evaluate",
-    "plan": "plan_capacity",
-    "engine": "build_engine",
-    "serve": "render_serving",
-    "loadtest": "loadtest",
-    "manifest": "write_manifest",
-    "bundle": "make_bundle",
-}
-STAGE_MODULES: tuple[str, ...] = tuple(STAGES.values())
+# Each stage is the module of the same name (stages/<name>.py); what the stages share lives
+# in subsystem packages (onnx, quant, serving, tensorrt, bundling).
+STAGES: tuple[str, ...] = (
+    "pin",
+    "export",
+    "evalcheck",
+    "parity",
+    "quantize",
+    "evaluate",
+    "plan",
+    "engine",
+    "serve",
+    "loadtest",
+    "manifest",
+    "bundle",
+)
 
 
 def load_stages() -> dict[str, ModuleType]:
     """Stage name -> module, in pipeline order."""
-    modules = {name: importlib.import_module(f"stages.{m}") for name, m in STAGES.items()}
+    modules = {name: importlib.import_module(f"stages.{name}") for name in STAGES}
     wrong = [n for n, m in modules.items() if n != m.NAME]
     if wrong:
         raise RuntimeError(f"STAGES maps {wrong} to modules with another NAME")
@@ -57,7 +58,7 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     if name not in STAGES:
         raise StageError(name, "no such stage", f"choose one of: {', '.join(STAGES)}")
     # Only this stage's module: what a run imports is what its DVC deps declare.
-    module = importlib.import_module(f"stages.{STAGES[name]}")
+    module = importlib.import_module(f"stages.{name}")
     build = root / "build" / release.name
     out = build / name
     work = build / f".{name}.{os.getpid()}.tmp"  # per run: two runs never share one

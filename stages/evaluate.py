@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from schemas import ReleaseSpec
-from stages import _accuracy as acc
-from stages import _calibration as calib
-from stages import _model as m
 from stages._runtime import StageContext, StageIO, StageResult
-from stages._thresholds import check, has_change  # noqa: F401
+from stages.onnx import model as m
+from stages.quant import accuracy as acc
+from stages.quant import calibration as calib
+from stages.quant.thresholds import check, has_change  # noqa: F401
 
 NAME = "evaluate"
 Run = Callable[[dict[str, np.ndarray]], list[np.ndarray]]

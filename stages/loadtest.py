@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec
-from stages import _loadgen as lg
-from stages._load_phases import MB, grid, ramp, request, soak
 from stages._runtime import StageContext, StageIO, StageResult, write_json
-from stages._slo import check_slo
+from stages.serving import loadgen as lg
+from stages.serving.load_phases import MB, grid, ramp, request, soak
+from stages.serving.slo import check_slo
 
 NAME = "loadtest"
 
@@ -36,12 +36,12 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     with tempfile.TemporaryDirectory(prefix="shipyard-serve-") as tmp:
         tree = Path(tmp)
         if cfg.target is None:
-            from stages._server import assemble
+            from stages.serving.server import assemble
 
             models = sorted(ctx.upstream("quantize").glob("model.onnx*"))
             assemble(tree, models, ctx.upstream("serve"))
         results = measure_all(ctx, release, info, model, tree)
-    from stages._plots import plot_results
+    from stages.serving.plots import plot_results
 
     plots = plot_results(results, ctx.work)
     slo = check_slo(cfg.slo, results, release.capacity.device_memory)
@@ -54,7 +54,7 @@ def measure_all(
     ctx: StageContext, release: Any, info: dict[str, Any], model: str, tree: Path
 ) -> dict[str, Any]:
     """Everything measured against one server (plus one without batching)."""
-    from stages._server import LocalServer
+    from stages.serving.server import LocalServer
 
     cfg = release.loadtest
     local = cfg.target is None
@@ -86,7 +86,7 @@ def batching(
     ramp_result: dict[str, Any],
 ) -> dict[str, Any]:
     """Throughput at the knee with the server's batching off, against the ramp's (on)."""
-    from stages._server import LocalServer
+    from stages.serving.server import LocalServer
 
     cfg = release.loadtest
     if not cfg.batching_comparison:

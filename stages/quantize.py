@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from stages import _accuracy as acc
-from stages import _calibration as calib
-from stages import _model as m
-from stages._graph import all_tensors, node_scope
-from stages._quantizers import Quantizer
 from stages._runtime import StageContext, StageIO, StageResult, link_or_copy, write_json
+from stages.onnx import model as m
+from stages.onnx.graph import all_tensors, node_scope
+from stages.quant import accuracy as acc
+from stages.quant import calibration as calib
+from stages.quant.methods import Quantizer
 
 NAME = "quantize"
 DTYPE = {

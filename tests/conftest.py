@@ -138,8 +138,8 @@ def remanifest(bundle: Path, subject: str = "tiny-gpt2@0.1.0") -> None:
     consistent with the edited folder."""
     import json
 
-    from stages._hashing import hash_shards
-    from stages._oms import build_manifest
+    from stages.bundling.hashing import hash_shards
+    from stages.bundling.oms import build_manifest
 
     files = {
         p.relative_to(bundle).as_posix(): p

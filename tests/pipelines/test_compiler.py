@@ -43,7 +43,7 @@ def test_each_stage_params_name_only_its_own_sections() -> None:
 def test_stages_depend_on_their_code_and_upstream_artifacts() -> None:
     do = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]["parity"]["do"]
     assert do["cmd"] == "shipyard run-stage parity --release ${item.spec}"
-    assert "stages/check_parity.py" in do["deps"]
+    assert "stages/parity.py" in do["deps"]
     assert "build/${key}/export/model.onnx" in do["deps"]
     assert do["outs"] == ["build/${key}/parity"]
     assert do["metrics"] == [{"build/${key}/metrics/parity.json": {"cache": False}}]

@@ -46,7 +46,7 @@ def test_a_stage_run_imports_only_what_its_dvc_entry_declares(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     loaded = set(record.read_text().split())
-    assert f"stages/{STAGES[stage]}.py" in loaded
+    assert f"stages/{stage}.py" in loaded
     assert loaded - ENTRY_POINT - declared(stage) == set()
 
 

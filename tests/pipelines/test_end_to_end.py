@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stages import load_stages
-from stages.build_engine import why_unavailable
+from stages.engine import why_unavailable
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def test_editing_parity_reruns_only_parity_and_what_depends_on_it(clone: Path) -
 
 
 def test_editing_a_code_comment_in_export_reruns_export_but_not_its_dependants(clone: Path) -> None:
-    code = clone / "stages" / "export_onnx.py"
+    code = clone / "stages" / "export.py"
     code.write_text(code.read_text() + "\n# a comment changes the code hash, not the ONNX bytes\n")
     done = sh(["dvc", "repro", "bundle@tiny-gpt2"], clone)
     assert ran(done.stdout) == ["export"]

@@ -20,7 +20,7 @@ from pipelines.gate import gate
 from pipelines.registry import Registry
 from pipelines.signing import sign
 from schemas import RegistryError
-from stages._oms import verify_bundle
+from stages.bundling.oms import verify_bundle
 from tests.conftest import Workspace, gpt2_spec, remanifest, writable_copy
 from tests.pipelines.test_signing import keypair
 

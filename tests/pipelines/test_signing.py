@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from pipelines.signing import Identity, hashing_config, sign, verify_signed
 from schemas import RegistryError
-from stages._oms import build_manifest, load_manifest, verify_bundle
+from stages.bundling.oms import build_manifest, load_manifest, verify_bundle
 from tests.conftest import Workspace, remanifest, writable_copy
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
@@ -82,7 +82,7 @@ def test_resource_order_labels_and_empty_files_follow_model_signing(tmp_path: Pa
     (folder / "reports" / "x-y.json").write_text("c")
     (folder / "big.bin").write_bytes(bytes(range(256)) * 40)  # 3 shards of 4 KiB
     (folder / "empty.txt").write_bytes(b"")
-    from stages._hashing import hash_shards
+    from stages.bundling.hashing import hash_shards
 
     files = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.is_file()}
     files.pop("empty.txt")  # OMS lists no empty files; the bundle stage refuses them

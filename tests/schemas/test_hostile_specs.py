@@ -159,8 +159,8 @@ FIELD_CASES = [
     ("version: 0.1.0", 'version: "1.0"', "version", "Semantic Versioning"),
     ("version: 0.1.0", "version: 1.0", "version", 'quote it, e.g. "1.0"'),
     ("version: 0.1.0", 'version: "0.1.0\\nx: y"', "version", "Semantic Versioning"),
-    ("torch: \"==2.13.0\"", 'torch: "latest"', "pins.packages.torch", "PEP 440"),
-    ("torch: \"==2.13.0\"", '"to rch": "==2.13.0"', "pins.packages", "should match pattern"),
+    ('torch: "==2.13.0"', 'torch: "latest"', "pins.packages.torch", "PEP 440"),
+    ('torch: "==2.13.0"', '"to rch": "==2.13.0"', "pins.packages", "should match pattern"),
     ("  device_memory: 1GiB", "  device_memory: 0", "capacity.device_memory", "more than 0 bytes"),
     ("port: 8000", "port: 65534", "bundle.serving.port", "less than or equal to 65533"),
     ("  path: models/tiny-gpt2", "  path: /", "model.path", "is absolute"),
@@ -266,9 +266,40 @@ def _mutations() -> st.SearchStrategy[str]:
     base = example()
     lines = base.splitlines(keepends=True)
     junk = st.sampled_from(
-        ["", "-", ":", "{", "}", "[", "]", "&a", "*a", "!!python/object:x", "\x00", "é",
-         "0", "-1", "1e309", "null", "~", "'", '"', "\t", "  ", "?", "|", ">", "%", "#",
-         "../..", "/", "x" * 300, "\ufeff", "\x85", "<<: *a"]
+        [
+            "",
+            "-",
+            ":",
+            "{",
+            "}",
+            "[",
+            "]",
+            "&a",
+            "*a",
+            "!!python/object:x",
+            "\x00",
+            "é",
+            "0",
+            "-1",
+            "1e309",
+            "null",
+            "~",
+            "'",
+            '"',
+            "\t",
+            "  ",
+            "?",
+            "|",
+            ">",
+            "%",
+            "#",
+            "../..",
+            "/",
+            "x" * 300,
+            "\ufeff",
+            "\x85",
+            "<<: *a",
+        ]
     )
 
     @st.composite

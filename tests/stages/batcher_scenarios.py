@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from stages._mlserver_runtime import Batcher, QueueFull  # noqa: E402
+from stages.serving.mlserver_runtime import Batcher, QueueFull  # noqa: E402
 
 
 async def stream_holds_instance() -> list[str]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from stages.check_eval_mode import _random_nodes
+from stages.evalcheck import _random_nodes
 from tests.conftest import Workspace, generic_spec, gpt2_spec
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from schemas.release import ParityConfig, Tolerance
-from stages._compare import compare, tolerance
+from stages.onnx.compare import compare, tolerance
 from tests.conftest import Workspace, generic_spec, gpt2_spec
 
 

@@ -8,7 +8,8 @@ from pipelines.gate import gate
 from schemas import SpecError, StageError
 from schemas.loader import load_release
 from schemas.release import CudaGraphs, EngineConfig, ServingConfig
-from stages import build_engine, render_serving
+from stages import engine as build_engine
+from stages import serve as render_serving
 from tests.conftest import REPO, Workspace, gpt2_spec
 
 INFO = {
@@ -156,7 +157,7 @@ def test_the_example_release_declares_two_profiles() -> None:
 
 
 def test_engine_parity_shapes_keep_the_kv_dims_consistent() -> None:
-    from stages._tensorrt import odd_between, parity_shapes
+    from stages.tensorrt.build import odd_between, parity_shapes
 
     [profile] = build_engine.derive_profiles(_engine(), INFO)
     shapes = parity_shapes(profile, INFO)

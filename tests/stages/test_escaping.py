@@ -11,8 +11,8 @@ import pytest
 import yaml
 from markdown_it import MarkdownIt
 
-from stages._escape import comment, markdown, markdown_cell, pbtxt, yaml_scalar
-from stages.render_serving import parse_triton, render, rendered, triton_values
+from stages.serve import parse_triton, render, rendered, triton_values
+from stages.serving.escape import comment, markdown, markdown_cell, pbtxt, yaml_scalar
 
 HOSTILE = [
     "plain",

@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 from schemas import SpecError
-from stages._hashing import hash_range, hash_shards, shard_ranges
-from stages._oms import load_manifest, verify_bundle
-from stages.build_engine import why_unavailable
-from stages.write_manifest import CHECKED
+from stages.bundling.hashing import hash_range, hash_shards, shard_ranges
+from stages.bundling.oms import load_manifest, verify_bundle
+from stages.engine import why_unavailable
+from stages.manifest import CHECKED
 from tests.conftest import Workspace, gpt2_spec, writable_copy
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from schemas import StageError
-from stages.render_serving import serving_values
+from stages.serve import serving_values
 from tests.conftest import Workspace, gpt2_spec
 
 MIB = 1 << 20

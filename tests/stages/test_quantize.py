@@ -202,8 +202,8 @@ def test_the_calibration_count_is_samples_plus_holdout_at_its_boundary(ws: Works
     """31 texts for 24 + 8 fail (more than `samples` alone, so a check of `samples` only
     would pass them); exactly 32 load, split 24 / 8."""
 
-    from stages import _calibration
-    from stages import _model as m
+    from stages.onnx import model as m
+    from stages.quant import calibration as _calibration
 
     texts = [json.dumps({"text": f"def f{i}(x): return x + {i}"}) for i in range(32)]
     reason = calibration_error(ws, path=write_jsonl(ws, texts[:31]))

@@ -13,7 +13,7 @@ from tests.conftest import REPO, Workspace, gpt2_spec
 
 def test_registry_lists_every_stage_module_once_in_pipeline_order() -> None:
     on_disk = {p.stem for p in (REPO / "stages").glob("*.py") if not p.stem.startswith("_")}
-    assert set(stages.STAGE_MODULES) == on_disk - {"__init__"}
+    assert set(stages.STAGES) == on_disk - {"__init__"}
     assert list(stages.load_stages()) == [
         "pin",
         "export",
@@ -66,7 +66,7 @@ def test_failed_stage_leaves_only_its_report(ws: Workspace) -> None:
 def test_crashing_stage_leaves_previous_output_untouched(ws: Workspace, monkeypatch) -> None:
     assert ws.run("pin", gpt2_spec()).status.value == "passed"
     before = (ws.out("tiny-gpt2", "pin") / "lock.json").read_bytes()
-    module = importlib.import_module("stages.pin_versions")
+    module = importlib.import_module("stages.pin")
 
     def crash(ctx, release):  # a bug (not a StageError) halfway through writing
         (ctx.work / "lock.json").write_text("half")

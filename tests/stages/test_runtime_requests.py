@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stages._server import LocalServer, assemble
+from stages.serving.server import LocalServer, assemble
 from tests.conftest import Workspace
 
 

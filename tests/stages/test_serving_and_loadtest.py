@@ -18,9 +18,9 @@ import pytest
 from pipelines.gate import gate
 from schemas import SpecError, StageError
 from schemas.loader import load_release
-from stages import _loadgen as lg
-from stages import render_serving
-from stages._server import LocalServer, assemble
+from stages import serve as render_serving
+from stages.serving import loadgen as lg
+from stages.serving.server import LocalServer, assemble
 from tests.conftest import QUICK_LOADTEST, REPO, Workspace, gpt2_spec
 
 
@@ -51,7 +51,7 @@ def test_a_malformed_template_variable_is_refused_at_render(
     built_gpt2: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     templates = tmp_path / "templates"
-    from stages import _render
+    from stages.serving import render as _render
 
     shutil.copytree(_render.TEMPLATES, templates)
     broken = templates / "triton_config.pbtxt.j2"
@@ -118,7 +118,7 @@ def test_server_batches_concurrent_requests_without_mixing_rows(
 BATCHER_CHECK = """
 import asyncio, json, time
 import numpy as np
-from stages._mlserver_runtime import Batcher
+from stages.serving.mlserver_runtime import Batcher
 
 batches = []
 
@@ -282,7 +282,7 @@ def test_stability_needs_three_agreeing_windows() -> None:
 
 
 def test_soak_growth_flags_a_steady_climb_not_a_warm_up() -> None:
-    from stages._load_phases import growth
+    from stages.serving.load_phases import growth
 
     mb = 1 << 20
     t = np.linspace(0, 60, 61)
@@ -298,7 +298,7 @@ def _pt(c: int, rps: float, p95: float = 10.0) -> dict[str, float]:
 
 
 def test_the_knee_is_the_last_real_gain_and_the_ramp_stops_after_four_flat_steps() -> None:
-    from stages._load_phases import find_knee
+    from stages.serving.load_phases import find_knee
 
     rising = [_pt(1, 100), _pt(2, 190), _pt(4, 300)]
     assert find_knee(rising, 0.05, 4, None) == (4, False)

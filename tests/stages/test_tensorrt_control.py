@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from schemas import StageError
-from stages._tensorrt import compatibility_level
+from stages.tensorrt.build import compatibility_level
 
 
 def fake_trt(*levels: str) -> SimpleNamespace:
@@ -63,7 +63,7 @@ def _parity(**kw):
 
 
 def test_engine_parity_fails_an_all_nan_output_that_used_to_pass(tmp_path) -> None:
-    from stages._tensorrt import judge
+    from stages.tensorrt.build import judge
 
     path = _identity_model(tmp_path)
     feeds = {"in_a": np.linspace(-1, 1, 8, dtype="f4"), "in_b": np.ones(8, dtype="f4")}
@@ -75,7 +75,7 @@ def test_engine_parity_fails_an_all_nan_output_that_used_to_pass(tmp_path) -> No
 
 
 def test_engine_parity_handles_empty_missing_and_misshaped_outputs(tmp_path) -> None:
-    from stages._tensorrt import judge
+    from stages.tensorrt.build import judge
 
     path = _identity_model(tmp_path)
     empty = {"in_a": np.zeros(0, dtype="f4"), "in_b": np.zeros(0, dtype="f4")}
@@ -88,7 +88,7 @@ def test_engine_parity_handles_empty_missing_and_misshaped_outputs(tmp_path) -> 
 
 
 def test_engine_parity_uses_per_output_tolerances_and_the_statistic(tmp_path) -> None:
-    from stages._tensorrt import judge
+    from stages.tensorrt.build import judge
 
     path = _identity_model(tmp_path)
     feeds = {"in_a": np.ones(8, dtype="f4"), "in_b": np.ones(8, dtype="f4")}
@@ -111,7 +111,7 @@ def test_engine_parity_uses_per_output_tolerances_and_the_statistic(tmp_path) ->
 def test_every_tensor_loader_gives_ort_bytes_not_a_model_proto(tmp_path) -> None:
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
-    from stages._tensorrt import onnx_with_every_tensor
+    from stages.tensorrt.build import onnx_with_every_tensor
 
     path = _identity_model(tmp_path)
     feeds = {"in_a": np.ones(4, dtype="f4"), "in_b": np.ones(4, dtype="f4")}
@@ -141,7 +141,7 @@ def _fake_trt(engine):
 
 
 def test_cuda_graph_check_allows_host_code_and_refuses_a_none_engine() -> None:
-    from stages._cuda_graphs import deserialize
+    from stages.tensorrt.cuda_graphs import deserialize
 
     assert deserialize(_fake_trt("engine"), b"plan") == "engine"  # only with the flag set
     with pytest.raises(StageError, match="could not deserialize the engine"):
@@ -149,7 +149,7 @@ def test_cuda_graph_check_allows_host_code_and_refuses_a_none_engine() -> None:
 
 
 def test_tensorrt_calls_that_return_false_are_errors() -> None:
-    from stages._cuda_graphs import _check
+    from stages.tensorrt.cuda_graphs import _check
 
     _check(True, "set_input_shape(x)")
     with pytest.raises(StageError, match=r"set_input_shape\(x\) returned False"):
@@ -157,7 +157,7 @@ def test_tensorrt_calls_that_return_false_are_errors() -> None:
 
 
 def test_a_missing_cuda_binding_is_found_before_the_build() -> None:
-    from stages.build_engine import module_present
+    from stages.engine import module_present
 
     assert module_present("json.decoder") is True
     assert module_present("no_such_parent_package.bindings") is False  # no exception
@@ -199,13 +199,13 @@ def _static(src, out, **kw):
 def test_asymmetric_qdq_is_caught_and_the_int8_static_settings_are_symmetric(tmp_path) -> None:
     from onnxruntime.quantization import QuantType
 
-    from stages.build_engine import asymmetric_qdq
+    from stages.engine import asymmetric_qdq
 
     src = _matmul_model(tmp_path)
     _static(src, tmp_path / "asym.onnx", activation_type=QuantType.QUInt8)
     flagged = asymmetric_qdq(tmp_path / "asym.onnx")
     assert flagged and "zero point [" in flagged[0]
-    # what stages/_quantizers.py now passes for int8-static
+    # what stages/quant/methods.py now passes for int8-static
     _static(
         src,
         tmp_path / "sym.onnx",
@@ -219,7 +219,7 @@ def test_asymmetric_qdq_is_caught_and_the_int8_static_settings_are_symmetric(tmp
 def test_the_int8_static_quantizer_asks_for_symmetric_int8() -> None:
     import inspect
 
-    from stages import _quantizers
+    from stages.quant import methods as _quantizers
 
     source = inspect.getsource(_quantizers._static)
     assert "activation_type=QuantType.QInt8" in source
@@ -229,7 +229,7 @@ def test_the_int8_static_quantizer_asks_for_symmetric_int8() -> None:
 # --------------------------------------------------------------------------- Triton layout
 def _trt_values(portable: bool = False):
     from schemas.release import CudaGraphs, EngineConfig, ServingConfig
-    from stages import build_engine
+    from stages import engine as build_engine
 
     cfg = EngineConfig.model_validate({"profiles": [{"name": "prefill"}, {"name": "decode"}]})
     info = {
@@ -243,7 +243,7 @@ def _trt_values(portable: bool = False):
 
 
 def test_the_tensorrt_triton_entry_resolves_every_file_it_names(tmp_path) -> None:
-    from stages import build_engine
+    from stages import engine as build_engine
 
     folder = tmp_path / build_engine.trt_model_dir("tiny")
     build_engine.render_trt_triton(tmp_path, "tiny", _trt_values())
@@ -259,7 +259,7 @@ def test_the_tensorrt_triton_entry_resolves_every_file_it_names(tmp_path) -> Non
 
 
 def test_a_hardware_compatible_engine_is_the_default_for_other_gpus(tmp_path) -> None:
-    from stages import build_engine
+    from stages import engine as build_engine
 
     build_engine.render_trt_triton(tmp_path, "tiny", _trt_values(portable=True))
     folder = tmp_path / build_engine.trt_model_dir("tiny")
@@ -272,7 +272,7 @@ def test_the_shared_timing_cache_is_replaced_atomically_and_the_lock_file_droppe
 ) -> None:
     import os
 
-    from stages import _tensorrt
+    from stages.tensorrt import build as _tensorrt
 
     local = tmp_path / "work" / "timing.cache"
     local.parent.mkdir()

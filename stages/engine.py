@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from stages._model import axis_size
 from stages._runtime import StageContext, StageIO, StageResult, write_json
-from stages._triton_trt import (  # noqa: F401 (re-exported)
+from stages.onnx.model import axis_size
+from stages.tensorrt.triton import (  # noqa: F401 (re-exported)
     TRT_TEMPLATE,
     check_trt_layout,
     plan_name,
@@ -67,7 +67,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
                 "run on a machine with an NVIDIA GPU and TensorRT, or set engine.required: false",
             )
         return StageResult.skipped(missing, details=details)
-    from stages import _tensorrt as trt_build
+    from stages.tensorrt import build as trt_build
 
     model = ctx.upstream(source) / "model.onnx"
     asymmetric = asymmetric_qdq(model)

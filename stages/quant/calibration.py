@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from schemas import StageError
-from stages import _model as m
-from stages._hashing import hash_range
+from stages.bundling.hashing import hash_range
+from stages.onnx import model as m
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from schemas import StageError
-from stages._escape import FILTERS
+from stages.serving.escape import FILTERS
 
-TEMPLATES = Path(__file__).parent / "templates"
+TEMPLATES = Path(__file__).parents[1] / "templates"
 
 
 def render(

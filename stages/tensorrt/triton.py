@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import StageError
-from stages._render import parse_triton, render
+from stages.serving.render import parse_triton, render
 
 NAME = "engine"
 

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 
 from schemas import ReleaseSpec
-from stages import _model as m
-from stages._compare import compare, tolerance
-from stages._graph import all_tensors, scoped_outputs
 from stages._runtime import StageContext, StageIO, StageResult
+from stages.onnx import model as m
+from stages.onnx.compare import compare, tolerance
+from stages.onnx.graph import all_tensors, scoped_outputs
 
 NAME = "parity"
 

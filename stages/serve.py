@@ -18,13 +18,13 @@ from typing import Any
 import yaml
 
 from schemas import ReleaseSpec, StageError
-from stages._layout import MODEL_DIR
-from stages._model import axis_size
-from stages._render import parse_triton, render
 from stages._runtime import StageContext, StageIO, StageResult
+from stages.onnx.model import axis_size
+from stages.serving.layout import MODEL_DIR
+from stages.serving.render import parse_triton, render
 
 NAME = "serve"
-RUNTIME = Path(__file__).parent / "_mlserver_runtime.py"  # ships as shipyard_runtime.py
+RUNTIME = Path(__file__).parent / "serving" / "mlserver_runtime.py"  # ships as shipyard_runtime.py
 TRITON_TYPES = {
     "float32": "TYPE_FP32",
     "float16": "TYPE_FP16",
@@ -55,7 +55,7 @@ def io(release: ReleaseSpec) -> StageIO:
         # the templates it renders (named once, in rendered()) and the runtime it ships
         code=(
             *sorted({f"stages/templates/{t}" for t in rendered(release.name).values()}),
-            "stages/_mlserver_runtime.py",
+            "stages/serving/mlserver_runtime.py",
         ),
     )
 

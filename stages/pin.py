@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from stages._hashing import hash_files
-from stages._model import model_paths
 from stages._runtime import StageContext, StageIO, StageResult, write_json
+from stages.bundling.hashing import hash_files
+from stages.onnx.model import model_paths
 
 NAME = "pin"
 RECORDED = (

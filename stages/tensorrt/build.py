@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from schemas import StageError
-from stages._model import axis_size, sample_input
 from stages._runtime import StageContext, StageResult, write_json
+from stages.onnx.model import axis_size, sample_input
 
 
 def build_and_check(
@@ -34,7 +34,7 @@ def build_and_check(
     local = ctx.work / "timing.cache"
     plan, seconds = build(model, profiles, cfg, shared, local)
     save_timing_cache(local, shared)
-    from stages import _triton_trt as trt_entry
+    from stages.tensorrt import triton as trt_entry
 
     capability, gpu = device_facts()
     plan_name = trt_entry.plan_name(capability)
@@ -48,7 +48,7 @@ def build_and_check(
     parity = engine_parity(plan, model, profiles, info, release.parity, cfg.parity)
     graphs = []
     if cfg.cuda_graphs.enabled:
-        from stages._cuda_graphs import cuda_graph_check
+        from stages.tensorrt.cuda_graphs import cuda_graph_check
 
         graphs = cuda_graph_check(plan, profiles, cfg.cuda_graphs.batch_sizes)
     details.update(
@@ -157,7 +157,7 @@ def build(
 def device_facts() -> tuple[str, str]:
     from cuda.bindings import runtime as cudart
 
-    from stages._cuda_graphs import _ok
+    from stages.tensorrt.cuda_graphs import _ok
 
     props = _ok(cudart.cudaGetDeviceProperties(0), "cudaGetDeviceProperties")
     return f"{props.major}.{props.minor}", props.name.decode(errors="replace").strip("\x00")
@@ -233,7 +233,7 @@ def judge(
 ) -> dict[str, Any]:
     """One parity row from the shared comparator: a NaN, a missing output or a shape
     mismatch fails, and the first failing output is named."""
-    from stages._compare import compare_outputs
+    from stages.onnx.compare import compare_outputs
 
     results = compare_outputs(want, have, parity, default)
     bad = [r for r in results if not r["ok"]]
@@ -287,7 +287,7 @@ def first_diverging_layer(
         TrtRunner,
     )
 
-    from stages._compare import compare_outputs
+    from stages.onnx.compare import compare_outputs
 
     bad = next(r for r in rows if not r["ok"])
     index = next(i for i, p in enumerate(profiles) if p["name"] == bad["profile"])
@@ -315,7 +315,7 @@ def render_triton(
 ) -> None:
     import json
 
-    from stages import _triton_trt as trt_entry
+    from stages.tensorrt import triton as trt_entry
 
     plan_batch = json.loads((ctx.upstream("plan") / "plan.json").read_text())["batch"]
     values = trt_entry.triton_trt_values(

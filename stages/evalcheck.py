@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from schemas import ReleaseSpec
-from stages import _model as m
-from stages._graph import constant_values, node_scope
 from stages._runtime import StageContext, StageIO, StageResult
+from stages.onnx import model as m
+from stages.onnx.graph import constant_values, node_scope
 
 NAME = "evalcheck"
 RANDOM_OPS = {

@@ -63,7 +63,7 @@ def deserialize(trt: Any, plan: bytes) -> Any:
 def _compare(
     batch: int, plain_ms: float, graph_ms: float, plain: dict[str, Any], replay: dict[str, Any]
 ) -> dict[str, Any]:
-    from stages._compare import compare_outputs
+    from stages.onnx.compare import compare_outputs
 
     results = compare_outputs(plain, replay, REPLAY)
     ok = all(r["ok"] for r in results)

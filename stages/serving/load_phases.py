@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from schemas import StageError
-from stages import _loadgen as lg
-from stages._model import sample_input
+from stages.onnx.model import sample_input
+from stages.serving import loadgen as lg
 
 MB = 1 << 20
 

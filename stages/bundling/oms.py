@@ -1,7 +1,7 @@
 """Bundle manifests in the exact OMS layout, and the strict check of a bundle against one.
 
 `build_manifest` produces what model_signing 1.x's shard serialization produces for the same
-folder (tests/stages/test_oms.py compares every resource and the root digest with the
+folder (tests/stages/test_manifest_and_bundle.py compares every resource and the root digest with the
 library), hashed with our own parallel reader (`_hashing`), which is faster.
 
 `verify_bundle` is stricter than model_signing's verifier on purpose:
@@ -35,8 +35,8 @@ from schemas.manifest import (
     algorithm_label,
     resource_order,
 )
-from stages._hashing import hash_shards
 from stages._runtime import write_json
+from stages.bundling.hashing import hash_shards
 
 # Bundles are small in file count; a manifest beyond this is not ours (and not read whole).
 MAX_MANIFEST_BYTES = 64 << 20

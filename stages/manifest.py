@@ -7,10 +7,10 @@ from typing import Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.manifest import FACTS_FILE, MANIFEST_FILE
-from stages._bundle_files import CHECKED, payload
-from stages._hashing import hash_shards
-from stages._oms import build_manifest, empty_files, write_manifest
 from stages._runtime import StageContext, StageIO, StageResult, read_report, write_json
+from stages.bundling.files import CHECKED, payload
+from stages.bundling.hashing import hash_shards
+from stages.bundling.oms import build_manifest, empty_files, write_manifest
 
 NAME = "manifest"
 

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.manifest import FACTS_FILE, MANIFEST_FILE, Manifest
-from stages._bundle_files import CHECKED, payload
-from stages._hashing import hash_shards
-from stages._oms import build_manifest, load_manifest, read_facts, verify_bundle, write_manifest
 from stages._runtime import (
     StageContext,
     StageIO,
@@ -18,9 +14,17 @@ from stages._runtime import (
     link_or_copy,
     read_report,
 )
+from stages.bundling.files import CHECKED, payload
+from stages.bundling.hashing import hash_shards
+from stages.bundling.oms import (
+    build_manifest,
+    load_manifest,
+    read_facts,
+    verify_bundle,
+    write_manifest,
+)
 
 NAME = "bundle"
-TEMPLATES = Path(__file__).parent / "templates"
 RENDERED = {"MODEL_CARD.md": "MODEL_CARD.md.j2"}
 
 
@@ -72,7 +76,7 @@ def render(
     content: Manifest,
     facts: dict[str, Any],
 ) -> list[str]:
-    from stages._render import render as render_templates
+    from stages.serving.render import render as render_templates
 
     context = {
         **values,

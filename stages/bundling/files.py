@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from stages import STAGES
-from stages._layout import MODEL_DIR
 from stages._runtime import StageContext
+from stages.serving.layout import MODEL_DIR
 
 NOT_SHIPPED = ("server.log", ".lock")
 

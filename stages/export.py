@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from stages import _model as m
 from stages._runtime import StageContext, StageIO, StageResult, write_json
+from stages.onnx import model as m
 
 NAME = "export"
 TWO_GB = 2 << 30

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-ADAPTER_PREFIX = "model."  # stages._model.adapter wraps the user's module as `model`
+ADAPTER_PREFIX = "model."  # stages.onnx.model.adapter wraps the user's module as `model`
 
 
 def node_scope(node: Any) -> str:

@@ -1,0 +1,1 @@
+"""Quantization: the ORT methods, calibration data, accuracy metrics and thresholds."""
