@@ -120,7 +120,7 @@ def _template(
     code += [p for p in import_closure(Path(_ROOT), source) if p not in code]
     deps = [source, *sorted(set(code) - {source})]
     deps += [f"${{item.{slot}}}" for slot in (*MODEL_SLOTS[:slots], *data)]
-    deps += [f"build/${{key}}/{u}" for u in io.upstream]
+    deps += [f"build/${{key}}/{u}" for u in io.upstream_files()]
     return {
         "cmd": f"shipyard run-stage {name} --release ${{item.spec}}",
         "deps": deps,

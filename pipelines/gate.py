@@ -107,6 +107,8 @@ def _slo_rows(root: Path, release: str) -> list[Row]:
     path = root / "build" / release / "loadtest" / "report.json"
     if not path.is_file():
         return []  # the stage row already fails
+    # Shown, not trusted: the rows repeat the load test's own verdict, which its stage row
+    # gates (a failed load test writes no artifacts, only its report).
     slo = json.loads(path.read_text()).get("details", {}).get("slo", [])
     return [Row(release, f"SLO {r['slo']}", "PASS" if r["ok"] else "FAIL", r["why"]) for r in slo]
 
@@ -128,7 +130,7 @@ def _production_rows(root: Path, spec: ReleaseSpec, registry: Any) -> list[Row]:
     report = root / "build" / spec.name / "evaluate" / "report.json"
     if not report.is_file():
         return []  # the stage row already fails
-    metrics = json.loads(report.read_text())["details"]["metrics"]
+    metrics = StageReport.model_validate_json(report.read_text()).metrics
     rows = []
     for t in wanted:
         base = baseline.get("evaluation", {}).get(t.metric)

@@ -64,8 +64,9 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     work = build / f".{name}.{os.getpid()}.tmp"  # per run: two runs never share one
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    ctx = StageContext(name, release.name, root, work, spec_path)
-    view = SpecView(release, stage_io(module, release).params)
+    io = stage_io(module, release)
+    ctx = StageContext(name, release.name, root, work, spec_path, io.reads)
+    view = SpecView(release, io.params)
     start = time.monotonic()
     try:
         result: StageResult = module.run(ctx, view)

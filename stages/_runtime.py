@@ -13,9 +13,14 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
 
 from schemas import StageError, StageReport, StageStatus
+from schemas.artifacts import Artifact
+
+A = TypeVar("A", bound=Artifact)
 
 ALWAYS_VISIBLE = ("name",)
 # Stages whose output folder ships as it is (the bundle): their report lives in a folder
@@ -44,7 +49,8 @@ class StageIO:
     """What the compiler needs to know about a stage; `io()` returns it without side effects.
 
     params:   top-level spec sections the stage reads (its DVC `params:`; nothing else is visible)
-    upstream: upstream artifacts as `stage` (whole output folder) or `stage/file`
+    reads:    the typed artifacts it reads (schemas/artifacts.py); their files become deps
+    upstream: other upstream outputs as `stage` (whole output folder) or `stage/file`
     reads_model: the stage loads the checkpoint, so the model files are dependencies
     code:     files it reads that are not Python modules (templates, the runtime it ships);
               the Python modules it imports are derived from the code (pipelines/closure.py)
@@ -52,16 +58,28 @@ class StageIO:
     """
 
     params: tuple[str, ...]
+    reads: tuple[type[Artifact], ...] = ()
     upstream: tuple[str, ...] = ()
     reads_model: bool = False
     code: tuple[str, ...] = ()
     data: tuple[tuple[str, str | None], ...] = ()
 
+    def upstream_files(self) -> tuple[str, ...]:
+        """Every upstream dependency: the artifacts' files, then the other outputs. An
+        artifact its stage writes only sometimes is a dependency on that stage's folder (DVC
+        refuses a dep that does not exist), as is one whose whole folder is declared."""
+        found = [
+            a.STAGE if a.OPTIONAL else a.location()
+            for a in self.reads
+            if a.STAGE not in self.upstream
+        ]
+        return tuple(dict.fromkeys([*found, *self.upstream]))
+
     def template(self) -> tuple[Any, ...]:
         """Everything but the per-release data paths: must agree across releases."""
         return (
             self.params,
-            self.upstream,
+            self.upstream_files(),
             self.reads_model,
             self.code,
             tuple(slot for slot, _ in self.data),
@@ -127,6 +145,7 @@ class StageContext:
     root: Path
     work: Path  # temp output folder; renamed to `out` when the stage finishes
     spec_path: Path
+    reads: tuple[type[Artifact], ...] = ()  # what io() declares; ctx.read refuses the rest
 
     @property
     def build(self) -> Path:
@@ -142,6 +161,45 @@ class StageContext:
                 f"run `dvc repro {stage}@{self.release}` first",
             )
         return path
+
+    def write(self, artifact: Artifact) -> None:
+        """Write an artifact this stage produces into its output folder."""
+        if self.stage != artifact.STAGE:
+            raise RuntimeError(
+                f"stage {self.stage} writes {type(artifact).__name__}, which "
+                f"belongs to stage {artifact.STAGE}"
+            )
+        write_json(self.work / artifact.FILE, artifact.model_dump(mode="json", exclude_none=True))
+
+    def read(self, kind: type[A], optional: bool = False) -> A:
+        """An upstream artifact, validated. Reading one that io().reads does not declare is
+        a bug (DVC would not rerun the stage when it changes): it raises at once.
+        `optional`: the upstream stage writes it only sometimes (None when absent)."""
+        if kind not in self.reads:
+            raise RuntimeError(
+                f"stage {self.stage} reads {kind.__name__} without declaring it in io().reads"
+            )
+        if optional != kind.OPTIONAL:
+            raise RuntimeError(f"{kind.__name__} is read with optional={kind.OPTIONAL}")
+        path = self.upstream(kind.STAGE) / kind.FILE
+        if not path.is_file():
+            if optional:
+                return None  # type: ignore[return-value]
+            raise StageError(
+                self.stage,
+                f"upstream artifact {path} is missing",
+                f"rerun `dvc repro {kind.STAGE}@{self.release}`",
+            )
+        try:
+            return kind.model_validate_json(path.read_text(encoding="utf-8"))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise StageError(
+                self.stage,
+                f"upstream artifact {path} does not match {kind.__name__}: {where}: {first['msg']}",
+                f"rerun `dvc repro -f {kind.STAGE}@{self.release}` (it was written by other code)",
+            ) from None
 
     def path(self, relative: str) -> Path:
         """A path from the spec (relative to the repo root)."""

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
+from schemas.artifacts import LoadTestSummary, ModelInfo
 from schemas.manifest import FACTS_FILE, MANIFEST_FILE, Manifest
 from stages._runtime import (
     StageContext,
     StageIO,
     StageResult,
     link_or_copy,
-    read_report,
 )
 from stages.bundling.files import CHECKED, payload
 from stages.bundling.hashing import hash_shards
@@ -31,6 +30,7 @@ RENDERED = {"MODEL_CARD.md": "MODEL_CARD.md.j2"}
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("version", "task", "bundle.model_card"),
+        reads=(ModelInfo, LoadTestSummary),
         upstream=(*CHECKED, "manifest"),
         code=("stages/templates/MODEL_CARD.md.j2",),
     )
@@ -42,10 +42,9 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         link_or_copy(source, ctx.work / name)
     link_or_copy(ctx.upstream("manifest") / FACTS_FILE, ctx.work / FACTS_FILE)
     facts = read_facts(ctx.work)
-    info = json.loads((ctx.work / "model/model_info.json").read_text())
-    info["dtype"] = facts["quantization"]["dtype"]
+    info = ctx.read(ModelInfo).model_dump()
     values = facts["serving"]
-    loadtest = read_report(ctx.upstream("loadtest")).details
+    loadtest = ctx.read(LoadTestSummary).model_dump()
     rendered = render(ctx, release, info, values | {"loadtest": loadtest}, content, facts)
     shard = content.predicate.serialization.shard_size
     extra = hash_shards({n: ctx.work / n for n in rendered}, shard)

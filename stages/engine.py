@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from stages._runtime import StageContext, StageIO, StageResult, write_json
-from stages.onnx.model import axis_size
+from schemas.artifacts import CapacityPlan, EngineProfiles, ModelInfo
+from stages._runtime import StageContext, StageIO, StageResult
+from stages.onnx import shapes as sh
 from stages.tensorrt.triton import (  # noqa: F401 (re-exported)
     TRT_TEMPLATE,
     check_trt_layout,
@@ -29,25 +29,20 @@ from stages.tensorrt.triton import (  # noqa: F401 (re-exported)
 )
 
 NAME = "engine"
-BOUNDS = ("min", "opt", "max")
 
 
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("task", "export", "parity", "quantization.method", "engine", "bundle.serving"),
-        upstream=(
-            "export/model_info.json",
-            "export/model.onnx",
-            "quantize/model.onnx",
-            "plan/plan.json",
-        ),
+        reads=(ModelInfo, CapacityPlan),
+        upstream=("export/model.onnx", "quantize/model.onnx"),
         code=(f"stages/templates/{TRT_TEMPLATE}",),  # the only template it renders
     )
 
 
 def run(ctx: StageContext, release: Any) -> StageResult:
     cfg = release.engine
-    info = json.loads((ctx.upstream("export") / "model_info.json").read_text())
+    info = ctx.read(ModelInfo)
     profiles = derive_profiles(cfg, info)
     source, why = engine_source(release.quantization.method)
     details: dict[str, Any] = {
@@ -55,7 +50,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         "profiles": profiles,
         "source": {"stage": source, "why": why},
     }
-    write_json(ctx.work / "profiles.json", profiles)
+    ctx.write(EngineProfiles.model_validate({"profiles": profiles}))
     if cfg.backend == "none":
         return StageResult.skipped("engine.backend is none", details=details)
     missing = why_unavailable()
@@ -162,7 +157,7 @@ def cuda_devices() -> tuple[int, str]:
     return 0, "neither libnvidia-ml.so.1 nor libcuda.so.1 loads: no NVIDIA driver"
 
 
-def derive_profiles(cfg: Any, info: dict[str, Any]) -> list[dict[str, Any]]:
+def derive_profiles(cfg: Any, info: ModelInfo) -> list[dict[str, Any]]:
     """Per profile, per graph input: min/opt/max shapes from the named axes.
 
     A dim a profile does not set takes the export's range; `total_sequence` (the attention
@@ -170,17 +165,12 @@ def derive_profiles(cfg: Any, info: dict[str, Any]) -> list[dict[str, Any]]:
     """
     out = []
     for p in cfg.profiles:
-        ranges = {k: v.model_dump() for k, v in info_dims(info).items()}
+        ranges = {k: v.model_dump() for k, v in info.dims.items()}
         ranges.update({k: v.model_dump() for k, v in p.dims.items()})
+        at = sh.corners(ranges)
         shapes = {
-            t["name"]: {k: [axis_size(a, ranges, k) for a in t["axes"]] for k in BOUNDS}
-            for t in info["inputs"]
+            t.name: {k: [sh.axis_size(a, at[k]) for a in t.axes] for k in sh.BOUNDS}
+            for t in info.inputs
         }
         out.append({"name": p.name, "dims": ranges, "shapes": shapes})
     return out
-
-
-def info_dims(info: dict[str, Any]) -> dict[str, Any]:
-    from schemas.release import DimRange
-
-    return {k: DimRange(**v) for k, v in info["dims"].items()}

@@ -10,6 +10,7 @@ import numpy as np
 from schemas import ReleaseSpec
 from stages._runtime import StageContext, StageIO, StageResult
 from stages.onnx import model as m
+from stages.onnx import shapes as sh
 from stages.onnx.graph import constant_values, node_scope
 
 NAME = "evalcheck"
@@ -36,7 +37,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     lay = m.layout(release.task, release.export, config)
     net = m.load_model(NAME, ctx.root, release.model, release.task)
     flat = m.adapter(release.task, net, lay)
-    feeds = m.make_inputs(lay, m.trace_sizes(release.export.dims), seed=0)
+    feeds = sh.make_inputs(lay, sh.trace_sizes(release.export.dims), seed=0)
     problems = _training_modules(flat, "after model.eval()")
     problems += _nondeterministic_modules(flat, lay, feeds)
     problems += _training_modules(flat, "after a forward pass")
@@ -67,7 +68,7 @@ def _training_modules(flat: Any, when: str) -> list[str]:
     ]
 
 
-def _nondeterministic_modules(flat: Any, lay: m.Layout, feeds: dict[str, np.ndarray]) -> list[str]:
+def _nondeterministic_modules(flat: Any, lay: sh.Layout, feeds: dict[str, np.ndarray]) -> list[str]:
     """Run twice under different RNG seeds; say where the two runs first part ways."""
     import torch
 

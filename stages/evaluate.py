@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from schemas import ReleaseSpec
+from schemas.artifacts import Evaluation, ModelInfo
 from stages._runtime import StageContext, StageIO, StageResult
 from stages.onnx import model as m
+from stages.onnx import shapes as sh
 from stages.quant import accuracy as acc
 from stages.quant import calibration as calib
 from stages.quant.thresholds import check, has_change  # noqa: F401
@@ -23,7 +24,8 @@ def io(release: ReleaseSpec) -> StageIO:
     data = release.evaluation.dataset
     return StageIO(
         params=("model", "task", "export", "evaluation"),
-        upstream=("quantize/model.onnx", "export/model_info.json"),
+        reads=(ModelInfo,),
+        upstream=("quantize/model.onnx",),
         reads_model=True,
         data=(("dataset", data.path), ("dataset_tokenizer", data.tokenizer)),
     )
@@ -33,11 +35,11 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     import onnxruntime as ort
 
     cfg, task = release.evaluation, release.task
-    info = json.loads((ctx.upstream("export") / "model_info.json").read_text())
+    info = ctx.read(ModelInfo)
     lay = m.layout_from_info(info)
     limit = release.export.dims["sequence"].max if "sequence" in release.export.dims else None
     rows = calib.read_rows(
-        NAME, ctx.root, cfg.dataset, lay, limit, info["arch"]["vocab"], "evaluation.dataset"
+        NAME, ctx.root, cfg.dataset, lay, limit, info.arch.vocab, "evaluation.dataset"
     )[: cfg.dataset.samples]
     samples = [calib.to_feeds(task, lay, row) for row in rows]
     flat = m.adapter(task, m.load_model(NAME, ctx.root, release.model, task), lay)
@@ -63,6 +65,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         if t.threshold is not None or t.baseline == "reference"
     ]
     failed = [r["message"] for r in results if not r["ok"]]
+    ctx.write(Evaluation(metrics=metrics))
     details = {"metrics": metrics, "thresholds": results, "samples": len(samples)}
     summary = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
     if failed:
@@ -97,7 +100,7 @@ def reference_values(metrics: dict[str, float]) -> dict[str, float]:
     return perfect
 
 
-def greedy(run: Run, lay: m.Layout, prompt: np.ndarray, tokens: int) -> list[int]:
+def greedy(run: Run, lay: sh.Layout, prompt: np.ndarray, tokens: int) -> list[int]:
     """Greedy decoding with the KV-cache graph: prefill the prompt, then one token a step."""
     feeds = calib.to_feeds("causal-lm", lay, {"input_ids": prompt[None, :]})
     names = [t.name for t in lay.outputs]
@@ -119,7 +122,7 @@ def greedy(run: Run, lay: m.Layout, prompt: np.ndarray, tokens: int) -> list[int
 
 
 def decode_metrics(
-    reference: Run, candidate: Run, lay: m.Layout, samples: list[dict[str, np.ndarray]], cfg: Any
+    reference: Run, candidate: Run, lay: sh.Layout, samples: list[dict[str, np.ndarray]], cfg: Any
 ) -> dict[str, float]:
     """Exact-match rate of whole continuations, and of tokens, vs the reference's."""
     prompts = [s["input_ids"][0, : cfg.prompt_tokens] for s in samples][: cfg.prompts]

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from stages._runtime import StageContext, StageIO, StageResult, write_json
+from schemas.artifacts import Arch, DimSizes, ModelInfo, TensorInfo, VersionLock
+from stages._runtime import StageContext, StageIO, StageResult
 from stages.onnx import model as m
+from stages.onnx import shapes as sh
 
 NAME = "export"
 TWO_GB = 2 << 30
@@ -19,7 +21,7 @@ STRIPPED_METADATA = ("pkg.torch.onnx.stack_trace",)  # absolute source paths: no
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("model", "task", "export"),
-        upstream=("pin/lock.json",),
+        reads=(VersionLock,),  # not read: the environment it runs in; a change reruns it
         reads_model=True,
     )
 
@@ -30,7 +32,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     _check_context(release, config)
     net = m.load_model(NAME, ctx.root, release.model, release.task)
     flat = m.adapter(release.task, net, lay)
-    trace = m.trace_sizes(release.export.dims)
+    trace = sh.trace_sizes(release.export.dims)
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     external = release.export.external_data == "always" or (
         release.export.external_data == "auto" and weight_bytes > TWO_GB
@@ -40,20 +42,21 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     problems = _static_axes(path, lay)
     probes = _probe(ctx, path, lay, release.export.dims, trace, release.export.odd_sizes)
     problems += probes["problems"]
-    info = {
-        "task": release.task,
-        "arch": m.arch(config),
-        "parameters": _count(net),
-        "weight_bytes": weight_bytes,
-        "dtype": "float32",
-        "exporter": release.export.exporter,
-        "opset": release.export.opset,
-        "external_data": external,
-        "dims": {k: v.model_dump() for k, v in release.export.dims.items()},
-        "inputs": [_tensor(t) for t in lay.inputs],
-        "outputs": [_tensor(t) for t in lay.outputs],
-    }
-    write_json(ctx.work / "model_info.json", info)
+    ctx.write(
+        ModelInfo(
+            task=release.task,
+            arch=Arch(**m.arch(config)),
+            parameters=_count(net),
+            weight_bytes=weight_bytes,
+            dtype="float32",
+            exporter=release.export.exporter,
+            opset=release.export.opset,
+            external_data=external,
+            dims={k: DimSizes(**v.model_dump()) for k, v in release.export.dims.items()},
+            inputs=[_tensor(t) for t in lay.inputs],
+            outputs=[_tensor(t) for t in lay.outputs],
+        )
+    )
     details = {"trace_sizes": trace, "probed": probes["runs"]}
     if problems:
         return StageResult.failed(
@@ -85,17 +88,17 @@ def _count(net: Any) -> int:
     return sum(p.numel() for p in net.parameters())
 
 
-def _tensor(t: m.Tensor) -> dict[str, Any]:
-    return {"name": t.name, "dtype": t.dtype, "axes": list(t.axes)}
+def _tensor(t: sh.Tensor) -> TensorInfo:
+    return TensorInfo(name=t.name, dtype=t.dtype, axes=list(t.axes))
 
 
 def _export(
-    ctx: StageContext, flat: Any, lay: m.Layout, export: Any, trace: dict[str, int], external: bool
+    ctx: StageContext, flat: Any, lay: sh.Layout, export: Any, trace: dict[str, int], external: bool
 ) -> Path:
     import onnx
     import torch
 
-    feeds = m.make_inputs(lay, trace, seed=0)
+    feeds = sh.make_inputs(lay, trace, seed=0)
     args = tuple(torch.from_numpy(feeds[t.name]) for t in lay.inputs)
     raw = ctx.work / "_raw"
     raw.mkdir()
@@ -146,7 +149,7 @@ def _export(
     return path
 
 
-def _legacy_axes(lay: m.Layout, dims: dict[str, Any]) -> dict[str, dict[int, str]]:
+def _legacy_axes(lay: sh.Layout, dims: dict[str, Any]) -> dict[str, dict[int, str]]:
     static = {n for n, d in dims.items() if d.min == d.max}
     return {
         name: {i: a for i, a in axes.items() if a not in static}
@@ -154,15 +157,15 @@ def _legacy_axes(lay: m.Layout, dims: dict[str, Any]) -> dict[str, dict[int, str
     }
 
 
-def _dynamic_shapes(lay: m.Layout, dims: dict[str, Any]) -> tuple[dict[int, Any], ...]:
+def _dynamic_shapes(lay: sh.Layout, dims: dict[str, Any]) -> tuple[dict[int, Any], ...]:
     from torch.export import Dim
 
     made = {n: Dim(n, min=d.min, max=d.max) for n, d in dims.items() if d.min < d.max}
-    made[m.TOTAL] = Dim.DYNAMIC  # past + sequence: torch.export derives it
+    made[sh.TOTAL] = Dim.DYNAMIC  # past + sequence: torch.export derives it
     return tuple({i: made[a] for i, a in enumerate(t.axes) if a in made} for t in lay.inputs)
 
 
-def _normalize(model: Any, lay: m.Layout) -> None:
+def _normalize(model: Any, lay: sh.Layout) -> None:
     """Give every declared symbolic axis its spec name; drop non-reproducible metadata."""
     by_name = {t.name: t for t in (*lay.inputs, *lay.outputs)}
     for value in (*model.graph.input, *model.graph.output):
@@ -176,7 +179,7 @@ def _normalize(model: Any, lay: m.Layout) -> None:
         node.metadata_props.extend(keep)
 
 
-def _static_axes(path: Path, lay: m.Layout) -> list[str]:
+def _static_axes(path: Path, lay: sh.Layout) -> list[str]:
     """Every declared dim must be symbolic in the saved graph."""
     import onnx
 
@@ -197,7 +200,7 @@ def _static_axes(path: Path, lay: m.Layout) -> list[str]:
 def _probe(
     ctx: StageContext,
     path: Path,
-    lay: m.Layout,
+    lay: sh.Layout,
     dims: dict[str, Any],
     trace: dict[str, int],
     odd: bool,
@@ -227,30 +230,25 @@ def _probe(
 
 
 def _plans(dims: dict[str, Any], trace: dict[str, int], odd: bool) -> list[tuple[str, dict]]:
-    corners = {
-        "min": {n: d.min for n, d in dims.items()},
-        "max": {n: d.max for n, d in dims.items()},
-    }
-    if odd:
-        corners["odd"] = m.odd_sizes(dims, trace)
+    at = sh.corners(dims, ("min", "max"), odd_avoid=trace if odd else None)
     plans = [
         (f"only {n}={c[n]}", {**trace, n: c[n]})
         for n in dims
-        for c in corners.values()
+        for c in at.values()
         if c[n] != trace[n]
     ]
     plans = list({str(s): (label, s) for label, s in plans}.values())
-    return plans + [(f"all {k}", sizes) for k, sizes in corners.items()]
+    return plans + [(f"all {k}", sizes) for k, sizes in at.items()]
 
 
-def _run_once(session: Any, lay: m.Layout, sizes: dict[str, int]) -> str | None:
+def _run_once(session: Any, lay: sh.Layout, sizes: dict[str, int]) -> str | None:
     """None if the graph ran and every declared output axis has the right size."""
-    feeds = m.make_inputs(lay, sizes, seed=1)
+    feeds = sh.make_inputs(lay, sizes, seed=1)
     try:
         outs = session.run(None, feeds)
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument types
         return str(exc).splitlines()[0][:300]
-    full = m.with_total(sizes)
+    full = sh.with_total(sizes)
     for t, out in zip(lay.outputs, outs, strict=True):
         for i, a in enumerate(t.axes):
             want = full[a] if isinstance(a, str) else a

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec
+from schemas.artifacts import LoadTestSummary, ModelInfo
 from stages._runtime import StageContext, StageIO, StageResult, write_json
 from stages.serving import loadgen as lg
 from stages.serving.load_phases import MB, grid, ramp, request, soak
@@ -25,12 +26,13 @@ NAME = "loadtest"
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("task", "loadtest", "capacity"),
-        upstream=("export/model_info.json", "quantize/model.onnx", "serve"),
+        reads=(ModelInfo,),
+        upstream=("quantize/model.onnx", "serve"),
     )
 
 
 def run(ctx: StageContext, release: Any) -> StageResult:
-    info = json.loads((ctx.upstream("export") / "model_info.json").read_text())
+    info = ctx.read(ModelInfo)
     cfg = release.loadtest
     model = cfg.target.model if cfg.target and cfg.target.model else ctx.release
     with tempfile.TemporaryDirectory(prefix="shipyard-serve-") as tmp:
@@ -47,11 +49,13 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     slo = check_slo(cfg.slo, results, release.capacity.device_memory)
     results["slo"] = slo
     write_json(ctx.work / "loadtest.json", results)
-    return verdict(results, slo, plots)
+    result, summary = verdict(results, slo, plots)
+    ctx.write(summary)
+    return result
 
 
 def measure_all(
-    ctx: StageContext, release: Any, info: dict[str, Any], model: str, tree: Path
+    ctx: StageContext, release: Any, info: ModelInfo, model: str, tree: Path
 ) -> dict[str, Any]:
     """Everything measured against one server (plus one without batching)."""
     from stages.serving.server import LocalServer
@@ -79,7 +83,7 @@ def measure_all(
 def batching(
     ctx: StageContext,
     release: Any,
-    info: dict[str, Any],
+    info: ModelInfo,
     model: str,
     tree: Path,
     knee: int,
@@ -117,7 +121,9 @@ def batching(
     }
 
 
-def verdict(results: dict[str, Any], slo: list[dict[str, Any]], plots: list[str]) -> StageResult:
+def verdict(
+    results: dict[str, Any], slo: list[dict[str, Any]], plots: list[str]
+) -> tuple[StageResult, LoadTestSummary]:
     knee = results["ramp"]["knee_point"]
     summary = (
         f"knee at concurrency {results['ramp']['knee']}: {knee['throughput_rps']:.1f} req/s, "
@@ -139,11 +145,12 @@ def verdict(results: dict[str, Any], slo: list[dict[str, Any]], plots: list[str]
     keys = ("concurrency", "throughput_rps", "p95_latency_ms", "stable", "window_throughput")
     points = [{k: p.get(k) for k in keys} for p in results["ramp"]["points"]]
     head = _headline(results)
-    details = {"summary": head, "slo": slo, "plots": plots, "ramp": points}
+    out = LoadTestSummary(summary=head, slo=slo, plots=plots, ramp=points)
+    details = out.model_dump()
     metrics = {k: v for k, v in head.items() if isinstance(v, int | float)}
     if reasons:
-        return StageResult.failed(summary, reasons, metrics=metrics, details=details)
-    return StageResult.passed(summary, metrics=metrics, details=details)
+        return StageResult.failed(summary, reasons, metrics=metrics, details=details), out
+    return StageResult.passed(summary, metrics=metrics, details=details), out
 
 
 def _first_error(results: dict[str, Any]) -> str:

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
+from schemas.artifacts import (
+    CalibrationUsed,
+    EngineBuild,
+    EngineProfiles,
+    Evaluation,
+    LoadTestSummary,
+    Provenance,
+    QuantInfo,
+    ServingValues,
+    VersionLock,
+)
 from schemas.manifest import FACTS_FILE, MANIFEST_FILE
 from stages._runtime import StageContext, StageIO, StageResult, read_report, write_json
 from stages.bundling.files import CHECKED, payload
@@ -18,6 +28,7 @@ NAME = "manifest"
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("version", "task"),
+        reads=FACT_SOURCES,
         upstream=CHECKED,
     )
 
@@ -54,32 +65,50 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     )
 
 
+# What the facts are made of: every one a typed artifact, none read from a report's details.
+FACT_SOURCES = (
+    VersionLock,
+    Provenance,
+    QuantInfo,
+    CalibrationUsed,
+    Evaluation,
+    EngineProfiles,
+    EngineBuild,
+    ServingValues,
+    LoadTestSummary,
+)
+
+
 def facts(ctx: StageContext, release: Any, reports: dict[str, Any]) -> dict[str, Any]:
     """Everything the gate, the registry or a reader trusts: shipped as `shipyard.json`,
     hashed (and signed) like every other bundle file."""
-    pin = reports["pin"].details
-    engine = reports["engine"].details
+    lock, engine = ctx.read(VersionLock), ctx.read(EngineBuild, optional=True)
     out: dict[str, Any] = {
         "release": ctx.release,
         "version": release.version,
         "task": release.task,
-        "pins": {k: pin[k] for k in ("python", "packages", "checkpoints")},
-        "provenance": {"git": pin["git"]},
+        "pins": lock.model_dump(),
+        "provenance": ctx.read(Provenance).model_dump(),
         "stages": {s: {"status": r.status.value, "summary": r.summary} for s, r in reports.items()},
-        "quantization": json.loads((ctx.upstream("quantize") / "quant_info.json").read_text()),
+        "quantization": ctx.read(QuantInfo).model_dump(),
         # The gate compares later candidates with these when this release is in production.
-        "evaluation": reports["evaluate"].details["metrics"],
+        "evaluation": ctx.read(Evaluation).metrics,
         "engine": {
             "status": reports["engine"].status.value,
             "profiles": [
-                {"name": p["name"], "dims": p["dims"]} for p in engine.get("profiles", [])
+                {"name": p.name, "dims": {k: d.model_dump() for k, d in p.dims.items()}}
+                for p in ctx.read(EngineProfiles).profiles
             ],
-            **{k: engine[k] for k in ("tensorrt", "gpu", "compute_capability") if k in engine},
+            **(
+                engine.model_dump(include={"tensorrt", "gpu", "compute_capability"})
+                if engine
+                else {}
+            ),
         },
-        "loadtest": reports["loadtest"].details.get("summary", {}),
-        "serving": reports["serve"].details["serving"],
+        "loadtest": ctx.read(LoadTestSummary).summary,
+        "serving": ctx.read(ServingValues).model_dump(),
     }
-    calibration = reports["quantize"].details.get("calibration")
-    if calibration:  # the data the weights were fitted to is part of what ships
-        out["calibration"] = {k: calibration[k] for k in ("path", "sha256")}
+    calibration = ctx.read(CalibrationUsed)
+    if calibration.path:  # the data the weights were fitted to is part of what ships
+        out["calibration"] = calibration.model_dump()
     return out

@@ -10,6 +10,7 @@ import numpy as np
 from schemas import ReleaseSpec
 from stages._runtime import StageContext, StageIO, StageResult
 from stages.onnx import model as m
+from stages.onnx import shapes as sh
 from stages.onnx.compare import compare, tolerance
 from stages.onnx.graph import all_tensors, scoped_outputs
 
@@ -36,7 +37,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     shapes = _shapes(release)
     with ctx.progress("comparing outputs", len(shapes)) as advance:
         for label, sizes in shapes:
-            feeds = m.make_inputs(lay, sizes, seed=cfg.seed)
+            feeds = sh.make_inputs(lay, sizes, seed=cfg.seed)
             expected = m.torch_outputs(flat, lay, feeds)
             got = session.run([t.name for t in lay.outputs], feeds)
             for t, ref, out in zip(lay.outputs, expected, got, strict=True):
@@ -52,7 +53,7 @@ def run(ctx: StageContext, release: Any) -> StageResult:
             advance()
     details: dict[str, Any] = {"comparisons": rows}
     if failures or cfg.layerwise == "always":
-        feeds = failures[0][1] if failures else m.make_inputs(lay, shapes[0][1], cfg.seed)
+        feeds = failures[0][1] if failures else sh.make_inputs(lay, shapes[0][1], cfg.seed)
         details["layerwise"] = layerwise(flat, lay, path, feeds, cfg)
     worst = max(r["error"] for r in rows)
     metrics = {"worst_normalized_error": worst, "max_abs_diff": max(r["max_abs"] for r in rows)}
@@ -75,20 +76,15 @@ def _shapes(release: Any) -> list[tuple[str, dict[str, int]]]:
     dims = release.export.dims
     if release.parity.shapes:
         return [
-            (f"shape[{i}]", {**m.trace_sizes(dims), **s})
+            (f"shape[{i}]", {**sh.trace_sizes(dims), **s})
             for i, s in enumerate(release.parity.shapes)
         ]
-    shapes = {
-        "min": {n: d.min for n, d in dims.items()},
-        "opt": {n: d.opt for n, d in dims.items()},
-        "max": {n: d.max for n, d in dims.items()},
-        "odd": m.odd_sizes(dims, {n: d.opt for n, d in dims.items()}),
-    }
+    shapes = sh.corners(dims, odd_avoid={n: d.opt for n, d in dims.items()})
     return list({str(s): (k, s) for k, s in shapes.items()}.values())
 
 
 def layerwise(
-    flat: Any, lay: m.Layout, path: Path, feeds: dict[str, np.ndarray], cfg: Any
+    flat: Any, lay: sh.Layout, path: Path, feeds: dict[str, np.ndarray], cfg: Any
 ) -> dict[str, Any]:
     """Compare each PyTorch module's output with the last ONNX tensor of the same scope."""
     _, modules = m.traced_run(flat, lay, feeds)

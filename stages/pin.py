@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from stages._runtime import StageContext, StageIO, StageResult, write_json
+from schemas.artifacts import GitState, Provenance, VersionLock
+from stages._runtime import StageContext, StageIO, StageResult
 from stages.bundling.hashing import hash_files
 from stages.onnx.model import model_paths
 
@@ -53,9 +54,10 @@ def run(ctx: StageContext, release: Any) -> StageResult:
             "uncommitted changes; commit them first"
         )
     # lock.json is what later stages depend on: deterministic, no commit, no time.
-    lock = {"python": python, "packages": packages, "checkpoints": checkpoints}
-    write_json(ctx.work / "lock.json", lock)
-    details = {**lock, "git": git}
+    lock = VersionLock(python=python, packages=packages, checkpoints=checkpoints)
+    ctx.write(lock)
+    ctx.write(Provenance(git=GitState(**git)))
+    details = {**lock.model_dump(), "git": git}
     if problems:
         return StageResult.failed(f"{len(problems)} pin(s) do not match", problems, details=details)
     summary = (

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
+from schemas.artifacts import CapacityPlan, MemoryParts, ModelInfo
 from schemas.release import KV_BYTES
-from stages._runtime import StageContext, StageIO, StageResult, write_json
+from stages._runtime import StageContext, StageIO, StageResult
 
 NAME = "plan"
 GIB = 1 << 30
@@ -17,56 +17,59 @@ ACT_BYTES = 4  # activations stay float32 under ORT's dynamic INT8 and weight-on
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("task", "export", "capacity"),
-        upstream=("export/model_info.json", "quantize/model.onnx", "quantize/quant_info.json"),
+        reads=(ModelInfo,),
+        upstream=("quantize/model.onnx",),
     )
 
 
 def run(ctx: StageContext, release: Any) -> StageResult:
-    export, quantized = ctx.upstream("export"), ctx.upstream("quantize")
-    info = json.loads((export / "model_info.json").read_text())
+    info, quantized = ctx.read(ModelInfo), ctx.upstream("quantize")
     weights = sum(f.stat().st_size for f in quantized.glob("model.onnx*"))
     plan = compute(release.capacity, info, release.task, weights)
-    write_json(ctx.work / "plan.json", plan)
-    need, usable = plan["extreme"]["total"], plan["usable_bytes"]
+    ctx.write(plan)
+    need, usable, ex = plan.extreme.total, plan.usable_bytes, plan.extreme
     parts = ", ".join(
-        f"{k} {plan['extreme'][k] / GIB:.3g}"
-        for k in ("weights", "kv_cache", "activations", "overhead")
+        f"{k} {v / GIB:.3g}"
+        for k, v in (
+            ("weights", ex.weights),
+            ("kv_cache", ex.kv_cache),
+            ("activations", ex.activations),
+            ("overhead", ex.overhead),
+        )
     )
     if need > usable:
         fix = (
-            f"lower capacity.max_batch to {plan['max_batch_that_fits']}"
-            if plan["max_batch_that_fits"]
+            f"lower capacity.max_batch to {plan.max_batch_that_fits}"
+            if plan.max_batch_that_fits
             else "the weights alone do not fit: quantize further or use a bigger device"
         )
         raise StageError(
             NAME,
-            f"the extreme case (batch {plan['batch']} x {plan['context']} "
+            f"the extreme case (batch {plan.batch} x {plan.context} "
             f"tokens) needs {need / GIB:.3g} GiB ({parts} GiB) but "
-            f"{release.capacity.headroom:g} x {plan['device_bytes'] / GIB:.3g} GiB "
+            f"{release.capacity.headroom:g} x {plan.device_bytes / GIB:.3g} GiB "
             f"= {usable / GIB:.3g} GiB is usable",
             fix,
         )
     return StageResult.passed(
-        f"batch {plan['batch']} x {plan['context']} tokens needs {need / GIB:.3g} of "
+        f"batch {plan.batch} x {plan.context} tokens needs {need / GIB:.3g} of "
         f"{usable / GIB:.3g} GiB usable ({parts} GiB); up to batch "
-        f"{plan['max_batch_that_fits']} fits",
-        details=plan,
+        f"{plan.max_batch_that_fits} fits",
+        details=plan.model_dump(),
         metrics={
             "extreme_bytes": need,
             "usable_bytes": usable,
-            "max_batch_that_fits": plan["max_batch_that_fits"],
+            "max_batch_that_fits": plan.max_batch_that_fits,
         },
     )
 
 
-def compute(cap: Any, info: dict[str, Any], task: str, weights: int) -> dict[str, Any]:
+def compute(cap: Any, info: ModelInfo, task: str, weights: int) -> CapacityPlan:
     """The memory plan; linear in batch, so the largest fitting batch is exact."""
-    dims, arch = info["dims"], info["arch"]
-    export_context = dims.get("sequence", {}).get("max", 0) + dims.get("past_sequence", {}).get(
-        "max", 0
-    )
+    dims, arch = info.dims, info.arch
+    export_context = sum(dims[d].max for d in ("sequence", "past_sequence") if d in dims)
     context = cap.max_context or export_context
-    batch = cap.max_batch or dims.get("batch", {}).get("max", 1)
+    batch = cap.max_batch or (dims["batch"].max if "batch" in dims else 1)
     if export_context and context > export_context:
         raise StageError(
             NAME,
@@ -75,37 +78,29 @@ def compute(cap: Any, info: dict[str, Any], task: str, weights: int) -> dict[str
             "lower capacity.max_context",
         )
     kv_per_seq = (
-        (
-            2
-            * arch["layers"]
-            * arch["kv_heads"]
-            * arch["head_dim"]
-            * context
-            * KV_BYTES[cap.kv_dtype]
-        )
+        (2 * arch.layers * arch.kv_heads * arch.head_dim * context * KV_BYTES[cap.kv_dtype])
         if task == "causal-lm"
         else 0
     )
     # Prefill peak: a few hidden-size buffers per token plus the logits over the vocabulary.
-    act_per_seq = context * (4 * arch["hidden"] + arch["vocab"]) * ACT_BYTES
+    act_per_seq = context * (4 * arch.hidden + arch.vocab) * ACT_BYTES
     usable = int(cap.device_memory * cap.headroom)
     fixed = weights + int(cap.runtime_overhead)
     per_seq = kv_per_seq + act_per_seq
     fits = max(0, (usable - fixed) // per_seq) if per_seq else batch
-    extreme = {
+    parts = {
         "weights": weights,
         "kv_cache": kv_per_seq * batch,
         "activations": act_per_seq * batch,
         "overhead": int(cap.runtime_overhead),
     }
-    extreme["total"] = sum(extreme.values())
-    return {
-        "batch": batch,
-        "context": context,
-        "device_bytes": int(cap.device_memory),
-        "usable_bytes": usable,
-        "extreme": extreme,
-        "kv_bytes_per_sequence": kv_per_seq,
-        "max_batch_that_fits": int(fits),
-        "kv_dtype": cap.kv_dtype,
-    }
+    return CapacityPlan(
+        batch=batch,
+        context=context,
+        device_bytes=int(cap.device_memory),
+        usable_bytes=usable,
+        extreme=MemoryParts(**parts, total=sum(parts.values())),
+        kv_bytes_per_sequence=kv_per_seq,
+        max_batch_that_fits=int(fits),
+        kv_dtype=cap.kv_dtype,
+    )

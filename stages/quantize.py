@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from stages._runtime import StageContext, StageIO, StageResult, link_or_copy, write_json
+from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo
+from stages._runtime import StageContext, StageIO, StageResult, link_or_copy
 from stages.onnx import model as m
 from stages.onnx.graph import all_tensors, node_scope
 from stages.quant import accuracy as acc
@@ -30,7 +30,8 @@ def io(release: ReleaseSpec) -> StageIO:
     cal = getattr(q, "calibration", None)
     return StageIO(
         params=("task", "export", "quantization"),
-        upstream=("export/model.onnx", "export/model_info.json"),
+        reads=(ModelInfo,),
+        upstream=("export/model.onnx",),
         data=(
             ("calibration", cal.path if cal else None),
             ("tokenizer", cal.tokenizer if cal else None),
@@ -43,12 +44,13 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     if q.method == "none":
         for f in export.glob("model.onnx*"):
             link_or_copy(f, ctx.work / f.name)
-        write_json(ctx.work / "quant_info.json", _info(q, [], None))
+        ctx.write(_info(q, [], None))
+        ctx.write(CalibrationUsed())
         return StageResult.passed("method none: the FP32 model ships unchanged")
-    info = json.loads((export / "model_info.json").read_text())
+    info = ctx.read(ModelInfo)
     lay = m.layout_from_info(info)
     samples = calib.load(
-        NAME, ctx.root, q.calibration, release.task, lay, release.export.dims, info["arch"]["vocab"]
+        NAME, ctx.root, q.calibration, release.task, lay, release.export.dims, info.arch.vocab
     )
     pre = _preprocess(ctx, export / "model.onnx")
     quantizer = Quantizer(pre, q, samples.calibration, ctx.work / "_variants")
@@ -94,7 +96,8 @@ def run(ctx: StageContext, release: Any) -> StageResult:
             metrics=metrics,
         )
     sizes = _publish(ctx, chosen["path"], export)
-    write_json(ctx.work / "quant_info.json", _info(q, chosen["excluded"], ranked))
+    ctx.write(_info(q, chosen["excluded"], ranked))
+    ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))
     shutil.rmtree(ctx.work / "_variants")
     shutil.rmtree(pre.parent)
     return StageResult.passed(
@@ -105,17 +108,17 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     )
 
 
-def _info(q: Any, float_nodes: list[str], ranked: list[dict] | None) -> dict[str, Any]:
+def _info(q: Any, float_nodes: list[str], ranked: list[dict] | None) -> QuantInfo:
     why = {
         r["node"]: f"rank {i + 1} of {len(ranked or [])} by sensitivity, SNR {r['snr_db']:.1f} dB "
         "when quantized alone"
         for i, r in enumerate(ranked or [])
     }
-    return {
-        "method": q.method,
-        "dtype": DTYPE[q.method],
-        "float_nodes": [{"node": n, "why": why[n]} for n in float_nodes],
-    }
+    return QuantInfo(
+        method=q.method,
+        dtype=DTYPE[q.method],
+        float_nodes=[FloatNode(node=n, why=why[n]) for n in float_nodes],
+    )
 
 
 def _brief(metrics: dict[str, float]) -> str:

@@ -18,8 +18,15 @@ from typing import Any
 import yaml
 
 from schemas import ReleaseSpec, StageError
+from schemas.artifacts import (
+    CapacityPlan,
+    ModelInfo,
+    QuantInfo,
+    ServingValues,
+    TensorInfo,
+)
 from stages._runtime import StageContext, StageIO, StageResult
-from stages.onnx.model import axis_size
+from stages.onnx import shapes as sh
 from stages.serving.layout import MODEL_DIR
 from stages.serving.render import parse_triton, render
 
@@ -51,7 +58,7 @@ def rendered(release: str) -> dict[str, str]:
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("version", "task", "bundle.serving", "bundle.ort_session"),
-        upstream=("export/model_info.json", "quantize/quant_info.json", "plan/plan.json"),
+        reads=(ModelInfo, QuantInfo, CapacityPlan),
         # the templates it renders (named once, in rendered()) and the runtime it ships
         code=(
             *sorted({f"stages/templates/{t}" for t in rendered(release.name).values()}),
@@ -61,13 +68,12 @@ def io(release: ReleaseSpec) -> StageIO:
 
 
 def run(ctx: StageContext, release: Any) -> StageResult:
-    info = json.loads((ctx.upstream("export") / "model_info.json").read_text())
-    info["dtype"] = json.loads((ctx.upstream("quantize") / "quant_info.json").read_text())["dtype"]
-    plan = json.loads((ctx.upstream("plan") / "plan.json").read_text())
-    values = serving_values(release, info, plan)
+    info, plan = ctx.read(ModelInfo), ctx.read(CapacityPlan)
+    values = serving_values(release, info, plan, ctx.read(QuantInfo).dtype)
+    ctx.write(values)
     triton = triton_values(info, values)
     context = {
-        **values,
+        **values.model_dump(),
         "release": ctx.release,
         "model_name": ctx.release,
         "version": release.version,
@@ -76,8 +82,8 @@ def run(ctx: StageContext, release: Any) -> StageResult:
         "triton": triton,
         # what the KV-cache graph accepts: a prompt of at most sequence.max tokens, then a
         # past of at most past_sequence.max (0 = no such dim: the runtime does not check)
-        "max_prompt_tokens": info["dims"].get("sequence", {}).get("max", 0),
-        "max_past_tokens": info["dims"].get("past_sequence", {}).get("max", 0),
+        "max_prompt_tokens": info.dims["sequence"].max if "sequence" in info.dims else 0,
+        "max_past_tokens": info.dims["past_sequence"].max if "past_sequence" in info.dims else 0,
     }
     files = render(ctx.work, rendered(ctx.release), context)
     for path in files:
@@ -86,20 +92,20 @@ def run(ctx: StageContext, release: Any) -> StageResult:
     shutil.copyfile(RUNTIME, runtime)
     return StageResult.passed(
         f"{len(files)} configs rendered and parsed back; max_batch_size "
-        f"{values['max_batch_size']}, context {values['max_context_length']}",
-        metrics={"max_batch_size": values["max_batch_size"]},
-        details={"serving": values, "files": sorted(rendered(ctx.release))},
+        f"{values.max_batch_size}, context {values.max_context_length}",
+        metrics={"max_batch_size": values.max_batch_size},
+        details={"serving": values.model_dump(), "files": sorted(rendered(ctx.release))},
     )
 
 
-def serving_values(release: Any, info: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+def serving_values(release: Any, info: ModelInfo, plan: CapacityPlan, dtype: str) -> ServingValues:
     """Serving keys from the spec, defaulted from the capacity plan and checked against it
-    and against the export's ranges."""
-    s, dims = release.bundle.serving, info["dims"]
-    batch_max = dims.get("batch", {}).get("max", 1)
-    context = s.max_context_length or plan["context"]
-    fits = plan["max_batch_that_fits"] if context == plan["context"] else batch_max
-    batch = s.max_batch_size or max(1, min(batch_max, plan["batch"], fits))
+    and against the export's ranges; `dtype` is the served model's (the quantize stage's)."""
+    s, dims = release.bundle.serving, info.dims
+    batch_max = dims["batch"].max if "batch" in dims else 1
+    context = s.max_context_length or plan.context
+    fits = plan.max_batch_that_fits if context == plan.context else batch_max
+    batch = s.max_batch_size or max(1, min(batch_max, plan.batch, fits))
     _within("bundle.serving.max_batch_size", batch, batch_max, "export.dims.batch.max")
     _within(
         "bundle.serving.max_batch_size",
@@ -109,39 +115,39 @@ def serving_values(release: Any, info: dict[str, Any], plan: dict[str, Any]) -> 
     )
     for size in s.preferred_batch_sizes or []:
         _within("bundle.serving.preferred_batch_sizes", size, batch, "the served max_batch_size")
-    if plan["context"]:
+    if plan.context:
         _within(
             "bundle.serving.max_context_length",
             context,
-            plan["context"],
+            plan.context,
             "the plan's context (capacity.max_context or the export's maximum)",
         )
-    kv_bytes = plan["kv_bytes_per_sequence"] * context // max(plan["context"], 1) * batch
+    kv_bytes = plan.kv_bytes_per_sequence * context // max(plan.context, 1) * batch
     kv_budget = kv_bytes if s.kv_cache_budget is None else s.kv_cache_budget
     _within(
         "bundle.serving.kv_cache_budget",
         kv_budget,
-        plan["usable_bytes"] - plan["extreme"]["weights"] - plan["extreme"]["overhead"],
+        plan.usable_bytes - plan.extreme.weights - plan.extreme.overhead,
         "the device memory the plan leaves after weights and overhead",
     )
     causal = release.task == "causal-lm"
-    return {
-        "model_path": f"{MODEL_DIR.format(release=release.name)}/model.onnx",
-        "dtype": info["dtype"],
-        "port": s.port,
-        "max_batch_size": batch,
-        "max_queue_depth": s.max_queue_depth,
-        "max_context_length": context,
-        "kv_cache_budget": kv_budget,
-        "request_timeout_seconds": s.request_timeout_seconds,
-        "streaming": causal if s.streaming is None else s.streaming,
-        "dynamic_batching": s.dynamic_batching,
-        "max_queue_delay_microseconds": s.max_queue_delay_microseconds,
-        "preferred_batch_sizes": s.preferred_batch_sizes or [],
-        "instance_count": s.instance_count,
-        "instance_kind": s.instance_kind,
-        "warmup": s.warmup,
-    }
+    return ServingValues(
+        model_path=f"{MODEL_DIR.format(release=release.name)}/model.onnx",
+        dtype=dtype,
+        port=s.port,
+        max_batch_size=batch,
+        max_queue_depth=s.max_queue_depth,
+        max_context_length=context,
+        kv_cache_budget=kv_budget,
+        request_timeout_seconds=s.request_timeout_seconds,
+        streaming=causal if s.streaming is None else s.streaming,
+        dynamic_batching=s.dynamic_batching,
+        max_queue_delay_microseconds=s.max_queue_delay_microseconds,
+        preferred_batch_sizes=s.preferred_batch_sizes or [],
+        instance_count=s.instance_count,
+        instance_kind=s.instance_kind,
+        warmup=s.warmup,
+    )
 
 
 def _within(field: str, value: int, limit: int, source: str) -> None:
@@ -154,29 +160,30 @@ def _within(field: str, value: int, limit: int, source: str) -> None:
         )
 
 
-def triton_values(info: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+def triton_values(info: ModelInfo, values: ServingValues) -> dict[str, Any]:
     """Inputs/outputs with -1 for dynamic axes; the batch axis is implicit when batching."""
-    tensors = [*info["inputs"], *info["outputs"]]
-    batched = "batch" in info["dims"] and all(t["axes"][:1] == ["batch"] for t in tensors)
+    tensors = [*info.inputs, *info.outputs]
+    batched = "batch" in info.dims and all(t.axes[:1] == ["batch"] for t in tensors)
+    opt = sh.corners(info.dims, ("opt",))["opt"]
 
-    def entry(t: dict[str, Any], warm: bool = False) -> dict[str, Any]:
-        axes = t["axes"][1:] if batched else t["axes"]
-        dims = [axis_size(a, info["dims"], "opt") if warm else a for a in axes]
+    def entry(t: TensorInfo, warm: bool = False) -> dict[str, Any]:
+        axes = t.axes[1:] if batched else t.axes
+        dims = [sh.axis_size(a, opt) if warm else a for a in axes]
         return {
-            "name": t["name"],
-            "data_type": TRITON_TYPES[t["dtype"]],
+            "name": t.name,
+            "data_type": TRITON_TYPES[t.dtype],
             "dims": [d if isinstance(d, int) else -1 for d in dims],
         }
 
     return {
-        "max_batch_size": values["max_batch_size"] if batched else 0,
-        "inputs": [entry(t) for t in info["inputs"]],
-        "outputs": [entry(t) for t in info["outputs"]],
-        "warmup": [entry(t, warm=True) for t in info["inputs"]],
+        "max_batch_size": values.max_batch_size if batched else 0,
+        "inputs": [entry(t) for t in info.inputs],
+        "outputs": [entry(t) for t in info.outputs],
+        "warmup": [entry(t, warm=True) for t in info.inputs],
     }
 
 
-def parse_back(path: Path, info: dict[str, Any], values: dict[str, Any]) -> None:
+def parse_back(path: Path, info: ModelInfo, values: ServingValues) -> None:
     """A rendered config must parse (and, for Triton, agree with the export and the plan)."""
     text = path.read_text(encoding="utf-8")
     try:
@@ -184,8 +191,9 @@ def parse_back(path: Path, info: dict[str, Any], values: dict[str, Any]) -> None
             json.loads(text)
         elif path.suffix == ".yaml":
             data = yaml.safe_load(text)
-            wrong = {k: v for k, v in data.items() if k in values and values[k] != v}
-            extra = set(data) - set(values) - {"ort_session_config"}
+            known = values.model_dump()
+            wrong = {k: v for k, v in data.items() if k in known and known[k] != v}
+            extra = set(data) - set(known) - {"ort_session_config"}
             if wrong or extra:
                 raise ValueError(f"values do not read back as rendered: {wrong or extra}")
         elif path.suffix == ".pbtxt":
@@ -198,13 +206,13 @@ def parse_back(path: Path, info: dict[str, Any], values: dict[str, Any]) -> None
         ) from None
 
 
-def check_triton(config: Any, info: dict[str, Any], values: dict[str, Any]) -> None:
+def check_triton(config: Any, info: ModelInfo, values: ServingValues) -> None:
     """The parsed config's batch and tensors match the export and the plan."""
-    batch_max = info["dims"].get("batch", {}).get("max", 0)
-    if config.max_batch_size > min(values["max_batch_size"], batch_max or config.max_batch_size):
+    batch_max = info.dims["batch"].max if "batch" in info.dims else 0
+    if config.max_batch_size > min(values.max_batch_size, batch_max or config.max_batch_size):
         raise ValueError(
             f"max_batch_size {config.max_batch_size} exceeds the plan/export limit "
-            f"{values['max_batch_size']}"
+            f"{values.max_batch_size}"
         )
     expected = triton_values(info, values)
     for kind, tensors in (("input", config.input), ("output", config.output)):

@@ -35,6 +35,39 @@ QUICK_LOADTEST: dict[str, Any] = {
 }
 
 
+def model_info(**fields: Any) -> Any:
+    """A ModelInfo artifact for unit tests: the given fields over a tiny GPT-2's."""
+    from schemas.artifacts import ModelInfo
+
+    dims = fields.pop("dims", {"batch": {"min": 1, "opt": 2, "max": 8}})
+    for name, d in dims.items():  # tests give only the bounds they care about
+        d.setdefault("min", 0 if name == "past_sequence" else 1)
+        d.setdefault("opt", d["max"])
+    base: dict[str, Any] = {
+        "task": "causal-lm",
+        "arch": {
+            "layers": 2,
+            "heads": 4,
+            "kv_heads": 4,
+            "head_dim": 16,
+            "hidden": 64,
+            "vocab": 512,
+            "positions": 256,
+            "labels": 2,
+        },
+        "parameters": 1,
+        "weight_bytes": 4,
+        "dtype": "float32",
+        "exporter": "legacy",
+        "opset": 18,
+        "external_data": False,
+        "dims": dims,
+        "inputs": [],
+        "outputs": [],
+    }
+    return ModelInfo.model_validate(base | fields)
+
+
 def generic_spec(name: str, factory: str, **overrides: Any) -> dict[str, Any]:
     """A release spec for a trap model: x [batch, 4, 8] -> y [batch, ...]."""
     spec: dict[str, Any] = {

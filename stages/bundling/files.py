@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from schemas.artifacts import NOT_SHIPPED, ModelInfo, QuantInfo
 from stages import STAGES
 from stages._runtime import StageContext
 from stages.serving.layout import MODEL_DIR
 
-NOT_SHIPPED = ("server.log", ".lock")
+DIAGNOSTICS = ("server.log", ".lock")  # stay in the build folder
 
 
 # Every stage before the manifest: their reports ship, and their verdicts gate the bundle.
@@ -28,26 +29,32 @@ def payload(ctx: StageContext) -> dict[str, Path]:
         f"{MODEL_DIR.format(release=ctx.release)}/{p.name}": p
         for p in sorted(quantized.glob("model.onnx*"))
     }
-    files["model/model_info.json"] = ctx.upstream("export") / "model_info.json"
-    files["model/quant_info.json"] = quantized / "quant_info.json"
+    files["model/model_info.json"] = ctx.upstream(ModelInfo.STAGE) / ModelInfo.FILE
+    files["model/quant_info.json"] = ctx.upstream(QuantInfo.STAGE) / QuantInfo.FILE
     for stage in CHECKED:
         files[f"reports/{stage}.json"] = ctx.upstream(stage) / "report.json"
-    files.update(_outputs(ctx.upstream("serve"), ""))
+    files.update(_outputs(ctx.upstream("serve"), "", "serve"))
     engine = ctx.upstream("engine")
     files.update(
-        {k: v for k, v in _outputs(engine, "").items() if k.startswith("serving/")}
-        | {f"engine/{p.name}": p for p in sorted(engine.glob("*")) if p.is_file()}
+        {k: v for k, v in _outputs(engine, "", "engine").items() if k.startswith("serving/")}
+        | {
+            f"engine/{p.name}": p
+            for p in sorted(engine.glob("*"))
+            if p.is_file() and p.name != "report.json" and f"engine/{p.name}" not in NOT_SHIPPED
+        }
     )
-    files.pop("engine/report.json", None)
-    loadtest = _outputs(ctx.upstream("loadtest"), "reports/loadtest/")
-    files.update({k: v for k, v in loadtest.items() if not k.endswith(NOT_SHIPPED)})
+    loadtest = _outputs(ctx.upstream("loadtest"), "reports/loadtest/", "loadtest")
+    files.update({k: v for k, v in loadtest.items() if not k.endswith(DIAGNOSTICS)})
     return files
 
 
-def _outputs(folder: Path, prefix: str) -> dict[str, Path]:
-    """Every file a stage wrote but its report (which goes under reports/)."""
+def _outputs(folder: Path, prefix: str, stage: str) -> dict[str, Path]:
+    """Every file a stage wrote but its report (which goes under reports/) and the artifacts
+    that feed the facts instead of shipping."""
     return {
         prefix + p.relative_to(folder).as_posix(): p
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != "report.json"
+        if p.is_file()
+        and p.name != "report.json"
+        and f"{stage}/{p.relative_to(folder).as_posix()}" not in NOT_SHIPPED
     }

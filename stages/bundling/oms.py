@@ -1,8 +1,8 @@
 """Bundle manifests in the exact OMS layout, and the strict check of a bundle against one.
 
 `build_manifest` produces what model_signing 1.x's shard serialization produces for the same
-folder (tests/stages/test_manifest_and_bundle.py compares every resource and the root digest with the
-library), hashed with our own parallel reader (`_hashing`), which is faster.
+folder (tests/stages/test_manifest_and_bundle.py compares every resource and the root
+digest with the library), hashed with our own parallel reader (`_hashing`), which is faster.
 
 `verify_bundle` is stricter than model_signing's verifier on purpose:
 - the files it may skip are fixed here (`BUNDLE_UNHASHED`), never read from the manifest;

@@ -8,39 +8,14 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from schemas import StageError
-from schemas.release import DimRange
-
-TOTAL = "total_sequence"  # past_sequence + sequence; derived, never declared in the spec
-
-
-@dataclass(frozen=True)
-class Tensor:
-    name: str
-    dtype: str
-    axes: tuple[int | str, ...]
-    low: float = 0
-    high: float = 1
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Graph inputs and outputs in call order, with named axes."""
-
-    inputs: tuple[Tensor, ...]
-    outputs: tuple[Tensor, ...]
-
-    def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        return {
-            t.name: {i: a for i, a in enumerate(t.axes) if isinstance(a, str)}
-            for t in (*self.inputs, *self.outputs)
-        }
+from schemas.artifacts import ModelInfo
+from stages.onnx.shapes import TOTAL, Layout, Tensor
 
 
 def model_paths(model: Any) -> tuple[str, str]:
@@ -192,74 +167,12 @@ def layout(task: str, export: Any, config: dict[str, Any]) -> Layout:
     return Layout((ids, mask), (hidden,))
 
 
-def layout_from_info(info: dict[str, Any]) -> Layout:
-    """The Layout recorded by the export stage in model_info.json."""
-
-    def tensors(key: str) -> tuple[Tensor, ...]:
-        return tuple(Tensor(t["name"], t["dtype"], tuple(t["axes"])) for t in info[key])
-
-    return Layout(tensors("inputs"), tensors("outputs"))
-
-
-def with_total(sizes: dict[str, int]) -> dict[str, int]:
-    if "past_sequence" in sizes and "sequence" in sizes:
-        return {**sizes, TOTAL: sizes["past_sequence"] + sizes["sequence"]}
-    return dict(sizes)
-
-
-def trace_sizes(dims: dict[str, DimRange]) -> dict[str, int]:
-    """Sizes to trace at: opt, but never 0 or 1 (exporters specialize those) when max allows."""
-    return {
-        n: d.opt if d.opt >= 2 or d.max < 2 else min(d.max, 2 + (n == "sequence"))
-        for n, d in dims.items()
-    }
-
-
-def odd_sizes(dims: dict[str, DimRange], avoid: dict[str, int]) -> dict[str, int]:
-    """An odd size strictly inside each range, unlike the trace size where possible."""
-    out = {}
-    for n, d in dims.items():
-        candidates = [v for v in range(d.min + 1, d.max) if v % 2 == 1 and v != avoid.get(n)]
-        out[n] = candidates[len(candidates) // 2] if candidates else d.max
-    return out
-
-
-def axis_size(axis: str | int, ranges: dict[str, dict[str, int]], which: str) -> int:
-    """The size of one axis at `which` (min, opt, max, ...) of named dim ranges;
-    total_sequence is past + sequence there (at least 1)."""
-    if isinstance(axis, int):
-        return axis
-    if axis == TOTAL:
-        return max(ranges["past_sequence"][which] + ranges["sequence"][which], 1)
-    return int(ranges[axis][which])
-
-
-def sample_input(
-    name: str, dtype: str, shape: list[int], vocab: int, rng: np.random.Generator
-) -> np.ndarray:
-    """A real-looking value for a graph input of the export: masks of ones, token ids
-    inside the vocabulary, normal floats."""
-    if "mask" in name:
-        return np.ones(shape, dtype=dtype)
-    if dtype.startswith("int"):
-        return rng.integers(0, vocab, shape).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def make_inputs(lay: Layout, sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:
-    """Deterministic inputs for the given dim sizes."""
-    rng = np.random.default_rng(seed)
-    full = with_total(sizes)
-    feeds: dict[str, np.ndarray] = {}
-    for t in lay.inputs:
-        shape = tuple(full[a] if isinstance(a, str) else a for a in t.axes)
-        if t.dtype.startswith("int"):
-            feeds[t.name] = rng.integers(int(t.low), int(t.high), size=shape).astype(t.dtype)
-        elif t.dtype == "bool":
-            feeds[t.name] = rng.integers(0, 2, size=shape).astype(bool)
-        else:
-            feeds[t.name] = rng.standard_normal(shape).astype(t.dtype)
-    return feeds
+def layout_from_info(info: ModelInfo) -> Layout:
+    """The Layout recorded by the export stage (ModelInfo)."""
+    return Layout(
+        tuple(Tensor(t.name, t.dtype, tuple(t.axes)) for t in info.inputs),
+        tuple(Tensor(t.name, t.dtype, tuple(t.axes)) for t in info.outputs),
+    )
 
 
 def adapter(task: str, net: Any, lay: Layout) -> Any:

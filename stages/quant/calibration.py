@@ -11,7 +11,7 @@ import numpy as np
 
 from schemas import StageError
 from stages.bundling.hashing import hash_range
-from stages.onnx import model as m
+from stages.onnx import shapes as sh
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Samples:
 
 
 def load(
-    stage: str, root: Path, cfg: Any, task: str, lay: m.Layout, dims: dict, vocab: int
+    stage: str, root: Path, cfg: Any, task: str, lay: sh.Layout, dims: dict, vocab: int
 ) -> Samples:
     """Read cfg.path, check every sample, split into calibration and hold-out feeds."""
     path = root / cfg.path
@@ -44,7 +44,7 @@ def load(
 
 
 def read_rows(
-    stage: str, root: Path, cfg: Any, lay: m.Layout, limit: int | None, vocab: int, section: str
+    stage: str, root: Path, cfg: Any, lay: sh.Layout, limit: int | None, vocab: int, section: str
 ) -> list[dict[str, np.ndarray]]:
     """Every sample of cfg.path (JSONL texts via cfg.tokenizer, or NPZ arrays), checked.
 
@@ -125,7 +125,7 @@ def _text(stage: str, cfg: Any, number: int, line: str) -> str:
 
 
 def _npz_rows(
-    stage: str, cfg: Any, path: Path, lay: m.Layout, limit: int | None, vocab: int
+    stage: str, cfg: Any, path: Path, lay: sh.Layout, limit: int | None, vocab: int
 ) -> list[dict[str, np.ndarray]]:
     with np.load(path) as data:
         arrays = {k: data[k] for k in data.files}
@@ -155,7 +155,7 @@ def _npz_rows(
     return rows
 
 
-def to_feeds(task: str, lay: m.Layout, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def to_feeds(task: str, lay: sh.Layout, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Complete a sample to the graph's inputs: masks of ones, an empty KV cache."""
     if task == "generic":
         return dict(row)

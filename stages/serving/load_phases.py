@@ -10,34 +10,35 @@ from typing import Any
 import numpy as np
 
 from schemas import StageError
-from stages.onnx.model import sample_input
+from schemas.artifacts import ModelInfo
+from stages.onnx import shapes as sh
 from stages.serving import loadgen as lg
 
 MB = 1 << 20
 
 
-def _inputs(info: dict[str, Any], batch: int, length: int, seed: int = 0) -> dict[str, Any]:
+def _inputs(info: ModelInfo, batch: int, length: int, seed: int = 0) -> dict[str, Any]:
     """Real-looking inputs for the exported graph; for causal-lm only input_ids (the server
     builds the attention mask and the past itself)."""
-    rng = np.random.default_rng(seed)
     sizes = {"batch": batch, "sequence": length}
-    vocab = info.get("arch", {}).get("vocab", 2)
-    causal = info["task"] == "causal-lm"
-    feeds = {}
-    for t in info["inputs"]:
-        if causal and t["name"] != "input_ids":
-            continue
-        shape = [
-            a if isinstance(a, int) else sizes.get(a, info["dims"][a]["opt"]) for a in t["axes"]
-        ]
-        feeds[t["name"]] = sample_input(t["name"], t["dtype"], shape, vocab, rng)
-    return feeds
+    vocab = info.arch.vocab
+    causal = info.task == "causal-lm"
+    tensors = [
+        sh.token_tensor(t.name, t.dtype, t.axes, vocab)
+        for t in info.inputs
+        if not causal or t.name == "input_ids"
+    ]
+    shapes = {
+        t.name: [a if isinstance(a, int) else sizes.get(a, info.dims[a].opt) for a in t.axes]
+        for t in tensors
+    }
+    return sh.seeded_inputs(tensors, shapes, seed)
 
 
 def request(
-    base: str, info: dict[str, Any], batch: int, length: int, tokens: int, stream: bool
+    base: str, info: ModelInfo, batch: int, length: int, tokens: int, stream: bool
 ) -> lg.Request:
-    causal = info["task"] == "causal-lm"
+    causal = info.task == "causal-lm"
     params = {"max_new_tokens": tokens} if causal else None
     return lg.Request(
         url=f"{base}/{'infer_stream' if stream else 'infer'}",
@@ -53,12 +54,12 @@ def trimmed(values: list[int], limit: int) -> list[int]:
     return sorted({min(v, limit) for v in values})
 
 
-def grid(base: str, release: Any, info: dict[str, Any]) -> list[dict[str, Any]]:
+def grid(base: str, release: Any, info: ModelInfo) -> list[dict[str, Any]]:
     """Latency per batch x input length at concurrency 1 (prefill only for causal-lm)."""
-    g, dims = release.loadtest.grid, info["dims"]
-    batches = trimmed(g.batch_sizes, dims.get("batch", {}).get("max", 1))
+    g, dims = release.loadtest.grid, info.dims
+    batches = trimmed(g.batch_sizes, dims["batch"].max if "batch" in dims else 1)
     has_seq = "sequence" in dims
-    lengths = trimmed(g.input_lengths, dims["sequence"]["max"]) if has_seq else [0]
+    lengths = trimmed(g.input_lengths, dims["sequence"].max) if has_seq else [0]
     timeout = release.loadtest.request_timeout_seconds
     points = []
     for b in batches:
@@ -70,7 +71,7 @@ def grid(base: str, release: Any, info: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def ramp(
-    base: str, release: Any, info: dict[str, Any], stream: bool, upto: int | None = None
+    base: str, release: Any, info: ModelInfo, stream: bool, upto: int | None = None
 ) -> dict[str, Any]:
     """Concurrency 1, 2, 4, ... until the knee (Model Analyzer's rule) or the SLO breaks."""
     r, slo = release.loadtest.ramp, release.loadtest.slo
@@ -125,7 +126,7 @@ def _at(points: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
     return next(p for p in points if p["concurrency"] == concurrency)
 
 
-def soak(base: str, release: Any, info: dict[str, Any], server: Any, knee: int) -> dict[str, Any]:
+def soak(base: str, release: Any, info: ModelInfo, server: Any, knee: int) -> dict[str, Any]:
     """Load at the knee for `soak.seconds` while sampling the server's RSS."""
     s, r = release.loadtest.soak, release.loadtest.ramp
     if server is None:

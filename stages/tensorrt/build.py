@@ -12,17 +12,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from schemas import StageError
-from stages._runtime import StageContext, StageResult, write_json
-from stages.onnx.model import axis_size, sample_input
+from schemas.artifacts import CapacityPlan, EngineBuild, ModelInfo
+from stages._runtime import StageContext, StageResult
+from stages.onnx import shapes as sh
 
 
 def build_and_check(
     ctx: StageContext,
     release: Any,
-    info: dict[str, Any],
+    info: ModelInfo,
     profiles: list[dict[str, Any]],
     model: Path,
     details: dict[str, Any],
@@ -68,7 +67,16 @@ def build_and_check(
             "fix triton_trt_values / the template so every named file is in version 1",
         )
     details["plan"] = f"{trt_entry.trt_model_dir(ctx.release)}/1/{plan_name}"
-    write_json(ctx.work / "engine.json", details)
+    ctx.write(
+        EngineBuild(
+            tensorrt=trt.__version__,
+            gpu=gpu,
+            compute_capability=capability,
+            plan=details["plan"],
+            parity=parity,
+            cuda_graphs=graphs,
+        )
+    )
     bad = [p["why"] for p in parity if not p["ok"]] + [g["why"] for g in graphs if not g["ok"]]
     summary = (
         f"TensorRT {trt.__version__} on {gpu} (sm {capability}): {len(profiles)} profile(s), "
@@ -163,40 +171,25 @@ def device_facts() -> tuple[str, str]:
     return f"{props.major}.{props.minor}", props.name.decode(errors="replace").strip("\x00")
 
 
-def parity_shapes(profile: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+def parity_shapes(profile: dict[str, Any], info: ModelInfo) -> dict[str, Any]:
     """Input shapes at the profile's min, opt and max, and at an odd size in between; the
     odd one is chosen per named dim, so past + sequence still equals total_sequence."""
-    picked = {k: {n: s[k] for n, s in profile["shapes"].items()} for k in ("min", "opt", "max")}
-    ranges = {d: {**r, "odd": odd_between(r["min"], r["max"])} for d, r in profile["dims"].items()}
-    picked["odd"] = {
-        t["name"]: [axis_size(a, ranges, "odd") for a in t["axes"]] for t in info["inputs"]
-    }
+    picked = {k: {n: s[k] for n, s in profile["shapes"].items()} for k in sh.BOUNDS}
+    odd = sh.corners(profile["dims"], (), odd_avoid={})["odd"]
+    picked["odd"] = {t.name: [sh.axis_size(a, odd) for a in t.axes] for t in info.inputs}
     return picked
 
 
-def odd_between(lo: int, hi: int) -> int:
-    """An odd size near the middle of [lo, hi] (lo itself when the range has no odd size)."""
-    mid = (lo + hi) // 2
-    for candidate in (mid, mid + 1, mid - 1):
-        if lo <= candidate <= hi and candidate % 2 == 1:
-            return candidate
-    return lo
-
-
-def _feeds(info: dict[str, Any], shapes: dict[str, list[int]], seed: int) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    vocab = info.get("arch", {}).get("vocab", 2)
-    return {
-        t["name"]: sample_input(t["name"], t["dtype"], shapes[t["name"]], vocab, rng)
-        for t in info["inputs"]
-    }
+def _feeds(info: ModelInfo, shapes: dict[str, list[int]], seed: int) -> dict[str, Any]:
+    tensors = [sh.token_tensor(t.name, t.dtype, t.axes, info.arch.vocab) for t in info.inputs]
+    return sh.seeded_inputs(tensors, shapes, seed)
 
 
 def engine_parity(
     plan: bytes,
     model: Path,
     profiles: list[dict[str, Any]],
-    info: dict[str, Any],
+    info: ModelInfo,
     parity: Any,
     default: Any = None,
 ) -> list[dict[str, Any]]:
@@ -269,7 +262,7 @@ def first_diverging_layer(
     plan: bytes,
     model: Path,
     profiles: list[dict[str, Any]],
-    info: dict[str, Any],
+    info: ModelInfo,
     rows: list[dict[str, Any]],
     parity: Any,
     default: Any = None,
@@ -313,11 +306,9 @@ def first_diverging_layer(
 def render_triton(
     ctx: StageContext, release: Any, profiles: list[dict[str, Any]], capability: str
 ) -> None:
-    import json
-
     from stages.tensorrt import triton as trt_entry
 
-    plan_batch = json.loads((ctx.upstream("plan") / "plan.json").read_text())["batch"]
+    plan_batch = ctx.read(CapacityPlan).batch
     values = trt_entry.triton_trt_values(
         profiles,
         release.bundle.serving,

@@ -10,20 +10,20 @@ from schemas.loader import load_release
 from schemas.release import CudaGraphs, EngineConfig, ServingConfig
 from stages import engine as build_engine
 from stages import serve as render_serving
-from tests.conftest import REPO, Workspace, gpt2_spec
+from tests.conftest import REPO, Workspace, gpt2_spec, model_info
 
-INFO = {
-    "dims": {
+INFO = model_info(
+    dims={
         "batch": {"min": 1, "opt": 2, "max": 8},
         "sequence": {"min": 1, "opt": 16, "max": 64},
         "past_sequence": {"min": 0, "opt": 16, "max": 128},
     },
-    "inputs": [
+    inputs=[
         {"name": "input_ids", "axes": ["batch", "sequence"], "dtype": "int64"},
         {"name": "attention_mask", "axes": ["batch", "total_sequence"], "dtype": "int64"},
         {"name": "past.0", "axes": ["batch", 4, "past_sequence", 16], "dtype": "float32"},
     ],
-}
+)
 
 
 # Skips follow what this machine has, never assumed: the same suite runs where a GPU and
@@ -157,7 +157,8 @@ def test_the_example_release_declares_two_profiles() -> None:
 
 
 def test_engine_parity_shapes_keep_the_kv_dims_consistent() -> None:
-    from stages.tensorrt.build import odd_between, parity_shapes
+    from stages.onnx.shapes import odd_size
+    from stages.tensorrt.build import parity_shapes
 
     [profile] = build_engine.derive_profiles(_engine(), INFO)
     shapes = parity_shapes(profile, INFO)
@@ -169,7 +170,8 @@ def test_engine_parity_shapes_keep_the_kv_dims_consistent() -> None:
         assert s["past.0"][0] == batch
     odd = shapes["odd"]
     assert odd["input_ids"] == [5, 33] and odd["past.0"] == [5, 4, 65, 16]
-    assert odd_between(1, 1) == 1 and odd_between(2, 2) == 2 and odd_between(0, 1) == 1
+    assert odd_size(1, 1) == 1 and odd_size(2, 2) == 2 and odd_size(0, 1) == 1
+    assert odd_size(1, 8) == 5 and odd_size(1, 8, avoid=5) == 7 and odd_size(0, 4) == 3
 
 
 def test_the_engine_is_built_from_a_graph_tensorrt_can_parse() -> None:

@@ -11,8 +11,10 @@ import pytest
 import yaml
 from markdown_it import MarkdownIt
 
+from schemas.artifacts import ServingValues
 from stages.serve import parse_triton, render, rendered, triton_values
 from stages.serving.escape import comment, markdown, markdown_cell, pbtxt, yaml_scalar
+from tests.conftest import model_info
 
 HOSTILE = [
     "plain",
@@ -104,15 +106,15 @@ def test_markdown_cells_stay_in_their_cell(value: str) -> None:
     assert text == " ".join(value.split())
 
 
-def hostile_context(value: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    info = {
-        "inputs": [{"name": f"in {value}", "dtype": "int64", "axes": ["batch", "sequence"]}],
-        "outputs": [{"name": f"out {value}", "dtype": "float32", "axes": ["batch", "sequence"]}],
-        "dims": {
+def hostile_context(value: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    info = model_info(
+        inputs=[{"name": f"in {value}", "dtype": "int64", "axes": ["batch", "sequence"]}],
+        outputs=[{"name": f"out {value}", "dtype": "float32", "axes": ["batch", "sequence"]}],
+        dims={
             "batch": {"min": 1, "opt": 2, "max": 4},
             "sequence": {"min": 1, "opt": 4, "max": 8},
         },
-    }
+    )
     values = {
         "model_path": f"models/{value}",
         "dtype": value,
@@ -143,7 +145,7 @@ def hostile_context(value: str) -> tuple[dict[str, Any], dict[str, Any], dict[st
             "inter_op_num_threads": 0,
             "execution_mode": "sequential",
         },
-        "triton": triton_values(info, values),
+        "triton": triton_values(info, ServingValues(**values)),
         "max_prompt_tokens": 8,
         "max_past_tokens": 0,
     }
@@ -180,8 +182,8 @@ def test_every_serving_template_round_trips_hostile_values(tmp_path: Path, value
 
 @pytest.mark.parametrize("value", HOSTILE, ids=IDS)
 def test_the_model_card_keeps_its_structure_with_hostile_values(tmp_path: Path, value: str) -> None:
-    info, values, context = hostile_context(value)
-    info |= {"parameters": 10, "weight_bytes": 40, "opset": 18, "exporter": "legacy"}
+    typed, values, context = hostile_context(value)
+    info = typed.model_dump() | {"parameters": 10, "weight_bytes": 40}
     info["inputs"][0]["axes"] = ["batch", value]
     context |= {
         "release": "r",

@@ -5,8 +5,9 @@ import json
 import pytest
 
 from schemas import StageError
+from schemas.artifacts import CapacityPlan, MemoryParts
 from stages.serve import serving_values
-from tests.conftest import Workspace, gpt2_spec
+from tests.conftest import Workspace, gpt2_spec, model_info
 
 MIB = 1 << 20
 
@@ -47,18 +48,19 @@ def test_weights_alone_too_big_says_so(built_gpt2: Workspace) -> None:
     built_gpt2.run("plan", gpt2_spec())
 
 
-INFO = {
-    "dims": {"batch": {"max": 8}, "sequence": {"max": 64}, "past_sequence": {"max": 64}},
-    "dtype": "int8",
-}
-PLAN = {
-    "batch": 8,
-    "context": 128,
-    "max_batch_that_fits": 5,
-    "kv_bytes_per_sequence": 1000,
-    "usable_bytes": 10**9,
-    "extreme": {"weights": 10**6, "overhead": 10**6},
-}
+INFO = model_info(
+    dims={"batch": {"max": 8}, "sequence": {"max": 64}, "past_sequence": {"max": 64}},
+)
+PLAN = CapacityPlan(
+    batch=8,
+    context=128,
+    device_bytes=2 * 10**9,
+    usable_bytes=10**9,
+    kv_dtype="float32",
+    kv_bytes_per_sequence=1000,
+    extreme=MemoryParts(weights=10**6, kv_cache=0, activations=0, overhead=10**6, total=2 * 10**6),
+    max_batch_that_fits=5,
+)
 
 
 def release(**serving: object) -> object:
@@ -72,9 +74,9 @@ def release(**serving: object) -> object:
 
 
 def test_serving_takes_its_batch_and_kv_budget_from_the_plan() -> None:
-    values = serving_values(release(), INFO, PLAN)
-    assert values["max_batch_size"] == 5  # what fits, below the export's 8
-    assert values["kv_cache_budget"] == 5 * 1000
+    values = serving_values(release(), INFO, PLAN, "int8")
+    assert values.max_batch_size == 5  # what fits, below the export's 8
+    assert values.kv_cache_budget == 5 * 1000
 
 
 def test_serving_batch_beyond_the_plan_is_refused() -> None:
@@ -83,4 +85,4 @@ def test_serving_batch_beyond_the_plan_is_refused() -> None:
         match="bundle.serving.max_batch_size = 6 exceeds the largest "
         "batch the capacity plan fits at 128 tokens = 5",
     ):
-        serving_values(release(max_batch_size=6), INFO, PLAN)
+        serving_values(release(max_batch_size=6), INFO, PLAN, "int8")

@@ -202,6 +202,7 @@ def test_the_calibration_count_is_samples_plus_holdout_at_its_boundary(ws: Works
     """31 texts for 24 + 8 fail (more than `samples` alone, so a check of `samples` only
     would pass them); exactly 32 load, split 24 / 8."""
 
+    from schemas.artifacts import ModelInfo
     from stages.onnx import model as m
     from stages.quant import calibration as _calibration
 
@@ -214,9 +215,11 @@ def test_the_calibration_count_is_samples_plus_holdout_at_its_boundary(ws: Works
     write_jsonl(ws, texts)
     spec = ws.spec(quant_spec(method="int8-dynamic"))
     cfg = spec.quantization.calibration.model_copy(update={"path": "data/custom.jsonl"})
-    info = json.loads((ws.out("tiny-gpt2", "export") / "model_info.json").read_text())
+    info = ModelInfo.model_validate_json(
+        (ws.out("tiny-gpt2", "export") / ModelInfo.FILE).read_text()
+    )
     lay = m.layout_from_info(info)
     samples = _calibration.load(
-        "quantize", ws.root, cfg, spec.task, lay, spec.export.dims, info["arch"]["vocab"]
+        "quantize", ws.root, cfg, spec.task, lay, spec.export.dims, info.arch.vocab
     )
     assert (len(samples.calibration), len(samples.holdout)) == (24, 8)

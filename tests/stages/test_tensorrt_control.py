@@ -230,12 +230,13 @@ def test_the_int8_static_quantizer_asks_for_symmetric_int8() -> None:
 def _trt_values(portable: bool = False):
     from schemas.release import CudaGraphs, EngineConfig, ServingConfig
     from stages import engine as build_engine
+    from tests.conftest import model_info
 
     cfg = EngineConfig.model_validate({"profiles": [{"name": "prefill"}, {"name": "decode"}]})
-    info = {
-        "dims": {"batch": {"min": 1, "opt": 2, "max": 8}},
-        "inputs": [{"name": "x", "axes": ["batch", 4], "dtype": "float32"}],
-    }
+    info = model_info(
+        dims={"batch": {"min": 1, "opt": 2, "max": 8}},
+        inputs=[{"name": "x", "axes": ["batch", 4], "dtype": "float32"}],
+    )
     profiles = build_engine.derive_profiles(cfg, info)
     return build_engine.triton_trt_values(
         profiles, ServingConfig(max_batch_size=4), 8, CudaGraphs(batch_sizes=[1]), "9.0", portable

@@ -1,0 +1,245 @@
+"""What one stage hands another: typed, validated, written and read only through the stage
+context (`ctx.write(obj)`, `ctx.read(ModelInfo)`).
+
+Each artifact names the stage that writes it and its file, so a path is spelled once: a
+stage lists the artifacts it reads in `io().reads`, the compiler turns them into DVC deps,
+and `ctx.read` refuses an artifact the stage did not declare. `StageReport.details` is for
+humans; nothing downstream reads it.
+
+Artifacts marked `SHIPS = False` stay in the build folder: they feed the manifest's facts
+(`shipyard.json`), which is what ships.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Artifact(_Model):
+    STAGE: ClassVar[str]
+    FILE: ClassVar[str]
+    SHIPS: ClassVar[bool] = True
+    OPTIONAL: ClassVar[bool] = False  # written only sometimes: read with optional=True
+
+    @classmethod
+    def location(cls) -> str:
+        """`stage/file` inside a release's build folder."""
+        return f"{cls.STAGE}/{cls.FILE}"
+
+
+# pin ---------------------------------------------------------------------------------------
+class VersionLock(Artifact):
+    """The environment and checkpoint a release is built from; deterministic (no commit,
+    no time), so the stages after it rerun only when these change."""
+
+    STAGE: ClassVar[str] = "pin"
+    FILE: ClassVar[str] = "lock.json"
+    python: str
+    packages: dict[str, str | None] = Field(description="Installed version; null = absent.")
+    checkpoints: dict[str, str] = Field(description="Checkpoint file -> sha256.")
+
+
+class GitState(_Model):
+    commit: str
+    dirty: bool
+
+
+class Provenance(Artifact):
+    """Which code built the release; read only by the manifest (it changes every commit)."""
+
+    STAGE: ClassVar[str] = "pin"
+    FILE: ClassVar[str] = "provenance.json"
+    SHIPS: ClassVar[bool] = False
+    git: GitState
+
+
+# export ------------------------------------------------------------------------------------
+class Arch(_Model):
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    positions: int
+    labels: int
+
+
+class DimSizes(_Model):
+    min: int
+    opt: int
+    max: int
+
+
+class TensorInfo(_Model):
+    name: str
+    dtype: str
+    axes: list[int | str] = Field(description="Named dims of the spec, or fixed sizes.")
+
+
+class ModelInfo(Artifact):
+    """The exported graph: task, architecture, dims and the input/output layout."""
+
+    STAGE: ClassVar[str] = "export"
+    FILE: ClassVar[str] = "model_info.json"
+    task: str
+    arch: Arch
+    parameters: int
+    weight_bytes: int
+    dtype: str = Field(description="The export's dtype; the served one is QuantInfo.dtype.")
+    exporter: str
+    opset: int
+    external_data: bool
+    dims: dict[str, DimSizes]
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+
+
+# quantize ----------------------------------------------------------------------------------
+class FloatNode(_Model):
+    node: str
+    why: str
+
+
+class QuantInfo(Artifact):
+    """What the quantize stage shipped: method, served dtype, nodes kept in float."""
+
+    STAGE: ClassVar[str] = "quantize"
+    FILE: ClassVar[str] = "quant_info.json"
+    method: str
+    dtype: str
+    float_nodes: list[FloatNode]
+
+
+class CalibrationUsed(Artifact):
+    """The data the weights were fitted to (null when the method needs none)."""
+
+    STAGE: ClassVar[str] = "quantize"
+    FILE: ClassVar[str] = "calibration.json"
+    SHIPS: ClassVar[bool] = False
+    path: str | None = None
+    sha256: str | None = None
+
+
+# evaluate ----------------------------------------------------------------------------------
+class Evaluation(Artifact):
+    """Task metrics of the quantized model on the evaluation set (the gate's baseline)."""
+
+    STAGE: ClassVar[str] = "evaluate"
+    FILE: ClassVar[str] = "evaluation.json"
+    SHIPS: ClassVar[bool] = False
+    metrics: dict[str, float]
+
+
+# plan --------------------------------------------------------------------------------------
+class MemoryParts(_Model):
+    weights: int
+    kv_cache: int
+    activations: int
+    overhead: int
+    total: int
+
+
+class CapacityPlan(Artifact):
+    """Memory for the extreme case vs the usable device memory."""
+
+    STAGE: ClassVar[str] = "plan"
+    FILE: ClassVar[str] = "plan.json"
+    batch: int
+    context: int
+    device_bytes: int
+    usable_bytes: int
+    kv_dtype: str
+    kv_bytes_per_sequence: int
+    extreme: MemoryParts
+    max_batch_that_fits: int
+
+
+# engine ------------------------------------------------------------------------------------
+class EngineProfileInfo(_Model):
+    name: str
+    dims: dict[str, DimSizes]
+    shapes: dict[str, dict[str, list[int]]] = Field(description="input -> min/opt/max shape")
+
+
+class EngineProfiles(Artifact):
+    """TensorRT optimization profiles derived from the spec and the export (always written,
+    also when no engine can be built here)."""
+
+    STAGE: ClassVar[str] = "engine"
+    FILE: ClassVar[str] = "profiles.json"
+    profiles: list[EngineProfileInfo]
+
+
+class EngineBuild(Artifact):
+    """Where and with what an engine was built; absent when none was."""
+
+    STAGE: ClassVar[str] = "engine"
+    FILE: ClassVar[str] = "engine.json"
+    OPTIONAL: ClassVar[bool] = True
+    tensorrt: str
+    gpu: str
+    compute_capability: str
+    plan: str = Field(description="The plan's path inside the bundle.")
+    parity: list[dict[str, object]] = Field(description="TensorRT vs ONNX Runtime rows.")
+    cuda_graphs: list[dict[str, object]] = Field(description="CUDA-graph replay rows.")
+
+
+# serve -------------------------------------------------------------------------------------
+class ServingValues(Artifact):
+    """The resolved serving settings every config was rendered from."""
+
+    STAGE: ClassVar[str] = "serve"
+    FILE: ClassVar[str] = "serving_values.json"
+    SHIPS: ClassVar[bool] = False
+    model_path: str
+    dtype: str
+    port: int
+    max_batch_size: int
+    max_queue_depth: int
+    max_context_length: int
+    kv_cache_budget: int
+    request_timeout_seconds: float
+    streaming: bool
+    dynamic_batching: bool
+    max_queue_delay_microseconds: int
+    preferred_batch_sizes: list[int]
+    instance_count: int
+    instance_kind: str
+    warmup: bool
+
+
+# loadtest ----------------------------------------------------------------------------------
+class LoadTestSummary(Artifact):
+    """The headline numbers, SLO verdicts, plots and ramp the model card and facts show."""
+
+    STAGE: ClassVar[str] = "loadtest"
+    FILE: ClassVar[str] = "summary.json"
+    SHIPS: ClassVar[bool] = False
+    summary: dict[str, float | int | bool | str | None]
+    slo: list[dict[str, object]]
+    plots: list[str]
+    ramp: list[dict[str, object]]
+
+
+ARTIFACTS: tuple[type[Artifact], ...] = (
+    VersionLock,
+    Provenance,
+    ModelInfo,
+    QuantInfo,
+    CalibrationUsed,
+    Evaluation,
+    CapacityPlan,
+    EngineProfiles,
+    EngineBuild,
+    ServingValues,
+    LoadTestSummary,
+)
+# Files that stay in the build folder when a stage's outputs ship.
+NOT_SHIPPED: frozenset[str] = frozenset(a.location() for a in ARTIFACTS if not a.SHIPS)

@@ -1,0 +1,127 @@
+"""Shapes and inputs, in one place: the named-dim vocabulary (`total_sequence`), the sizes
+every stage probes at (trace, min/opt/max, an odd size), and the seeded inputs it feeds.
+
+export probes its graph, parity compares it with PyTorch, the engine compares TensorRT
+with ONNX Runtime and the load test sends requests: all with these, so a shape one stage
+proves is the shape the next one means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+TOTAL = "total_sequence"  # past_sequence + sequence; derived, never declared in the spec
+BOUNDS = ("min", "opt", "max")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A graph input or output: named axes are dims of the spec, ints are fixed.
+    Integer inputs are drawn from [low, high) (token ids: [0, vocab); masks: ones)."""
+
+    name: str
+    dtype: str
+    axes: tuple[int | str, ...]
+    low: float = 0
+    high: float = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Graph inputs and outputs in call order, with named axes."""
+
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        return {
+            t.name: {i: a for i, a in enumerate(t.axes) if isinstance(a, str)}
+            for t in (*self.inputs, *self.outputs)
+        }
+
+
+def with_total(sizes: Mapping[str, int]) -> dict[str, int]:
+    if "past_sequence" in sizes and "sequence" in sizes:
+        return {**sizes, TOTAL: sizes["past_sequence"] + sizes["sequence"]}
+    return dict(sizes)
+
+
+def ranges_of(dims: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """Named dim -> {min, opt, max}, from spec DimRanges or plain dicts."""
+    return {n: d if isinstance(d, dict) else d.model_dump() for n, d in dims.items()}
+
+
+def trace_sizes(dims: Mapping[str, Any]) -> dict[str, int]:
+    """Sizes to trace at: opt, but never 0 or 1 (exporters specialize those) when max allows."""
+    out = {}
+    for n, r in ranges_of(dims).items():
+        out[n] = r["opt"] if r["opt"] >= 2 or r["max"] < 2 else min(r["max"], 2 + (n == "sequence"))
+    return out
+
+
+def odd_size(low: int, high: int, avoid: int | None = None) -> int:
+    """An odd size strictly inside (low, high), near the middle and unlike `avoid` where
+    possible; `high` when the range has none (a specialized 0/1/2 still gets probed at max)."""
+    candidates = [v for v in range(low + 1, high) if v % 2 == 1 and v != avoid]
+    return candidates[len(candidates) // 2] if candidates else high
+
+
+def corners(
+    dims: Mapping[str, Any],
+    which: Iterable[str] = BOUNDS,
+    odd_avoid: Mapping[str, int] | None = None,
+) -> dict[str, dict[str, int]]:
+    """Named sizes at each corner in `which` (min, opt, max) and, when `odd_avoid` is given,
+    at an odd size per dim unlike those sizes. Every dim moves together."""
+    ranges = ranges_of(dims)
+    out = {k: {n: r[k] for n, r in ranges.items()} for k in which}
+    if odd_avoid is not None:
+        out["odd"] = {n: odd_size(r["min"], r["max"], odd_avoid.get(n)) for n, r in ranges.items()}
+    return out
+
+
+def axis_size(axis: str | int, sizes: Mapping[str, int]) -> int:
+    """The size of one axis given named sizes; total_sequence is past + sequence (at least 1)."""
+    if isinstance(axis, int):
+        return axis
+    if axis == TOTAL and axis not in sizes:
+        return max(sizes["past_sequence"] + sizes["sequence"], 1)
+    return int(sizes[axis])
+
+
+def shape_of(t: Tensor, sizes: Mapping[str, int]) -> list[int]:
+    return [axis_size(a, sizes) for a in t.axes]
+
+
+def token_tensor(name: str, dtype: str, axes: Iterable[int | str], vocab: int) -> Tensor:
+    """A graph input as recorded in model_info.json, with the value range a real request
+    has: masks are ones, other integer inputs are token ids below `vocab`."""
+    low, high = (1, 2) if "mask" in name else (0, vocab)
+    return Tensor(name, dtype, tuple(axes), low, high)
+
+
+def seeded_inputs(
+    tensors: Iterable[Tensor], shapes: Mapping[str, list[int]], seed: int
+) -> dict[str, np.ndarray]:
+    """Deterministic inputs: integers in [low, high), booleans, normal floats."""
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    for t in tensors:
+        shape = tuple(shapes[t.name])
+        if t.dtype.startswith("int"):
+            feeds[t.name] = rng.integers(int(t.low), int(t.high), size=shape).astype(t.dtype)
+        elif t.dtype == "bool":
+            feeds[t.name] = rng.integers(0, 2, size=shape).astype(bool)
+        else:
+            feeds[t.name] = rng.standard_normal(shape).astype(t.dtype)
+    return feeds
+
+
+def make_inputs(lay: Layout, sizes: Mapping[str, int], seed: int) -> dict[str, np.ndarray]:
+    """Deterministic inputs of the layout at the given named dim sizes."""
+    full = with_total(sizes)
+    return seeded_inputs(lay.inputs, {t.name: shape_of(t, full) for t in lay.inputs}, seed)
