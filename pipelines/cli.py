@@ -50,6 +50,18 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fingerprint(args: argparse.Namespace) -> int:
+    from pipelines import compiler
+    from stages import repo_root
+
+    root = repo_root()
+    written = compiler.write_fingerprints(root)
+    print(
+        f"fingerprinted the code of {len(written)} stages into {written[0].parent.relative_to(root)}"
+    )
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from schemas import ReleaseSpec
 
@@ -282,6 +294,10 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="write dvc.yaml from releases/*.yaml")
     c.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml is stale")
     c.set_defaults(func=cmd_compile)
+    fp = sub.add_parser(
+        "fingerprint", help="write build/.code/<stage>.json (dvc.yaml's `code` stage)"
+    )
+    fp.set_defaults(func=cmd_fingerprint)
     sch = sub.add_parser("schema", help="print the release spec JSON Schema")
     sch.add_argument("--rules", action="store_true", help="the rules as Markdown instead")
     sch.set_defaults(func=cmd_schema)

@@ -2,9 +2,10 @@
 imports, directly or through other modules of ours, at any depth, including imports inside
 functions (stages import heavy libraries lazily, and their helpers the same way).
 
-The compiler makes these a stage's DVC `deps`, so a change to any of them reruns the
-stage; a hand-kept list went stale (issue 12). Templates and other non-Python files a stage
-reads are still declared in its `io().code`.
+The compiler fingerprints these (pipelines/fingerprint.py) into one file per stage that the
+stage's DVC entry depends on, so a change to what any of them does reruns the stage; a
+hand-kept list went stale (issue 12). Templates and other non-Python files a stage reads are
+declared in its `io().code` and stay plain deps.
 """
 
 from __future__ import annotations
@@ -16,8 +17,15 @@ from pathlib import Path
 PACKAGES = ("schemas", "stages", "pipelines")
 
 
-def import_closure(root: Path, source: str) -> list[str]:
-    """Repo-relative paths of every module of ours `source` pulls in, itself included."""
+# The spec assembles every section; a stage sees only the sections it declares (SpecView
+# raises on any other), so it depends on those sections' modules, not on all of them.
+SPEC_ROOT = "schemas/release.py"
+SPEC_SECTIONS = "schemas/spec"
+
+
+def import_closure(root: Path, source: str, leaves: frozenset[str] = frozenset()) -> list[str]:
+    """Repo-relative paths of every module of ours `source` pulls in, itself included.
+    A module in `leaves` is included but its own imports are not followed."""
     seen: set[str] = set()
     todo = [source]
     while todo:
@@ -25,8 +33,28 @@ def import_closure(root: Path, source: str) -> list[str]:
         if path in seen:
             continue
         seen.add(path)
-        todo.extend(_imports(root, path))
+        if path not in leaves:
+            todo.extend(_imports(root, path))
     return sorted(seen)
+
+
+def stage_closure(root: Path, sources: list[str], params: tuple[str, ...]) -> list[str]:
+    """The Python modules a stage's behaviour can depend on: the import closure of its
+    module and of the runner, where the spec contributes its root module, the shared base
+    and only the section modules of the params the stage declares (`bundle.serving` ->
+    schemas/spec/bundle.py), with what those import."""
+    leaves = frozenset({SPEC_ROOT})
+    found: set[str] = set()
+    for source in sources:
+        found.update(import_closure(root, source, leaves))
+    sections = {p.split(".", 1)[0] for p in params}
+    for module in ("base", *sorted(sections)):
+        path = f"{SPEC_SECTIONS}/{module}.py"
+        if (root / path).is_file():
+            found.update(import_closure(root, path, leaves))
+    if SPEC_ROOT in found:
+        found.add(f"{SPEC_SECTIONS}/__init__.py")
+    return sorted(found)
 
 
 @cache

@@ -7,7 +7,8 @@ from typing import Any
 
 import yaml
 
-from pipelines.closure import import_closure
+from pipelines.closure import stage_closure
+from pipelines.fingerprint import CODE_DIR, CODE_STAGE, FINGERPRINT_CODE
 from schemas import ReleaseSpec, SpecError
 from schemas.loader import load_release
 from stages import load_stages, stage_io
@@ -37,27 +38,73 @@ def discover(root: Path) -> list[tuple[Path, ReleaseSpec]]:
     return found
 
 
-def compile_dvc(root: Path) -> str:
-    """The dvc.yaml text for every release; deterministic for the same inputs."""
+def code_root(root: Path) -> Path:
+    """Where the stage code is: the repository itself when it holds it, else (a folder of
+    specs only) the code next to this package."""
+    return root if (root / "stages" / "__init__.py").is_file() else Path(_ROOT)
+
+
+def stage_ios(root: Path) -> tuple[list[tuple[Path, ReleaseSpec]], dict[str, dict[str, StageIO]]]:
+    """The releases, and per stage each release's StageIO (one template for all)."""
     releases = discover(root)
-    stages: dict[str, Any] = {}
+    out: dict[str, dict[str, StageIO]] = {}
     for name, module in load_stages().items():
         ios = {spec.name: stage_io(module, spec) for _, spec in releases}
         if len({io.template() for io in ios.values()}) > 1:
             raise RuntimeError(
                 f"stage {name}: io() differs between releases; foreach needs one template"
             )
-        if not ios:
-            continue
+        if ios:
+            out[name] = ios
+    return releases, out
+
+
+def code_modules(root: Path, ios: dict[str, dict[str, StageIO]]) -> dict[str, list[str]]:
+    """Per stage, the Python modules its behaviour can depend on (pipelines/closure.py)."""
+    code = code_root(root)
+    return {
+        name: stage_closure(
+            code, [f"stages/{name}.py", *COMMON_CODE], next(iter(per.values())).params
+        )
+        for name, per in ios.items()
+    }
+
+
+def compile_dvc(root: Path) -> str:
+    """The dvc.yaml text for every release; deterministic for the same inputs."""
+    releases, all_ios = stage_ios(root)
+    modules = code_modules(root, all_ios)
+    everything = sorted({m for ms in modules.values() for m in ms} | set(FINGERPRINT_CODE))
+    stages: dict[str, Any] = {
+        CODE_STAGE: {
+            "cmd": "shipyard fingerprint",
+            "deps": everything,
+            "outs": [f"{CODE_DIR}/{name}.json" for name in modules],
+        }
+    }
+    texts = [yaml.safe_load(path.read_text(encoding="utf-8")) for path, _ in releases]
+    for name, ios in all_ios.items():
         io = next(iter(ios.values()))
         slots = _model_slots(releases) if io.reads_model else 0
         items = {spec.name: _item(root, path, spec, slots) for path, spec in releases}
         data = _data_slots(items, ios)
-        texts = [yaml.safe_load(path.read_text(encoding="utf-8")) for path, _ in releases]
         params = _params(io, texts)
-        stages[name] = {"foreach": items, "do": _template(name, module, io, slots, data, params)}
+        stages[name] = {"foreach": items, "do": _template(name, io, slots, data, params)}
     body = yaml.safe_dump({"stages": stages}, sort_keys=False, default_flow_style=False, width=100)
     return HEADER + str(body)
+
+
+def write_fingerprints(root: Path) -> list[Path]:
+    """`shipyard fingerprint`: build/.code/<stage>.json for every stage, rewritten only
+    when its content changes."""
+    from pipelines.fingerprint import write_stage_fingerprint
+
+    _, all_ios = stage_ios(root)
+    code = code_root(root)
+    return [
+        write_stage_fingerprint(root, code, name, modules)
+        for name, modules in code_modules(root, all_ios).items()
+    ]
 
 
 def _model_slots(releases: list[tuple[Path, ReleaseSpec]]) -> int:
@@ -112,13 +159,10 @@ def _present(data: Any, dotted: str) -> bool:
     return True
 
 
-def _template(
-    name: str, module: Any, io: Any, slots: int, data: list[str], params: list[str]
-) -> dict[str, Any]:
-    source = f"stages/{module.__name__.rsplit('.', 1)[1]}.py"
-    code = [*COMMON_CODE, *io.code]
-    code += [p for p in import_closure(Path(_ROOT), source) if p not in code]
-    deps = [source, *sorted(set(code) - {source})]
+def _template(name: str, io: Any, slots: int, data: list[str], params: list[str]) -> dict[str, Any]:
+    # Python code through its fingerprint (what it does, not how it is worded); templates and
+    # shipped files byte for byte.
+    deps = [f"{CODE_DIR}/{name}.json", *sorted(set(io.code))]
     deps += [f"${{item.{slot}}}" for slot in (*MODEL_SLOTS[:slots], *data)]
     deps += [f"build/${{key}}/{u}" for u in io.upstream_files()]
     return {

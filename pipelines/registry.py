@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import RegistryError, StageReport
-from schemas.release import NAME_PATTERN, SEMVER_PATTERN
+from schemas.spec.base import NAME_PATTERN, SEMVER_PATTERN
 from stages.bundling.oms import load_manifest, read_facts, verify_bundle
 
 LOCK_TIMEOUT_S = float(os.environ.get("SHIPYARD_LOCK_TIMEOUT_S", "60"))

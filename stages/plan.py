@@ -6,7 +6,7 @@ from typing import Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import CapacityPlan, MemoryParts, ModelInfo
-from schemas.release import KV_BYTES
+from schemas.spec.capacity import KV_BYTES
 from stages._runtime import StageContext, StageIO, StageResult
 
 NAME = "plan"

@@ -23,7 +23,11 @@ def test_compile_is_deterministic_and_has_a_generated_header() -> None:
 
 def test_each_stage_params_name_only_its_own_sections() -> None:
     stages = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]
-    params = {name: body["do"]["params"][0]["${item.spec}"] for name, body in stages.items()}
+    params = {
+        name: body["do"]["params"][0]["${item.spec}"]
+        for name, body in stages.items()
+        if name != "code"  # the fingerprints: release-independent, no params
+    }
     assert params == {
         "pin": ["pins", "model"],
         "export": ["model", "task", "export"],
@@ -43,7 +47,13 @@ def test_each_stage_params_name_only_its_own_sections() -> None:
 def test_stages_depend_on_their_code_and_upstream_artifacts() -> None:
     do = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]["parity"]["do"]
     assert do["cmd"] == "shipyard run-stage parity --release ${item.spec}"
-    assert "stages/parity.py" in do["deps"]
+    # its Python code through the fingerprint the `code` stage writes from the same closure
+    assert do["deps"][0] == "build/.code/parity.json"
+    assert not [d for d in do["deps"] if d.endswith(".py")]
+    code = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]["code"]
+    assert code["cmd"] == "shipyard fingerprint"
+    assert "build/.code/parity.json" in code["outs"]
+    assert {"stages/parity.py", "stages/onnx/compare.py"} <= set(code["deps"])
     assert "build/${key}/export/model.onnx" in do["deps"]
     assert do["outs"] == ["build/${key}/parity"]
     assert do["metrics"] == [{"build/${key}/metrics/parity.json": {"cache": False}}]

@@ -1,5 +1,6 @@
 """Dependencies derived from the code: running a stage imports nothing of ours that its
-DVC entry does not declare (the import closure the compiler computes)."""
+DVC entry does not declare (the import closure the compiler fingerprints), and the
+fingerprint changes exactly when what the code does changes."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.closure import import_closure
-from pipelines.compiler import compile_dvc
+from pipelines.closure import import_closure, stage_closure
+from pipelines.compiler import code_modules, compile_dvc, stage_ios
+from pipelines.fingerprint import normalized
 from stages import STAGES
 from tests.conftest import REPO, Workspace, gpt2_spec
 
@@ -20,10 +22,23 @@ ENTRY_POINT = {"pipelines/__init__.py", "pipelines/cli.py"}  # `shipyard run-sta
 
 
 def declared(stage: str) -> set[str]:
+    """The Python modules the stage's DVC entry depends on, through its fingerprint file."""
     import yaml
 
     deps = yaml.safe_load(compile_dvc(REPO))["stages"][stage]["do"]["deps"]
-    return {d for d in deps if d.split("/")[0] in ("schemas", "stages", "pipelines")}
+    assert deps[0] == f"build/.code/{stage}.json"
+    assert not [
+        d for d in deps if d.endswith(".py") and not d.startswith("stages/serving/mlserver")
+    ]
+    _, ios = stage_ios(REPO)
+    return set(code_modules(REPO, ios)[stage])
+
+
+# schemas/release.py assembles every section, so every section module is imported at run
+# time; SpecView lets the stage read only its declared sections (it raises on any other),
+# so only those sections' modules are its dependencies (tests below check both halves).
+def via_spec_root(loaded: set[str]) -> set[str]:
+    return {p for p in loaded if p.startswith("schemas/spec/")}
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
@@ -47,7 +62,7 @@ def test_a_stage_run_imports_only_what_its_dvc_entry_declares(
     assert done.returncode == 0, done.stdout + done.stderr
     loaded = set(record.read_text().split())
     assert f"stages/{stage}.py" in loaded
-    assert loaded - ENTRY_POINT - declared(stage) == set()
+    assert loaded - ENTRY_POINT - via_spec_root(loaded) - declared(stage) == set()
 
 
 def test_the_closure_follows_lazy_imports_and_packages(tmp_path: Path) -> None:
@@ -67,3 +82,47 @@ def test_the_closure_follows_lazy_imports_and_packages(tmp_path: Path) -> None:
         "stages/_helper.py",
         "stages/a.py",
     ]
+
+
+def test_a_stage_depends_on_the_spec_modules_of_the_sections_it_declares_only() -> None:
+    _, ios = stage_ios(REPO)
+    modules = code_modules(REPO, ios)
+    assert "schemas/spec/capacity.py" in modules["plan"]  # plan reads capacity (and export)
+    assert "schemas/spec/export.py" in modules["plan"]
+    assert "schemas/spec/bundle.py" not in modules["plan"]
+    assert "schemas/spec/loadtest.py" not in modules["export"]
+    # a section module imports what it builds on: engine profiles are export DimRanges
+    assert "schemas/spec/export.py" in stage_closure(REPO, ["stages/__init__.py"], ("engine",))
+    for stage, mods in modules.items():
+        assert "schemas/spec/base.py" in mods and "schemas/release.py" in mods, stage
+
+
+def test_the_fingerprint_ignores_docs_comments_and_layout_but_not_code() -> None:
+    base = (
+        "from pydantic import BaseModel, Field\n"
+        "class A(BaseModel):\n"
+        '    """Docs."""\n'
+        '    x: int = Field(default=1, ge=0, description="What x is.")\n'
+        "def f(a):\n"
+        '    """Docs."""\n'
+        "    return a + 1  # why\n"
+    )
+    same = [
+        base.replace("What x is.", "Another wording."),
+        base.replace('"""Docs."""', '"""Other docs."""'),
+        base.replace("  # why", "  # another comment") + "\n# trailing comment\n",
+        base.replace("return a + 1", "return (a\n            + 1)"),
+        base.replace('    """Docs."""\n    return', "    return"),
+    ]
+    for text in same:
+        assert normalized(text) == normalized(base), text
+    different = [
+        base.replace("default=1", "default=2"),
+        base.replace("ge=0", "ge=1"),
+        base.replace("a + 1", "a - 1"),
+        base.replace("x: int", "y: int"),
+        base + "B = 'a string literal decides things'\n",
+        base.replace('description="What x is."', 'title="What x is."'),
+    ]
+    for text in different:
+        assert normalized(text) != normalized(base), text

@@ -1,0 +1,78 @@
+"""Fingerprints of Python code that ignore what cannot change behaviour.
+
+A stage's DVC deps on Python code are not the source files themselves but one fingerprint
+file per stage (`build/.code/<stage>.json`), written by the `code` stage of dvc.yaml from
+the stage's import closure. Each module is hashed as its syntax tree with comments,
+formatting, docstrings and pydantic `description=` texts removed, so rewording a field
+description or a comment changes no fingerprint and reruns no release stage; any change to
+what the code does changes the tree, its fingerprint, and reruns every stage that imports it.
+
+Files a stage reads as data (templates, the MLServer runtime it ships byte for byte) are not
+fingerprinted: they stay plain DVC deps (`io().code`).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+from pathlib import Path
+
+CODE_STAGE = "code"  # the dvc.yaml stage that writes the fingerprints
+CODE_DIR = "build/.code"
+# The code that decides what a fingerprint is: a change to it refingerprints everything.
+FINGERPRINT_CODE = ("pipelines/closure.py", "pipelines/fingerprint.py")
+
+# Keyword arguments that document and never decide: pydantic's Field(description=...).
+DOC_KEYWORDS = frozenset({"description"})
+
+
+class _StripDocs(ast.NodeTransformer):
+    def _body(self, node: ast.AST) -> ast.AST:
+        body = getattr(node, "body", None)
+        if (
+            body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:]  # type: ignore[attr-defined]
+        self.generic_visit(node)
+        return node
+
+    visit_Module = _body
+    visit_ClassDef = _body
+    visit_FunctionDef = _body
+    visit_AsyncFunctionDef = _body
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        node.keywords = [k for k in node.keywords if k.arg not in DOC_KEYWORDS]
+        self.generic_visit(node)
+        return node
+
+
+def normalized(source: str, filename: str = "<source>") -> str:
+    """The module's syntax tree without comments, layout, docstrings or descriptions."""
+    tree = _StripDocs().visit(ast.parse(source, filename=filename))
+    return ast.dump(tree, annotate_fields=True, include_attributes=False)
+
+
+def module_digest(path: Path) -> str:
+    text = path.read_text(encoding="utf-8")
+    return hashlib.sha256(normalized(text, str(path)).encode("utf-8")).hexdigest()
+
+
+def write_stage_fingerprint(root: Path, code: Path, stage: str, modules: list[str]) -> Path:
+    """Write build/.code/<stage>.json: each module of the stage with its digest. The file
+    is replaced only when its content changes, so its mtime means something too."""
+    target = root / CODE_DIR / f"{stage}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = {"stage": stage, "modules": {m: module_digest(code / m) for m in modules}}
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    if target.is_file() and target.read_text(encoding="utf-8") == text:
+        return target
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, target)
+    return target

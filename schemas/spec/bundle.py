@@ -1,0 +1,117 @@
+"""`bundle`: what ships: serving settings, the ONNX Runtime session, the model card."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from schemas.spec.base import MAX_PROSE, Strict
+
+# Execution providers onnxruntime knows (any build); a typo here would only fail at serving.
+ORT_PROVIDERS = (
+    "CPUExecutionProvider",
+    "CUDAExecutionProvider",
+    "TensorrtExecutionProvider",
+    "NvTensorRTRTXExecutionProvider",
+    "ROCMExecutionProvider",
+    "MIGraphXExecutionProvider",
+    "OpenVINOExecutionProvider",
+    "DnnlExecutionProvider",
+    "DmlExecutionProvider",
+    "CoreMLExecutionProvider",
+    "QNNExecutionProvider",
+    "SNPEExecutionProvider",
+    "NnapiExecutionProvider",
+    "XnnpackExecutionProvider",
+    "ACLExecutionProvider",
+    "ArmNNExecutionProvider",
+    "CANNExecutionProvider",
+    "VitisAIExecutionProvider",
+    "WebGpuExecutionProvider",
+    "JsExecutionProvider",
+    "AzureExecutionProvider",
+    "RknpuExecutionProvider",
+    "TvmExecutionProvider",
+)
+
+
+# The MLServer config derives its gRPC and metrics ports from `port` (+1, +2).
+DERIVED_PORTS = {"grpc": 1, "metrics": 2}
+
+
+class ServingConfig(Strict):
+    port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535 - max(DERIVED_PORTS.values()),
+        description="HTTP port; MLServer's gRPC and metrics ports are port+1 and port+2.",
+    )
+    max_batch_size: int | None = Field(
+        default=None, ge=1, description="Default: the export's batch max; may not exceed it."
+    )
+    max_queue_depth: int = Field(default=64, ge=1, description="Requests queued before 503.")
+    max_context_length: int | None = Field(
+        default=None, ge=1, description="Default: the export's largest total sequence."
+    )
+    kv_cache_budget: int | None = Field(
+        default=None, ge=0, description="Bytes for KV cache; default: computed for the extreme."
+    )
+    request_timeout_seconds: float = Field(default=30.0, gt=0, description="Per-request timeout.")
+    streaming: bool | None = Field(default=None, description="Default: true for causal-lm.")
+    dynamic_batching: bool = Field(
+        default=True, description="Server-side batching of concurrent requests (Triton, MLServer)."
+    )
+    max_queue_delay_microseconds: int = Field(
+        default=2000, ge=0, description="How long a request may wait for a batch to fill."
+    )
+    preferred_batch_sizes: list[Annotated[int, Field(ge=1)]] | None = Field(
+        default=None, description="Triton dynamic_batching.preferred_batch_size; each <= max."
+    )
+    instance_count: int = Field(default=1, ge=1, description="Model instances (Triton).")
+    instance_kind: Literal["KIND_CPU", "KIND_GPU", "KIND_AUTO"] = Field(
+        default="KIND_CPU", description="Triton instance_group kind."
+    )
+    warmup: bool = Field(default=True, description="Triton model_warmup with a max-shape request.")
+
+
+class OrtSessionConfig(Strict):
+    graph_optimization_level: Literal["disable", "basic", "extended", "all"] = Field(
+        default="all", description="onnxruntime GraphOptimizationLevel."
+    )
+    intra_op_num_threads: int = Field(default=0, ge=0, description="0 = onnxruntime default.")
+    inter_op_num_threads: int = Field(default=0, ge=0, description="0 = onnxruntime default.")
+    execution_mode: Literal["sequential", "parallel"] = Field(
+        default="sequential", description="onnxruntime ExecutionMode."
+    )
+    providers: list[Literal[ORT_PROVIDERS]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["CPUExecutionProvider"],
+        min_length=1,
+        description="Execution providers, in order of preference (onnxruntime names).",
+    )
+
+    @model_validator(mode="after")
+    def _unique(self) -> OrtSessionConfig:
+        """Rule: ONNX Runtime providers are listed once each."""
+        if len(set(self.providers)) != len(self.providers):
+            raise ValueError(f"providers lists one twice ({self.providers}); keep one of each")
+        return self
+
+
+class ModelCard(Strict):
+    description: str = Field(default="", max_length=MAX_PROSE, description="What the model does.")
+    license: str = Field(
+        default="unspecified", max_length=128, description="License of the weights (SPDX id)."
+    )
+    intended_use: str = Field(
+        default="", max_length=MAX_PROSE, description="Who should use it for what."
+    )
+    limitations: str = Field(default="", max_length=MAX_PROSE, description="Known limitations.")
+
+
+class BundleConfig(Strict):
+    serving: ServingConfig = Field(default_factory=ServingConfig, description="Server config.")
+    ort_session: OrtSessionConfig = Field(
+        default_factory=OrtSessionConfig, description="onnxruntime SessionOptions."
+    )
+    model_card: ModelCard = Field(default_factory=ModelCard, description="Model card text.")

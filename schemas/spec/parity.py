@@ -1,0 +1,36 @@
+"""`parity`: how closely ONNX must match PyTorch, per output."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.spec.base import Strict
+
+
+class Tolerance(Strict):
+    atol: float = Field(default=1e-4, ge=0, description="Absolute tolerance.")
+    rtol: float = Field(default=1e-3, ge=0, description="Relative tolerance (of the reference).")
+
+
+class ParityConfig(Strict):
+    shapes: list[dict[str, int]] | None = Field(
+        default=None,
+        description="Dim assignments to compare at; default: min, opt, max and an odd size.",
+    )
+    tolerance: Tolerance = Field(default_factory=Tolerance, description="Default tolerance.")
+    outputs: dict[str, Tolerance] = Field(
+        default_factory=dict,
+        description="Per-output tolerance; keys are output names or globs like `present.*`.",
+    )
+    statistic: Literal["max", "mean", "quantile"] = Field(
+        default="max",
+        description="Statistic of the normalized error |a-b| / (atol + rtol*|b|) that must "
+        "stay <= 1 (max = numpy.allclose).",
+    )
+    quantile: float = Field(default=0.99, gt=0, lt=1, description="Quantile for `quantile`.")
+    layerwise: Literal["on-failure", "always", "never"] = Field(
+        default="on-failure", description="When to compare layer by layer."
+    )
+    seed: int = Field(default=0, description="Seed for generated inputs.")

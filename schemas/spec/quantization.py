@@ -1,0 +1,122 @@
+"""`quantization`: the PTQ method, its calibration data and accuracy budget."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from schemas.spec.base import RepoPath, Strict
+
+
+class CalibrationData(Strict):
+    path: RepoPath = Field(
+        description="JSONL of texts (with `tokenizer`) or NPZ of input tensors (first axis = "
+        "sample), relative to the repo root. Never replaced by random data."
+    )
+    tokenizer: RepoPath | None = Field(
+        default=None, description="Folder with tokenizer.json; required for JSONL."
+    )
+    text_field: str = Field(default="text", description="JSONL key holding the text.")
+    samples: int = Field(default=128, ge=1, description="Samples used to calibrate.")
+    holdout: int = Field(
+        default=32, ge=1, description="Further samples, never calibrated on, for the final check."
+    )
+    sensitivity_samples: int = Field(
+        default=16, ge=1, description="Calibration samples used to rank node sensitivity."
+    )
+    max_length: int | None = Field(
+        default=None, ge=1, description="Longest sample in tokens; default export sequence max."
+    )
+
+    @model_validator(mode="after")
+    def _enough(self) -> CalibrationData:
+        """Rule: sensitivity_samples <= samples; a .jsonl calibration set needs `tokenizer`; the
+        path ends in .jsonl or .npz."""
+        if self.sensitivity_samples > self.samples:
+            raise ValueError(
+                f"sensitivity_samples ({self.sensitivity_samples}) cannot exceed samples "
+                f"({self.samples}); they are drawn from the calibration samples"
+            )
+        if self.path.endswith(".jsonl") and not self.tokenizer:
+            raise ValueError("a JSONL calibration set needs `tokenizer` (a tokenizer.json folder)")
+        if not self.path.endswith((".jsonl", ".npz")):
+            raise ValueError(f"path {self.path!r}: use a .jsonl (texts) or .npz (tensors) file")
+        return self
+
+
+class AccuracyBudget(Strict):
+    """Quantized vs FP32 ONNX on the same inputs; every bound given must hold."""
+
+    top1_agreement_min: float | None = Field(
+        default=None, ge=0, le=1, description="Share of positions with the same argmax."
+    )
+    logit_cosine_min: float | None = Field(
+        default=None, ge=-1, le=1, description="Mean cosine similarity of output vectors."
+    )
+    snr_db_min: float | None = Field(
+        default=None, description="Signal-to-noise ratio of the outputs, in dB."
+    )
+    perplexity_increase_max: float | None = Field(
+        default=None, ge=0, description="Relative perplexity increase (0.01 = +1 %); causal-lm."
+    )
+
+    @model_validator(mode="after")
+    def _some(self) -> AccuracyBudget:
+        """Rule: An accuracy budget gives at least one bound."""
+        if all(v is None for v in self.model_dump().values()):
+            raise ValueError("give at least one bound, e.g. `top1_agreement_min: 0.99`")
+        return self
+
+
+class QuantizedBase(Strict):
+    calibration: CalibrationData = Field(description="Real input samples (never random).")
+    budget: AccuracyBudget = Field(description="Accuracy the quantized model must keep.")
+    max_float_nodes: int = Field(
+        default=8, ge=0, description="Cap on nodes mixed precision may keep in float."
+    )
+    op_types: list[str] = Field(
+        default_factory=lambda: ["MatMul", "Gemm"],
+        description="Op types to quantize (MatMul/Gemm measured faster and closer on CPU).",
+    )
+
+
+class NoQuantization(Strict):
+    method: Literal["none"] = Field(description="Ship the FP32 model.")
+
+
+class Int8Dynamic(QuantizedBase):
+    method: Literal["int8-dynamic"] = Field(description="Weights INT8, activations at run time.")
+    per_channel: bool = Field(default=False, description="Per-output-channel weight scales.")
+
+
+class Int8Static(QuantizedBase):
+    method: Literal["int8-static"] = Field(description="QDQ with calibrated activation ranges.")
+    per_channel: bool = Field(default=True, description="Per-output-channel weight scales.")
+    calibrate_method: Literal["minmax", "entropy", "percentile"] = Field(
+        default="minmax", description="How activation ranges are chosen."
+    )
+    percentile: float = Field(
+        default=99.999, gt=90, le=100, description="Percentile for `percentile` calibration."
+    )
+
+
+class Int4WeightOnly(QuantizedBase):
+    method: Literal["int4-weight-only"] = Field(description="Block-wise 4-bit MatMul weights.")
+    block_size: int = Field(default=32, ge=16, description="Weights per scale (power of 2).")
+    symmetric: bool = Field(default=True, description="Symmetric (no zero point) blocks.")
+    op_types: list[str] = Field(
+        default_factory=lambda: ["MatMul"], description="Only MatMul (MatMulNBits)."
+    )
+
+    @model_validator(mode="after")
+    def _power_of_two(self) -> Int4WeightOnly:
+        """Rule: int4 block_size is a power of 2."""
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size {self.block_size} must be a power of 2 (16, 32, 64…)")
+        return self
+
+
+Quantization = Annotated[
+    NoQuantization | Int8Dynamic | Int8Static | Int4WeightOnly, Field(discriminator="method")
+]
