@@ -56,9 +56,8 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
 
     root = repo_root()
     written = compiler.write_fingerprints(root)
-    print(
-        f"fingerprinted the code of {len(written)} stages into {written[0].parent.relative_to(root)}"
-    )
+    folder = written[0].parent.relative_to(root)
+    print(f"fingerprinted the code of {len(written)} stages into {folder}")
     return 0
 
 

@@ -36,7 +36,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     content = load_manifest(ctx.upstream("manifest") / MANIFEST_FILE)
     for name, source in payload(ctx).items():
         link_or_copy(source, ctx.work / name)

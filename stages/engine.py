@@ -40,7 +40,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     cfg = release.engine
     info = ctx.read(ModelInfo)
     profiles = derive_profiles(cfg, info)

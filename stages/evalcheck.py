@@ -32,7 +32,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     config = m.model_config(release.model, ctx.root)
     lay = m.layout(release.task, release.export, config)
     net = m.load_model(NAME, ctx.root, release.model, release.task)

@@ -31,7 +31,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     import onnxruntime as ort
 
     cfg, task = release.evaluation, release.task

@@ -26,7 +26,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     config = m.model_config(release.model, ctx.root)
     lay = m.layout(release.task, release.export, config)
     _check_context(release, config)

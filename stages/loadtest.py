@@ -31,7 +31,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     info = ctx.read(ModelInfo)
     cfg = release.loadtest
     model = cfg.target.model if cfg.target and cfg.target.model else ctx.release

@@ -33,7 +33,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     reports = {s: read_report(ctx.upstream(s)) for s in CHECKED}
     bad = [f"{s}: {r.status.value}" for s, r in reports.items() if not r.acceptable()]
     if bad:

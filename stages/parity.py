@@ -25,7 +25,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     import onnxruntime as ort
 
     cfg = release.parity

@@ -38,7 +38,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     pins = release.pins
     packages = {name: _version(name) for name in sorted({*RECORDED, *pins.packages})}
     checkpoints = _checkpoint_digests(ctx, release.model)

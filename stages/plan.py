@@ -22,7 +22,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     info, quantized = ctx.read(ModelInfo), ctx.upstream("quantize")
     weights = sum(f.stat().st_size for f in quantized.glob("model.onnx*"))
     plan = compute(release.capacity, info, release.task, weights)

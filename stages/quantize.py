@@ -39,7 +39,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     q, export = release.quantization, ctx.upstream("export")
     if q.method == "none":
         for f in export.glob("model.onnx*"):

@@ -67,7 +67,7 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
-def run(ctx: StageContext, release: Any) -> StageResult:
+def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     info, plan = ctx.read(ModelInfo), ctx.read(CapacityPlan)
     values = serving_values(release, info, plan, ctx.read(QuantInfo).dtype)
     ctx.write(values)
