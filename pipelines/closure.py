@@ -54,6 +54,10 @@ def stage_closure(root: Path, sources: list[str], params: tuple[str, ...]) -> li
             found.update(import_closure(root, path, leaves))
     if SPEC_ROOT in found:
         found.add(f"{SPEC_SECTIONS}/__init__.py")
+        # what the root's cross-section rules use besides the sections (the task registry)
+        for module in _imports(root, SPEC_ROOT):
+            if not module.startswith(f"{SPEC_SECTIONS}/"):
+                found.update(import_closure(root, module, leaves))
     return sorted(found)
 
 

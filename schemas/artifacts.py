@@ -99,6 +99,9 @@ class ModelInfo(Artifact):
     dims: dict[str, DimSizes]
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
+    labels: list[str] | None = Field(
+        default=None, description="What each score means (config.id2label), for label tasks."
+    )
 
 
 # quantize ----------------------------------------------------------------------------------

@@ -18,14 +18,12 @@ from schemas.spec.base import (
     SCHEMA_VERSION,
     SEMVER_PATTERN,
     SHA256_PATTERN,
-    TASK_DIMS,
     CheckpointName,
     PackageName,
     PositiveBytes,
     RepoPath,
     Specifier,
     Strict,
-    Task,
     _semver,
 )
 from schemas.spec.bundle import (
@@ -39,7 +37,6 @@ from schemas.spec.bundle import (
 from schemas.spec.capacity import KV_BYTES, CapacityConfig
 from schemas.spec.engine import CudaGraphs, EngineConfig, EngineProfile
 from schemas.spec.evaluation import (
-    TASK_METRICS,
     DecodeConfig,
     EvalData,
     EvaluationConfig,
@@ -60,6 +57,7 @@ from schemas.spec.quantization import (
     Quantization,
     QuantizedBase,
 )
+from schemas.tasks import TASKS, Task
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -67,7 +65,6 @@ __all__ = [
     "SEMVER_PATTERN",
     "SHA256_PATTERN",
     "Task",
-    "TASK_DIMS",
     "MAX_STR",
     "MAX_PROSE",
     "PACKAGE_NAME",
@@ -95,7 +92,6 @@ __all__ = [
     "Int8Static",
     "Int4WeightOnly",
     "Quantization",
-    "TASK_METRICS",
     "EvalData",
     "DecodeConfig",
     "MetricThreshold",
@@ -155,7 +151,7 @@ class ReleaseSpec(Strict):
         """Rule: The task's dims are in export.dims (causal-lm: batch, sequence, past_sequence);
         generic and python models declare export.inputs; every shape names declared dims;
         parity.shapes lie inside export.dims."""
-        missing = [d for d in TASK_DIMS[self.task] if d not in self.export.dims]
+        missing = [d for d in TASKS[self.task].dims if d not in self.export.dims]
         if missing:
             raise ValueError(
                 f"task {self.task!r} needs export.dims {', '.join(missing)}; add e.g. "
@@ -207,7 +203,8 @@ class ReleaseSpec(Strict):
         q = self.quantization
         if q.method == "none":
             return
-        if q.budget.perplexity_increase_max is not None and self.task != "causal-lm":
+        lm = TASKS[self.task].language_model
+        if q.budget and q.budget.perplexity_increase_max is not None and not lm:
             raise ValueError(
                 "quantization.budget.perplexity_increase_max only applies to task causal-lm; "
                 "use snr_db_min or logit_cosine_min"
@@ -222,7 +219,7 @@ class ReleaseSpec(Strict):
     def _check_evaluation(self) -> None:
         """Rule: Thresholds name metrics the task computes; causal-lm decode prompt_tokens + tokens
         - 1 <= past_sequence.max."""
-        known = TASK_METRICS[self.task]
+        known = TASKS[self.task].metrics
         for i, t in enumerate(self.evaluation.thresholds):
             if t.metric not in known:
                 raise ValueError(
@@ -230,7 +227,7 @@ class ReleaseSpec(Strict):
                     f"{self.task!r}; known: {', '.join(known)}"
                 )
         d, dims = self.evaluation.decode, self.export.dims
-        if self.task == "causal-lm" and d.prompt_tokens + d.tokens - 1 > dims["past_sequence"].max:
+        if TASKS[self.task].kv_cache and d.prompt_tokens + d.tokens - 1 > dims["past_sequence"].max:
             raise ValueError(
                 f"evaluation.decode prompt_tokens + tokens - 1 = {d.prompt_tokens + d.tokens - 1}"
                 f" exceeds export.dims.past_sequence.max {dims['past_sequence'].max}"
@@ -240,7 +237,7 @@ class ReleaseSpec(Strict):
         """Rule: causal-lm ramp input_length + output_tokens - 1 <= min(sequence.max,
         past_sequence.max)."""
         r, dims = self.loadtest.ramp, self.export.dims
-        if self.task == "causal-lm" and r.input_length + r.output_tokens - 1 > min(
+        if TASKS[self.task].kv_cache and r.input_length + r.output_tokens - 1 > min(
             dims["sequence"].max, dims["past_sequence"].max
         ):
             raise ValueError(

@@ -10,6 +10,7 @@ from typing import Any
 
 from schemas import release
 from schemas.release import MAX_STR, ReleaseSpec
+from schemas.tasks import TASKS
 
 LIMITS = {
     "minimum": ">= {}",
@@ -48,7 +49,34 @@ def markdown() -> str:
         "| field | type | limits | default | description |",
         "|---|---|---|---|---|",
     ]
-    return "\n".join([*head, *rows, "", "## Cross-field rules", "", *_rules(), ""])
+    return "\n".join([*head, *rows, "", "## Cross-field rules", "", *_rules(), "", *_tasks(), ""])
+
+
+def _tasks() -> list[str]:
+    """The task registry (schemas/tasks.py): what each task needs and allows."""
+    lines = [
+        "## Tasks",
+        "",
+        "| task | export.dims needs | loads with | graph outputs | metrics (thresholds may "
+        "name these) | default quantization.budget | the server returns |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    serving = {
+        "generate": "generated token ids (greedy; streaming)",
+        "labels": "the outputs plus `label` and `score` (top class of id2label)",
+        "tensors": "every graph output",
+    }
+    for name, task in TASKS.items():
+        outputs = ", ".join(f"`{o.name}` [{', '.join(o.axes)}]" for o in task.outputs)
+        if task.kv_cache:
+            outputs += ", `present.*` (KV cache)"
+        budget = ", ".join(f"`{k}: {v:g}`" for k, v in task.default_budget.items())
+        lines.append(
+            f"| `{name}` | {', '.join(task.dims) or '(the spec declares inputs)'} | "
+            f"`{task.auto_class}` | {outputs or '`export.outputs`'} | "
+            f"{', '.join(f'`{m}`' for m in task.metrics)} | {budget} | {serving[task.serving]} |"
+        )
+    return lines
 
 
 def _walk(node: dict[str, Any], defs: dict[str, Any], prefix: str, rows: list[str]) -> None:

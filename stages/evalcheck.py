@@ -33,9 +33,7 @@ def io(release: ReleaseSpec) -> StageIO:
 
 
 def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
-    config = m.model_config(release.model, ctx.root)
-    lay = m.layout(release.task, release.export, config)
-    net = m.load_model(NAME, ctx.root, release.model, release.task)
+    net, lay = m.load_with_layout(NAME, ctx.root, release)
     flat = m.adapter(release.task, net, lay)
     feeds = sh.make_inputs(lay, sh.trace_sizes(release.export.dims), seed=0)
     problems = _training_modules(flat, "after model.eval()")

@@ -9,6 +9,7 @@ import numpy as np
 
 from schemas import ReleaseSpec
 from schemas.artifacts import Evaluation, ModelInfo
+from schemas.tasks import METRIC_SOURCES, TASKS
 from stages._runtime import StageContext, StageIO, StageResult
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
@@ -55,7 +56,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             got.append(candidate(feeds)[0])
             advance()
     metrics = task_metrics(task, ref, got, samples)
-    if task == "causal-lm":
+    if TASKS[task].kv_cache:
         metrics |= decode_metrics(reference, candidate, lay, samples, cfg.decode)
     # Absolute bounds hold whatever the baseline; changes vs production are the gate's job.
     baselines = reference_values(metrics)
@@ -78,17 +79,10 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 def task_metrics(
     task: str, ref: list[np.ndarray], got: list[np.ndarray], samples: list[dict[str, np.ndarray]]
 ) -> dict[str, float]:
+    """The task's metrics (TASKS) from the comparison with the reference; the decode metrics
+    of a KV-cache task come from generation (decode_metrics)."""
     agree = acc.agreement(task, ref, got, samples)
-    if task == "causal-lm":
-        return {
-            "perplexity": agree["perplexity"],
-            "perplexity_reference": agree["perplexity_fp32"],
-            "top1_agreement": agree["top1_agreement"],
-        }
-    if task == "sequence-classification":
-        return {"agreement": agree["top1_agreement"]}
-    metrics = {"cosine_to_reference": agree["logit_cosine"]}
-    return metrics | ({"snr_db": agree["snr_db"]} if task == "generic" else {})
+    return {m: agree[METRIC_SOURCES[m]] for m in TASKS[task].metrics if m in METRIC_SOURCES}
 
 
 def reference_values(metrics: dict[str, float]) -> dict[str, float]:
@@ -102,7 +96,7 @@ def reference_values(metrics: dict[str, float]) -> dict[str, float]:
 
 def greedy(run: Run, lay: sh.Layout, prompt: np.ndarray, tokens: int) -> list[int]:
     """Greedy decoding with the KV-cache graph: prefill the prompt, then one token a step."""
-    feeds = calib.to_feeds("causal-lm", lay, {"input_ids": prompt[None, :]})
+    feeds = calib.to_feeds("causal-lm", lay, {"input_ids": prompt[None, :]})  # KV tasks only
     names = [t.name for t in lay.outputs]
     out: list[int] = []
     for _ in range(tokens):

@@ -9,6 +9,7 @@ from typing import Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import Arch, DimSizes, ModelInfo, TensorInfo, VersionLock
+from schemas.tasks import TASKS
 from stages._runtime import StageContext, StageIO, StageResult
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
@@ -28,9 +29,8 @@ def io(release: ReleaseSpec) -> StageIO:
 
 def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     config = m.model_config(release.model, ctx.root)
-    lay = m.layout(release.task, release.export, config)
     _check_context(release, config)
-    net = m.load_model(NAME, ctx.root, release.model, release.task)
+    net, lay = m.load_with_layout(NAME, ctx.root, release)
     flat = m.adapter(release.task, net, lay)
     trace = sh.trace_sizes(release.export.dims)
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
@@ -55,6 +55,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             dims={k: DimSizes(**v.model_dump()) for k, v in release.export.dims.items()},
             inputs=[_tensor(t) for t in lay.inputs],
             outputs=[_tensor(t) for t in lay.outputs],
+            labels=m.label_names(config) if TASKS[release.task].labels else None,
         )
     )
     details = {"trace_sizes": trace, "probed": probes["runs"]}
@@ -73,7 +74,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 
 def _check_context(release: Any, config: dict[str, Any]) -> None:
     dims, positions = release.export.dims, m.arch(config)["positions"]
-    if release.task == "causal-lm" and positions and "past_sequence" in dims:
+    if not positions or "sequence" not in dims:
+        return
+    if TASKS[release.task].kv_cache and "past_sequence" in dims:
         longest = dims["past_sequence"].max + dims["sequence"].max
         if longest > positions:
             raise StageError(
@@ -82,6 +85,13 @@ def _check_context(release: Any, config: dict[str, Any]) -> None:
                 f"exceeds the model's {positions} positions",
                 "lower export.dims.past_sequence.max or sequence.max",
             )
+    elif dims["sequence"].max > positions:
+        raise StageError(
+            NAME,
+            f"export.dims: sequence.max = {dims['sequence'].max} exceeds the model's "
+            f"{positions} positions",
+            "lower export.dims.sequence.max",
+        )
 
 
 def _count(net: Any) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 from schemas import ReleaseSpec
 from schemas.artifacts import LoadTestSummary, ModelInfo
+from schemas.tasks import TASKS
 from stages._runtime import StageContext, StageIO, StageResult, write_json
 from stages.serving import loadgen as lg
 from stages.serving.load_phases import MB, grid, ramp, request, soak
@@ -71,7 +72,7 @@ def measure_all(
         results["grid"] = grid(base, release, info)
         results["ramp"] = ramp(base, release, info, stream=False)
         knee = results["ramp"]["knee"]
-        if release.task == "causal-lm":
+        if TASKS[release.task].serving == "generate":
             results["streaming"] = ramp(base, release, info, stream=True, upto=knee)
         results["soak"] = soak(base, release, info, srv if local else None, knee)
         seen = srv.rss() if local else 0

@@ -29,8 +29,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     import onnxruntime as ort
 
     cfg = release.parity
-    lay = m.layout(release.task, release.export, m.model_config(release.model, ctx.root))
-    flat = m.adapter(release.task, m.load_model(NAME, ctx.root, release.model, release.task), lay)
+    net, lay = m.load_with_layout(NAME, ctx.root, release)
+    flat = m.adapter(release.task, net, lay)
     path = ctx.upstream("export") / "model.onnx"
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     rows, failures = [], []

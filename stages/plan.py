@@ -7,6 +7,7 @@ from typing import Any
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import CapacityPlan, MemoryParts, ModelInfo
 from schemas.spec.capacity import KV_BYTES
+from schemas.tasks import TASKS
 from stages._runtime import StageContext, StageIO, StageResult
 
 NAME = "plan"
@@ -79,7 +80,7 @@ def compute(cap: Any, info: ModelInfo, task: str, weights: int) -> CapacityPlan:
         )
     kv_per_seq = (
         (2 * arch.layers * arch.kv_heads * arch.head_dim * context * KV_BYTES[cap.kv_dtype])
-        if task == "causal-lm"
+        if TASKS[task].kv_cache
         else 0
     )
     # Prefill peak: a few hidden-size buffers per token plus the logits over the vocabulary.

@@ -9,6 +9,8 @@ from typing import Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo
+from schemas.spec.quantization import AccuracyBudget
+from schemas.tasks import TASKS
 from stages._runtime import StageContext, StageIO, StageResult, link_or_copy
 from stages.onnx import model as m
 from stages.onnx.graph import all_tensors, node_scope
@@ -52,12 +54,15 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     samples = calib.load(
         NAME, ctx.root, q.calibration, release.task, lay, release.export.dims, info.arch.vocab
     )
-    pre = _preprocess(ctx, export / "model.onnx")
+    pre, fallback = _preprocess(ctx, export / "model.onnx")
+    if fallback:
+        ctx.log(fallback)
+    budget = q.budget or AccuracyBudget(**TASKS[release.task].default_budget)
     quantizer = Quantizer(pre, q, samples.calibration, ctx.work / "_variants")
     probe = samples.calibration[: q.calibration.sensitivity_samples]
     evaluate = _Evaluator(release.task, pre, probe)
     ranked = _sensitivity(ctx, quantizer, evaluate)
-    chosen, trace = _mixed_precision(ctx, quantizer, evaluate, ranked, q)
+    chosen, trace = _mixed_precision(ctx, quantizer, evaluate, ranked, q, budget)
     held = _Evaluator(release.task, pre, samples.holdout)(chosen["path"])
     details = {
         "calibration": {
@@ -71,6 +76,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         "holdout": held,
         "float_nodes": chosen["excluded"],
         "layerwise": _layerwise(pre, chosen["path"], samples.holdout[0]),
+        "preprocess": fallback or "quant_pre_process with symbolic shape inference",
+        "budget": budget.model_dump(exclude_none=True),
     }
     metrics = {f"holdout_{k}": v for k, v in held.items()}
     if not chosen["ok"]:
@@ -84,7 +91,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             details=details,
             metrics=metrics,
         )
-    broken = acc.violations(q.budget, held)
+    broken = acc.violations(budget, held)
     if broken:
         return StageResult.failed(
             "held-out samples break the accuracy budget",
@@ -96,16 +103,49 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             metrics=metrics,
         )
     sizes = _publish(ctx, chosen["path"], export)
+    gains = _gains_nothing(q, chosen["excluded"], ranked, sizes["ratio"])
+    if gains:
+        return StageResult.failed(
+            f"{q.method} gains nothing worth shipping: {gains}",
+            [f"{gains}. {REMEDIES}"],
+            details={**details, "size": sizes},
+            metrics={**metrics, "size_ratio": sizes["ratio"]},
+        )
     ctx.write(_info(q, chosen["excluded"], ranked))
     ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))
     shutil.rmtree(ctx.work / "_variants")
     shutil.rmtree(pre.parent)
     return StageResult.passed(
         f"{DTYPE[q.method]} ({q.method}), {len(chosen['excluded'])} of {len(ranked)} node(s) "
-        f"kept in float; held-out {_brief(held)}; size {sizes['ratio']:.2f}x FP32",
+        f"kept in float; held-out {_brief(held)}; size {sizes['ratio']:.2f}x FP32"
+        + (" (pre-processed without symbolic shape inference)" if fallback else ""),
         details={**details, "size": sizes},
         metrics={**metrics, "size_ratio": sizes["ratio"]},
     )
+
+
+REMEDIES = (
+    "Try quantization.per_channel: true (per-tensor scales can be far worse on encoders), "
+    "method int8-static with calibration data, or relax quantization.budget; or raise "
+    "quantization.max_size_ratio if a smaller gain is worth shipping"
+)
+
+
+def _gains_nothing(q: Any, excluded: list[str], ranked: list[dict], ratio: float) -> str:
+    """Why a quantized model that passes its budget is still not worth shipping ("" if it is):
+    mixed precision kept every quantizable node in float (FP32 in all but name), or the file
+    is not smaller than quantization.max_size_ratio x FP32."""
+    if ranked and len(excluded) >= len(ranked):
+        return (
+            f"mixed precision kept all {len(ranked)} quantizable node(s) in float to meet the "
+            f"budget, so the model ships as FP32 in all but name ({ratio:.2f}x FP32)"
+        )
+    if ratio > q.max_size_ratio:
+        return (
+            f"the quantized file is {ratio:.2f}x the FP32 file, above "
+            f"quantization.max_size_ratio {q.max_size_ratio:g}"
+        )
+    return ""
 
 
 def _info(q: Any, float_nodes: list[str], ranked: list[dict] | None) -> QuantInfo:
@@ -126,28 +166,46 @@ def _brief(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k} {metrics[k]:.4g}" for k in keys if k in metrics)
 
 
-def _preprocess(ctx: StageContext, model: Path) -> Path:
-    """onnxruntime's quant_pre_process (shape inference + graph optimization)."""
+def _preprocess(ctx: StageContext, model: Path) -> tuple[Path, str]:
+    """onnxruntime's quant_pre_process (shape inference + graph optimization).
+
+    Its symbolic shape inference fails on BERT-family graphs ("unsupported broadcast between
+    Min(512, sequence) sequence"); ONNX's own shape inference handles them, and the
+    quantizers only need the shapes of the nodes they touch. So on that failure it runs
+    again with skip_symbolic_shape and says so (the second string; "" when not needed).
+    """
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     out = ctx.work / "_pre" / "model.onnx"
-    out.parent.mkdir()
     large = sum(f.stat().st_size for f in model.parent.glob("model.onnx*")) > (2 << 30)
-    try:
-        quant_pre_process(
-            model,
-            out,
-            save_as_external_data=large,
-            all_tensors_to_one_file=True,
-            external_data_location="model.onnx.data",
-        )
-    except Exception as exc:  # symbolic shape inference raises assorted types
-        raise StageError(
-            NAME,
-            f"quant_pre_process failed: {str(exc)[:300]}",
-            "the exported graph needs shapes ONNX Runtime can infer",
-        ) from None
-    return out
+    options = {
+        "save_as_external_data": large,
+        "all_tensors_to_one_file": True,
+        "external_data_location": "model.onnx.data",
+    }
+    first = ""
+    for skip in (False, True):
+        shutil.rmtree(out.parent, ignore_errors=True)
+        out.parent.mkdir()
+        try:
+            quant_pre_process(model, out, skip_symbolic_shape=skip, **options)
+        except Exception as exc:  # symbolic shape inference raises assorted types
+            if skip:
+                raise StageError(
+                    NAME,
+                    f"quant_pre_process failed with symbolic shape inference ({first}) and "
+                    f"without it ({' '.join(str(exc).split())[:200]})",
+                    "the exported graph needs shapes ONNX or ONNX Runtime can infer",
+                ) from None
+            first = " ".join(str(exc).split())[:200]
+            continue
+        if skip:
+            return out, (
+                f"symbolic shape inference failed ({first}); pre-processed with ONNX shape "
+                "inference instead (skip_symbolic_shape)"
+            )
+        return out, ""
+    raise AssertionError("unreachable")
 
 
 class _Evaluator:
@@ -191,7 +249,12 @@ def _sensitivity(ctx: StageContext, quantizer: Quantizer, evaluate: _Evaluator) 
 
 
 def _mixed_precision(
-    ctx: StageContext, quantizer: Quantizer, evaluate: _Evaluator, ranked: list[dict], q: Any
+    ctx: StageContext,
+    quantizer: Quantizer,
+    evaluate: _Evaluator,
+    ranked: list[dict],
+    q: Any,
+    budget: Any,
 ) -> tuple[dict[str, Any], list[dict]]:
     """Keep the k most sensitive nodes in float, k = 0, 1, ... until the budget holds."""
     trace: list[dict] = []
@@ -200,7 +263,7 @@ def _mixed_precision(
         excluded = [r["node"] for r in ranked[:k]]
         path = quantizer.quantize(exclude=excluded)
         metrics = evaluate(path)
-        broken = acc.violations(q.budget, metrics)
+        broken = acc.violations(budget, metrics)
         trace.append({"float_nodes": k, **metrics, "meets_budget": not broken})
         ctx.log(f"{k} node(s) in float: {_brief(metrics)}{' (meets budget)' if not broken else ''}")
         current = {

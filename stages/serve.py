@@ -25,6 +25,7 @@ from schemas.artifacts import (
     ServingValues,
     TensorInfo,
 )
+from schemas.tasks import TASKS
 from stages._runtime import StageContext, StageIO, StageResult
 from stages.onnx import shapes as sh
 from stages.serving.layout import MODEL_DIR
@@ -82,6 +83,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         "triton": triton,
         # what the KV-cache graph accepts: a prompt of at most sequence.max tokens, then a
         # past of at most past_sequence.max (0 = no such dim: the runtime does not check)
+        # what the runtime returns (TASKS): generated ids, labels and scores, or the tensors
+        "serving_kind": TASKS[release.task].serving,
+        "labels": info.labels or [],
         "max_prompt_tokens": info.dims["sequence"].max if "sequence" in info.dims else 0,
         "max_past_tokens": info.dims["past_sequence"].max if "past_sequence" in info.dims else 0,
     }
@@ -130,7 +134,7 @@ def serving_values(release: Any, info: ModelInfo, plan: CapacityPlan, dtype: str
         plan.usable_bytes - plan.extreme.weights - plan.extreme.overhead,
         "the device memory the plan leaves after weights and overhead",
     )
-    causal = release.task == "causal-lm"
+    generates = TASKS[release.task].serving == "generate"
     return ServingValues(
         model_path=f"{MODEL_DIR.format(release=release.name)}/model.onnx",
         dtype=dtype,
@@ -140,7 +144,7 @@ def serving_values(release: Any, info: ModelInfo, plan: CapacityPlan, dtype: str
         max_context_length=context,
         kv_cache_budget=kv_budget,
         request_timeout_seconds=s.request_timeout_seconds,
-        streaming=causal if s.streaming is None else s.streaming,
+        streaming=generates if s.streaming is None else s.streaming,
         dynamic_batching=s.dynamic_batching,
         max_queue_delay_microseconds=s.max_queue_delay_microseconds,
         preferred_batch_sizes=s.preferred_batch_sizes or [],

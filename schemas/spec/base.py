@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from typing import Annotated, Literal
+from typing import Annotated
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field
@@ -25,18 +25,6 @@ SEMVER_PATTERN = (
 
 
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
-
-
-Task = Literal["causal-lm", "text-embedding", "sequence-classification", "generic"]
-
-
-# Dims every task needs; the KV-cache graph adds `past_sequence` (total = past + sequence).
-TASK_DIMS: dict[str, tuple[str, ...]] = {
-    "causal-lm": ("batch", "sequence", "past_sequence"),
-    "text-embedding": ("batch", "sequence"),
-    "sequence-classification": ("batch", "sequence"),
-    "generic": (),
-}
 
 
 # Every string of a spec is capped (a megabyte of free text is a mistake or an attack);

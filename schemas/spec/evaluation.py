@@ -8,20 +8,6 @@ from pydantic import Field, model_validator
 
 from schemas.spec.base import RepoPath, Strict
 
-# Metrics the evaluate stage computes, per task; thresholds may only name these.
-TASK_METRICS: dict[str, tuple[str, ...]] = {
-    "causal-lm": (
-        "perplexity",
-        "perplexity_reference",
-        "top1_agreement",
-        "greedy_exact_match",
-        "greedy_token_match",
-    ),
-    "text-embedding": ("cosine_to_reference",),
-    "sequence-classification": ("agreement",),
-    "generic": ("cosine_to_reference", "snr_db"),
-}
-
 
 class EvalData(Strict):
     path: RepoPath = Field(
@@ -43,7 +29,7 @@ class DecodeConfig(Strict):
 class MetricThreshold(Strict):
     """MLflow MetricThreshold semantics, with a named baseline."""
 
-    metric: str = Field(description="Metric name (see TASK_METRICS for the task).")
+    metric: str = Field(description="Metric name (the task's metrics: schemas/tasks.py).")
     threshold: float | None = Field(
         default=None, description="Absolute bound: >= when higher is better, else <=."
     )

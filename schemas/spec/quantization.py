@@ -71,7 +71,16 @@ class AccuracyBudget(Strict):
 
 class QuantizedBase(Strict):
     calibration: CalibrationData = Field(description="Real input samples (never random).")
-    budget: AccuracyBudget = Field(description="Accuracy the quantized model must keep.")
+    budget: AccuracyBudget | None = Field(
+        default=None,
+        description="Accuracy the quantized model must keep; default: the task's "
+        "(schemas/tasks.py, e.g. top1_agreement_min 0.98).",
+    )
+    max_size_ratio: float = Field(
+        default=0.9,
+        gt=0,
+        description="Fail when the quantized file is larger than this x the FP32 file.",
+    )
     max_float_nodes: int = Field(
         default=8, ge=0, description="Cap on nodes mixed precision may keep in float."
     )

@@ -15,6 +15,7 @@ import numpy as np
 
 from schemas import StageError
 from schemas.artifacts import ModelInfo
+from schemas.tasks import TASKS
 from stages.onnx.shapes import TOTAL, Layout, Tensor
 
 
@@ -52,12 +53,7 @@ def _load_hf(stage: str, root: Path, model: Any, task: str) -> Any:
             f"model.path {model.path}: no *.safetensors checkpoint in {folder}",
             "save the model with safe_serialization=True",
         )
-    auto = {
-        "causal-lm": transformers.AutoModelForCausalLM,
-        "text-embedding": transformers.AutoModel,
-        "sequence-classification": transformers.AutoModelForSequenceClassification,
-        "generic": transformers.AutoModel,
-    }[task]
+    auto = getattr(transformers, TASKS[task].auto_class)
     return auto.from_pretrained(folder, local_files_only=True, attn_implementation="eager")
 
 
@@ -121,10 +117,10 @@ def arch(config: dict[str, Any]) -> dict[str, int]:
     def pick(*keys: str, default: int = 0) -> int:
         return next((int(config[k]) for k in keys if config.get(k) is not None), default)
 
-    hidden = pick("hidden_size", "n_embd", "d_model")
-    heads = pick("num_attention_heads", "n_head")
+    hidden = pick("hidden_size", "n_embd", "d_model", "dim")  # dim: DistilBERT
+    heads = pick("num_attention_heads", "n_head", "n_heads")
     return {
-        "layers": pick("num_hidden_layers", "n_layer"),
+        "layers": pick("num_hidden_layers", "n_layer", "n_layers"),
         "heads": heads,
         "kv_heads": pick("num_key_value_heads", default=heads),
         "head_dim": pick("head_dim", default=hidden // heads if heads else 0),
@@ -135,36 +131,54 @@ def arch(config: dict[str, Any]) -> dict[str, int]:
     }
 
 
-def layout(task: str, export: Any, config: dict[str, Any]) -> Layout:
-    """Inputs/outputs of the exported graph, derived from the task or taken from the spec."""
+def load_with_layout(stage: str, root: Path, release: Any) -> tuple[Any, Layout]:
+    """The model in eval mode and its graph layout (which depends on what forward takes)."""
+    import inspect
+
+    net = load_model(stage, root, release.model, release.task)
+    forward = frozenset(inspect.signature(net.forward).parameters)
+    config = model_config(release.model, root)
+    return net, layout(release.task, release.export, config, forward)
+
+
+def label_names(config: dict[str, Any]) -> list[str]:
+    """config.id2label in id order (what a label task's scores mean)."""
+    id2label = config.get("id2label") or {}
+    return [str(id2label[k]) for k in sorted(id2label, key=int)]
+
+
+def layout(
+    task: str, export: Any, config: dict[str, Any], forward: frozenset[str] = frozenset()
+) -> Layout:
+    """Inputs/outputs of the exported graph: declared by the spec, or derived from the task
+    (TASKS) and the config. `forward`: the model forward's parameter names; token_type_ids
+    becomes an input when the model takes it."""
     if export.inputs:
         inputs = tuple(
             Tensor(t.name, t.dtype, tuple(t.shape), t.low, t.high) for t in export.inputs
         )
         outs = [(o.name, tuple(o.shape or ())) for o in export.outputs or []] or [("output", ())]
         return Layout(inputs, tuple(Tensor(n, "float32", axes) for n, axes in outs))
-    a = arch(config)
+    spec, a = TASKS[task], arch(config)
+    seq = TOTAL if spec.kv_cache else "sequence"
     ids = Tensor("input_ids", "int64", ("batch", "sequence"), 0, a["vocab"])
-    if task == "causal-lm":
+    ins = [ids, Tensor("attention_mask", "int64", ("batch", seq), 1, 2)]
+    if "token_type_ids" in forward and not spec.kv_cache:
+        ins.append(Tensor("token_type_ids", "int64", ("batch", "sequence"), 0, 1))
+    sizes: dict[str, int] = {"vocab": a["vocab"], "labels": a["labels"], "hidden": a["hidden"]}
+    outs_: list[Tensor] = [
+        Tensor(o.name, "float32", tuple(sizes.get(x, x) for x in o.axes)) for o in spec.outputs
+    ]
+    if spec.kv_cache:
         kv = ("batch", a["kv_heads"], "past_sequence", a["head_dim"])
-        past = [
-            Tensor(f"past_key_values.{i}.{k}", "float32", kv)
-            for i in range(a["layers"])
-            for k in ("key", "value")
-        ]
-        present = [
-            Tensor(f"present.{i}.{k}", "float32", (*kv[:2], TOTAL, kv[3]))
-            for i in range(a["layers"])
-            for k in ("key", "value")
-        ]
-        mask = Tensor("attention_mask", "int64", ("batch", TOTAL), 1, 2)
-        logits = Tensor("logits", "float32", ("batch", "sequence", a["vocab"]))
-        return Layout((ids, mask, *past), (logits, *present))
-    mask = Tensor("attention_mask", "int64", ("batch", "sequence"), 1, 2)
-    if task == "sequence-classification":
-        return Layout((ids, mask), (Tensor("logits", "float32", ("batch", a["labels"])),))
-    hidden = Tensor("last_hidden_state", "float32", ("batch", "sequence", a["hidden"]))
-    return Layout((ids, mask), (hidden,))
+        for i in range(a["layers"]):
+            ins += [Tensor(f"past_key_values.{i}.{k}", "float32", kv) for k in ("key", "value")]
+        for i in range(a["layers"]):
+            outs_ += [
+                Tensor(f"present.{i}.{k}", "float32", (*kv[:2], TOTAL, kv[3]))
+                for k in ("key", "value")
+            ]
+    return Layout(tuple(ins), tuple(outs_))
 
 
 def layout_from_info(info: ModelInfo) -> Layout:
@@ -179,19 +193,22 @@ def adapter(task: str, net: Any, lay: Layout) -> Any:
     """An nn.Module taking the layout's inputs positionally and returning its outputs flat."""
     import torch
 
+    names = tuple(t.name for t in lay.inputs)
+
     class Flat(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.model = net
 
         def forward(self, *args: Any) -> Any:
-            return _forward(task, self.model, args, len(lay.outputs))
+            return _forward(task, self.model, names, args, len(lay.outputs))
 
     return Flat().eval()
 
 
-def _forward(task: str, net: Any, args: tuple[Any, ...], n_out: int) -> Any:
-    if task == "causal-lm" and n_out > 1:
+def _forward(task: str, net: Any, names: tuple[str, ...], args: tuple[Any, ...], n_out: int) -> Any:
+    spec = TASKS[task]
+    if spec.kv_cache and n_out > 1:
         from transformers.cache_utils import DynamicCache
 
         ids, mask, *past = args
@@ -202,9 +219,10 @@ def _forward(task: str, net: Any, args: tuple[Any, ...], n_out: int) -> Any:
         present = out.cache
         flat = [t for layer in present.layers for t in (layer.keys, layer.values)]
         return (out.logits, *flat)
-    if task in ("text-embedding", "sequence-classification"):
-        out = net(input_ids=args[0], attention_mask=args[1])
-        return out.last_hidden_state if task == "text-embedding" else out.logits
+    if spec.outputs:  # a task's model: named inputs, named outputs
+        out = net(**dict(zip(names, args, strict=True)))
+        values = tuple(getattr(out, o.attribute) for o in spec.outputs)
+        return values[0] if len(values) == 1 else values
     return net(*args)
 
 

@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from schemas.tasks import TASKS
+
 
 def outputs(session: Any, samples: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
     """The first graph output (logits / embedding / scores) for every sample."""
@@ -16,7 +18,7 @@ def outputs(session: Any, samples: list[dict[str, np.ndarray]]) -> list[np.ndarr
 def agreement(
     task: str, ref: list[np.ndarray], got: list[np.ndarray], samples: list[dict[str, np.ndarray]]
 ) -> dict[str, float]:
-    """top-1 agreement, mean cosine, SNR (dB) and, for causal-lm, perplexity change."""
+    """top-1 agreement, mean cosine, SNR (dB) and, for a language model, perplexity change."""
     vec_r = np.concatenate([r.reshape(-1, r.shape[-1]) for r in ref]).astype(np.float64)
     vec_g = np.concatenate([g.reshape(-1, g.shape[-1]) for g in got]).astype(np.float64)
     norms = np.linalg.norm(vec_r, axis=1) * np.linalg.norm(vec_g, axis=1)
@@ -26,7 +28,7 @@ def agreement(
         "logit_cosine": float(np.mean(cosine)),
         "snr_db": snr_db(vec_r, vec_g),
     }
-    if task == "causal-lm":
+    if TASKS[task].language_model:
         ppl_r, ppl_g = perplexity(ref, samples), perplexity(got, samples)
         out |= {
             "perplexity_fp32": ppl_r,

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from schemas import StageError
+from schemas.tasks import TASKS
 from stages.bundling.hashing import hash_range
 from stages.onnx import shapes as sh
 
@@ -157,12 +158,14 @@ def _npz_rows(
 
 def to_feeds(task: str, lay: sh.Layout, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Complete a sample to the graph's inputs: masks of ones, an empty KV cache."""
-    if task == "generic":
+    if not TASKS[task].outputs:  # the spec declares the graph's inputs: rows carry them all
         return dict(row)
     ids = row["input_ids"]
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     for t in lay.inputs:
-        if t.name.startswith("past_key_values"):
+        if t.name == "token_type_ids":  # one segment
+            feeds[t.name] = np.zeros_like(ids)
+        elif t.name.startswith("past_key_values"):
             shape: list[Any] = [
                 ids.shape[0] if a == "batch" else 0 if a == "past_sequence" else a for a in t.axes
             ]

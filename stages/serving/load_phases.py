@@ -11,6 +11,7 @@ import numpy as np
 
 from schemas import StageError
 from schemas.artifacts import ModelInfo
+from schemas.tasks import TASKS
 from stages.onnx import shapes as sh
 from stages.serving import loadgen as lg
 
@@ -22,7 +23,7 @@ def _inputs(info: ModelInfo, batch: int, length: int, seed: int = 0) -> dict[str
     builds the attention mask and the past itself)."""
     sizes = {"batch": batch, "sequence": length}
     vocab = info.arch.vocab
-    causal = info.task == "causal-lm"
+    causal = TASKS[info.task].serving == "generate"
     tensors = [
         sh.token_tensor(t.name, t.dtype, t.axes, vocab)
         for t in info.inputs
@@ -38,7 +39,7 @@ def _inputs(info: ModelInfo, batch: int, length: int, seed: int = 0) -> dict[str
 def request(
     base: str, info: ModelInfo, batch: int, length: int, tokens: int, stream: bool
 ) -> lg.Request:
-    causal = info.task == "causal-lm"
+    causal = TASKS[info.task].serving == "generate"
     params = {"max_new_tokens": tokens} if causal else None
     return lg.Request(
         url=f"{base}/{'infer_stream' if stream else 'infer'}",

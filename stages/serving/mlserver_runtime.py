@@ -4,13 +4,16 @@ The bundle ships this file next to `model-settings.json`; MLServer imports it fr
 (`implementation: shipyard_runtime.ShipyardOnnxRuntime`). It needs only mlserver,
 onnxruntime and numpy.
 
-- generic task: `infer` feeds the request's tensors by name and returns every graph output.
+- every task: `infer` feeds the request's tensors by name and returns every graph output;
+  a label task (sequence/token classification, `serving: labels`) adds `label` (BYTES, the
+  top class's name from the model's id2label) and `score` (FP32, its softmax probability).
 - Concurrent `infer` requests are batched by the runtime itself (see Batcher), not by
   MLServer's adaptive batching, which would merge incompatible requests.
-- causal-lm: `infer` takes `input_ids` INT64 [batch, prompt] and the request parameter
-  `max_new_tokens` (default 1) and returns `output_ids` INT64 [batch, max_new_tokens] by
-  greedy decoding with the KV-cache graph (prefill runs on the same graph with an empty
-  past). `infer_stream` / `generate_stream` yield one response per decoded token.
+- a generating task (causal-lm, `serving: generate`): `infer` takes `input_ids` INT64
+  [batch, prompt] and the request parameter `max_new_tokens` (default 1) and returns
+  `output_ids` INT64 [batch, max_new_tokens] by greedy decoding with the KV-cache graph
+  (prefill runs on the same graph with an empty past). `infer_stream` / `generate_stream`
+  yield one response per decoded token.
 """
 
 from __future__ import annotations
@@ -300,6 +303,23 @@ class Batcher:
                 f.set_result(part)
 
 
+def label_scores(logits: np.ndarray, labels: list[str]) -> dict[str, np.ndarray]:
+    """The top class per row (sequence classification) or per token (token classification):
+    its name and its softmax probability, computed stably in float64."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    top = probs.argmax(axis=-1)
+    names = np.array(labels or [f"LABEL_{i}" for i in range(logits.shape[-1])], dtype=object)
+    if len(names) != logits.shape[-1]:
+        raise RuntimeError(f"{len(names)} labels for {logits.shape[-1]} scores")
+    return {
+        "label": names[top],
+        "score": np.take_along_axis(probs, top[..., None], axis=-1)[..., 0].astype(np.float32),
+    }
+
+
 def _consume(future: asyncio.Future[Any]) -> None:
     """Nobody may be waiting any more (a timed-out client): read the outcome anyway."""
     if not future.cancelled():
@@ -320,8 +340,10 @@ class ShipyardOnnxRuntime(MLModel):
         config_file = extra.get("ort_session")
         config = json.loads((folder / config_file).read_text()) if config_file else {}
         self.task = extra.get("task", "generic")
+        self.serving = extra.get("serving", "tensors")  # generate | labels | tensors
+        self.labels = [str(x) for x in extra.get("labels") or []]
         self.session = session_from(model_path, config)
-        if self.task == "causal-lm":
+        if self.serving == "generate":
             self.decoder = Decoder(self.session, int(extra.get("max_context_length", 1 << 30)))
         self.max_request_rows = int(extra.get("max_batch_rows", 1))  # the served batch
         self.limits = {k: int(extra.get(k, 0)) for k in ("max_prompt_tokens", "max_past_tokens")}
@@ -340,7 +362,7 @@ class ShipyardOnnxRuntime(MLModel):
         return self.ready
 
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:
-        if self.task != "causal-lm":
+        if self.serving != "generate":
             feeds = self._graph_inputs(payload)
             key = tuple(sorted((n, v.shape[1:], str(v.dtype)) for n, v in feeds.items()))
             return self._response(await self.batcher.submit(key, feeds))
@@ -382,17 +404,20 @@ class ShipyardOnnxRuntime(MLModel):
 
     def _run_batch(self, key: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One batch in a worker thread: greedy generation, or one pass of the graph."""
-        if self.task == "causal-lm":
+        if self.serving == "generate":
             steps = self.decoder.steps(feeds["input_ids"], key[1])
             return {"output_ids": np.concatenate(list(steps), axis=1)}
         names = [o.name for o in self.session.get_outputs()]
-        return dict(zip(names, self.session.run(names, feeds), strict=True))
+        out = dict(zip(names, self.session.run(names, feeds), strict=True))
+        if self.serving == "labels":
+            out.update(label_scores(out[names[0]], self.labels))
+        return out
 
     async def predict_stream(
         self, payloads: AsyncIterator[InferenceRequest]
     ) -> AsyncIterator[InferenceResponse]:
-        if self.task != "causal-lm":
-            raise BadRequest("streaming is only served for causal-lm releases")
+        if self.serving != "generate":
+            raise BadRequest(f"streaming is only served for generating tasks, not {self.task}")
         payload = await payloads.__anext__()
         try:
             input_ids, new_tokens = self._generation_args(payload)
@@ -415,7 +440,7 @@ class ShipyardOnnxRuntime(MLModel):
     def _generation_args(self, payload: InferenceRequest) -> tuple[np.ndarray, int]:
         names = [i.name for i in payload.inputs]
         if names != ["input_ids"]:
-            raise BadRequest(f"causal-lm expects exactly one input 'input_ids'; got {names}")
+            raise BadRequest(f"{self.task} expects exactly one input 'input_ids'; got {names}")
         inp = payload.inputs[0]
         if inp.datatype not in ("INT64", "INT32"):
             raise BadRequest(f"input_ids must be INT64 (or INT32); got {inp.datatype}")

@@ -146,6 +146,8 @@ def hostile_context(value: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
             "execution_mode": "sequential",
         },
         "triton": triton_values(info, ServingValues(**values)),
+        "serving_kind": "labels",
+        "labels": [value, "plain"],  # from the checkpoint's config.id2label: anything
         "max_prompt_tokens": 8,
         "max_past_tokens": 0,
     }
@@ -177,6 +179,7 @@ def test_every_serving_template_round_trips_hostile_values(tmp_path: Path, value
     assert list(config.model_warmup[0].inputs) == [f"in {value}"]
     settings = json.loads((tmp_path / "serving/mlserver/r/model-settings.json").read_text())
     assert settings["parameters"]["version"] == value
+    assert settings["parameters"]["extra"]["labels"] == [value, "plain"]
     assert settings["parameters"]["uri"] == f"../../../models/{value}"
 
 

@@ -1,0 +1,219 @@
+"""Tasks beyond causal-lm (issue 13): the task registry, encoders through quantization,
+label tasks served with their labels, and a quantization that gains nothing refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from schemas.tasks import TASKS, Task
+from tests.conftest import REPO, Workspace
+from tests.fixtures import architectures as matrix
+
+
+def encoder(name: str, task: str) -> matrix.Arch:
+    return next(a for a in matrix.ARCHITECTURES if a.name == name and a.task == task)
+
+
+def prepare(ws: Workspace, arch: matrix.Arch, **quantization: Any) -> dict[str, Any]:
+    slug = matrix.slug_of(arch)
+    if not (ws.root / "models" / slug).is_dir():
+        matrix.build_model(arch, ws.root / "models" / slug)
+    spec = matrix.spec_for(arch, slug)
+    spec["quantization"].update(quantization)
+    return spec
+
+
+# ------------------------------------------------------------------------------- registry
+def test_the_registry_names_exactly_the_tasks_the_spec_accepts() -> None:
+    from typing import get_args
+
+    assert set(get_args(Task)) == set(TASKS)
+    for task in TASKS.values():
+        assert task.metrics and task.default_budget
+        assert task.kv_cache == ("past_sequence" in task.dims)
+
+
+def test_no_stage_branches_on_a_task_name() -> None:
+    """Task behaviour lives in schemas/tasks.py; a stage comparing task names would let
+    the registry and the code drift apart."""
+    offenders = []
+    for path in sorted((REPO / "stages").rglob("*.py")):
+        if path.name == "mlserver_runtime.py":
+            continue  # ships alone; it reads its task's behaviour from model-settings
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "task ==" in line or "task !=" in line or "task in (" in line:
+                offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+# --------------------------------------------------------------------------- encoders PTQ
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    ws = Workspace(tmp_path_factory.mktemp("encoders"))
+    for name in ("BERT", "RoBERTa", "DistilBERT"):
+        arch = encoder(name, "text-embedding")
+        spec = prepare(ws, arch)
+        for stage in ("pin", "export"):
+            assert ws.run(stage, spec).status.value == "passed"
+    return ws
+
+
+@pytest.mark.parametrize("name", ["BERT", "RoBERTa", "DistilBERT"])
+@pytest.mark.parametrize(
+    "method,extra,op",
+    [
+        ("int8-dynamic", {}, "MatMulInteger"),
+        ("int8-dynamic", {"per_channel": True}, "MatMulInteger"),
+        ("int8-static", {}, "QuantizeLinear"),
+        ("int4-weight-only", {"block_size": 32}, "MatMulNBits"),
+    ],
+)
+def test_every_method_quantizes_every_encoder_family(
+    encoders: Workspace, name: str, method: str, extra: dict[str, Any], op: str
+) -> None:
+    import onnx
+
+    arch = encoder(name, "text-embedding")
+    spec = prepare(encoders, arch, method=method, **extra)
+    report = encoders.run("quantize", spec)
+    assert report.status.value == "passed", report.reasons
+    model = encoders.out(matrix.slug_of(arch), "quantize") / "model.onnx"
+    assert op in {n.op_type for n in onnx.load(model).graph.node}
+    assert report.details["budget"] == TASKS["text-embedding"].default_budget  # spec gave none
+
+
+def test_bert_pre_processing_falls_back_and_the_report_says_so(encoders: Workspace) -> None:
+    """ORT's symbolic shape inference fails on BERT graphs; the stage retries without it."""
+    spec = prepare(encoders, encoder("BERT", "text-embedding"), method="int8-dynamic")
+    report = encoders.run("quantize", spec)
+    assert report.status.value == "passed"
+    assert report.details["preprocess"].startswith("symbolic shape inference failed (")
+    assert "skip_symbolic_shape" in report.details["preprocess"]
+    assert report.summary.endswith("(pre-processed without symbolic shape inference)")
+    roberta = prepare(encoders, encoder("RoBERTa", "text-embedding"), method="int8-dynamic")
+    other = encoders.run("quantize", roberta)  # its graph infers symbolically
+    assert other.details["preprocess"] == "quant_pre_process with symbolic shape inference"
+
+
+def test_bert_takes_token_type_ids_and_distilbert_does_not(encoders: Workspace) -> None:
+    def inputs(name: str) -> list[str]:
+        slug = matrix.slug_of(encoder(name, "text-embedding"))
+        info = json.loads((encoders.out(slug, "export") / "model_info.json").read_text())
+        return [t["name"] for t in info["inputs"]]
+
+    assert inputs("BERT") == ["input_ids", "attention_mask", "token_type_ids"]
+    assert inputs("DistilBERT") == ["input_ids", "attention_mask"]
+
+
+# ------------------------------------------------------------------- gains nothing: refused
+def test_a_quantization_keeping_every_node_in_float_fails_with_remedies(
+    encoders: Workspace,
+) -> None:
+    arch = encoder("DistilBERT", "text-embedding")
+    # only all-float (200 dB) meets this budget; the cap allows keeping every node
+    spec = prepare(
+        encoders, arch, method="int8-dynamic", budget={"snr_db_min": 150.0}, max_float_nodes=99
+    )
+    report = encoders.run("quantize", spec)
+    assert report.status.value == "failed"
+    assert "kept all" in report.reasons[0] and "FP32 in all but name" in report.reasons[0]
+    assert "per_channel" in report.reasons[0] and "int8-static" in report.reasons[0]
+    out = encoders.out(matrix.slug_of(arch), "quantize")
+    assert not (out / "model.onnx").exists()  # nothing that looks shipped stays
+
+
+def test_the_size_ratio_limit_holds_at_its_boundary(encoders: Workspace) -> None:
+    arch = encoder("DistilBERT", "text-embedding")
+    passed = encoders.run("quantize", prepare(encoders, arch, method="int8-dynamic"))
+    ratio = passed.metrics["size_ratio"]
+    assert ratio < 0.9
+    at = encoders.run(
+        "quantize", prepare(encoders, arch, method="int8-dynamic", max_size_ratio=ratio)
+    )
+    assert at.status.value == "passed"
+    below = ratio * (1 - 1e-9)
+    over = encoders.run(
+        "quantize", prepare(encoders, arch, method="int8-dynamic", max_size_ratio=below)
+    )
+    assert over.status.value == "failed"
+    assert f"{ratio:.2f}x the FP32 file, above quantization.max_size_ratio" in over.reasons[0]
+
+
+# --------------------------------------------------------------------------- label tasks
+def test_label_scores_name_the_top_class_with_its_probability() -> None:
+    """Through the shipped runtime module (imported in a child: mlserver's protobufs must
+    not meet tritonclient's in the test process)."""
+    code = (
+        "import numpy as np, json, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'stages' / 'serving')!r})\n"
+        "from mlserver_runtime import label_scores\n"
+        "out = label_scores(np.array([[[0.0, 2.0, 0.0], [5.0, 0.0, 0.0]]]), ['O', 'B', 'I'])\n"
+        "print(json.dumps({'label': out['label'].tolist(), 'score': out['score'].tolist()}))\n"
+        "try:\n    label_scores(np.zeros((1, 3)), ['a', 'b'])\nexcept RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()
+    got = json.loads(first)
+    assert got["label"] == [["B", "O"]]
+    p1 = np.exp(2) / (np.exp(2) + 2)
+    p2 = np.exp(5) / (np.exp(5) + 2)
+    assert np.allclose(got["score"], [[p1, p2]], atol=1e-6)
+    assert second == "2 labels for 3 scores"
+
+
+def test_a_classifier_is_served_with_its_labels_over_http(tmp_path: Path) -> None:
+    import aiohttp
+
+    from stages.serving import loadgen as lg
+    from stages.serving.server import LocalServer, assemble
+
+    (tmp_path / "repo").mkdir()
+    ws = Workspace(tmp_path / "repo")
+    arch = encoder("RoBERTa", "sequence-classification")
+    spec = prepare(ws, arch)
+    slug = matrix.slug_of(arch)
+    for stage in ("pin", "export", "quantize", "plan", "serve"):
+        report = ws.run(stage, spec)
+        assert report.status.value == "passed", (stage, report.reasons)
+    info = json.loads((ws.out(slug, "export") / "model_info.json").read_text())
+    assert info["labels"] == ["negative", "positive"]
+    settings = yaml.safe_load(
+        (ws.out(slug, "serve") / "serving" / "mlserver" / slug / "model-settings.json").read_text()
+    )
+    assert settings["parameters"]["extra"]["labels"] == ["negative", "positive"]
+    tree = tmp_path / "tree"
+    assemble(tree, sorted(ws.out(slug, "quantize").glob("model.onnx*")), ws.out(slug, "serve"))
+    ids = np.array([[5, 6, 7, 8], [9, 10, 11, 12]], dtype=np.int64)
+    feeds = {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "token_type_ids": np.zeros_like(ids),
+    }
+
+    async def infer() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s:
+            url = f"{srv.url}/v2/models/{slug}/infer"
+            body = lg.v2_body(feeds, {})
+            async with s.post(url, data=body, headers={"content-type": "application/json"}) as r:
+                assert r.status == 200, await r.text()
+                return {o["name"]: o for o in (await r.json())["outputs"]}
+
+    with LocalServer(tree, slug, tmp_path / "log", 60) as srv:
+        outputs = asyncio.run(infer())
+    assert set(outputs) == {"logits", "label", "score"}
+    logits = np.array(outputs["logits"]["data"], dtype=np.float64).reshape(2, 2)
+    want = ["negative", "positive"]
+    assert outputs["label"]["data"] == [want[i] for i in logits.argmax(1)]
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    assert np.allclose(outputs["score"]["data"], probs.max(1), atol=1e-5)
