@@ -102,6 +102,8 @@ class ModelInfo(Artifact):
     labels: list[str] | None = Field(
         default=None, description="What each score means (config.id2label), for label tasks."
     )
+    pooling: str | None = Field(default=None, description="text-embedding: the pooling mode.")
+    normalize: bool | None = Field(default=None, description="text-embedding: L2-normalized.")
 
 
 # quantize ----------------------------------------------------------------------------------

@@ -151,6 +151,13 @@ class ReleaseSpec(Strict):
         """Rule: The task's dims are in export.dims (causal-lm: batch, sequence, past_sequence);
         generic and python models declare export.inputs; every shape names declared dims;
         parity.shapes lie inside export.dims."""
+        if not TASKS[self.task].pooled and (
+            self.export.pooling is not None or self.export.normalize is not None
+        ):
+            raise ValueError(
+                f"export.pooling: pooling and export.normalize apply to task text-embedding "
+                f"only, not {self.task!r}; remove them"
+            )
         missing = [d for d in TASKS[self.task].dims if d not in self.export.dims]
         if missing:
             raise ValueError(

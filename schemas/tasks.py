@@ -40,6 +40,7 @@ class TaskDef(BaseModel):
     kv_cache: bool = False  # graph takes past_key_values.* and returns present.*
     language_model: bool = False  # next-token logits: perplexity is defined
     labels: bool = False  # outputs score config.id2label; the bundle ships the labels
+    pooled: bool = False  # sentence embedding pooled (and normalized) inside the graph
     metrics: tuple[str, ...]  # what evaluation computes (thresholds may name these)
     default_budget: dict[str, float]  # quantization.budget when the spec gives none
     serving: Literal["generate", "labels", "tensors"]  # what the runtime returns
@@ -73,11 +74,17 @@ TASKS: dict[str, TaskDef] = {
             auto_class="AutoModel",
             outputs=(
                 TaskOutput(
-                    name="last_hidden_state",
-                    attribute="last_hidden_state",
+                    name="sentence_embedding",
+                    attribute="sentence_embedding",
+                    axes=("batch", "hidden"),
+                ),
+                TaskOutput(
+                    name="token_embeddings",
+                    attribute="token_embeddings",
                     axes=("batch", "sequence", "hidden"),
                 ),
             ),
+            pooled=True,
             metrics=("cosine_to_reference",),
             default_budget={"logit_cosine_min": 0.99},
             serving="tensors",

@@ -43,7 +43,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         NAME, ctx.root, cfg.dataset, lay, limit, info.arch.vocab, "evaluation.dataset"
     )[: cfg.dataset.samples]
     samples = [calib.to_feeds(task, lay, row) for row in rows]
-    flat = m.adapter(task, m.load_model(NAME, ctx.root, release.model, task), lay)
+    net, _ = m.load_with_layout(NAME, ctx.root, release)
+    flat = m.adapter(task, net, lay)
     session = ort.InferenceSession(
         str(ctx.upstream("quantize") / "model.onnx"), providers=["CPUExecutionProvider"]
     )

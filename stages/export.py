@@ -31,6 +31,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     config = m.model_config(release.model, ctx.root)
     _check_context(release, config)
     net, lay = m.load_with_layout(NAME, ctx.root, release)
+    pooled = m.embedding_pooling(NAME, ctx.root, release)
     flat = m.adapter(release.task, net, lay)
     trace = sh.trace_sizes(release.export.dims)
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
@@ -56,9 +57,17 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             inputs=[_tensor(t) for t in lay.inputs],
             outputs=[_tensor(t) for t in lay.outputs],
             labels=m.label_names(config) if TASKS[release.task].labels else None,
+            pooling=pooled.mode if pooled else None,
+            normalize=pooled.normalize if pooled else None,
         )
     )
     details = {"trace_sizes": trace, "probed": probes["runs"]}
+    if pooled:
+        details["embedding"] = {
+            "pooling": pooled.mode,
+            "normalize": pooled.normalize,
+            "from": pooled.source,
+        }
     if problems:
         return StageResult.failed(
             f"{len(problems)} dynamic-axis problem(s)", problems, details=details

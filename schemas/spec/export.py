@@ -65,3 +65,12 @@ class ExportConfig(Strict):
     odd_sizes: bool = Field(
         default=True, description="Also run the graph at odd in-between sizes to prove dynamism."
     )
+    pooling: Literal["mean", "cls", "max", "last-token"] | None = Field(
+        default=None,
+        description="text-embedding: how token embeddings become the sentence embedding, for a "
+        "folder without sentence-transformers modules.json (which otherwise decides).",
+    )
+    normalize: bool | None = Field(
+        default=None,
+        description="text-embedding: L2-normalize the sentence embedding (plain folders).",
+    )

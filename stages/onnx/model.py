@@ -137,8 +137,23 @@ def load_with_layout(stage: str, root: Path, release: Any) -> tuple[Any, Layout]
 
     net = load_model(stage, root, release.model, release.task)
     forward = frozenset(inspect.signature(net.forward).parameters)
+    if TASKS[release.task].pooled:  # the embedding: pooling (+ normalize) inside the graph
+        from stages.onnx import pooling
+
+        folder = root / release.model.path if release.model.kind == "hf" else None
+        net = pooling.wrap(net, pooling.resolve(stage, folder, release.export))
     config = model_config(release.model, root)
     return net, layout(release.task, release.export, config, forward)
+
+
+def embedding_pooling(stage: str, root: Path, release: Any) -> Any:
+    """The pooling a text-embedding release exports (None for other tasks)."""
+    if not TASKS[release.task].pooled:
+        return None
+    from stages.onnx import pooling
+
+    folder = root / release.model.path if release.model.kind == "hf" else None
+    return pooling.resolve(stage, folder, release.export)
 
 
 def label_names(config: dict[str, Any]) -> list[str]:

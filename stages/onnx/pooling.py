@@ -70,7 +70,9 @@ def resolve(stage: str, folder: Path | None, export: Any) -> Pooling:
     found = from_folder(stage, folder) if folder else None
     mode, normalize = export.pooling, export.normalize
     if found:
-        if (mode and mode != found.mode) or (normalize is not None and normalize != found.normalize):
+        if (mode and mode != found.mode) or (
+            normalize is not None and normalize != found.normalize
+        ):
             raise StageError(
                 stage,
                 f"export.pooling/normalize ({mode}, {normalize}) contradict the model folder's "
@@ -105,10 +107,7 @@ def wrap(net: Any, pooling: Pooling) -> Any:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
             return _Out(sentence_embedding=pooled, token_embeddings=tokens)
 
-    wrapped = Pooled().eval()
-    # what forward takes decides the graph inputs (token_type_ids): the encoder's
-    wrapped.forward_parameters = frozenset(_parameters(net))  # type: ignore[assignment]
-    return wrapped
+    return Pooled().eval()
 
 
 @dataclass
@@ -132,9 +131,3 @@ def pool(tokens: Any, mask: Any, mode: str) -> Any:
         return tokens.gather(1, index).squeeze(1)
     summed = (tokens * keep).sum(dim=1)
     return summed / keep.sum(dim=1).clamp(min=1e-9)
-
-
-def _parameters(net: Any) -> list[str]:
-    import inspect
-
-    return list(inspect.signature(net.forward).parameters)
