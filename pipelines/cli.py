@@ -61,6 +61,26 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from pipelines.init import init
+    from stages import repo_root
+
+    root = repo_root()
+    folder = Path(args.model_folder).resolve()
+    target = init(
+        root,
+        folder,
+        args.data,
+        name=args.name,
+        task=args.task,
+        device_memory=args.device_memory,
+        force=args.force,
+        tokenizer=args.tokenizer,
+    )
+    print(f"wrote {target.relative_to(root)}; review it, then `shipyard compile`")
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from schemas import ReleaseSpec
 
@@ -293,6 +313,17 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="write dvc.yaml from releases/*.yaml")
     c.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml is stale")
     c.set_defaults(func=cmd_compile)
+    ini = sub.add_parser("init", help="write releases/<name>.yaml from a model folder")
+    ini.add_argument("model_folder", help="a Hugging Face folder inside the repository")
+    ini.add_argument(
+        "--data", required=True, help="JSONL of texts in the repo: calibration and evaluation"
+    )
+    ini.add_argument("--name", help="release name (default: the folder's name)")
+    ini.add_argument("--task", help="override the task detected from the checkpoint")
+    ini.add_argument("--device-memory", default="16GiB", help="memory of the target device")
+    ini.add_argument("--force", action="store_true", help="replace an existing spec")
+    ini.add_argument("--tokenizer", help="tokenizer folder, when the model folder has none")
+    ini.set_defaults(func=cmd_init)
     fp = sub.add_parser(
         "fingerprint", help="write build/.code/<stage>.json (dvc.yaml's `code` stage)"
     )

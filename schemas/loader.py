@@ -37,12 +37,16 @@ EXCERPT = 80
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufeff\ufffe\uffff]")
 
 
-def load_release(path: str | Path, shown: str | None = None) -> ReleaseSpec:
+def load_release(
+    path: str | Path, shown: str | None = None, final: Path | None = None
+) -> ReleaseSpec:
     """Parse and validate one release spec; raise SpecError listing every problem.
 
-    `shown` is how messages name the file (default: the path as given).
+    `shown` is how messages name the file (default: the path as given); `final` is where a
+    spec still being written will live (its name and repository are checked against that).
     """
     path = Path(path)
+    where = final or path
     shown = shown or str(path)
     root = _compose(path, shown)
     problems = [f"{shown}:{line}: {msg}" for line, msg in _duplicate_keys(root)]
@@ -52,14 +56,14 @@ def load_release(path: str | Path, shown: str | None = None) -> ReleaseSpec:
     except ValidationError as exc:
         problems += [_safe_describe(shown, root, err) for err in exc.errors()]
         raise SpecError(shown, problems) from None
-    if spec.name != path.stem:
+    if spec.name != where.stem:
         problems.append(
             f"{shown}:{_line_of(root, ('name',))}: name: {spec.name!r} must equal the file "
-            f"name {path.stem!r}; rename the file or the release"
+            f"name {where.stem!r}; rename the file or the release"
         )
     problems += [
         f"{shown}:{_line_of(root, loc)}: {_field(loc)}: {msg}"
-        for loc, msg in _paths_outside(spec, repo_of(path))
+        for loc, msg in _paths_outside(spec, repo_of(where))
     ]
     if problems:
         raise SpecError(shown, problems)

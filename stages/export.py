@@ -61,7 +61,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             normalize=pooled.normalize if pooled else None,
         )
     )
-    details = {"trace_sizes": trace, "probed": probes["runs"]}
+    shipped = _model_files(ctx, release)
+    details = {"trace_sizes": trace, "probed": probes["runs"], "model_files": shipped}
     if pooled:
         details["embedding"] = {
             "pooling": pooled.mode,
@@ -101,6 +102,39 @@ def _check_context(release: Any, config: dict[str, Any]) -> None:
             f"{positions} positions",
             "lower export.dims.sequence.max",
         )
+
+
+# What a client needs besides the graph: the model's config and its tokenizer, so that the
+# bundle is self-contained (a client tokenizes with exactly what the model was built with).
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "sentencepiece.bpe.model",
+    "spiece.model",
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+)
+
+
+def _model_files(ctx: StageContext, release: Any) -> list[str]:
+    """Copy the config and tokenizer files of an HF folder into `model_files/`."""
+    if release.model.kind != "hf":
+        return []
+    folder, out = ctx.root / release.model.path, ctx.work / "model_files"
+    found = [name for name in MODEL_FILES if (folder / name).is_file()]
+    for name in found:
+        out.mkdir(exist_ok=True)
+        shutil.copyfile(folder / name, out / name)
+    return found
 
 
 def _count(net: Any) -> int:

@@ -30,6 +30,8 @@ def payload(ctx: StageContext) -> dict[str, Path]:
         for p in sorted(quantized.glob("model.onnx*"))
     }
     files["model/model_info.json"] = ctx.upstream(ModelInfo.STAGE) / ModelInfo.FILE
+    # the checkpoint's config and tokenizer (export copies them): a client needs nothing else
+    files.update(_outputs(ctx.upstream("export") / "model_files", "model/files/", "-"))
     files["model/quant_info.json"] = ctx.upstream(QuantInfo.STAGE) / QuantInfo.FILE
     for stage in CHECKED:
         files[f"reports/{stage}.json"] = ctx.upstream(stage) / "report.json"

@@ -126,7 +126,7 @@ def arch(config: dict[str, Any]) -> dict[str, int]:
         "head_dim": pick("head_dim", default=hidden // heads if heads else 0),
         "hidden": hidden,
         "vocab": pick("vocab_size"),
-        "positions": pick("max_position_embeddings", "n_positions"),
+        "positions": max(pick("max_position_embeddings", "n_positions") - _offset(config), 0),
         "labels": len(config.get("id2label") or {}) or 2,
     }
 
@@ -194,6 +194,16 @@ def layout(
                 for k in ("key", "value")
             ]
     return Layout(tuple(ins), tuple(outs_))
+
+
+# RoBERTa-style models number positions from padding_idx + 1: 514 embeddings serve 512 tokens
+OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer", "mpnet"})
+
+
+def _offset(config: dict[str, Any]) -> int:
+    if config.get("model_type") in OFFSET_POSITIONS:
+        return int(config.get("pad_token_id") or 0) + 1
+    return 0
 
 
 def layout_from_info(info: ModelInfo) -> Layout:

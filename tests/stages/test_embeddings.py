@@ -157,5 +157,6 @@ def test_pooling_is_refused_for_other_tasks(tmp_path: Path) -> None:
     arch = next(a for a in matrix.ARCHITECTURES if a.name == "Llama")
     spec = matrix.spec_for(arch, "llama")
     spec["export"]["pooling"] = "mean"
-    with pytest.raises(SpecError, match="export.pooling: pooling and export.normalize apply to task text-embedding only"):
+    match = "export.pooling: pooling and export.normalize apply to task text-embedding only"
+    with pytest.raises(SpecError, match=match):
         load_release(ws.write(spec))

@@ -40,6 +40,10 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
     assert set(manifest.files()) == {
         "shipyard.json",
         "model/model_info.json",
+        # the checkpoint's config and tokenizer: a client needs nothing else
+        "model/files/config.json",
+        "model/files/generation_config.json",
+        "model/files/tokenizer.json",
         "reports/pin.json",
         "reports/export.json",
         "reports/evalcheck.json",

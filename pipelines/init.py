@@ -1,0 +1,165 @@
+"""`shipyard init MODEL_FOLDER`: a release spec derived from the model folder itself.
+
+The task comes from the checkpoint (`config.architectures`, a sentence-transformers
+`modules.json`), the dims from its positions, the pins from its files' digests, the budgets
+and metrics from the task registry. The spec is validated exactly like a hand-written one
+before it is written, and an existing spec is never overwritten without `--force`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from schemas import SpecError
+from schemas.tasks import TASKS
+
+# config.architectures suffix -> task
+SUFFIXES = {
+    "ForCausalLM": "causal-lm",
+    "LMHeadModel": "causal-lm",
+    "ForSequenceClassification": "sequence-classification",
+    "ForTokenClassification": "token-classification",
+}
+WEIGHTS = (".safetensors",)
+
+
+def detect_task(folder: Path, config: dict[str, Any]) -> str:
+    if (folder / "modules.json").is_file():
+        return "text-embedding"
+    for name in config.get("architectures") or []:
+        for suffix, task in SUFFIXES.items():
+            if name.endswith(suffix):
+                return task
+    return "text-embedding"  # a bare encoder (BertModel, ...): its hidden states, pooled
+
+
+def build_spec(
+    root: Path,
+    folder: Path,
+    name: str,
+    data: str,
+    task: str | None = None,
+    device_memory: str = "16GiB",
+    tokenizer: str | None = None,
+) -> dict[str, Any]:
+    """The spec for the model folder (repo-relative paths); not yet validated."""
+    from stages.bundling.hashing import hash_files
+    from stages.onnx.model import arch
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise SpecError(
+            str(folder), [f"{folder}: no config.json; init needs a Hugging Face folder"]
+        )
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    task = task or detect_task(folder, config)
+    derivable = [n for n, t in TASKS.items() if t.outputs]  # generic: the spec declares I/O
+    if task not in derivable:
+        raise SpecError(
+            str(folder), [f"--task {task!r}: init writes one of {', '.join(derivable)}"]
+        )
+    spec_task = TASKS[task]
+    positions = arch(config)["positions"] or 512
+    try:
+        rel = folder.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        raise SpecError(
+            str(folder), [f"{folder} is outside the repository {root}; copy it under models/"]
+        ) from None
+    weights = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHTS)
+    digests = hash_files({p.name: p for p in [config_file, *weights]})
+    if not (root / data).is_file():
+        raise SpecError(data, [f"--data {data}: no such file in the repository {root}"])
+    tokenizer = tokenizer or (rel if (folder / "tokenizer.json").is_file() else None)
+    if not tokenizer and data.endswith(".jsonl"):
+        raise SpecError(
+            rel,
+            [
+                f"{rel} has no tokenizer.json to turn {data}'s texts into token ids; pass "
+                "--tokenizer FOLDER (a folder with the model's tokenizer.json)"
+            ],
+        )
+    sequence = min(positions, 512)
+    dims: dict[str, Any] = {"batch": {"min": 1, "opt": 1, "max": 8}}
+    if spec_task.kv_cache:  # half the positions for the prompt, the rest for the past
+        sequence = min(positions // 2, 2048)
+        dims["past_sequence"] = {"min": 0, "opt": 16, "max": positions - sequence}
+    dims["sequence"] = {"min": 1, "opt": min(16, sequence), "max": sequence}
+    export: dict[str, Any] = {"exporter": "legacy", "opset": 18, "dims": dims}
+    if spec_task.pooled and not (folder / "modules.json").is_file():
+        export["pooling"] = "mean"  # a bare encoder: say how it pools (edit if not mean)
+    dataset: dict[str, Any] = {"path": data, "samples": 64}
+    if tokenizer:
+        dataset["tokenizer"] = tokenizer
+    metric = spec_task.metrics[0]
+    threshold: dict[str, Any] = (
+        {"metric": "top1_agreement", "threshold": 0.97, "greater_is_better": True}
+        if spec_task.language_model
+        else {"metric": metric, "threshold": 0.98, "greater_is_better": True}
+    )
+    evaluation: dict[str, Any] = {"dataset": dataset, "thresholds": [threshold]}
+    if spec_task.kv_cache:
+        evaluation["decode"] = {"prompts": 8, "prompt_tokens": 8, "tokens": 16}
+    calibration = {**dataset, "samples": 128, "holdout": 64}
+    return {
+        "schema_version": 1,
+        "name": name,
+        "version": "0.1.0",
+        "task": task,
+        "model": {"kind": "hf", "path": rel},
+        "pins": {"checkpoints": {k: v for k, v in sorted(digests.items())}},
+        "export": export,
+        "parity": {},
+        "quantization": {"method": "int8-dynamic", "calibration": calibration},
+        "evaluation": evaluation,
+        "capacity": {"device_memory": device_memory},
+        "bundle": {
+            "model_card": {
+                "description": f"{config.get('model_type', 'model')} from {rel}",
+            }
+        },
+        "engine": {"required": False},
+        "loadtest": {},
+    }
+
+
+def init(
+    root: Path,
+    folder: Path,
+    data: str,
+    name: str | None = None,
+    task: str | None = None,
+    device_memory: str = "16GiB",
+    force: bool = False,
+    tokenizer: str | None = None,
+) -> Path:
+    """Write releases/<name>.yaml after validating it; returns its path."""
+    from schemas.loader import load_release
+
+    name = name or folder.name.lower().replace("_", "-")
+    target = root / "releases" / f"{name}.yaml"
+    if target.exists() and not force:
+        raise SpecError(
+            str(target.relative_to(root)),
+            [f"{target.relative_to(root)} exists; pass --force to replace it"],
+        )
+    spec = build_spec(root, folder, name, data, task, device_memory, tokenizer)
+    text = (
+        f"# Written by `shipyard init {folder.relative_to(root).as_posix()}`; "
+        "review the dims, data and budgets.\n" + yaml.safe_dump(spec, sort_keys=False, width=100)
+    )
+    target.parent.mkdir(exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    try:
+        load_release(tmp, shown=str(target.relative_to(root)), final=target)  # the usual checks
+    except SpecError:
+        tmp.unlink()
+        raise
+    tmp.replace(target)
+    return target

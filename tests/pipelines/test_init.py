@@ -1,0 +1,102 @@
+"""`shipyard init`: a valid spec from a model folder, through the CLI and its exit codes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from schemas.loader import load_release
+from tests.conftest import Workspace
+from tests.fixtures import architectures as matrix
+
+SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
+DATA = "data/eval/docstrings.jsonl"
+
+
+def shipyard(ws: Workspace, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SHIPYARD_ROOT": str(ws.root)}
+    return subprocess.run(
+        [SHIPYARD, *args], cwd=ws.root, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def arch(name: str, task: str) -> matrix.Arch:
+    return next(a for a in matrix.ARCHITECTURES if a.name == name and a.task == task)
+
+
+@pytest.mark.parametrize(
+    "name,task",
+    [("Llama", "causal-lm"), ("RoBERTa", "sequence-classification"), ("BERT", "text-embedding")],
+)
+def test_init_writes_a_spec_that_validates_and_exports(ws: Workspace, name: str, task: str) -> None:
+    folder = ws.root / "models" / "my_model"
+    matrix.build_model(arch(name, task), folder)
+    (folder / "tokenizer.json").write_bytes(
+        (ws.root / "models" / "tiny-gpt2" / "tokenizer.json").read_bytes()
+    )
+    done = shipyard(ws, "init", "models/my_model", "--data", DATA, "--device-memory", "1GiB")
+    assert done.returncode == 0, done.stderr
+    assert "wrote releases/my-model.yaml" in done.stdout
+    path = ws.root / "releases" / "my-model.yaml"
+    spec = load_release(path)
+    assert spec.task == task  # detected from config.architectures (a bare encoder: embedding)
+    assert spec.model.path == "models/my_model"
+    assert set(spec.pins.checkpoints) == {"config.json", "model.safetensors"}
+    assert spec.export.dims["sequence"].max <= 256  # within the model's positions
+    if task == "causal-lm":
+        assert spec.export.dims["sequence"].max + spec.export.dims["past_sequence"].max == 256
+    data = yaml.safe_load(path.read_text())
+    data["export"]["dims"] = {k: v for k, v in data["export"]["dims"].items()}
+    data["export"]["dims"]["sequence"]["max"] = 64  # quick: the data's texts fit in 64
+    if "past_sequence" in data["export"]["dims"]:
+        data["export"]["dims"]["past_sequence"]["max"] = 32
+    data["loadtest"] = {"ramp": {"input_length": 8, "output_tokens": 4}}
+    data["evaluation"]["decode"] = (
+        {"prompts": 2, "prompt_tokens": 4, "tokens": 4} if (task == "causal-lm") else None
+    )
+    if data["evaluation"]["decode"] is None:
+        del data["evaluation"]["decode"]
+    for stage in ("pin", "export"):
+        report = ws.run(stage, data)
+        assert report.status.value == "passed", (stage, report.reasons)
+
+
+def test_init_refuses_to_overwrite_and_names_the_fix(ws: Workspace) -> None:
+    folder = ws.root / "models" / "llama"
+    matrix.build_model(arch("Llama", "causal-lm"), folder)
+    no_tokenizer = shipyard(ws, "init", "models/llama", "--data", DATA)
+    assert no_tokenizer.returncode != 0 and "pass --tokenizer FOLDER" in no_tokenizer.stderr
+    (folder / "tokenizer.json").write_bytes(
+        (ws.root / "models" / "tiny-gpt2" / "tokenizer.json").read_bytes()
+    )
+    assert shipyard(ws, "init", "models/llama", "--data", DATA).returncode == 0
+    before = (ws.root / "releases" / "llama.yaml").read_text()
+    again = shipyard(ws, "init", "models/llama", "--data", DATA, "--device-memory", "2GiB")
+    assert again.returncode != 0 and "pass --force to replace it" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert (ws.root / "releases" / "llama.yaml").read_text() == before  # nothing lost
+    forced = shipyard(
+        ws, "init", "models/llama", "--data", DATA, "--force", "--device-memory", "2GiB"
+    )
+    assert forced.returncode == 0
+    assert load_release(ws.root / "releases" / "llama.yaml").capacity.device_memory == 2 << 30
+
+
+def test_init_refuses_bad_input_without_writing_anything(ws: Workspace) -> None:
+    (ws.root / "models" / "empty").mkdir()
+    no_config = shipyard(ws, "init", "models/empty", "--data", DATA)
+    assert no_config.returncode != 0 and "no config.json" in no_config.stderr
+    folder = ws.root / "models" / "llama"
+    matrix.build_model(arch("Llama", "causal-lm"), folder)
+    tok = ("--tokenizer", "models/tiny-gpt2")
+    missing_data = shipyard(ws, "init", "models/llama", "--data", "data/nope.jsonl", *tok)
+    assert missing_data.returncode != 0 and "data/nope.jsonl" in missing_data.stderr
+    bad_task = shipyard(ws, "init", "models/llama", "--data", DATA, "--task", "generic", *tok)
+    assert bad_task.returncode != 0 and "init writes one of" in bad_task.stderr
+    assert not list((ws.root / "releases").glob("*.yaml"))
+    assert not list((ws.root / "releases").glob(".*"))  # no temp file left behind
