@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -187,8 +188,15 @@ def _preprocess(ctx: StageContext, model: Path) -> tuple[Path, str]:
     for skip in (False, True):
         shutil.rmtree(out.parent, ignore_errors=True)
         out.parent.mkdir()
+        scratch = ctx.work / "_pre_scratch"
+        scratch.mkdir(exist_ok=True)
         try:
-            quant_pre_process(model, out, skip_symbolic_shape=skip, **options)
+            # a failed symbolic pass leaves sym_shape_infer_temp.onnx (and its external data)
+            # in the working directory: keep that inside this stage's temp folder
+            with contextlib.chdir(scratch):
+                quant_pre_process(
+                    model.resolve(), out.resolve(), skip_symbolic_shape=skip, **options
+                )
         except Exception as exc:  # symbolic shape inference raises assorted types
             if skip:
                 raise StageError(
@@ -199,6 +207,8 @@ def _preprocess(ctx: StageContext, model: Path) -> tuple[Path, str]:
                 ) from None
             first = " ".join(str(exc).split())[:200]
             continue
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         if skip:
             return out, (
                 f"symbolic shape inference failed ({first}); pre-processed with ONNX shape "

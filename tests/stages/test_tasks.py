@@ -91,10 +91,18 @@ def test_every_method_quantizes_every_encoder_family(
     assert report.details["budget"] == TASKS["text-embedding"].default_budget  # spec gave none
 
 
-def test_bert_pre_processing_falls_back_and_the_report_says_so(encoders: Workspace) -> None:
-    """ORT's symbolic shape inference fails on BERT graphs; the stage retries without it."""
+def test_bert_pre_processing_falls_back_and_the_report_says_so(
+    encoders: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ORT's symbolic shape inference fails on BERT graphs; the stage retries without it.
+    The failed pass writes sym_shape_infer_temp.onnx and its data into the working
+    directory: none of that may land where `dvc repro` runs (the user's repository)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     spec = prepare(encoders, encoder("BERT", "text-embedding"), method="int8-dynamic")
     report = encoders.run("quantize", spec)
+    assert list(cwd.iterdir()) == []
     assert report.status.value == "passed"
     assert report.details["preprocess"].startswith("symbolic shape inference failed (")
     assert "skip_symbolic_shape" in report.details["preprocess"]
