@@ -36,6 +36,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from stages import repo_root
 
     root = repo_root()
+    if args.matrix:  # one CI job per release: [{"release": ..., "target": ...}, ...]
+        releases = [spec.name for _, spec in compiler.discover(root)]
+        print(json.dumps([{"release": r, "target": f"bundle@{r}"} for r in releases]))
+        return 0
     if args.check:
         if compiler.is_stale(root):
             print(
@@ -47,6 +51,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print("dvc.yaml is up to date")
         return 0
     print(f"wrote {compiler.write(root).relative_to(root)}")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from pipelines import cache
+    from stages import repo_root
+
+    print(getattr(cache, args.action)(repo_root()))
     return 0
 
 
@@ -312,7 +324,13 @@ def parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_validate)
     c = sub.add_parser("compile", help="write dvc.yaml from releases/*.yaml")
     c.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml is stale")
+    c.add_argument("--matrix", action="store_true", help="print the releases as a CI matrix")
     c.set_defaults(func=cmd_compile)
+    ca = sub.add_parser(
+        "cache", help="DVC remote + run-cache from SHIPYARD_DVC_REMOTE: pull before, push after"
+    )
+    ca.add_argument("action", choices=["pull", "push", "configure"])
+    ca.set_defaults(func=cmd_cache)
     ini = sub.add_parser("init", help="write releases/<name>.yaml from a model folder")
     ini.add_argument("model_folder", help="a Hugging Face folder inside the repository")
     ini.add_argument(

@@ -145,6 +145,17 @@ def _git_state(root: Path) -> dict[str, Any]:
         return done.stdout.strip() if done.returncode == 0 else ""
 
     commit = git("rev-parse", "HEAD") or "unknown"
-    # dvc.lock is rewritten by the very `dvc repro` that runs this stage: not a code change.
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!dvc.lock"))
+    # dvc.lock and the metrics are rewritten by the very `dvc repro` that runs this stage:
+    # not a code change.
+    dirty = bool(
+        git(
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ".",
+            ":!dvc.lock",
+            ":!build/*/metrics",  # rewritten by the same `dvc repro`, like dvc.lock
+        )
+    )
     return {"commit": commit, "dirty": dirty}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,9 +21,12 @@ VENV = Path(sys.executable).parent.parent
 STAGES = list(load_stages())  # the order itself is pinned in tests/stages/test_runtime.py
 
 
-def sh(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+def sh(
+    cmd: list[str], cwd: Path, extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PATH": f"{VENV / 'bin'}:{os.environ['PATH']}", "SHIPYARD_ROOT": ""}
     env.pop("SHIPYARD_ROOT")
+    env.update(extra or {})
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{cmd} failed:\n{done.stdout}\n{done.stderr}"
     return done
@@ -129,3 +133,38 @@ def test_editing_one_spec_section_module_reruns_only_the_stages_that_read_it(clo
     # plan's output is unchanged, so serve and engine stop there; the load test measures
     # again (timings differ), so the manifest and the bundle follow it
     assert ran(done.stdout) == ["plan", "loadtest", "manifest", "bundle"]
+
+
+def test_a_fresh_clone_with_the_shared_remote_recomputes_nothing(
+    clone: Path, tmp_path: Path
+) -> None:
+    """Clone A (built above) pushes outputs and run-cache; clone B of the same commit pulls
+    and `dvc repro` runs no stage. Then a threshold edit in B reruns only what follows it."""
+    remote = tmp_path / "remote"
+    env_remote = {"SHIPYARD_DVC_REMOTE": str(remote)}
+    sh(["dvc", "repro", "bundle@tiny-gpt2"], clone)  # A is complete after the edits above
+    sh(["git", "add", "-A"], clone)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "built"], clone)
+    pushed = sh(["shipyard", "cache", "push"], clone, env_remote)
+    assert f"pushed to {remote}" in pushed.stdout
+    b = tmp_path / "b"
+    sh(["git", "clone", "-q", str(clone), str(b)], tmp_path)
+    assert not (b / "build" / "tiny-gpt2" / "bundle").exists()
+    sh(["shipyard", "cache", "pull"], b, env_remote)
+    done = sh(["dvc", "repro", "bundle@tiny-gpt2"], b)
+    assert ran(done.stdout) == []  # everything restored, nothing recomputed
+    sh(["shipyard", "verify", "build/tiny-gpt2/bundle"], b)
+    spec = b / "releases" / "tiny-gpt2.yaml"
+    text = spec.read_text()
+    assert text.count("threshold: 0.97") == 1 and text.count("    samples: 64\n") == 1
+    # a threshold alone: evaluate reruns, writes the same verdicts, and nothing follows it
+    spec.write_text(text.replace("threshold: 0.97", "threshold: 0.96"))
+    assert ran(sh(["dvc", "repro", "bundle@tiny-gpt2"], b).stdout) == ["evaluate"]
+    # fewer evaluation samples change the metrics: evaluate and what follows it rerun
+    spec.write_text(spec.read_text().replace("    samples: 64\n", "    samples: 48\n"))
+    done = sh(["dvc", "repro", "bundle@tiny-gpt2"], b)
+    assert ran(done.stdout) == ["evaluate", "manifest", "bundle"]
+    # the metrics are committed: DVC compares them with the last commit
+    diff = json.loads(sh(["dvc", "metrics", "diff", "HEAD", "--json"], b).stdout)
+    changed = diff["build/tiny-gpt2/metrics/evaluate.json"]
+    assert changed["perplexity"]["diff"] != 0
