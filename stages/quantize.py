@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
-from pathlib import Path
 from typing import Any
 
-from schemas import ReleaseSpec, StageError
+from schemas import ReleaseSpec
 from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo
 from schemas.spec.quantization import AccuracyBudget
 from schemas.tasks import TASKS
 from stages._runtime import StageContext, StageIO, StageResult, link_or_copy
 from stages.onnx import model as m
-from stages.onnx.graph import all_tensors, node_scope
 from stages.quant import accuracy as acc
 from stages.quant import calibration as calib
+from stages.quant import search
 from stages.quant.methods import Quantizer
 
 NAME = "quantize"
@@ -55,16 +52,16 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     samples = calib.load(
         NAME, ctx.root, q.calibration, release.task, lay, release.export.dims, info.arch.vocab
     )
-    pre, fallback = _preprocess(ctx, export / "model.onnx")
+    pre, fallback = search.preprocess(ctx, export / "model.onnx")
     if fallback:
         ctx.log(fallback)
     budget = q.budget or AccuracyBudget(**TASKS[release.task].default_budget)
     quantizer = Quantizer(pre, q, samples.calibration, ctx.work / "_variants")
     probe = samples.calibration[: q.calibration.sensitivity_samples]
-    evaluate = _Evaluator(release.task, pre, probe)
-    ranked = _sensitivity(ctx, quantizer, evaluate)
-    chosen, trace = _mixed_precision(ctx, quantizer, evaluate, ranked, q, budget)
-    held = _Evaluator(release.task, pre, samples.holdout)(chosen["path"])
+    evaluate = search.Evaluator(release.task, pre, probe)
+    ranked = search.sensitivity(ctx, quantizer, evaluate)
+    chosen, trace = search.mixed_precision(ctx, quantizer, evaluate, ranked, q, budget)
+    held = search.Evaluator(release.task, pre, samples.holdout)(chosen["path"])
     details = {
         "calibration": {
             "path": samples.source,
@@ -76,7 +73,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         "selection": trace,
         "holdout": held,
         "float_nodes": chosen["excluded"],
-        "layerwise": _layerwise(pre, chosen["path"], samples.holdout[0]),
+        "layerwise": search.layerwise(pre, chosen["path"], samples.holdout[0]),
         "preprocess": fallback or "quant_pre_process with symbolic shape inference",
         "budget": budget.model_dump(exclude_none=True),
     }
@@ -103,12 +100,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             details=details,
             metrics=metrics,
         )
-    sizes = _publish(ctx, chosen["path"], export)
-    gains = _gains_nothing(q, chosen["excluded"], ranked, sizes["ratio"])
+    sizes = search.publish(ctx, chosen["path"], export)
+    gains = search.gains_nothing(q, chosen["excluded"], ranked, sizes["ratio"])
     if gains:
         return StageResult.failed(
             f"{q.method} gains nothing worth shipping: {gains}",
-            [f"{gains}. {REMEDIES}"],
+            [f"{gains}. {search.REMEDIES}"],
             details={**details, "size": sizes},
             metrics={**metrics, "size_ratio": sizes["ratio"]},
         )
@@ -118,35 +115,11 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     shutil.rmtree(pre.parent)
     return StageResult.passed(
         f"{DTYPE[q.method]} ({q.method}), {len(chosen['excluded'])} of {len(ranked)} node(s) "
-        f"kept in float; held-out {_brief(held)}; size {sizes['ratio']:.2f}x FP32"
+        f"kept in float; held-out {search.brief(held)}; size {sizes['ratio']:.2f}x FP32"
         + (" (pre-processed without symbolic shape inference)" if fallback else ""),
         details={**details, "size": sizes},
         metrics={**metrics, "size_ratio": sizes["ratio"]},
     )
-
-
-REMEDIES = (
-    "Try quantization.per_channel: true (per-tensor scales can be far worse on encoders), "
-    "method int8-static with calibration data, or relax quantization.budget; or raise "
-    "quantization.max_size_ratio if a smaller gain is worth shipping"
-)
-
-
-def _gains_nothing(q: Any, excluded: list[str], ranked: list[dict], ratio: float) -> str:
-    """Why a quantized model that passes its budget is still not worth shipping ("" if it is):
-    mixed precision kept every quantizable node in float (FP32 in all but name), or the file
-    is not smaller than quantization.max_size_ratio x FP32."""
-    if ranked and len(excluded) >= len(ranked):
-        return (
-            f"mixed precision kept all {len(ranked)} quantizable node(s) in float to meet the "
-            f"budget, so the model ships as FP32 in all but name ({ratio:.2f}x FP32)"
-        )
-    if ratio > q.max_size_ratio:
-        return (
-            f"the quantized file is {ratio:.2f}x the FP32 file, above "
-            f"quantization.max_size_ratio {q.max_size_ratio:g}"
-        )
-    return ""
 
 
 def _info(q: Any, float_nodes: list[str], ranked: list[dict] | None) -> QuantInfo:
@@ -160,193 +133,3 @@ def _info(q: Any, float_nodes: list[str], ranked: list[dict] | None) -> QuantInf
         dtype=DTYPE[q.method],
         float_nodes=[FloatNode(node=n, why=why[n]) for n in float_nodes],
     )
-
-
-def _brief(metrics: dict[str, float]) -> str:
-    keys = ("top1_agreement", "logit_cosine", "perplexity_increase")
-    return ", ".join(f"{k} {metrics[k]:.4g}" for k in keys if k in metrics)
-
-
-def _preprocess(ctx: StageContext, model: Path) -> tuple[Path, str]:
-    """onnxruntime's quant_pre_process (shape inference + graph optimization).
-
-    Its symbolic shape inference fails on BERT-family graphs ("unsupported broadcast between
-    Min(512, sequence) sequence"); ONNX's own shape inference handles them, and the
-    quantizers only need the shapes of the nodes they touch. So on that failure it runs
-    again with skip_symbolic_shape and says so (the second string; "" when not needed).
-    """
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    out = ctx.work / "_pre" / "model.onnx"
-    large = sum(f.stat().st_size for f in model.parent.glob("model.onnx*")) > (2 << 30)
-    options = {
-        "save_as_external_data": large,
-        "all_tensors_to_one_file": True,
-        "external_data_location": "model.onnx.data",
-    }
-    first = ""
-    for skip in (False, True):
-        shutil.rmtree(out.parent, ignore_errors=True)
-        out.parent.mkdir()
-        scratch = ctx.work / "_pre_scratch"
-        scratch.mkdir(exist_ok=True)
-        try:
-            # a failed symbolic pass leaves sym_shape_infer_temp.onnx (and its external data)
-            # in the working directory: keep that inside this stage's temp folder
-            with contextlib.chdir(scratch):
-                quant_pre_process(
-                    model.resolve(), out.resolve(), skip_symbolic_shape=skip, **options
-                )
-        except Exception as exc:  # symbolic shape inference raises assorted types
-            if skip:
-                raise StageError(
-                    NAME,
-                    f"quant_pre_process failed with symbolic shape inference ({first}) and "
-                    f"without it ({' '.join(str(exc).split())[:200]})",
-                    "the exported graph needs shapes ONNX or ONNX Runtime can infer",
-                ) from None
-            first = " ".join(str(exc).split())[:200]
-            continue
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        if skip:
-            return out, (
-                f"symbolic shape inference failed ({first}); pre-processed with ONNX shape "
-                "inference instead (skip_symbolic_shape)"
-            )
-        return out, ""
-    raise AssertionError("unreachable")
-
-
-class _Evaluator:
-    """Compares a quantized variant with the FP32 graph on fixed samples."""
-
-    def __init__(self, task: str, fp32: Path, samples: list[dict]) -> None:
-        self.task, self.samples = task, samples
-        self.reference = acc.outputs(_session(fp32), samples)
-
-    def __call__(self, path: Path) -> dict[str, float]:
-        got = acc.outputs(_session(path), self.samples)
-        return acc.agreement(self.task, self.reference, got, self.samples)
-
-
-def _session(path: Path) -> Any:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # unused-initializer notices from quantized graphs
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def _sensitivity(ctx: StageContext, quantizer: Quantizer, evaluate: _Evaluator) -> list[dict]:
-    """Each candidate quantized alone; most damaging (lowest SNR) first."""
-    scopes = {n.name: node_scope(n) for n in quantizer.skeleton().graph.node}
-    rows = []
-    nodes = quantizer.candidates()
-    if not nodes:
-        raise StageError(
-            NAME,
-            f"no node of types {quantizer.cfg.op_types} to quantize",
-            "check quantization.op_types against the exported graph",
-        )
-    with ctx.progress(f"sensitivity of {len(nodes)} nodes", len(nodes)) as advance:
-        for node in nodes:
-            path = quantizer.alone(node)
-            rows.append({"node": node, "module": scopes.get(node, ""), **evaluate(path)})
-            _remove(path)
-            advance()
-    return sorted(rows, key=acc.score)
-
-
-def _mixed_precision(
-    ctx: StageContext,
-    quantizer: Quantizer,
-    evaluate: _Evaluator,
-    ranked: list[dict],
-    q: Any,
-    budget: Any,
-) -> tuple[dict[str, Any], list[dict]]:
-    """Keep the k most sensitive nodes in float, k = 0, 1, ... until the budget holds."""
-    trace: list[dict] = []
-    best: dict[str, Any] | None = None
-    for k in range(min(q.max_float_nodes, len(ranked)) + 1):
-        excluded = [r["node"] for r in ranked[:k]]
-        path = quantizer.quantize(exclude=excluded)
-        metrics = evaluate(path)
-        broken = acc.violations(budget, metrics)
-        trace.append({"float_nodes": k, **metrics, "meets_budget": not broken})
-        ctx.log(f"{k} node(s) in float: {_brief(metrics)}{' (meets budget)' if not broken else ''}")
-        current = {
-            "path": path,
-            "excluded": excluded,
-            "ok": not broken,
-            "broken": broken,
-            "score": acc.score(metrics),
-        }
-        if best is None or not broken or current["score"] > best["score"]:
-            best = current
-        if not broken:
-            break
-    assert best is not None
-    return best, trace
-
-
-def _layerwise(fp32: Path, quant: Path, feeds: dict) -> list[dict[str, Any]]:
-    """Where error enters: SNR of each module's last tensor, FP32 vs quantized, in order.
-
-    The worst channel's SNR finds an outlier-dominated layer whose overall SNR looks fine
-    (one huge channel carries the energy while the scale crushes the others).
-    """
-    import onnx
-
-    ref, got = all_tensors(fp32, feeds), all_tensors(quant, feeds)
-    last: dict[str, str] = {}
-    for node in onnx.load(str(fp32), load_external_data=False).graph.node:
-        scope = node_scope(node)
-        for out in node.output:
-            if (
-                scope
-                and out in ref
-                and out in got
-                and ref[out].shape == got[out].shape
-                and ref[out].dtype.kind == "f"
-                and ref[out].ndim >= 1
-            ):
-                last[scope] = out
-    return [
-        {
-            "module": scope,
-            "tensor": t,
-            "snr_db": acc.snr_db(ref[t], got[t]),
-            "worst_channel_snr_db": acc.worst_channel_snr_db(ref[t], got[t]),
-        }
-        for scope, t in last.items()
-    ]
-
-
-def _publish(ctx: StageContext, path: Path, export: Path) -> dict[str, float]:
-    data = path.with_name(path.name + ".data")
-    os.replace(path, ctx.work / "model.onnx")
-    if data.exists():
-        os.replace(data, ctx.work / "model.onnx.data")
-        _relocate(ctx.work / "model.onnx", data.name)
-    size = sum(f.stat().st_size for f in ctx.work.glob("model.onnx*"))
-    fp32 = sum(f.stat().st_size for f in export.glob("model.onnx*"))
-    return {"bytes": size, "fp32_bytes": fp32, "ratio": size / fp32}
-
-
-def _relocate(model: Path, old: str) -> None:
-    """Point external-data references at the renamed side file."""
-    import onnx
-
-    proto = onnx.load(str(model), load_external_data=False)
-    for tensor in proto.graph.initializer:
-        for entry in tensor.external_data:
-            if entry.key == "location" and entry.value == old:
-                entry.value = "model.onnx.data"
-    onnx.save_model(proto, str(model))
-
-
-def _remove(path: Path) -> None:
-    for f in path.parent.glob(path.name + "*"):
-        f.unlink()
