@@ -7,18 +7,15 @@ V2 endpoint from `loadtest.target`). All traffic is bounded in count and time.
 
 from __future__ import annotations
 
-import json
 import tempfile
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec
 from schemas.artifacts import LoadTestSummary, ModelInfo
-from schemas.tasks import TASKS
 from stages._runtime import StageContext, StageIO, StageResult, write_json
-from stages.serving import loadgen as lg
-from stages.serving.load_phases import MB, grid, ramp, request, soak
+from stages.serving import measure
+from stages.serving.load_phases import MB
 from stages.serving.slo import check_slo
 
 NAME = "loadtest"
@@ -43,7 +40,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 
             models = sorted(ctx.upstream("quantize").glob("model.onnx*"))
             assemble(tree, models, ctx.upstream("serve"))
-        results = measure_all(ctx, release, info, model, tree)
+        results = measure.measure_all(ctx, release, info, model, tree)
     from stages.serving.plots import plot_results
 
     plots = plot_results(results, ctx.work)
@@ -53,73 +50,6 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     result, summary = verdict(results, slo, plots)
     ctx.write(summary)
     return result
-
-
-def measure_all(
-    ctx: StageContext, release: Any, info: ModelInfo, model: str, tree: Path
-) -> dict[str, Any]:
-    """Everything measured against one server (plus one without batching)."""
-    from stages.serving.server import LocalServer
-
-    cfg = release.loadtest
-    local = cfg.target is None
-    log = ctx.work / "server.log"
-    server: Any = LocalServer(tree, model, log, cfg.startup_seconds) if local else nullcontext()
-    results: dict[str, Any] = {"target": "local MLServer" if local else cfg.target.url}
-    with server as srv:
-        url = srv.url if local else cfg.target.url
-        base = f"{url}/v2/models/{model}"
-        results["grid"] = grid(base, release, info)
-        results["ramp"] = ramp(base, release, info, stream=False)
-        knee = results["ramp"]["knee"]
-        if TASKS[release.task].serving == "generate":
-            results["streaming"] = ramp(base, release, info, stream=True, upto=knee)
-        results["soak"] = soak(base, release, info, srv if local else None, knee)
-        seen = srv.rss() if local else 0
-        results["peak_rss_bytes"] = max(results["soak"].get("peak_rss_bytes", 0), seen)
-    results["batching"] = batching(ctx, release, info, model, tree, knee, results["ramp"])
-    return results
-
-
-def batching(
-    ctx: StageContext,
-    release: Any,
-    info: ModelInfo,
-    model: str,
-    tree: Path,
-    knee: int,
-    ramp_result: dict[str, Any],
-) -> dict[str, Any]:
-    """Throughput at the knee with the server's batching off, against the ramp's (on)."""
-    from stages.serving.server import LocalServer
-
-    cfg = release.loadtest
-    if not cfg.batching_comparison:
-        return {"skipped": "loadtest.batching_comparison is false"}
-    if cfg.target is not None:
-        return {"skipped": "external target: its batching cannot be switched from here"}
-    settings = tree / "serving" / "mlserver" / model / "model-settings.json"
-    if not json.loads(settings.read_text())["parameters"]["extra"]["dynamic_batching"]:
-        return {"skipped": "the served config has dynamic batching off (bundle.serving)"}
-    r = cfg.ramp
-    with LocalServer(
-        tree, model, ctx.work / "server.log", cfg.startup_seconds, batching=False
-    ) as srv:
-        base = f"{srv.url}/v2/models/{model}"
-        req = request(base, info, 1, r.input_length, r.output_tokens, stream=False)
-        off = lg.run(
-            lg.measure(
-                req, knee, r.window_seconds, r.max_windows, r.stability, cfg.request_timeout_seconds
-            )
-        )
-    on = ramp_result["knee_point"]
-    return {
-        "concurrency": knee,
-        "on_rps": on["throughput_rps"],
-        "off_rps": off["throughput_rps"],
-        "ratio": on["throughput_rps"] / off["throughput_rps"] if off["throughput_rps"] else None,
-        "off": off,
-    }
 
 
 def verdict(

@@ -10,39 +10,22 @@ Outputs, laid out as they sit in the bundle:
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
-from typing import Any
 
-import yaml
-
-from schemas import ReleaseSpec, StageError
+from schemas import ReleaseSpec
 from schemas.artifacts import (
     CapacityPlan,
     ModelInfo,
     QuantInfo,
-    ServingValues,
-    TensorInfo,
 )
 from schemas.tasks import TASKS
 from stages._runtime import StageContext, StageIO, StageResult
-from stages.onnx import shapes as sh
-from stages.serving.layout import MODEL_DIR
-from stages.serving.render import parse_triton, render
+from stages.serving import configs
+from stages.serving.render import render
 
 NAME = "serve"
 RUNTIME = Path(__file__).parent / "serving" / "mlserver_runtime.py"  # ships as shipyard_runtime.py
-TRITON_TYPES = {
-    "float32": "TYPE_FP32",
-    "float16": "TYPE_FP16",
-    "bfloat16": "TYPE_BF16",
-    "int64": "TYPE_INT64",
-    "int32": "TYPE_INT32",
-    "int8": "TYPE_INT8",
-    "uint8": "TYPE_UINT8",
-    "bool": "TYPE_BOOL",
-}
 
 
 def rendered(release: str) -> dict[str, str]:
@@ -70,9 +53,9 @@ def io(release: ReleaseSpec) -> StageIO:
 
 def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     info, plan = ctx.read(ModelInfo), ctx.read(CapacityPlan)
-    values = serving_values(release, info, plan, ctx.read(QuantInfo).dtype)
+    values = configs.serving_values(release, info, plan, ctx.read(QuantInfo).dtype)
     ctx.write(values)
-    triton = triton_values(info, values)
+    triton = configs.triton_values(info, values)
     context = {
         **values.model_dump(),
         "release": ctx.release,
@@ -91,7 +74,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     }
     files = render(ctx.work, rendered(ctx.release), context)
     for path in files:
-        parse_back(path, info, values)
+        configs.parse_back(path, info, values)
     runtime = ctx.work / "serving" / "mlserver" / ctx.release / "shipyard_runtime.py"
     shutil.copyfile(RUNTIME, runtime)
     return StageResult.passed(
@@ -100,130 +83,3 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         metrics={"max_batch_size": values.max_batch_size},
         details={"serving": values.model_dump(), "files": sorted(rendered(ctx.release))},
     )
-
-
-def serving_values(release: Any, info: ModelInfo, plan: CapacityPlan, dtype: str) -> ServingValues:
-    """Serving keys from the spec, defaulted from the capacity plan and checked against it
-    and against the export's ranges; `dtype` is the served model's (the quantize stage's)."""
-    s, dims = release.bundle.serving, info.dims
-    batch_max = dims["batch"].max if "batch" in dims else 1
-    context = s.max_context_length or plan.context
-    fits = plan.max_batch_that_fits if context == plan.context else batch_max
-    batch = s.max_batch_size or max(1, min(batch_max, plan.batch, fits))
-    _within("bundle.serving.max_batch_size", batch, batch_max, "export.dims.batch.max")
-    _within(
-        "bundle.serving.max_batch_size",
-        batch,
-        fits,
-        f"the largest batch the capacity plan fits at {context} tokens",
-    )
-    for size in s.preferred_batch_sizes or []:
-        _within("bundle.serving.preferred_batch_sizes", size, batch, "the served max_batch_size")
-    if plan.context:
-        _within(
-            "bundle.serving.max_context_length",
-            context,
-            plan.context,
-            "the plan's context (capacity.max_context or the export's maximum)",
-        )
-    kv_bytes = plan.kv_bytes_per_sequence * context // max(plan.context, 1) * batch
-    kv_budget = kv_bytes if s.kv_cache_budget is None else s.kv_cache_budget
-    _within(
-        "bundle.serving.kv_cache_budget",
-        kv_budget,
-        plan.usable_bytes - plan.extreme.weights - plan.extreme.overhead,
-        "the device memory the plan leaves after weights and overhead",
-    )
-    generates = TASKS[release.task].serving == "generate"
-    return ServingValues(
-        model_path=f"{MODEL_DIR.format(release=release.name)}/model.onnx",
-        dtype=dtype,
-        port=s.port,
-        max_batch_size=batch,
-        max_queue_depth=s.max_queue_depth,
-        max_context_length=context,
-        kv_cache_budget=kv_budget,
-        request_timeout_seconds=s.request_timeout_seconds,
-        streaming=generates if s.streaming is None else s.streaming,
-        dynamic_batching=s.dynamic_batching,
-        max_queue_delay_microseconds=s.max_queue_delay_microseconds,
-        preferred_batch_sizes=s.preferred_batch_sizes or [],
-        instance_count=s.instance_count,
-        instance_kind=s.instance_kind,
-        warmup=s.warmup,
-    )
-
-
-def _within(field: str, value: int, limit: int, source: str) -> None:
-    if value > limit:
-        raise StageError(
-            NAME,
-            f"{field} = {value} exceeds {source} = {limit}; the exported "
-            "graph is not promised to run beyond it",
-            f"lower {field} or raise {source} and re-export",
-        )
-
-
-def triton_values(info: ModelInfo, values: ServingValues) -> dict[str, Any]:
-    """Inputs/outputs with -1 for dynamic axes; the batch axis is implicit when batching."""
-    tensors = [*info.inputs, *info.outputs]
-    batched = "batch" in info.dims and all(t.axes[:1] == ["batch"] for t in tensors)
-    opt = sh.corners(info.dims, ("opt",))["opt"]
-
-    def entry(t: TensorInfo, warm: bool = False) -> dict[str, Any]:
-        axes = t.axes[1:] if batched else t.axes
-        dims = [sh.axis_size(a, opt) if warm else a for a in axes]
-        return {
-            "name": t.name,
-            "data_type": TRITON_TYPES[t.dtype],
-            "dims": [d if isinstance(d, int) else -1 for d in dims],
-        }
-
-    return {
-        "max_batch_size": values.max_batch_size if batched else 0,
-        "inputs": [entry(t) for t in info.inputs],
-        "outputs": [entry(t) for t in info.outputs],
-        "warmup": [entry(t, warm=True) for t in info.inputs],
-    }
-
-
-def parse_back(path: Path, info: ModelInfo, values: ServingValues) -> None:
-    """A rendered config must parse (and, for Triton, agree with the export and the plan)."""
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix == ".json":
-            json.loads(text)
-        elif path.suffix == ".yaml":
-            data = yaml.safe_load(text)
-            known = values.model_dump()
-            wrong = {k: v for k, v in data.items() if k in known and known[k] != v}
-            extra = set(data) - set(known) - {"ort_session_config"}
-            if wrong or extra:
-                raise ValueError(f"values do not read back as rendered: {wrong or extra}")
-        elif path.suffix == ".pbtxt":
-            check_triton(parse_triton(text), info, values)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise StageError(
-            NAME,
-            f"rendered {path.name} is not valid: {exc}",
-            "fix the template in stages/templates/ that produced it",
-        ) from None
-
-
-def check_triton(config: Any, info: ModelInfo, values: ServingValues) -> None:
-    """The parsed config's batch and tensors match the export and the plan."""
-    batch_max = info.dims["batch"].max if "batch" in info.dims else 0
-    if config.max_batch_size > min(values.max_batch_size, batch_max or config.max_batch_size):
-        raise ValueError(
-            f"max_batch_size {config.max_batch_size} exceeds the plan/export limit "
-            f"{values.max_batch_size}"
-        )
-    expected = triton_values(info, values)
-    for kind, tensors in (("input", config.input), ("output", config.output)):
-        want = {t["name"]: t["dims"] for t in expected[f"{kind}s"]}
-        have = {t.name: list(t.dims) for t in tensors}
-        if want != have:
-            raise ValueError(f"{kind}s {have} differ from the export's {want} (-1 = dynamic)")
-    for b in config.dynamic_batching.preferred_batch_size:
-        if b > config.max_batch_size:
-            raise ValueError(f"preferred_batch_size {b} > max_batch_size")

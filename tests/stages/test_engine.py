@@ -9,7 +9,7 @@ from schemas import SpecError, StageError
 from schemas.loader import load_release
 from schemas.release import CudaGraphs, EngineConfig, ServingConfig
 from stages import engine as build_engine
-from stages import serve as render_serving
+from stages.serving.render import parse_triton
 from tests.conftest import REPO, Workspace, gpt2_spec, model_info
 
 INFO = model_info(
@@ -135,7 +135,7 @@ def _values(max_batch: int | None, batches: list[int]) -> dict[str, object]:
 
 def test_tensorrt_triton_config_renders_and_parses_back(tmp_path: object) -> None:
     path = build_engine.render_trt_triton(tmp_path, "tiny", _values(4, [1, 2]))  # type: ignore[arg-type]
-    config = render_serving.parse_triton(path.read_text())
+    config = parse_triton(path.read_text())
     assert config.platform == "tensorrt_plan" and config.max_batch_size == 4
     assert dict(config.cc_model_filenames) == {"9.0": "model_sm90.plan"}
     assert list(config.instance_group[0].profile) == ["0"]

@@ -12,8 +12,10 @@ import yaml
 from markdown_it import MarkdownIt
 
 from schemas.artifacts import ServingValues
-from stages.serve import parse_triton, render, rendered, triton_values
+from stages.serve import rendered
+from stages.serving.configs import triton_values
 from stages.serving.escape import comment, markdown, markdown_cell, pbtxt, yaml_scalar
+from stages.serving.render import parse_triton, render
 from tests.conftest import model_info
 
 HOSTILE = [

@@ -6,7 +6,7 @@ import pytest
 
 from schemas import StageError
 from schemas.artifacts import CapacityPlan, MemoryParts
-from stages.serve import serving_values
+from stages.serving.configs import serving_values
 from tests.conftest import Workspace, gpt2_spec, model_info
 
 MIB = 1 << 20

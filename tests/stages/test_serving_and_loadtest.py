@@ -18,8 +18,8 @@ import pytest
 from pipelines.gate import gate
 from schemas import SpecError, StageError
 from schemas.loader import load_release
-from stages import serve as render_serving
 from stages.serving import loadgen as lg
+from stages.serving.render import parse_triton
 from stages.serving.server import LocalServer, assemble
 from tests.conftest import QUICK_LOADTEST, REPO, Workspace, gpt2_spec
 
@@ -32,7 +32,7 @@ def _tree(ws: Workspace, dest: Path) -> Path:
 
 def test_triton_config_parses_back_with_dynamic_dims(built_gpt2: Workspace) -> None:
     path = built_gpt2.out("tiny-gpt2", "serve") / "serving/triton/tiny-gpt2/config.pbtxt"
-    config = render_serving.parse_triton(path.read_text())
+    config = parse_triton(path.read_text())
     assert config.backend == "onnxruntime"
     assert config.max_batch_size == 3  # export.dims.batch.max of the test spec
     dims = {i.name: list(i.dims) for i in config.input}
@@ -44,7 +44,7 @@ def test_triton_config_parses_back_with_dynamic_dims(built_gpt2: Workspace) -> N
 
 def test_a_malformed_triton_config_is_refused_with_its_line() -> None:
     with pytest.raises(ValueError, match=r"model_config.proto rejects it at 2:"):
-        render_serving.parse_triton('name: "m"\nmax_batch_size: "eight"\n')
+        parse_triton('name: "m"\nmax_batch_size: "eight"\n')
 
 
 def test_a_malformed_template_variable_is_refused_at_render(
