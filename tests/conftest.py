@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
-from collections.abc import Callable
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +188,52 @@ def remanifest(bundle: Path, subject: str = "tiny-gpt2@0.1.0") -> None:
     (bundle / "manifest.json").write_text(
         json.dumps(manifest.model_dump(mode="json", by_alias=True))
     )
+
+
+# A real S3 API on localhost (moto's server mode), for the registry and the DVC remote.
+MOTO = str(Path(sys.executable).with_name("moto_server"))
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [MOTO, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    saved = {
+        k: os.environ.get(k)
+        for k in (
+            "AWS_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION",
+        )
+    }
+    os.environ.update(
+        AWS_ENDPOINT_URL=url,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

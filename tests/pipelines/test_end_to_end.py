@@ -136,12 +136,16 @@ def test_editing_one_spec_section_module_reruns_only_the_stages_that_read_it(clo
 
 
 def test_a_fresh_clone_with_the_shared_remote_recomputes_nothing(
-    clone: Path, tmp_path: Path
+    clone: Path, tmp_path: Path, s3_server: str
 ) -> None:
-    """Clone A (built above) pushes outputs and run-cache; clone B of the same commit pulls
-    and `dvc repro` runs no stage. Then a threshold edit in B reruns only what follows it."""
-    remote = tmp_path / "remote"
-    env_remote = {"SHIPYARD_DVC_REMOTE": str(remote)}
+    """Clone A (built above) pushes outputs and run-cache to a real S3 API (moto's server);
+    clone B of the same commit pulls and `dvc repro` runs no stage. Then a threshold edit in
+    B reruns only what follows it."""
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="shipyard-cache")
+    remote = "s3://shipyard-cache/dvc"
+    env_remote = {"SHIPYARD_DVC_REMOTE": remote, "SHIPYARD_DVC_ENDPOINT": s3_server}
     sh(["dvc", "repro", "bundle@tiny-gpt2"], clone)  # A is complete after the edits above
     sh(["git", "add", "-A"], clone)
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "built"], clone)

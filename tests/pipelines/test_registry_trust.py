@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,6 @@ from tests.conftest import Workspace, gpt2_spec, remanifest, writable_copy
 from tests.pipelines.test_signing import keypair
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
-MOTO = str(Path(sys.executable).with_name("moto_server"))
 ONNX = "serving/triton/tiny-gpt2/1/model.onnx"
 RUNTIME_DIR = "serving/mlserver/tiny-gpt2"
 
@@ -47,49 +44,6 @@ def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
 
 
 # --------------------------------------------------------------------------- S3 (moto)
-@pytest.fixture(scope="module")
-def s3_server() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [MOTO, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    saved = {
-        k: os.environ.get(k)
-        for k in (
-            "AWS_ENDPOINT_URL",
-            "AWS_ACCESS_KEY_ID",
-            "AWS_SECRET_ACCESS_KEY",
-            "AWS_DEFAULT_REGION",
-        )
-    }
-    os.environ.update(
-        AWS_ENDPOINT_URL=url,
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 _buckets = iter(range(1_000_000))
