@@ -112,7 +112,7 @@ def build_spec(
         "version": "0.1.0",
         "task": task,
         "model": {"kind": "hf", "path": rel},
-        "pins": {"checkpoints": {k: v for k, v in sorted(digests.items())}},
+        "pins": {"checkpoints": digests},  # hash_files returns them sorted
         "export": export,
         "parity": {},
         "quantization": {"method": "int8-dynamic", "calibration": calibration},

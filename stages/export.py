@@ -29,7 +29,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     config = m.model_config(release.model, ctx.root)
     _check_context(release, config)
     net, lay = m.load_with_layout(NAME, ctx.root, release)
-    pooled = m.embedding_pooling(NAME, ctx.root, release)
+    pooled = getattr(net, "pooling", None)  # set by the embedding wrapper only
     flat = m.adapter(release.task, net, lay)
     trace = sh.trace_sizes(release.export.dims)
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())

@@ -137,11 +137,11 @@ def load_with_layout(stage: str, root: Path, release: Any) -> tuple[Any, Layout]
 
     net = load_model(stage, root, release.model, release.task)
     forward = frozenset(inspect.signature(net.forward).parameters)
-    if TASKS[release.task].pooled:  # the embedding: pooling (+ normalize) inside the graph
+    pooled = embedding_pooling(stage, root, release)
+    if pooled:  # the embedding: pooling (+ normalize) inside the graph; net.pooling says which
         from stages.onnx import pooling
 
-        folder = root / release.model.path if release.model.kind == "hf" else None
-        net = pooling.wrap(net, pooling.resolve(stage, folder, release.export))
+        net = pooling.wrap(net, pooled)
     config = model_config(release.model, root)
     return net, layout(release.task, release.export, config, forward)
 

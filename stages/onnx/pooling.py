@@ -94,7 +94,11 @@ def wrap(net: Any, pooling: Pooling) -> Any:
     """An nn.Module returning sentence_embedding [batch, hidden] and token_embeddings."""
     import torch
 
+    settings = pooling
+
     class Pooled(torch.nn.Module):
+        pooling = settings  # what the export records (a class attribute, not a weight)
+
         def __init__(self) -> None:
             super().__init__()
             self.encoder = net
