@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -60,6 +61,15 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
     print(getattr(cache, args.action)(repo_root()))
     return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from pipelines import build
+    from stages import repo_root
+
+    budget = build.parse_memory(args.memory) if args.memory else None
+    failed = build.build(repo_root(), args.releases, args.jobs, budget)
+    return 1 if failed else 0
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
@@ -331,6 +341,13 @@ def parser() -> argparse.ArgumentParser:
     )
     ca.add_argument("action", choices=["pull", "push", "configure"])
     ca.set_defaults(func=cmd_cache)
+    b = sub.add_parser(
+        "build", help="dvc repro several releases in parallel, within the machine's memory"
+    )
+    b.add_argument("releases", nargs="*", help="release names (default: all)")
+    b.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="most at once")
+    b.add_argument("--memory", help="memory the builds may use (default: 80%% of available)")
+    b.set_defaults(func=cmd_build)
     ini = sub.add_parser("init", help="write releases/<name>.yaml from a model folder")
     ini.add_argument("model_folder", help="a Hugging Face folder inside the repository")
     ini.add_argument(

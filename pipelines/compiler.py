@@ -90,8 +90,34 @@ def compile_dvc(root: Path) -> str:
         data = _data_slots(items, ios)
         params = _params(io, texts)
         stages[name] = {"foreach": items, "do": _template(name, io, slots, data, params)}
-    body = yaml.safe_dump({"stages": stages}, sort_keys=False, default_flow_style=False, width=100)
+    document: dict[str, Any] = {"stages": stages}
+    plots = _plots(all_ios)
+    if plots:
+        document["plots"] = plots
+    body = yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=100)
     return HEADER + str(body)
+
+
+def _plots(all_ios: dict[str, dict[str, StageIO]]) -> list[dict[str, Any]]:
+    """Top-level DVC plots: every plot each stage declares, once per release."""
+    out = []
+    for stage, ios in all_ios.items():
+        for release, io in ios.items():
+            for p in io.plots:
+                data = f"build/{release}/{stage}/{p.file}"
+                out.append(
+                    {
+                        f"{p.name}@{release}": {
+                            "template": p.template,
+                            "x": p.x,
+                            "y": {data: p.y},
+                            "title": f"{release}: {p.title}",
+                            "x_label": p.x_label,
+                            "y_label": p.y_label,
+                        }
+                    }
+                )
+    return out
 
 
 def write_fingerprints(root: Path) -> list[Path]:

@@ -45,6 +45,22 @@ COMMON_CODE = (
 
 
 @dataclass(frozen=True)
+class Plot:
+    """A DVC plot over a data file the stage writes (`file`, relative to its output folder):
+    one row per point, `x` and `y` the fields. The compiler declares it in dvc.yaml's
+    top-level `plots:` per release, so `dvc plots show` / `dvc plots diff` render it."""
+
+    name: str
+    file: str
+    x: str
+    y: str
+    title: str
+    x_label: str
+    y_label: str
+    template: str = "linear"
+
+
+@dataclass(frozen=True)
 class StageIO:
     """What the compiler needs to know about a stage; `io()` returns it without side effects.
 
@@ -55,6 +71,8 @@ class StageIO:
     code:     files it reads that are not Python modules (templates, the runtime it ships);
               the Python modules it imports are derived from the code (pipelines/closure.py)
     data:     (slot, path) data files from the spec, e.g. the calibration set; None = unused
+    plots:    DVC plots over files it writes (top-level in dvc.yaml, so they may differ per
+              release; not part of the foreach template)
     """
 
     params: tuple[str, ...]
@@ -63,6 +81,7 @@ class StageIO:
     reads_model: bool = False
     code: tuple[str, ...] = ()
     data: tuple[tuple[str, str | None], ...] = ()
+    plots: tuple[Plot, ...] = ()
 
     def upstream_files(self) -> tuple[str, ...]:
         """Every upstream dependency: the artifacts' files, then the other outputs. An
@@ -244,8 +263,24 @@ def progress_bar(description: str, total: int) -> Iterator[Any]:
     yield advance
 
 
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc's malloc_trim), so
+    that a stage which drops the PyTorch model before loading ONNX Runtime really peaks
+    lower: without the trim, freed weights stay in the process as reusable heap."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(name).malloc_trim(0)
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write JSON with sorted keys, atomically (temp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, path)

@@ -13,12 +13,30 @@ from typing import Any
 
 from schemas import ReleaseSpec
 from schemas.artifacts import LoadTestSummary, ModelInfo
-from stages._runtime import StageContext, StageIO, StageResult, write_json
+from stages._runtime import Plot, StageContext, StageIO, StageResult, write_json
 from stages.serving import measure
 from stages.serving.load_phases import MB
 from stages.serving.slo import check_slo
 
 NAME = "loadtest"
+RAMP_PLOT = Plot(
+    name="latency_throughput",
+    file="plots/latency_throughput.json",
+    x="throughput_rps",
+    y="p95_latency_ms",
+    title="Latency vs throughput over the concurrency ramp",
+    x_label="throughput (req/s)",
+    y_label="p95 latency (ms)",
+)
+STREAM_PLOT = Plot(
+    name="ttft",
+    file="plots/streaming.json",
+    x="concurrency",
+    y="p95_ttft_ms",
+    title="Streaming: time to first token vs concurrency",
+    x_label="concurrency",
+    y_label="p95 TTFT (ms)",
+)
 
 
 def io(release: ReleaseSpec) -> StageIO:
@@ -26,6 +44,7 @@ def io(release: ReleaseSpec) -> StageIO:
         params=("task", "loadtest", "capacity"),
         reads=(ModelInfo,),
         upstream=("quantize/model.onnx", "serve"),
+        plots=(RAMP_PLOT, STREAM_PLOT) if measure.streams(release.task) else (RAMP_PLOT,),
     )
 
 
@@ -44,12 +63,26 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     from stages.serving.plots import plot_results
 
     plots = plot_results(results, ctx.work)
+    _plot_data(ctx.work, results)
     slo = check_slo(cfg.slo, results, release.capacity.device_memory)
     results["slo"] = slo
     write_json(ctx.work / "loadtest.json", results)
     result, summary = verdict(results, slo, plots)
     ctx.write(summary)
     return result
+
+
+def _plot_data(out: Path, results: dict[str, Any]) -> None:
+    """The curves as rows for `dvc plots` (declared in io().plots)."""
+    ramp = ("concurrency", "throughput_rps", "p95_latency_ms", "p50_latency_ms")
+    write_json(out / RAMP_PLOT.file, _rows(results["ramp"]["points"], ramp))
+    if "streaming" in results:
+        stream = ("concurrency", "p95_ttft_ms", "p95_itl_ms", "throughput_rps")
+        write_json(out / STREAM_PLOT.file, _rows(results["streaming"]["points"], stream))
+
+
+def _rows(points: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [{k: p.get(k) for k in keys} for p in points]
 
 
 def verdict(

@@ -9,7 +9,7 @@ from schemas import ReleaseSpec
 from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo
 from schemas.spec.quantization import AccuracyBudget
 from schemas.tasks import TASKS
-from stages._runtime import StageContext, StageIO, StageResult, link_or_copy
+from stages._runtime import Plot, StageContext, StageIO, StageResult, link_or_copy, write_json
 from stages.onnx import model as m
 from stages.quant import accuracy as acc
 from stages.quant import calibration as calib
@@ -17,6 +17,15 @@ from stages.quant import search
 from stages.quant.methods import Quantizer
 
 NAME = "quantize"
+LAYER_PLOT = Plot(
+    name="layer_snr",
+    file="plots/layer_snr.json",
+    x="layer",
+    y="snr_db",
+    title="Quantization error per layer (SNR, FP32 vs quantized; higher is better)",
+    x_label="module, in execution order",
+    y_label="SNR (dB)",
+)
 DTYPE = {
     "none": "float32",
     "int8-dynamic": "int8",
@@ -36,6 +45,7 @@ def io(release: ReleaseSpec) -> StageIO:
             ("calibration", cal.path if cal else None),
             ("tokenizer", cal.tokenizer if cal else None),
         ),
+        plots=() if q.method == "none" else (LAYER_PLOT,),
     )
 
 
@@ -78,6 +88,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         "budget": budget.model_dump(exclude_none=True),
     }
     metrics = {f"holdout_{k}": v for k, v in held.items()}
+    write_json(ctx.work / LAYER_PLOT.file, _layer_rows(details["layerwise"]))
     if not chosen["ok"]:
         return StageResult.failed(
             f"accuracy budget not met with the cap of {q.max_float_nodes} float node(s)",
@@ -120,6 +131,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         details={**details, "size": sizes},
         metrics={**metrics, "size_ratio": sizes["ratio"]},
     )
+
+
+def _layer_rows(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-layer SNR as DVC plot rows (x: position in execution order)."""
+    keys = ("module", "snr_db", "worst_channel_snr_db")
+    return [{"layer": i, **{k: row[k] for k in keys}} for i, row in enumerate(layers)]
 
 
 def _info(q: Any, float_nodes: list[str], ranked: list[dict] | None) -> QuantInfo:

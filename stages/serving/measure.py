@@ -17,6 +17,11 @@ from stages.serving.load_phases import grid, ramp, request, soak
 STAGE = "loadtest"
 
 
+def streams(task: str) -> bool:
+    """Whether the load test measures streaming (TTFT/ITL): generating tasks only."""
+    return TASKS[task].serving == "generate"
+
+
 def measure_all(
     ctx: StageContext, release: Any, info: ModelInfo, model: str, tree: Path
 ) -> dict[str, Any]:
@@ -34,7 +39,7 @@ def measure_all(
         results["grid"] = grid(base, release, info)
         results["ramp"] = ramp(base, release, info, stream=False)
         knee = results["ramp"]["knee"]
-        if TASKS[release.task].serving == "generate":
+        if streams(release.task):
             results["streaming"] = ramp(base, release, info, stream=True, upto=knee)
         results["soak"] = soak(base, release, info, srv if local else None, knee)
         seen = srv.rss() if local else 0

@@ -76,6 +76,72 @@ def test_second_repro_does_nothing(clone: Path) -> None:
     assert "Data and pipelines are up to date." in done.stdout
 
 
+def test_dvc_plots_render_the_load_test_curves_and_the_per_layer_errors(clone: Path) -> None:
+    ids = ["latency_throughput@tiny-gpt2", "ttft@tiny-gpt2", "layer_snr@tiny-gpt2"]
+    shown = json.loads(sh(["dvc", "plots", "show", "--json", *ids], clone).stdout)
+    assert not shown.get("errors"), shown["errors"]
+    build = clone / "build" / "tiny-gpt2"
+    ramp = json.loads((build / "loadtest" / "loadtest.json").read_text())["ramp"]["points"]
+    layers = json.loads((build / "quantize" / "report.json").read_text())["details"]
+    want = {
+        "latency_throughput@tiny-gpt2": ("throughput_rps", "p95_latency_ms", len(ramp)),
+        "ttft@tiny-gpt2": ("concurrency", "p95_ttft_ms", None),
+        "layer_snr@tiny-gpt2": ("layer", "snr_db", len(layers["layerwise"])),
+    }
+    for plot_id, (x, y, rows) in want.items():
+        content = shown["data"][plot_id][0]["content"]
+        values = content["data"]["values"]
+        assert values and all(v[x] is not None and v[y] is not None for v in values)
+        assert rows is None or len(values) == rows
+    # the rendered HTML (what a reviewer opens) holds every declared plot of the release
+    sh(["dvc", "plots", "show", "-o", "plots-html", *ids], clone)
+    html = (clone / "plots-html" / "index.html").read_text()
+    assert all(f"tiny-gpt2: {t}" in html for t in ("Latency vs", "Streaming", "Quantization"))
+    shutil.rmtree(clone / "plots-html")
+
+
+def test_shipyard_build_runs_releases_in_parallel_and_records_both(clone: Path) -> None:
+    """Two new releases built by two concurrent `dvc repro`s: both complete, dvc.lock holds
+    both (a lost update would make the next repro rerun one), and the bundles verify."""
+    import yaml
+
+    source = yaml.safe_load((clone / "releases" / "tiny-gpt2.yaml").read_text())
+    made = []
+    for name in ("tiny-a", "tiny-b"):
+        spec = {**source, "name": name}
+        spec["engine"] = {**spec["engine"], "timing_cache": f"build/timing-caches/{name}.cache"}
+        lt = spec["loadtest"]  # the load test is what takes time; keep it short here
+        spec["loadtest"] = {  # no SLOs: two builds share 2 cores, this is not a capacity test
+            "grid": lt["grid"],
+            "ramp": {**lt["ramp"], "max_concurrency": 2, "max_windows": 3},
+            "soak": {**lt["soak"], "seconds": 1},
+        }
+        path = clone / "releases" / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        made.append(path)
+    sh(["shipyard", "compile"], clone)
+    try:
+        done = sh(["shipyard", "build", "tiny-a", "tiny-b", "-j", "2", "--memory", "64GiB"], clone)
+        starts = [line for line in done.stdout.splitlines() if line.startswith("started ")]
+        assert len(starts) == 2
+        # both started before either finished: they ran side by side
+        first_done = min(done.stdout.index("tiny-a: ok"), done.stdout.index("tiny-b: ok"))
+        assert done.stdout.index(starts[1]) < first_done
+        for name in ("tiny-a", "tiny-b"):
+            assert f"{name}: ok, {len(STAGES)} stage(s) ran" in done.stdout
+            sh(["shipyard", "verify", f"build/{name}/bundle"], clone)
+        again = sh(["dvc", "repro", "bundle@tiny-a", "bundle@tiny-b"], clone)
+        assert ran(again.stdout) == []
+        # the memory limit orders the work: a budget below two releases runs them one by one
+        one = sh(["shipyard", "build", "tiny-a", "tiny-b", "-j", "2", "--memory", "1MiB"], clone)
+        lines = [ln for ln in one.stdout.splitlines() if ln.startswith(("started", "tiny-"))]
+        assert [ln.split()[0] for ln in lines] == ["started", "tiny-a:", "started", "tiny-b:"]
+    finally:
+        for path in made:
+            path.unlink()
+        sh(["shipyard", "compile"], clone)
+
+
 def test_editing_parity_reruns_only_parity_and_what_depends_on_it(clone: Path) -> None:
     spec = clone / "releases" / "tiny-gpt2.yaml"
     spec.write_text(spec.read_text().replace("  statistic: max", "  statistic: mean"))
