@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from schemas import ReleaseSpec
-from stages._runtime import StageContext, StageIO, StageResult
+from stages._runtime import StageContext, StageIO, StageResult, release_memory
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
 from stages.onnx.graph import constant_values, node_scope
@@ -39,12 +39,14 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     problems = _training_modules(flat, "after model.eval()")
     problems += _nondeterministic_modules(flat, lay, feeds)
     problems += _training_modules(flat, "after a forward pass")
+    n = sum(1 for _ in flat.modules())
+    del net, flat  # the ONNX checks below run without the PyTorch weights in memory
+    release_memory()
     model_path = ctx.upstream("export") / "model.onnx"
     problems += _random_nodes(model_path)
     problems += _onnx_repeatable(model_path, feeds)
     if problems:
         return StageResult.failed(f"{len(problems)} inference-mode problem(s)", problems)
-    n = sum(1 for _ in flat.modules())
     return StageResult.passed(
         f"{n} modules in eval mode, two forward passes bit-identical in "
         "PyTorch and ONNX Runtime, no active random ops in the graph",

@@ -8,7 +8,7 @@ from typing import Any
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import Arch, DimSizes, ModelInfo, TensorInfo, VersionLock
 from schemas.tasks import TASKS
-from stages._runtime import StageContext, StageIO, StageResult
+from stages._runtime import StageContext, StageIO, StageResult, release_memory
 from stages.onnx import exporter
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
@@ -36,8 +36,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     external = release.export.external_data == "always" or (
         release.export.external_data == "auto" and weight_bytes > TWO_GB
     )
+    parameters = _count(net)
     ctx.log(f"exporting with the {release.export.exporter} exporter at {trace}")
-    path = exporter.export_graph(ctx, flat, lay, release.export, trace, external)
+    raw = exporter.trace_graph(ctx, flat, lay, release.export, trace, external)
+    del net, flat  # the ONNX steps below run without the PyTorch weights in memory
+    release_memory()
+    path, tied = exporter.finish(ctx, raw, lay, external)
     problems = exporter.static_axes(path, lay)
     probes = exporter.probe(ctx, path, lay, release.export.dims, trace, release.export.odd_sizes)
     problems += probes["problems"]
@@ -45,7 +49,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         ModelInfo(
             task=release.task,
             arch=Arch(**m.arch(config)),
-            parameters=_count(net),
+            parameters=parameters,
             weight_bytes=weight_bytes,
             dtype="float32",
             exporter=release.export.exporter,
@@ -61,6 +65,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     )
     shipped = _model_files(ctx, release)
     details = {"trace_sizes": trace, "probed": probes["runs"], "model_files": shipped}
+    if tied:
+        details["tied_weights"] = tied
     if pooled:
         details["embedding"] = {
             "pooling": pooled.mode,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from schemas import ReleaseSpec
-from stages._runtime import StageContext, StageIO, StageResult
+from stages._runtime import StageContext, StageIO, StageResult, release_memory
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
 from stages.onnx.compare import compare, tolerance
@@ -26,33 +27,18 @@ def io(release: ReleaseSpec) -> StageIO:
 
 
 def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
-    import onnxruntime as ort
-
     cfg = release.parity
-    net, lay = m.load_with_layout(NAME, ctx.root, release)
-    flat = m.adapter(release.task, net, lay)
     path = ctx.upstream("export") / "model.onnx"
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    rows, failures = [], []
     shapes = _shapes(release)
-    with ctx.progress("comparing outputs", len(shapes)) as advance:
-        for label, sizes in shapes:
-            feeds = sh.make_inputs(lay, sizes, seed=cfg.seed)
-            expected = m.torch_outputs(flat, lay, feeds)
-            got = session.run([t.name for t in lay.outputs], feeds)
-            for t, ref, out in zip(lay.outputs, expected, got, strict=True):
-                row = {
-                    "shape": label,
-                    "sizes": sizes,
-                    "output": t.name,
-                    **compare(ref, out, tolerance(cfg, t.name), cfg),
-                }
-                rows.append(row)
-                if not row["ok"]:
-                    failures.append((row, feeds))
-            advance()
+    with tempfile.TemporaryDirectory(prefix="shipyard-parity-") as tmp:
+        # PyTorch first, its outputs on disk; then ONNX Runtime with the model freed, so the
+        # two copies of the weights are never in memory together (issue 14: peak memory)
+        lay = _reference_outputs(ctx, release, shapes, Path(tmp))
+        rows, failures = _compare_all(ctx, cfg, path, lay, shapes, Path(tmp))
     details: dict[str, Any] = {"comparisons": rows}
     if failures or cfg.layerwise == "always":
+        net, lay = m.load_with_layout(NAME, ctx.root, release)
+        flat = m.adapter(release.task, net, lay)
         feeds = failures[0][1] if failures else sh.make_inputs(lay, shapes[0][1], cfg.seed)
         details["layerwise"] = layerwise(flat, lay, path, feeds, cfg)
     worst = max(r["error"] for r in rows)
@@ -70,6 +56,55 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         details=details,
         metrics=metrics,
     )
+
+
+def _reference_outputs(
+    ctx: StageContext, release: Any, shapes: list[tuple[str, dict[str, int]]], into: Path
+) -> sh.Layout:
+    """PyTorch's outputs at every shape, saved as .npy under `into`; the model is freed."""
+    net, lay = m.load_with_layout(NAME, ctx.root, release)
+    flat = m.adapter(release.task, net, lay)
+    with ctx.progress("running the PyTorch reference", len(shapes)) as advance:
+        for i, (_, sizes) in enumerate(shapes):
+            feeds = sh.make_inputs(lay, sizes, seed=release.parity.seed)
+            for j, out in enumerate(m.torch_outputs(flat, lay, feeds)):
+                np.save(into / f"{i}-{j}.npy", out)
+            advance()
+    del net, flat
+    release_memory()
+    return lay
+
+
+def _compare_all(
+    ctx: StageContext,
+    cfg: Any,
+    path: Path,
+    lay: sh.Layout,
+    shapes: list[tuple[str, dict[str, int]]],
+    saved: Path,
+) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], dict[str, np.ndarray]]]]:
+    """ONNX Runtime at every shape against the saved reference (read memory-mapped)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rows, failures = [], []
+    with ctx.progress("comparing outputs", len(shapes)) as advance:
+        for i, (label, sizes) in enumerate(shapes):
+            feeds = sh.make_inputs(lay, sizes, seed=cfg.seed)
+            got = session.run([t.name for t in lay.outputs], feeds)
+            for j, (t, out) in enumerate(zip(lay.outputs, got, strict=True)):
+                ref = np.load(saved / f"{i}-{j}.npy", mmap_mode="r")
+                row = {
+                    "shape": label,
+                    "sizes": sizes,
+                    "output": t.name,
+                    **compare(ref, out, tolerance(cfg, t.name), cfg),
+                }
+                rows.append(row)
+                if not row["ok"]:
+                    failures.append((row, feeds))
+            advance()
+    return rows, failures
 
 
 def _shapes(release: Any) -> list[tuple[str, dict[str, int]]]:

@@ -112,7 +112,9 @@ def _checkpoint_digests(ctx: StageContext, model: Any) -> dict[str, str]:
             )
         files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
         for f in files:
-            if f.suffix in WEIGHT_SUFFIXES or f.name == "config.json":
+            # the config and a sharded checkpoint's index (which shard holds which tensor)
+            # decide what the weights mean, so they are hashed with them
+            if f.suffix in WEIGHT_SUFFIXES or f.name == "config.json" or _is_index(f):
                 paths[f.relative_to(base).as_posix() if base.is_dir() else f.name] = f
     if not any(p.suffix in WEIGHT_SUFFIXES for p in paths.values()) and model.kind == "hf":
         raise StageError(
@@ -121,6 +123,10 @@ def _checkpoint_digests(ctx: StageContext, model: Any) -> dict[str, str]:
             "save the checkpoint as *.safetensors",
         )
     return hash_files(paths)
+
+
+def _is_index(f: Path) -> bool:
+    return f.name.endswith(".safetensors.index.json")
 
 
 def _check_checkpoints(wanted: dict[str, str], found: dict[str, str]) -> list[str]:

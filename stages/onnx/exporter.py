@@ -16,10 +16,11 @@ STAGE = "export"
 STRIPPED_METADATA = ("pkg.torch.onnx.stack_trace",)  # absolute source paths: not reproducible
 
 
-def export_graph(
+def trace_graph(
     ctx: StageContext, flat: Any, lay: sh.Layout, export: Any, trace: dict[str, int], external: bool
 ) -> Path:
-    import onnx
+    """torch.onnx.export into a scratch folder; `finish` turns it into the shipped graph.
+    Two steps so that the caller can free the PyTorch model in between (peak memory)."""
     import torch
 
     feeds = sh.make_inputs(lay, trace, seed=0)
@@ -54,8 +55,24 @@ def export_graph(
             "a dim the model treats as constant cannot be dynamic; see the "
             "exporter message above, or try the other export.exporter",
         ) from None
-    model = onnx.load(str(raw / "model.onnx"))
+    return raw / "model.onnx"
+
+
+def finish(
+    ctx: StageContext, raw_path: Path, lay: sh.Layout, external: bool
+) -> tuple[Path, list[dict[str, Any]]]:
+    """Name the dims, drop unreproducible metadata, store tied weights once, save (external
+    data when asked), check. Returns the graph's path and the weights it shares."""
+    import onnx
+
+    raw = raw_path.parent
+    from stages.onnx.graph import share_tied_weights
+
+    model = onnx.load(str(raw_path))
     _normalize(model, lay)
+    tied = share_tied_weights(model)
+    for t in tied:
+        ctx.log(f"tied weight stored once: {t['dropped']} is {t['how']} of {t['kept']}")
     path = ctx.work / "model.onnx"
     onnx.save_model(
         model,
@@ -65,12 +82,13 @@ def export_graph(
         location="model.onnx.data",
         size_threshold=0,
     )
+    del model  # the checker reads the saved file; one copy of the graph at a time
     shutil.rmtree(raw)
     try:
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as exc:
         raise StageError(STAGE, f"exported graph is not valid ONNX: {str(exc)[:300]}") from None
-    return path
+    return path, tied
 
 
 def _legacy_axes(lay: sh.Layout, dims: dict[str, Any]) -> dict[str, dict[int, str]]:

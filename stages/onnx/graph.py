@@ -65,3 +65,94 @@ def scoped_outputs(path: Path) -> list[tuple[str, str]]:
 
     graph = onnx.load(str(path), load_external_data=False).graph
     return [(node_scope(node), out) for node in graph.node for out in node.output if out]
+
+
+TIED_MIN_ELEMENTS = 1 << 10  # weights, not small constants
+
+
+def share_tied_weights(model: Any) -> list[dict[str, Any]]:
+    """Store a tied weight once. An exporter folds `lm_head = embedding.T` into a second,
+    transposed initializer (GPT-2: 154 MB of 652 MB) and may keep exact copies; each such
+    initializer is replaced by the one it copies (an exact copy: its uses are renamed; a
+    transposed copy: a Transpose node computes it, which ONNX Runtime folds at load).
+    Returns what was shared. Initializers a subgraph, a graph input or output names stay."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    pinned = {v.name for v in (*graph.input, *graph.output)} | _subgraph_names(graph)
+    big = [
+        t for t in graph.initializer if np.prod(t.dims) >= TIED_MIN_ELEMENTS and len(t.dims) >= 1
+    ]
+    by_shape: dict[tuple[int, tuple[int, ...]], list[Any]] = {}
+    for t in big:
+        by_shape.setdefault((t.data_type, tuple(t.dims)), []).append(t)
+    arrays: dict[str, np.ndarray] = {}
+
+    def array(t: Any) -> np.ndarray:
+        if t.name not in arrays:
+            arrays[t.name] = numpy_helper.to_array(t)
+        return arrays[t.name]
+
+    shared: list[dict[str, Any]] = []
+    dropped: set[str] = set()
+    for b in big:
+        if b.name in pinned:
+            continue
+        for how, shape in (("copy", tuple(b.dims)), ("transpose", tuple(b.dims)[::-1])):
+            if how == "transpose" and len(b.dims) != 2:
+                continue
+            for a in by_shape.get((b.data_type, shape), []):
+                if a.name == b.name or a.name in dropped or b.name in dropped:
+                    continue
+                if _keep_order(b) < _keep_order(a):
+                    continue  # b is the one to keep; a is dropped when its turn comes
+                want = array(a).T if how == "transpose" else array(a)
+                got = array(b)
+                if np.array_equal(want[:1], got[:1]) and np.array_equal(want, got):
+                    dropped.add(b.name)
+                    shared.append({"dropped": b.name, "kept": a.name, "how": how})
+                    break
+            if b.name in dropped:
+                break
+    if not shared:
+        return []
+    drop = {s["dropped"]: s for s in shared}
+    kept = [t for t in graph.initializer if t.name not in drop]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    transposes: list[Any] = []
+    for s in shared:
+        if s["how"] == "copy":
+            for node in graph.node:
+                node.input[:] = [s["kept"] if i == s["dropped"] else i for i in node.input]
+        else:
+            transposes.append(
+                helper.make_node(
+                    "Transpose",
+                    [s["kept"]],
+                    [s["dropped"]],
+                    name=f"/tied/Transpose_{len(transposes)}",
+                    perm=[1, 0],
+                )
+            )
+    for i, node in enumerate(transposes):
+        graph.node.insert(i, node)
+    return shared
+
+
+def _keep_order(t: Any) -> tuple[bool, str]:
+    """Of two tied initializers the first in this order stays: a named parameter before an
+    exporter's folded constant (`onnx::MatMul_608`), then by name."""
+    return (t.name.startswith("onnx::"), t.name)
+
+
+def _subgraph_names(graph: Any) -> set[str]:
+    """Every name a node's subgraph (If/Loop/Scan body) reads: left alone."""
+    names: set[str] = set()
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
+                for inner in sub.node:
+                    names.update(inner.input)
+                names |= _subgraph_names(sub)
+    return names

@@ -53,8 +53,32 @@ def _load_hf(stage: str, root: Path, model: Any, task: str) -> Any:
             f"model.path {model.path}: no *.safetensors checkpoint in {folder}",
             "save the model with safe_serialization=True",
         )
+    _check_shards(stage, folder, model.path)
     auto = getattr(transformers, TASKS[task].auto_class)
     return auto.from_pretrained(folder, local_files_only=True, attn_implementation="eager")
+
+
+def _check_shards(stage: str, folder: Path, shown: str) -> None:
+    """A sharded checkpoint (`*.safetensors.index.json`) must have every shard it lists."""
+    for index in sorted(folder.glob("*.safetensors.index.json")):
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise StageError(
+                stage,
+                f"model.path {shown}: {index.name} is not a safetensors index "
+                "(no weight_map of tensor -> shard file)",
+                "re-save the checkpoint with save_pretrained(..., safe_serialization=True)",
+            ) from None
+        missing = [f for f in shards if not (folder / f).is_file()]
+        if missing:
+            raise StageError(
+                stage,
+                f"model.path {shown}: {index.name} lists {len(shards)} shard(s); missing: "
+                + ", ".join(missing),
+                "copy every shard of the checkpoint into the folder",
+            )
 
 
 def _load_py(stage: str, root: Path, model: Any) -> Any:

@@ -78,3 +78,41 @@ def test_zero_tolerance_accepts_exact_equality_and_nothing_else() -> None:
     exact = Tolerance(atol=0.0, rtol=0.0)
     assert compare(np.zeros(3), np.zeros(3), exact, ParityConfig())["ok"] is True
     assert compare(np.zeros(3), np.full(3, 1e-12), exact, ParityConfig())["ok"] is False
+
+
+def _naive(ref: np.ndarray, out: np.ndarray, tol: Tolerance, cfg: ParityConfig) -> dict:
+    """The comparator's definition in whole-array numpy (what the chunked one must equal)."""
+    diff = np.abs(ref.astype(np.float64) - out.astype(np.float64))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        norm = np.where(diff == 0, 0.0, diff / (tol.atol + tol.rtol * np.abs(ref)))
+    reduce = {"max": np.max, "mean": np.mean}.get(cfg.statistic)
+    error = float(reduce(norm)) if reduce else float(np.quantile(norm, cfg.quantile))
+    error = error if np.isfinite(error) and np.isfinite(diff).all() else float("inf")
+    max_abs = float(np.max(diff)) if np.isfinite(diff).all() else float("inf")
+    return {"ok": error <= 1.0, "error": error, "max_abs": max_abs}
+
+
+@pytest.mark.parametrize("statistic", ["max", "mean", "quantile"])
+@pytest.mark.parametrize("poison", [None, np.nan, np.inf])
+def test_the_chunked_comparator_equals_the_whole_array_definition(
+    monkeypatch: pytest.MonkeyPatch, statistic: str, poison: float | None
+) -> None:
+    """Across chunk boundaries (a chunk of 7 elements over 100), with a NaN or inf in the
+    last chunk, every statistic gives what the whole-array formula gives."""
+    import stages.onnx.compare as comparator
+
+    monkeypatch.setattr(comparator, "CHUNK", 7)
+    rng = np.random.default_rng(3)
+    ref = rng.standard_normal((4, 25)).astype("f4")
+    out = ref + rng.normal(0, 1e-4, ref.shape).astype("f4")
+    out[0, 3] = ref[0, 3]  # an exact element
+    if poison is not None:
+        out[3, 24] = poison
+    extra = {"quantile": 0.9} if statistic == "quantile" else {}
+    cfg = ParityConfig(statistic=statistic, **extra)
+    tol = Tolerance(atol=1e-4, rtol=1e-3)
+    got, want = compare(ref, out, tol, cfg), _naive(ref, out, tol, cfg)
+    assert got["ok"] == want["ok"] and got["max_abs"] == want["max_abs"]
+    assert got["error"] == pytest.approx(want["error"], rel=1e-12, abs=0)
+    if poison is not None:
+        assert got["error"] == float("inf") and not got["ok"]

@@ -121,3 +121,128 @@ def test_context_beyond_model_positions_is_refused(ws: Workspace, field: str, va
     report = ws.run("export", spec)
     assert report.status.value == "failed"
     assert "exceeds the model's 256 positions" in report.reasons[0]
+
+
+def _sharded_copy(ws: Workspace) -> dict[str, str]:
+    """tiny-gpt2 saved as 3+ safetensors shards with an index; returns {file: sha256}."""
+    import hashlib
+
+    from transformers import AutoModelForCausalLM
+
+    source, folder = ws.root / "models" / "tiny-gpt2", ws.root / "models" / "sharded"
+    model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
+    model.save_pretrained(folder, max_shard_size="200KB", safe_serialization=True)
+    for name in ("tokenizer.json",):
+        (folder / name).write_bytes((source / name).read_bytes())
+    shards = sorted(folder.glob("*.safetensors"))
+    assert len(shards) >= 3 and (folder / "model.safetensors.index.json").is_file()
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in shards}
+
+
+def test_a_sharded_checkpoint_exports_the_same_graph_as_the_single_file(ws: Workspace) -> None:
+    digests = _sharded_copy(ws)
+    single = gpt2_spec()
+    sharded = gpt2_spec(name="sharded")
+    sharded["model"] = {"kind": "hf", "path": "models/sharded"}
+    sharded["pins"]["checkpoints"] = digests
+    sharded["engine"] = {}
+    for spec in (single, sharded):
+        for stage in ("pin", "export", "evalcheck", "parity"):
+            report = ws.run(stage, spec)
+            assert report.status.value == "passed", (spec["name"], stage, report.reasons)
+    pinned = json.loads((ws.out("sharded", "pin") / "lock.json").read_text())
+    assert set(digests) <= set(pinned["checkpoints"])
+    assert "model.safetensors.index.json" in pinned["checkpoints"]  # the index is hashed too
+    one, many = ws.out("tiny-gpt2", "export"), ws.out("sharded", "export")
+    assert (one / "model.onnx").read_bytes() == (many / "model.onnx").read_bytes()
+
+
+def test_a_missing_shard_is_refused_naming_it(ws: Workspace) -> None:
+    digests = _sharded_copy(ws)
+    spec = gpt2_spec(name="sharded")
+    spec["model"] = {"kind": "hf", "path": "models/sharded"}
+    spec["pins"]["checkpoints"] = {}
+    gone = sorted(digests)[1]
+    (ws.root / "models" / "sharded" / gone).unlink()
+    report = ws.run("export", spec)
+    assert report.status.value == "failed"
+    assert f"missing: {gone}" in report.summary + " ".join(report.reasons)
+    assert "copy every shard" in " ".join(report.reasons) + report.summary
+
+
+def test_the_tied_embedding_is_stored_once(built_gpt2: Workspace) -> None:
+    """GPT-2 ties lm_head to the token embedding: the graph holds it once, so the file is
+    below the weights plus one more vocab x hidden."""
+    out = built_gpt2.out("tiny-gpt2", "export")
+    report = json.loads((out / "report.json").read_text())
+    tied = report["details"]["tied_weights"]
+    assert [t["how"] for t in tied] == ["transpose"] and "wte" in tied[0]["kept"]
+    graph = onnx.load(str(out / "model.onnx"))
+    shapes = [tuple(t.dims) for t in graph.graph.initializer]
+    assert (512, 64) in shapes and (64, 512) not in shapes
+    info = json.loads((out / "model_info.json").read_text())
+    tied_bytes = 512 * 64 * 4  # a second copy would add this (plus buffers: the causal mask)
+    assert (out / "model.onnx").stat().st_size < info["weight_bytes"] + tied_bytes
+
+
+def _tied_graph(b_value: np.ndarray) -> onnx.ModelProto:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 32)).astype("f4")
+    inits = [
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(b_value, "w_t"),  # the exporter's folded transpose
+        numpy_helper.from_array(w.copy(), "w_copy"),  # an exact copy
+    ]
+    nodes = [
+        helper.make_node("Gather", ["w", "ids"], ["emb"]),
+        helper.make_node("MatMul", ["emb", "w_t"], ["logits"]),
+        helper.make_node("Gather", ["w_copy", "ids"], ["emb2"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
+        [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 64]),
+            helper.make_tensor_value_info("emb2", TensorProto.FLOAT, ["n", 32]),
+        ],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _run(model: onnx.ModelProto) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"ids": np.array([0, 5, 63], dtype=np.int64)})
+
+
+def test_tied_and_copied_weights_are_shared_and_the_graph_computes_the_same() -> None:
+    from stages.onnx.graph import share_tied_weights
+
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype("f4")
+    model = _tied_graph(np.ascontiguousarray(w.T))
+    before = _run(model)
+    shared = share_tied_weights(model)
+    assert sorted((s["dropped"], s["how"], s["kept"]) for s in shared) == [
+        ("w_copy", "copy", "w"),
+        ("w_t", "transpose", "w"),
+    ]
+    assert [t.name for t in model.graph.initializer] == ["w"]
+    onnx.checker.check_model(model)
+    for a, b in zip(before, _run(model), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_nearly_tied_weight_is_kept() -> None:
+    """One element off is a different weight: sharing it would change the model."""
+    from stages.onnx.graph import share_tied_weights
+
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype("f4")
+    near = np.ascontiguousarray(w.T)
+    near[-1, -1] += 1e-3
+    model = _tied_graph(near)
+    shared = share_tied_weights(model)
+    assert [s["dropped"] for s in shared] == ["w_copy"]  # only the exact copy
+    assert "w_t" in [t.name for t in model.graph.initializer]
