@@ -65,8 +65,9 @@ def finish(
     data when asked), check. Returns the graph's path and the weights it shares."""
     import onnx
 
-    raw = raw_path.parent
     from stages.onnx.graph import share_tied_weights
+
+    raw = raw_path.parent
 
     model = onnx.load(str(raw_path))
     _normalize(model, lay)
@@ -74,14 +75,9 @@ def finish(
     for t in tied:
         ctx.log(f"tied weight stored once: {t['dropped']} is {t['how']} of {t['kept']}")
     path = ctx.work / "model.onnx"
-    onnx.save_model(
-        model,
-        str(path),
-        save_as_external_data=external,
-        all_tensors_to_one_file=True,
-        location="model.onnx.data",
-        size_threshold=0,
-    )
+    if external:
+        _to_external(model, "model.onnx.data")
+    onnx.save_model(model, str(path))  # writes the tensors marked external to their file
     del model  # the checker reads the saved file; one copy of the graph at a time
     shutil.rmtree(raw)
     try:
@@ -89,6 +85,28 @@ def finish(
     except onnx.checker.ValidationError as exc:
         raise StageError(STAGE, f"exported graph is not valid ONNX: {str(exc)[:300]}") from None
     return path, tied
+
+
+SHAPE_DTYPES = (6, 7)  # INT32, INT64: shape and index constants
+INLINE_SHAPE_BYTES = 1 << 20
+
+
+def _to_external(model: Any, location: str) -> None:
+    """Mark the weights for one external data file. Integer tensors under 1 MiB stay inline:
+    ONNX Runtime's shape inference reads the constant inputs of Reshape/Unsqueeze/Slice and
+    cannot from external data (dynamo's graphs hold them as initializers), while a size
+    threshold alone would leave a small model's weights inline under `always`."""
+    from onnx import TensorProto, numpy_helper
+    from onnx.external_data_helper import set_external_data
+
+    for tensor in model.graph.initializer:
+        if tensor.data_location == TensorProto.EXTERNAL:
+            continue
+        if not tensor.HasField("raw_data"):  # typed fields (float_data, ...) -> raw bytes
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
+        if tensor.data_type in SHAPE_DTYPES and len(tensor.raw_data) < INLINE_SHAPE_BYTES:
+            continue
+        set_external_data(tensor, location)
 
 
 def _legacy_axes(lay: sh.Layout, dims: dict[str, Any]) -> dict[str, dict[int, str]]:
@@ -150,7 +168,14 @@ def probe(
     """Run the graph at min/max/odd sizes, all together and one dim at a time."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+        raise StageError(
+            STAGE,
+            f"ONNX Runtime cannot load the exported graph: {str(exc).splitlines()[0][:400]}",
+            "try the other export.exporter or another export.opset; report the message",
+        ) from None
     plans = _plans(dims, trace, odd)
     runs, problems, blamed = [], [], set()
     with ctx.progress("running the graph at other shapes", len(plans)) as advance:

@@ -246,3 +246,25 @@ def test_a_nearly_tied_weight_is_kept() -> None:
     shared = share_tied_weights(model)
     assert [s["dropped"] for s in shared] == ["w_copy"]  # only the exact copy
     assert "w_t" in [t.name for t in model.graph.initializer]
+
+
+def test_dynamo_with_external_data_keeps_shape_constants_inline_and_runs(ws: Workspace) -> None:
+    """dynamo holds Reshape/Unsqueeze constants as initializers; written to the side file,
+    ONNX Runtime could not load the graph (a real failure on gpt2-small). The weights go to
+    model.onnx.data, the int64 constants stay in the graph, and parity passes."""
+    from onnx import TensorProto
+
+    spec = gpt2_spec()
+    spec["export"].update(exporter="dynamo", external_data="always")
+    ws.run("pin", spec)
+    for stage in ("export", "parity"):
+        report = ws.run(stage, spec)
+        assert report.status.value == "passed", (stage, report.reasons)
+    out = ws.out("tiny-gpt2", "export")
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    where = {t.name: (t.data_type, t.data_location) for t in graph.initializer}
+    ints = [loc for dtype, loc in where.values() if dtype == TensorProto.INT64]
+    floats = [loc for dtype, loc in where.values() if dtype == TensorProto.FLOAT]
+    assert ints and all(loc == TensorProto.DEFAULT for loc in ints)
+    assert floats and all(loc == TensorProto.EXTERNAL for loc in floats)
+    assert (out / "model.onnx.data").stat().st_size > 500_000
