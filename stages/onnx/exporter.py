@@ -87,15 +87,17 @@ def finish(
     return path, tied
 
 
-SHAPE_DTYPES = (6, 7)  # INT32, INT64: shape and index constants
-INLINE_SHAPE_BYTES = 1 << 20
+INLINE_DTYPES = (6, 7, 9)  # INT32, INT64, BOOL: shape constants, indices, mode flags
+INLINE_BYTES = 1 << 20
+SCALAR_BYTES = 8
 
 
 def _to_external(model: Any, location: str) -> None:
-    """Mark the weights for one external data file. Integer tensors under 1 MiB stay inline:
-    ONNX Runtime's shape inference reads the constant inputs of Reshape/Unsqueeze/Slice and
-    cannot from external data (dynamo's graphs hold them as initializers), while a size
-    threshold alone would leave a small model's weights inline under `always`."""
+    """Mark the weights for one external data file. Integer and bool tensors under 1 MiB and
+    scalars stay inline: ONNX Runtime's shape inference reads the constant inputs of
+    Reshape/Unsqueeze/Slice and cannot from external data (dynamo's graphs hold them as
+    initializers), and the eval-mode check reads flags such as Dropout's training_mode. A
+    plain size threshold would instead leave a small model's weights inline under `always`."""
     from onnx import TensorProto, numpy_helper
     from onnx.external_data_helper import set_external_data
 
@@ -104,7 +106,8 @@ def _to_external(model: Any, location: str) -> None:
             continue
         if not tensor.HasField("raw_data"):  # typed fields (float_data, ...) -> raw bytes
             tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
-        if tensor.data_type in SHAPE_DTYPES and len(tensor.raw_data) < INLINE_SHAPE_BYTES:
+        size = len(tensor.raw_data)
+        if size <= SCALAR_BYTES or (tensor.data_type in INLINE_DTYPES and size < INLINE_BYTES):
             continue
         set_external_data(tensor, location)
 

@@ -33,10 +33,17 @@ def _strip(path: str) -> str:
 def constant_values(graph: Any) -> dict[str, np.ndarray]:
     """Initializers and Constant-node outputs by tensor name. An initializer that is also a
     graph input is only a default the caller may override: not a constant."""
-    from onnx import helper, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper
 
     inputs = {i.name for i in graph.input}
-    values = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name not in inputs}
+    # External tensors are weights (the exporter keeps bool/int flags and shape constants
+    # inline); reading them would load a >2 GB model's weights to find a scalar. Left out,
+    # they count as not constant, which only makes the checks stricter.
+    values = {
+        t.name: numpy_helper.to_array(t)
+        for t in graph.initializer
+        if t.name not in inputs and t.data_location != TensorProto.EXTERNAL
+    }
     for node in graph.node:
         if node.op_type == "Constant" and node.attribute:
             value = helper.get_attribute_value(node.attribute[0])
