@@ -94,7 +94,9 @@ def main() -> None:
         )
     gb = 1e9
     how = " (dynamo exporter, external data)" if "--dynamo" in sys.argv else ""
-    print(f"{release}{how}: checkpoint {weights / gb:.3f} GB, exported ONNX {onnx_bytes / gb:.3f} GB")
+    print(
+        f"{release}{how}: checkpoint {weights / gb:.3f} GB, exported ONNX {onnx_bytes / gb:.3f} GB"
+    )
     print(f"{'stage':<10} {'peak RSS':>9} {'x checkpoint':>13} {'above imports':>14}")
     print(f"{'(imports)':<10} {base / gb:8.2f}G {base / weights:12.2f}x {'':>14}")
     for stage, rss in rows:

@@ -81,6 +81,12 @@ class TensorInfo(_Model):
     name: str
     dtype: str
     axes: list[int | str] = Field(description="Named dims of the spec, or fixed sizes.")
+    low: float | None = Field(
+        default=None, description="Declared smallest value of an integer input (export.inputs)."
+    )
+    high: float | None = Field(
+        default=None, description="Declared exclusive upper bound of an integer input."
+    )
 
 
 class ModelInfo(Artifact):

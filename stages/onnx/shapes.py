@@ -97,9 +97,18 @@ def shape_of(t: Tensor, sizes: Mapping[str, int]) -> list[int]:
     return [axis_size(a, sizes) for a in t.axes]
 
 
-def token_tensor(name: str, dtype: str, axes: Iterable[int | str], vocab: int) -> Tensor:
+def token_tensor(
+    name: str,
+    dtype: str,
+    axes: Iterable[int | str],
+    vocab: int,
+    declared: tuple[float | None, float | None] = (None, None),
+) -> Tensor:
     """A graph input as recorded in model_info.json, with the value range a real request
-    has: masks are ones, other integer inputs are token ids below `vocab`."""
+    has: a range the spec declared (export.inputs low/high), else masks are ones and other
+    integer inputs token ids below `vocab`."""
+    if declared[0] is not None and declared[1] is not None:
+        return Tensor(name, dtype, tuple(axes), declared[0], declared[1])
     low, high = (1, 2) if "mask" in name else (0, vocab)
     return Tensor(name, dtype, tuple(axes), low, high)
 

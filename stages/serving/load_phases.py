@@ -25,7 +25,7 @@ def _inputs(info: ModelInfo, batch: int, length: int, seed: int = 0) -> dict[str
     vocab = info.arch.vocab
     causal = TASKS[info.task].serving == "generate"
     tensors = [
-        sh.token_tensor(t.name, t.dtype, t.axes, vocab)
+        sh.token_tensor(t.name, t.dtype, t.axes, vocab, (t.low, t.high))
         for t in info.inputs
         if not causal or t.name == "input_ids"
     ]

@@ -181,7 +181,10 @@ def parity_shapes(profile: dict[str, Any], info: ModelInfo) -> dict[str, Any]:
 
 
 def _feeds(info: ModelInfo, shapes: dict[str, list[int]], seed: int) -> dict[str, Any]:
-    tensors = [sh.token_tensor(t.name, t.dtype, t.axes, info.arch.vocab) for t in info.inputs]
+    tensors = [
+        sh.token_tensor(t.name, t.dtype, t.axes, info.arch.vocab, (t.low, t.high))
+        for t in info.inputs
+    ]
     return sh.seeded_inputs(tensors, shapes, seed)
 
 

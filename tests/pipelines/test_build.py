@@ -67,4 +67,3 @@ def test_build_refuses_zero_jobs_and_a_bad_memory_size() -> None:
     assert done.returncode != 0 and "-j 0: give at least 1 job" in done.stderr
     done = shipyard("build", "tiny-gpt2", "--memory", "lots")
     assert done.returncode != 0 and "--memory 'lots' is not a size" in done.stderr
-

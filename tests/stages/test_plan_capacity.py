@@ -86,3 +86,18 @@ def test_serving_batch_beyond_the_plan_is_refused() -> None:
         "batch the capacity plan fits at 128 tokens = 5",
     ):
         serving_values(release(max_batch_size=6), INFO, PLAN, "int8")
+
+
+def test_a_generic_model_whose_weights_exceed_the_device_fits_no_batch() -> None:
+    """Nothing grows with the batch (no KV cache, no vocabulary): the plan must still say
+    the weights do not fit, not 'lower max_batch to' the batch it already has."""
+    from schemas.spec.capacity import CapacityConfig
+    from stages.plan import compute
+
+    arch = {"layers": 0, "heads": 0, "kv_heads": 0, "head_dim": 0, "hidden": 0, "vocab": 0}
+    info = model_info(task="generic", arch={**arch, "positions": 0, "labels": 2})
+    cap = CapacityConfig(device_memory="1GiB", headroom=0.85)
+    usable = int((1 << 30) * 0.85)
+    overhead = int(cap.runtime_overhead)
+    assert compute(cap, info, "generic", usable - overhead).max_batch_that_fits == 8  # at
+    assert compute(cap, info, "generic", usable - overhead + 1).max_batch_that_fits == 0
