@@ -101,3 +101,25 @@ def test_a_generic_model_whose_weights_exceed_the_device_fits_no_batch() -> None
     overhead = int(cap.runtime_overhead)
     assert compute(cap, info, "generic", usable - overhead).max_batch_that_fits == 8  # at
     assert compute(cap, info, "generic", usable - overhead + 1).max_batch_that_fits == 0
+
+
+def test_the_plan_is_exact_at_the_headroom_and_counts_the_kv_cache() -> None:
+    """compute() at its boundaries: a device of exactly need / headroom holds the extreme
+    case, a byte less does not; the largest batch that fits counts KV cache and activations
+    per sequence (a plan that forgot the KV cache would fit more)."""
+    from schemas.spec.capacity import CapacityConfig
+    from stages.plan import compute
+
+    weights = 10 * MIB
+    probe = compute(CapacityConfig(device_memory="64GiB"), INFO, "causal-lm", weights)
+    need, per_seq = probe.extreme.total, probe.kv_bytes_per_sequence
+    assert per_seq == 2 * 2 * 4 * 16 * 128 * 4  # k+v x layers x kv_heads x head_dim x ctx x f32
+    at = compute(CapacityConfig(device_memory=2 * need, headroom=0.5), INFO, "causal-lm", weights)
+    assert at.usable_bytes == need and at.extreme.total <= at.usable_bytes
+    assert at.max_batch_that_fits == at.batch == 8
+    short = compute(
+        CapacityConfig(device_memory=2 * need - 2, headroom=0.5), INFO, "causal-lm", weights
+    )
+    assert short.extreme.total > short.usable_bytes
+    assert short.max_batch_that_fits == 7
+    assert short.extreme.kv_cache == 8 * per_seq

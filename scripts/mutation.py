@@ -1,0 +1,271 @@
+"""Mutation testing of the modules that carry Shipyard's guarantees, with mutmut (issue 16).
+
+`make mutation` runs every module in GUARANTEES; `make mutation CHANGED=origin/main` only the
+ones a change touches (what CI runs). For each module: a scratch copy of the repository with
+the code under src/ (mutmut's layout: the original then cannot be imported by mistake),
+mutmut mutating that one module and running only the tests listed for it; then the kill
+rate and every survivor (its diff) are printed.
+
+Subprocesses started by the tests (the `shipyard` CLI, `dvc repro`) import the mutated code
+too: PYTHONPATH points at mutmut's copy, and mutmut's MUTANT_UNDER_TEST is inherited. mutmut
+only runs a mutant against the tests that called its function in-process, so a function
+reached only through a subprocess shows as "no tests" (listed separately, not as killed).
+
+Usage: python scripts/mutation.py [--changed REV] [--max-minutes N] [MODULE ...]
+Exit status: 1 when a module's kill rate is below --goal (default 90 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+PACKAGES = ("schemas", "stages", "pipelines")
+DATA = ("models", "data", "releases", "docs", "dvc.yaml", "dvc.lock", "Makefile")
+
+# module -> the tests that guard it. Each mutant runs the listed tests that call its function,
+# in a fresh fork, so a test with a module-scoped build (built_gpt2) rebuilds per mutant: the
+# unit-level tests of each guarantee are listed first and the end-to-end ones only where the
+# guarantee has no other test.
+PARITY = "tests/stages/test_check_parity.py::"
+PLAN = "tests/stages/test_plan_capacity.py::"
+TRUST = "tests/pipelines/test_registry_trust.py::"
+RUNTIME = "tests/stages/test_runtime_requests.py::"
+GUARANTEES: dict[str, list[str]] = {
+    "schemas/loader.py": [
+        "tests/schemas",
+        "tests/pipelines/test_boundaries.py::test_every_model_of_the_spec_refuses_unknown_keys",
+    ],
+    "schemas/release.py": [
+        "tests/schemas",
+        "tests/pipelines/test_boundaries.py::test_every_model_of_the_spec_refuses_unknown_keys",
+    ],
+    "stages/onnx/compare.py": [
+        PARITY + "test_per_output_glob_tolerance_wins_over_default",
+        PARITY + "test_statistic_decides_how_one_outlier_counts",
+        PARITY + "test_nan_in_output_is_a_failure",
+        PARITY + "test_shape_mismatch_is_a_failure_with_a_note",
+        PARITY + "test_zero_tolerance_accepts_exact_equality_and_nothing_else",
+        PARITY + "test_the_chunked_comparator_equals_the_whole_array_definition",
+    ],
+    "stages/plan.py": [
+        PLAN + "test_serving_takes_its_batch_and_kv_budget_from_the_plan",
+        PLAN + "test_serving_batch_beyond_the_plan_is_refused",
+        PLAN + "test_a_generic_model_whose_weights_exceed_the_device_fits_no_batch",
+        PLAN + "test_the_plan_is_exact_at_the_headroom_and_counts_the_kv_cache",
+    ],
+    "pipelines/registry.py": [
+        TRUST + "test_attack_4_registry_paths_cannot_leave_the_root",
+        TRUST + "test_attack_5_two_concurrent_publishes_of_one_version_leave_one_good_copy",
+        TRUST + "test_attack_5_an_interrupted_publish_is_finished_or_removed_saying_which",
+        TRUST + "test_attack_6_a_torn_history_line_is_reported_never_blocking",
+        TRUST + "test_attack_6_object_store_history_appends_one_object_per_entry",
+        TRUST + "test_remote_lock_is_owner_stamped_and_a_stale_one_expires",
+        TRUST + "test_attack_7_publish_hashes_what_it_copied_not_what_it_checked",
+        "tests/pipelines/test_gate_and_registry.py",
+    ],
+    "stages/serving/mlserver_runtime.py": [
+        RUNTIME + "test_two_prompts_of_different_lengths_in_one_batch_window_are_both_right",
+        RUNTIME + "test_streams_hold_a_model_instance_and_count_in_the_queue",
+        RUNTIME + "test_a_failed_merge_answers_every_request_of_the_batch_at_once",
+        "tests/stages/test_runtime_requests.py",
+    ],
+    # end-to-end only: each mutant rebuilds the tiny release (slow; CI runs these only when
+    # the module changes)
+    "stages/bundling/oms.py": [
+        "tests/stages/test_manifest_and_bundle.py",
+        "tests/pipelines/test_registry_trust.py",
+    ],
+    "pipelines/gate.py": [
+        "tests/pipelines/test_gate_and_registry.py",
+        "tests/pipelines/test_boundaries.py",
+    ],
+    "stages/quant/calibration.py": ["tests/stages/test_quantize.py"],
+}
+
+# Imported at start-up by every Python process the tests spawn (on their PYTHONPATH). While
+# mutmut records which tests call which function ("stats"), a subprocess has no mutmut
+# configuration to record into: it runs the original code. With a mutant active it runs the
+# mutant, like the test process itself.
+SITE = """import os
+if os.environ.get("MUTANT_UNDER_TEST") == "stats":
+    os.environ["MUTANT_UNDER_TEST"] = ""
+"""
+
+COUNTS = re.compile(r"🎉 (\d+) 🫥 (\d+)\s+⏰ (\d+)\s+🤔 (\d+)\s+🙁 (\d+)\s+🔇 (\d+)")
+
+
+def changed_modules(rev: str) -> list[str]:
+    done = subprocess.run(
+        ["git", "diff", "--name-only", f"{rev}...HEAD"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        sys.exit(f"git diff {rev}...HEAD failed: {done.stderr.strip()}")
+    touched = set(done.stdout.split())
+    return [m for m in GUARANTEES if m in touched]
+
+
+def scratch(root: Path, module: str) -> None:
+    """The repository with its packages under src/, and mutmut's setup.cfg for `module`."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for name in files:
+        source = REPO / name
+        if not source.is_file() or name.startswith("build/"):
+            continue
+        target = root / ("src/" + name if name.split("/")[0] in PACKAGES else name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+    for f in REPO.glob("models/*/*.safetensors"):  # generated ones are git-ignored;
+        target = root / f.relative_to(REPO)  # the tests use only the small ones
+        if not target.exists() and f.stat().st_size < 64 << 20:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, target)
+    also = "\n    ".join(d for d in DATA if (REPO / d).exists())
+    tests = "\n    ".join(GUARANTEES[module])
+    (root / "setup.cfg").write_text(
+        "[mutmut]\n"
+        "source_paths=src/\n"
+        f"only_mutate=src/{module}\n"
+        f"pytest_add_cli_args_test_selection={tests}\n"
+        # importlib: the tests/schemas folder must not shadow the schemas package
+        "pytest_add_cli_args=--import-mode=importlib\n    -p\n    no:cacheprovider\n"
+        f"also_copy={also}\n"
+    )
+    site = root / "mutation_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITE)
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    # mutmut's copy must exist before Python starts: a sys.path entry that did not exist
+    # at startup is cached as absent, and the original code would be imported instead
+    (root / "mutants" / "src").mkdir(parents=True)
+
+
+def run_module(module: str, keep: Path | None, minutes: float) -> dict[str, object]:
+    with tempfile.TemporaryDirectory(prefix="shipyard-mutation-") as tmp:
+        root = keep / module.replace("/", "_") if keep else Path(tmp)
+        if keep:
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+        scratch(root, module)
+        env = {
+            **os.environ,
+            "PATH": f"{BIN}:{os.environ['PATH']}",
+            "PYTHONPATH": f"{root / 'mutants' / 'src'}:{root / 'mutation_site'}",
+        }
+        start = time.monotonic()
+        try:
+            done = subprocess.run(
+                [str(BIN / "mutmut"), "run"],
+                cwd=root,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=minutes * 60,
+            )
+            output, timed_out = done.stdout + done.stderr, False
+        except subprocess.TimeoutExpired as exc:
+            output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else ""
+            timed_out = True
+        seconds = time.monotonic() - start
+        found = COUNTS.findall(output)
+        if not found:
+            tail = "\n".join(output.strip().splitlines()[-15:])
+            return {"module": module, "error": tail or "mutmut printed nothing", "seconds": seconds}
+        killed, no_tests, timeout, suspicious, survived, skipped = map(int, found[-1])
+        survivors = _survivors(root, env, module)
+        return {
+            "module": module,
+            "killed": killed + timeout,  # a mutant that hangs the tests is caught
+            "survived": survived + suspicious,
+            "no_tests": no_tests,
+            "skipped": skipped,
+            "survivors": survivors,
+            "seconds": seconds,
+            "timed_out": timed_out,
+        }
+
+
+def _survivors(root: Path, env: dict[str, str], module: str) -> list[tuple[str, str]]:
+    done = subprocess.run(
+        [str(BIN / "mutmut"), "results"], cwd=root, env=env, capture_output=True, text=True
+    )
+    names = [
+        line.split(":")[0].strip()
+        for line in done.stdout.splitlines()
+        if line.strip().endswith(("survived", "suspicious"))
+    ]
+    out = []
+    for name in names:
+        diff = subprocess.run(
+            [str(BIN / "mutmut"), "show", name], cwd=root, env=env, capture_output=True, text=True
+        ).stdout
+        changed = [
+            ln
+            for ln in diff.splitlines()
+            if ln.startswith(("+", "-")) and not ln.startswith(("+++", "---"))
+        ]
+        out.append((name, " | ".join(changed)[:300]))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", help=f"default: {', '.join(GUARANTEES)}")
+    parser.add_argument("--changed", metavar="REV", help="only modules changed since REV")
+    parser.add_argument("--goal", type=float, default=90.0, help="kill rate goal, percent")
+    parser.add_argument("--max-minutes", type=float, default=30.0, help="per module")
+    parser.add_argument("--keep", type=Path, help="keep each module's mutmut folder here")
+    args = parser.parse_args()
+    unknown = [m for m in args.modules if m not in GUARANTEES]
+    if unknown:
+        sys.exit(f"not a guarantee module: {', '.join(unknown)}; known: {', '.join(GUARANTEES)}")
+    modules = args.modules or (changed_modules(args.changed) if args.changed else list(GUARANTEES))
+    if not modules:
+        print("no guarantee module changed: nothing to mutate")
+        return 0
+    results = []
+    for module in modules:
+        print(f"mutating {module} ...", file=sys.stderr, flush=True)
+        results.append(run_module(module, args.keep, args.max_minutes))
+    below = False
+    print(f"{'module':<38} {'killed':>6} {'survived':>8} {'no tests':>8} {'kill rate':>9} {'s':>6}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['module']:<38} mutmut failed:\n{r['error']}")
+            below = True
+            continue
+        tested = int(r["killed"]) + int(r["survived"])  # type: ignore[call-overload]
+        rate = 100.0 * int(r["killed"]) / tested if tested else 100.0  # type: ignore[call-overload]
+        below = below or rate < args.goal
+        flag = "" if rate >= args.goal else f"  (goal {args.goal:g} %)"
+        late = " (stopped at the time limit)" if r.get("timed_out") else ""
+        print(
+            f"{r['module']:<38} {r['killed']:>6} {r['survived']:>8} {r['no_tests']:>8} "
+            f"{rate:8.1f}% {float(r['seconds']):6.0f}{flag}{late}"  # type: ignore[arg-type]
+        )
+    for r in results:
+        for name, diff in r.get("survivors", []):  # type: ignore[attr-defined]
+            print(f"survived {name}: {diff}")
+    return 1 if below else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
