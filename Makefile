@@ -10,7 +10,7 @@ RELEASE_TARGETS ?=
 # Example checkpoints too big to commit are generated (deterministically) before the build.
 CHECKPOINTS ?= models/gpt2-small/model.safetensors
 
-.PHONY: release test lint bench clean
+.PHONY: release test lint bench mutation clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# Mutation testing of the guarantee modules (scripts/mutation.py): kill rate and survivors.
+# `make mutation CHANGED=origin/main` mutates only the modules a change touches (CI).
+CHANGED ?=
+mutation: $(STAMP)
+	$(BIN)/python scripts/mutation.py $(if $(CHANGED),--changed $(CHANGED))
 
 bench: release
 	$(BIN)/python benchmarks/bench_hashing.py

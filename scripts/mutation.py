@@ -56,12 +56,17 @@ GUARANTEES: dict[str, list[str]] = {
         PARITY + "test_shape_mismatch_is_a_failure_with_a_note",
         PARITY + "test_zero_tolerance_accepts_exact_equality_and_nothing_else",
         PARITY + "test_the_chunked_comparator_equals_the_whole_array_definition",
+        PARITY + "test_empty_outputs_agree",
+        PARITY + "test_a_normalized_error_of_exactly_one_passes_and_just_above_fails",
     ],
     "stages/plan.py": [
         PLAN + "test_serving_takes_its_batch_and_kv_budget_from_the_plan",
         PLAN + "test_serving_batch_beyond_the_plan_is_refused",
         PLAN + "test_a_generic_model_whose_weights_exceed_the_device_fits_no_batch",
         PLAN + "test_the_plan_is_exact_at_the_headroom_and_counts_the_kv_cache",
+        PLAN + "test_activations_follow_the_formula_and_a_task_without_cache_has_none",
+        PLAN + "test_a_context_beyond_the_export_is_refused_with_the_fix",
+        PLAN + "test_when_even_one_sequence_does_not_fit_the_largest_batch_is_zero",
     ],
     "pipelines/registry.py": [
         TRUST + "test_attack_4_registry_paths_cannot_leave_the_root",

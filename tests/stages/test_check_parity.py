@@ -72,6 +72,32 @@ def test_nan_in_output_is_a_failure() -> None:
 def test_shape_mismatch_is_a_failure_with_a_note() -> None:
     result = compare(np.ones((2, 3)), np.ones((3, 2)), Tolerance(), ParityConfig())
     assert not result["ok"] and "!= reference" in result["note"]
+    assert result["error"] == float("inf") and result["max_abs"] == float("inf")
+
+
+def test_empty_outputs_agree() -> None:
+    """A zero-size output (an empty KV cache) has nothing to disagree about."""
+    empty = np.zeros((2, 0, 4), np.float32)
+    assert compare(empty, empty.copy(), Tolerance(), ParityConfig()) == {
+        "ok": True,
+        "error": 0.0,
+        "max_abs": 0.0,
+    }
+    one = compare(np.zeros(1), np.zeros(1), Tolerance(), ParityConfig())  # size 1 is not empty
+    assert one == {"ok": True, "error": 0.0, "max_abs": 0.0}
+    assert compare(np.zeros(1), np.ones(1), Tolerance(), ParityConfig())["ok"] is False
+
+
+@pytest.mark.parametrize("statistic", ["max", "mean", "quantile"])
+def test_a_normalized_error_of_exactly_one_passes_and_just_above_fails(statistic: str) -> None:
+    """The limit is <= 1 for every statistic: at 1 it passes, at 1.5 it fails."""
+    cfg = ParityConfig(statistic=statistic, quantile=0.5)
+    tol = Tolerance(atol=0.25, rtol=0.0)
+    ref = np.zeros(4, np.float64)
+    at = compare(ref, np.full(4, 0.25), tol, cfg)
+    assert at == {"ok": True, "error": 1.0, "max_abs": 0.25}
+    past = compare(ref, np.full(4, 0.375), tol, cfg)
+    assert past["ok"] is False and past["error"] == 1.5
 
 
 def test_zero_tolerance_accepts_exact_equality_and_nothing_else() -> None:

@@ -123,3 +123,48 @@ def test_the_plan_is_exact_at_the_headroom_and_counts_the_kv_cache() -> None:
     assert short.extreme.total > short.usable_bytes
     assert short.max_batch_that_fits == 7
     assert short.extreme.kv_cache == 8 * per_seq
+
+
+def test_activations_follow_the_formula_and_a_task_without_cache_has_none() -> None:
+    """Per sequence: context x (4 x hidden + vocab) x 4 bytes of activations; KV cache only
+    for a task that has one; a model without a batch dim plans for batch 1."""
+    from schemas.spec.capacity import CapacityConfig
+    from stages.plan import compute
+
+    cap = CapacityConfig(device_memory="64GiB")
+    lm = compute(cap, INFO, "causal-lm", 0)
+    assert lm.extreme.activations == 8 * 128 * (4 * 64 + 512) * 4
+    dims = {"batch": {"max": 4}, "sequence": {"max": 32}}
+    enc = compute(cap, model_info(task="text-embedding", dims=dims), "text-embedding", 0)
+    assert enc.kv_bytes_per_sequence == 0 and enc.extreme.kv_cache == 0
+    assert enc.batch == 4 and enc.context == 32
+    single = compute(cap, model_info(dims={"sequence": {"max": 16}}), "causal-lm", 0)
+    assert single.batch == 1
+
+
+def test_a_context_beyond_the_export_is_refused_with_the_fix() -> None:
+    from schemas.spec.capacity import CapacityConfig
+    from stages.plan import compute
+
+    ok = compute(CapacityConfig(device_memory="64GiB", max_context=128), INFO, "causal-lm", 0)
+    assert ok.context == 128  # exactly the export's sequence + past
+    with pytest.raises(StageError) as caught:
+        compute(CapacityConfig(device_memory="64GiB", max_context=129), INFO, "causal-lm", 0)
+    assert caught.value.stage == "plan"
+    assert "capacity.max_context 129 exceeds what the export accepts (128 tokens)" in str(
+        caught.value
+    )
+    assert caught.value.hint == "lower capacity.max_context"
+
+
+def test_when_even_one_sequence_does_not_fit_the_largest_batch_is_zero() -> None:
+    from schemas.spec.capacity import CapacityConfig
+    from stages.plan import compute
+
+    probe = compute(CapacityConfig(device_memory="64GiB"), INFO, "causal-lm", 0)
+    fixed = probe.extreme.overhead
+    per_seq = probe.kv_bytes_per_sequence + probe.extreme.activations // probe.batch
+    cap = CapacityConfig(device_memory=fixed + per_seq - 1, headroom=1.0)
+    assert compute(cap, INFO, "causal-lm", 0).max_batch_that_fits == 0
+    cap = CapacityConfig(device_memory=fixed + per_seq, headroom=1.0)
+    assert compute(cap, INFO, "causal-lm", 0).max_batch_that_fits == 1

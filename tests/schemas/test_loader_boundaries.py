@@ -1,0 +1,89 @@
+"""The spec loader's refusals at their exact positions and limits (issue 16: mutation
+testing showed line, column and size checks that no test pinned down)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from schemas import SpecError
+from schemas.loader import MAX_SPEC_BYTES, load_release
+
+
+def refuse(tmp_path: Path, text: str | bytes) -> SpecError:
+    path = tmp_path / "spec.yaml"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    with pytest.raises(SpecError) as caught:
+        load_release(path, shown="releases/spec.yaml")
+    assert caught.value.path == "releases/spec.yaml"  # every refusal names the file
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("text", "first"),
+    [
+        (
+            "name: x\nparity:\n  shapes:\n    - {batch: 1, batch: 2}\n",
+            "releases/spec.yaml:4: parity.shapes[0].batch: duplicate key; keep one",
+        ),
+        (
+            "name: x\nexport:\n  opset: 18\n  opset: 17\n",
+            "releases/spec.yaml:4: export.opset: duplicate key; keep one",
+        ),
+        (
+            "name: x\nversion: 1\x01\n",
+            "releases/spec.yaml:2: control character U+0001 at column 11; remove it "
+            "(only tabs and newlines are allowed)",
+        ),
+        (
+            "name: x\n  ab\x07c: 1\n",
+            "releases/spec.yaml:2: control character U+0007 at column 5; remove it "
+            "(only tabs and newlines are allowed)",
+        ),
+        ("- a\n- b\n", "releases/spec.yaml:1: a release spec is a mapping of sections"),
+        (
+            "name: x\nexport: [1, 2\n",
+            "releases/spec.yaml:3: not valid YAML: did not find expected ',' or ']'",
+        ),
+    ],
+)
+def test_each_refusal_names_the_file_and_the_exact_line(
+    tmp_path: Path, text: str, first: str
+) -> None:
+    assert refuse(tmp_path, text).problems[0] == first
+
+
+def test_not_utf8_names_the_byte_and_its_line(tmp_path: Path) -> None:
+    error = refuse(tmp_path, b"name: x\nversion: \xff\n")
+    assert error.problems == [
+        "releases/spec.yaml:2: not UTF-8 (byte 0xff at line 2); save the file as UTF-8"
+    ]
+
+
+def test_the_size_limit_holds_exactly_at_its_boundary(tmp_path: Path) -> None:
+    """A file of exactly MAX_SPEC_BYTES is read (and then judged on its content); one byte
+    more is refused before parsing."""
+    head = "name: x\n"
+    at = head + "#" * (MAX_SPEC_BYTES - len(head) - 1) + "\n"
+    assert len(at.encode()) == MAX_SPEC_BYTES
+    assert "is over" not in " ".join(refuse(tmp_path, at).problems)
+    over = head + "#" * (MAX_SPEC_BYTES - len(head)) + "\n"
+    assert refuse(tmp_path, over).problems[0].startswith(
+        "releases/spec.yaml:1: the file is over 256 KiB"
+    )
+
+
+def test_a_missing_file_and_a_folder_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as caught:
+        load_release(tmp_path / "nope.yaml", shown="releases/nope.yaml")
+    assert caught.value.path == "releases/nope.yaml"
+    assert caught.value.problems == ["releases/nope.yaml: file not found"]
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(SpecError) as caught:
+        load_release(tmp_path / "dir.yaml", shown="releases/dir.yaml")
+    assert caught.value.path == "releases/dir.yaml"
+    assert caught.value.problems[0].startswith("releases/dir.yaml: cannot read: ")
