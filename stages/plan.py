@@ -88,10 +88,9 @@ def compute(cap: Any, info: ModelInfo, task: str, weights: int) -> CapacityPlan:
     usable = int(cap.device_memory * cap.headroom)
     fixed = weights + int(cap.runtime_overhead)
     per_seq = kv_per_seq + act_per_seq
-    if per_seq:
-        fits = max(0, (usable - fixed) // per_seq)
-    else:  # nothing grows with the batch (a generic model): any batch fits, or none does
-        fits = batch if fixed <= usable else 0
+    # with nothing that grows with the batch (a generic model), any batch fits or none does
+    whole = batch if fixed <= usable else 0
+    fits = max(0, (usable - fixed) // per_seq) if per_seq else whole
     parts = {
         "weights": weights,
         "kv_cache": kv_per_seq * batch,
