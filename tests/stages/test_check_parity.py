@@ -100,10 +100,15 @@ def test_a_normalized_error_of_exactly_one_passes_and_just_above_fails(statistic
     assert past["ok"] is False and past["error"] == 1.5
 
 
-def test_zero_tolerance_accepts_exact_equality_and_nothing_else() -> None:
-    exact = Tolerance(atol=0.0, rtol=0.0)
-    assert compare(np.zeros(3), np.zeros(3), exact, ParityConfig())["ok"] is True
-    assert compare(np.zeros(3), np.full(3, 1e-12), exact, ParityConfig())["ok"] is False
+@pytest.mark.parametrize("statistic", ["max", "mean", "quantile"])
+def test_zero_tolerance_accepts_exact_equality_and_nothing_else(statistic: str) -> None:
+    exact, cfg = Tolerance(atol=0.0, rtol=0.0), ParityConfig(statistic=statistic)
+    assert compare(np.zeros(3), np.zeros(3), exact, cfg) == {
+        "ok": True,
+        "error": 0.0,
+        "max_abs": 0.0,
+    }
+    assert compare(np.zeros(3), np.full(3, 1e-12), exact, cfg)["ok"] is False
 
 
 def _naive(ref: np.ndarray, out: np.ndarray, tol: Tolerance, cfg: ParityConfig) -> dict:
