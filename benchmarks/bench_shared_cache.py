@@ -1,0 +1,113 @@
+"""A fresh clone with the shared remote vs one without, side by side (issue 14).
+
+Clone A builds from nothing and pushes its outputs and run-cache to a real S3 API on
+localhost (moto's server mode, the same dvc-s3 path CI uses with a real bucket). Clone B, a
+fresh clone of the same commit, pulls (`shipyard cache pull`) and runs `dvc repro`: it must
+recompute 0 stages. Prints A's time, B's time and the ratio.
+
+Usage: python benchmarks/bench_shared_cache.py [TARGET]   (default bundle@tiny-gpt2;
+  `bundle@gpt2-small` needs its generated checkpoint: `make release` first)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def sh(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed in {cwd}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def timed(cmds: list[list[str]], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
+    start = time.perf_counter()
+    out = "".join(sh(c, cwd, env) for c in cmds)
+    return time.perf_counter() - start, out
+
+
+def moto() -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    sys.exit("moto_server did not start")
+
+
+def clone(into: Path, env: dict[str, str]) -> Path:
+    sh(["git", "clone", "-q", str(REPO), str(into)], REPO, env)
+    for folder in REPO.glob("models/*"):  # generated checkpoints are not in git
+        for f in folder.glob("*.safetensors"):
+            if not (into / f.relative_to(REPO)).exists():
+                shutil.copy2(f, into / f.relative_to(REPO))
+    return into
+
+
+def main() -> None:
+    import boto3
+
+    target = sys.argv[1] if len(sys.argv) > 1 else "bundle@tiny-gpt2"
+    proc, url = moto()
+    try:
+        env = {
+            **os.environ,
+            "PATH": f"{BIN}:{os.environ['PATH']}",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "SHIPYARD_DVC_REMOTE": "s3://shipyard-bench/dvc",
+            "SHIPYARD_DVC_ENDPOINT": url,
+        }
+        boto3.client(
+            "s3", endpoint_url=url, aws_access_key_id="testing", aws_secret_access_key="testing"
+        ).create_bucket(Bucket="shipyard-bench")
+        with tempfile.TemporaryDirectory() as tmp:
+            a = clone(Path(tmp) / "a", env)
+            t_a, out_a = timed([["dvc", "repro", target]], a, env)
+            built = len(re.findall(r"Running stage '", out_a))
+            t_push, _ = timed([["shipyard", "cache", "push"]], a, env)
+            b = clone(Path(tmp) / "b", env)
+            t_pull, _ = timed([["shipyard", "cache", "pull"]], b, env)
+            t_repro, out_b = timed([["dvc", "repro", target]], b, env)
+            rerun = re.findall(r"Running stage '([^']+)'", out_b)
+            bundle = f"build/{target.split('@', 1)[1]}/bundle" if "@" in target else None
+            if bundle:
+                sh(["shipyard", "verify", bundle], b, env)
+    finally:
+        proc.kill()
+    t_b = t_pull + t_repro
+    print(f"dvc repro {target} on a fresh clone, S3 remote on localhost (moto)")
+    print(f"A (no remote)   : {t_a:7.1f} s  ({built} stages ran); push {t_push:.1f} s")
+    print(f"B (pull + repro): {t_b:7.1f} s  (pull {t_pull:.1f} s + repro {t_repro:.1f} s)")
+    print(f"stages B reran  : {len(rerun)} {rerun if rerun else ''}")
+    print(f"B / A           : {t_b / t_a:.3f}  ({t_a / t_b:.1f}x faster)")
+    if rerun:
+        sys.exit("B recomputed stages: the shared remote did not restore everything")
+
+
+if __name__ == "__main__":
+    main()
