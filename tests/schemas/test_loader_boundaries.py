@@ -4,11 +4,14 @@ testing showed line, column and size checks that no test pinned down)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from schemas import SpecError
 from schemas.loader import MAX_SPEC_BYTES, load_release
+from tests.conftest import REPO
 
 
 def refuse(tmp_path: Path, text: str | bytes) -> SpecError:
@@ -87,3 +90,53 @@ def test_a_missing_file_and_a_folder_are_refused_by_name(tmp_path: Path) -> None
         load_release(tmp_path / "dir.yaml", shown="releases/dir.yaml")
     assert caught.value.path == "releases/dir.yaml"
     assert caught.value.problems[0].startswith("releases/dir.yaml: cannot read: ")
+
+
+def _spec_with(tmp_path: Path, change: Any) -> tuple[Path, list[str]]:
+    spec = yaml.safe_load((REPO / "releases" / "tiny-gpt2.yaml").read_text())
+    change(spec)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path, path.read_text().splitlines()
+
+
+@pytest.mark.parametrize(
+    ("change", "marker", "want"),
+    [
+        (
+            lambda s: s["quantization"]["calibration"].update(samples=-1),
+            "  samples: -1",
+            "quantization.calibration.samples: Input should be greater than or equal to 1 "
+            "(found -1)",
+        ),
+        (
+            lambda s: s["quantization"].update(bogus=1),
+            "bogus: 1",
+            "quantization.bogus: unknown key 'bogus'; check the spelling (see `shipyard schema`)",
+        ),
+        (
+            lambda s: s["model"].pop("path"),
+            "model:",
+            "model.path: required field is missing",
+        ),
+    ],
+)
+def test_union_members_never_appear_in_the_field_path(
+    tmp_path: Path, change: Any, marker: str, want: str
+) -> None:
+    """pydantic names the chosen union member (`int8-dynamic`, `hf`) in its locations; the
+    user's field path and line must not carry it."""
+    path, lines = _spec_with(tmp_path, change)
+    line = next(i for i, text in enumerate(lines, 1) if text.strip() == marker.strip())
+    with pytest.raises(SpecError) as caught:
+        load_release(path, shown="releases/spec.yaml")
+    assert caught.value.problems == [f"releases/spec.yaml:{line}: {want}"]
+
+
+def test_an_error_the_describer_cannot_place_still_gets_a_message() -> None:
+    from schemas.loader import _safe_describe
+
+    root = yaml.compose("name: x\n")
+    odd = {"loc": ("export", 3), "msg": "something odd"}  # no "type": the describer fails
+    assert _safe_describe("r.yaml", root, odd) == "r.yaml:1: export.3: something odd"
+    assert _safe_describe("r.yaml", root, {}) == "r.yaml:1: (top level): invalid"
