@@ -60,10 +60,11 @@ def moto() -> tuple[subprocess.Popen[bytes], str]:
 
 def clone(into: Path, env: dict[str, str]) -> Path:
     sh(["git", "clone", "-q", str(REPO), str(into)], REPO, env)
-    for folder in REPO.glob("models/*"):  # generated checkpoints are not in git
-        for f in folder.glob("*.safetensors"):
-            if not (into / f.relative_to(REPO)).exists():
-                shutil.copy2(f, into / f.relative_to(REPO))
+    for f in REPO.glob("models/*/*.safetensors"):  # generated checkpoints are not in git
+        target = into / f.relative_to(REPO)
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, target)
     return into
 
 
