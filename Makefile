@@ -7,6 +7,9 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 # `make release RELEASE_TARGETS=bundle@tiny-gpt2` builds one release only.
 RELEASE_TARGETS ?=
+# `make release REPRO_FLAGS=--pull` (CI, after `shipyard cache pull`): a stage found in the
+# shared run-cache fetches its outputs from the remote instead of running.
+REPRO_FLAGS ?=
 # Example checkpoints too big to commit are generated (deterministically) before the build.
 CHECKPOINTS ?= models/gpt2-small/model.safetensors
 
@@ -23,7 +26,7 @@ models/%/model.safetensors: scripts/make_checkpoint.py | $(STAMP)
 
 release: $(STAMP) $(CHECKPOINTS)
 	$(BIN)/shipyard compile --check
-	$(BIN)/dvc repro $(RELEASE_TARGETS)
+	$(BIN)/dvc repro $(REPRO_FLAGS) $(RELEASE_TARGETS)
 	for bundle in build/*/bundle; do $(BIN)/shipyard verify $$bundle || exit 1; done
 
 lint: $(STAMP)
