@@ -34,8 +34,11 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/mypy schemas pipelines stages
 
+# The slow-marked end-to-end tests (dvc repro of real releases, a >2 GiB model, parallel
+# builds) run where CI is set, as .ci/run does; `make test CI=1` runs them locally too.
+CI ?=
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(CI),,-m "not slow")
 
 # Mutation testing of the guarantee modules (scripts/mutation.py): kill rate and survivors.
 # `make mutation CHANGED=origin/main` mutates only the modules a change touches (CI).
