@@ -60,6 +60,9 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
         "reports/loadtest/latency_throughput.svg",
         "reports/loadtest/ttft_itl.png",
         "reports/loadtest/ttft_itl.svg",
+        # the curves' data, as `dvc plots` reads them
+        "reports/loadtest/plots/latency_throughput.json",
+        "reports/loadtest/plots/streaming.json",
         "model/quant_info.json",
         "serving.yaml",
         "ort_session.json",
