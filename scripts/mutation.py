@@ -104,7 +104,7 @@ RULES_DOC = (
 EXTRA_ARGS: dict[str, list[str]] = {
     "schemas/loader.py": ["--deselect", RULES_DOC],
     "schemas/release.py": ["--deselect", RULES_DOC],
-    "pipelines/registry.py": ["-k", "not s3"],
+    "pipelines/registry.py": ["-k", "not s3 and not object_store"],
 }
 
 # Imported at start-up by every Python process the tests spawn (on their PYTHONPATH). While
