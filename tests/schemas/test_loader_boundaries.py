@@ -75,8 +75,10 @@ def test_the_size_limit_holds_exactly_at_its_boundary(tmp_path: Path) -> None:
     assert len(at.encode()) == MAX_SPEC_BYTES
     assert "is over" not in " ".join(refuse(tmp_path, at).problems)
     over = head + "#" * (MAX_SPEC_BYTES - len(head)) + "\n"
-    assert refuse(tmp_path, over).problems[0].startswith(
-        "releases/spec.yaml:1: the file is over 256 KiB"
+    assert (
+        refuse(tmp_path, over)
+        .problems[0]
+        .startswith("releases/spec.yaml:1: the file is over 256 KiB")
     )
 
 
