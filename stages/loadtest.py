@@ -107,7 +107,7 @@ def verdict(
     if errors:
         reasons.append(f"{errors} request(s) failed in the ramp: {_first_error(results)}")
     keys = ("concurrency", "throughput_rps", "p95_latency_ms", "stable", "window_throughput")
-    points = [{k: p.get(k) for k in keys} for p in results["ramp"]["points"]]
+    points = _rows(results["ramp"]["points"], keys)
     head = _headline(results)
     out = LoadTestSummary(summary=head, slo=slo, plots=plots, ramp=points)
     details = out.model_dump()
