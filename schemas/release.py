@@ -252,14 +252,6 @@ class ReleaseSpec(Strict):
                 f"{r.input_length + r.output_tokens - 1} exceeds the export's sequence or "
                 "past_sequence max; lower them or widen export.dims"
             )
-        s = self.bundle.serving
-        if s.preferred_batch_sizes and s.max_batch_size:
-            over = [b for b in s.preferred_batch_sizes if b > s.max_batch_size]
-            if over:
-                raise ValueError(
-                    f"bundle.serving.preferred_batch_sizes {over} exceed max_batch_size "
-                    f"{s.max_batch_size}"
-                )
 
     def _check_serving(self) -> None:
         """Rule: bundle.serving.max_batch_size <= export.dims.batch.max; each preferred batch size

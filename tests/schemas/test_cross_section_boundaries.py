@@ -40,6 +40,36 @@ def serving(**fields: Any) -> Change:
     return lambda s: s["bundle"].setdefault("serving", {}).update(fields)
 
 
+def ramp(input_length: int, output_tokens: int, **dims: dict[str, int]) -> Change:
+    def change(s: dict[str, Any]) -> None:
+        s["loadtest"] = {
+            **s["loadtest"],
+            "ramp": {**s["loadtest"]["ramp"], "input_length": input_length},
+        }
+        s["loadtest"]["ramp"]["output_tokens"] = output_tokens
+        s["export"]["dims"].update(dims)
+
+    return change
+
+
+def profile(**dims: tuple[int, int]) -> Change:
+    """One engine profile `p` with these [min, max] ranges (opt = min)."""
+    ranges = {k: {"min": lo, "opt": lo, "max": hi} for k, (lo, hi) in dims.items()}
+    return lambda s: s.update(engine={"profiles": [{"name": "p", "dims": ranges}]})
+
+
+def graphs(*sizes: int, served: int | None = None, **dims: tuple[int, int]) -> Change:
+    """CUDA graphs for `sizes`, optionally a served max and one profile `p` over `dims`."""
+
+    def change(s: dict[str, Any]) -> None:
+        profile(**dims)(s) if dims else s.update(engine={})
+        s["engine"]["cuda_graphs"] = {"batch_sizes": list(sizes)}
+        if served is not None:
+            serving(max_batch_size=served)(s)
+
+    return change
+
+
 # gpt2_spec: batch max 3, sequence max 64, past_sequence max 24
 CASES = [
     (
@@ -65,13 +95,64 @@ CASES = [
     (
         serving(max_batch_size=2, preferred_batch_sizes=[2]),
         serving(max_batch_size=2, preferred_batch_sizes=[3]),
-        "bundle.serving.preferred_batch_sizes: [3] exceed max_batch_size 2",  # section rule
+        "bundle.serving.preferred_batch_sizes: 3 is beyond the served max_batch_size 2; "
+        "each preferred size must be <= it",
     ),
     (
         serving(preferred_batch_sizes=[3]),  # no max_batch_size: the export's batch max
         serving(preferred_batch_sizes=[4]),
         "bundle.serving.preferred_batch_sizes: 4 is beyond the served max_batch_size 3; "
         "each preferred size must be <= it",
+    ),
+    (
+        ramp(8, 17),  # 8 + 17 - 1 = 24, the past_sequence max (below sequence's 64)
+        ramp(8, 18),
+        "loadtest.ramp: input_length + output_tokens - 1 = 25 exceeds the export's sequence "
+        "or past_sequence max; lower them or widen export.dims",
+    ),
+    (  # the smaller of the two maxima is the limit, here sequence
+        ramp(4, 17, sequence={"min": 1, "opt": 4, "max": 20}),
+        ramp(4, 18, sequence={"min": 1, "opt": 4, "max": 20}),
+        "loadtest.ramp: input_length + output_tokens - 1 = 21 exceeds the export's sequence "
+        "or past_sequence max; lower them or widen export.dims",
+    ),
+    (
+        profile(batch=(1, 3)),
+        profile(batch=(1, 4)),
+        "engine.profiles[0]: (p) dim 'batch' [1, 4] lies outside the export's [1, 3]",
+    ),
+    (  # the lower end too: the export's sequence starts at 2 here
+        lambda s: (s["export"]["dims"]["sequence"].update(min=2), profile(sequence=(2, 64))(s)),
+        lambda s: (s["export"]["dims"]["sequence"].update(min=2), profile(sequence=(1, 64))(s)),
+        "engine.profiles[0]: (p) dim 'sequence' [1, 64] lies outside the export's [2, 64]",
+    ),
+    (
+        profile(past_sequence=(0, 24)),
+        profile(past_sequence=(0, 24), frames=(1, 2)),
+        "engine.profiles[0]: (p) dim 'frames' is not in export.dims "
+        "(['batch', 'past_sequence', 'sequence'])",
+    ),
+    (
+        lambda s: s.update(engine={"profiles": [{"name": "a"}, {"name": "b"}]}),
+        lambda s: s.update(engine={"profiles": [{"name": "a"}, {"name": "b"}, {"name": "a"}]}),
+        "engine.profiles: names ['a'] more than once; profile names must be unique (Triton "
+        "and the engine report refer to profiles by name)",
+    ),
+    (
+        graphs(1, 2, batch=(1, 2)),  # the profile's range, not the export's
+        graphs(1, 3, batch=(1, 2)),
+        "engine.cuda_graphs.batch_sizes: has 3, outside every profile's batch range",
+    ),
+    (
+        graphs(3),  # a profile without `batch` takes the export's [1, 3]
+        graphs(4),
+        "engine.cuda_graphs.batch_sizes: has 4, outside every profile's batch range",
+    ),
+    (
+        graphs(1, 2, served=2),
+        graphs(1, 3, served=2),
+        "engine.cuda_graphs.batch_sizes: [3] exceed bundle.serving.max_batch_size 2; a graph "
+        "for a batch never served is wasted memory: drop them or raise max_batch_size",
     ),
 ]
 
@@ -113,3 +194,44 @@ def test_a_perplexity_budget_belongs_to_language_models_only(tmp_path: Path) -> 
     ), problems
     other["quantization"]["budget"] = {"snr_db_min": 20.0}
     assert check(tmp_path, other) == []
+
+
+def test_a_batch_inside_any_one_profile_is_enough_for_a_cuda_graph(tmp_path: Path) -> None:
+    spec = gpt2_spec()
+    one, rest = ({"min": 1, "opt": 1, "max": 1}, {"min": 2, "opt": 2, "max": 3})
+    spec["engine"] = {
+        "profiles": [
+            {"name": "one", "dims": {"batch": one}},
+            {"name": "rest", "dims": {"batch": rest}},
+        ],
+        "cuda_graphs": {"batch_sizes": [1, 2, 3]},
+    }
+    assert check(tmp_path, spec) == []
+    spec["engine"]["profiles"][1]["dims"]["batch"].update(min=3, opt=3)  # 2 is in neither
+    problems = check(tmp_path, spec)
+    assert len(problems) == 1 and problems[0].endswith("has 2, outside every profile's batch range")
+
+
+def test_disabled_cuda_graphs_are_not_checked(tmp_path: Path) -> None:
+    spec = gpt2_spec()
+    spec["engine"] = {"cuda_graphs": {"enabled": False, "batch_sizes": [9]}}
+    spec["bundle"]["serving"] = {"max_batch_size": 2}
+    assert check(tmp_path, spec) == []
+    spec["engine"]["cuda_graphs"]["enabled"] = True
+    problems = check(tmp_path, spec)
+    assert len(problems) == 1 and "[9] exceed bundle.serving.max_batch_size 2" in problems[0]
+
+
+def test_a_model_without_a_kv_cache_has_no_ramp_length_limit(tmp_path: Path) -> None:
+    spec = generic_spec("gen", "small")
+    spec["loadtest"] = {**spec["loadtest"], "ramp": {"input_length": 500, "output_tokens": 500}}
+    assert check(tmp_path, spec) == []
+
+
+def test_a_model_without_a_batch_dim_has_no_served_batch_limit(tmp_path: Path) -> None:
+    spec = generic_spec("gen", "small")
+    spec["export"]["dims"] = {"rows": {"min": 1, "opt": 2, "max": 4}}
+    spec["export"]["inputs"][0]["shape"] = ["rows", 4, 8]
+    spec["export"]["outputs"][0]["shape"] = ["rows"]
+    spec["bundle"]["serving"] = {"preferred_batch_sizes": [64]}
+    assert check(tmp_path, spec) == []
