@@ -68,44 +68,40 @@ GUARANTEES: dict[str, list[str]] = {
         PLAN + "test_a_context_beyond_the_export_is_refused_with_the_fix",
         PLAN + "test_when_even_one_sequence_does_not_fit_the_largest_batch_is_zero",
     ],
+    # the in-process units on synthetic bundles; the trust-chain tests on a built tiny-gpt2
+    # (test_registry_trust.py) are left out: each would rebuild the release per mutant
     "pipelines/registry.py": [
+        "tests/pipelines/test_registry_units.py",
         TRUST + "test_attack_4_registry_paths_cannot_leave_the_root",
-        TRUST + "test_attack_5_two_concurrent_publishes_of_one_version_leave_one_good_copy",
-        TRUST + "test_attack_5_an_interrupted_publish_is_finished_or_removed_saying_which",
-        TRUST + "test_attack_6_a_torn_history_line_is_reported_never_blocking",
-        TRUST + "test_attack_6_object_store_history_appends_one_object_per_entry",
-        TRUST + "test_remote_lock_is_owner_stamped_and_a_stale_one_expires",
-        TRUST + "test_attack_7_publish_hashes_what_it_copied_not_what_it_checked",
     ],
     "stages/serving/mlserver_runtime.py": [
         RUNTIME + "test_two_prompts_of_different_lengths_in_one_batch_window_are_both_right",
         RUNTIME + "test_streams_hold_a_model_instance_and_count_in_the_queue",
         RUNTIME + "test_a_failed_merge_answers_every_request_of_the_batch_at_once",
     ],
-    # end-to-end only: each mutant rebuilds the tiny release (slow; CI runs these only when
-    # the module changes)
+    # verify and the manifest: synthetic bundles, directly and through the registry
     "stages/bundling/oms.py": [
-        "tests/stages/test_manifest_and_bundle.py",
-        "tests/pipelines/test_registry_trust.py",
+        "tests/stages/test_verify_units.py",
+        "tests/pipelines/test_registry_units.py",
     ],
+    # the gate on a synthetic build folder, and its command's exit code
     "pipelines/gate.py": [
-        "tests/pipelines/test_gate_and_registry.py",
-        "tests/pipelines/test_boundaries.py",
+        "tests/pipelines/test_gate_units.py",
+        "tests/pipelines/test_boundaries.py::test_gate_exits_4_with_the_failing_checks_on_a_failed_release",
     ],
-    "stages/quant/calibration.py": ["tests/stages/test_quantize.py"],
+    # the loader on real JSONL/NPZ files and tiny-gpt2's tokenizer, without an export
+    "stages/quant/calibration.py": ["tests/stages/test_calibration_units.py"],
 }
 
 # Extra pytest arguments per module: tests that cannot run under mutmut. The rules document
 # is generated from the validators' docstrings, which mutmut's copies of each validator
-# repeat; the S3 variants (object store, remote lock) need a moto server, which a forked
-# mutant run does not inherit.
+# repeat.
 RULES_DOC = (
     "tests/schemas/test_hostile_specs.py::test_the_spec_rules_document_is_generated_from_the_schema"
 )
 EXTRA_ARGS: dict[str, list[str]] = {
     "schemas/loader.py": ["--deselect", RULES_DOC],
     "schemas/release.py": ["--deselect", RULES_DOC],
-    "pipelines/registry.py": ["-k", "not s3 and not object_store and not remote_lock"],
 }
 
 # Imported at start-up by every Python process the tests spawn (on their PYTHONPATH). While

@@ -1,0 +1,300 @@
+"""The gate's rules at their boundaries, in-process on a synthetic build folder (issue 16:
+the gate's end-to-end tests build tiny-gpt2, which mutation testing cannot afford per
+mutant). The reports are real StageReport files where the stages write them, the bundle is
+a real verifiable folder, production is a real registry with a published bundle; the CLI
+is the real `shipyard gate` entry point and its exit code."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipelines.cli import main
+from pipelines.gate import GateResult, Row, gate
+from pipelines.registry import Registry
+from schemas import ReleaseSpec
+from stages import load_stages
+from stages._runtime import report_dir
+from tests.conftest import Workspace, gpt2_spec
+from tests.pipelines.test_registry_units import make_bundle
+
+RELEASE = "tiny-gpt2"
+STAGES = list(load_stages())
+
+
+def report(ws: Workspace, stage: str, status: str = "passed", **extra: Any) -> None:
+    folder = report_dir(ws.root / "build" / RELEASE, stage)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {
+        "stage": stage,
+        "release": RELEASE,
+        "status": status,
+        "summary": f"{stage} summary",
+        "reasons": extra.pop("reasons", []),
+        "metrics": extra.pop("metrics", {}),
+        "details": extra.pop("details", {}),
+    }
+    (folder / "report.json").write_text(json.dumps(data))
+
+
+def all_passed(ws: Workspace) -> None:
+    for stage in STAGES:
+        report(ws, stage)
+
+
+def spec(ws: Workspace, **overrides: Any) -> ReleaseSpec:
+    """tiny-gpt2 without production thresholds (those have their own tests below)."""
+    s = gpt2_spec(**overrides)
+    s["evaluation"]["thresholds"] = []
+    return ws.spec(s)
+
+
+def verdicts(result: GateResult) -> dict[str, str]:
+    return {r.check: r.verdict for r in result.rows}
+
+
+def test_every_stage_passed_is_a_pass(ws: Workspace) -> None:
+    all_passed(ws)
+    result = gate(ws.root, [spec(ws)], None)
+    assert verdicts(result) == dict.fromkeys(STAGES, "PASS")
+    assert result.ok and [r.detail for r in result.rows][0] == f"{STAGES[0]} summary"
+    assert result.markdown().startswith("## Shipyard release gate: PASS\n\n")
+    assert result.markdown().endswith("\n\nEvery check passed.\n")
+
+
+def test_a_missing_failed_or_skipped_stage_fails_naming_why(ws: Workspace) -> None:
+    all_passed(ws)
+    shutil.rmtree(report_dir(ws.root / "build" / RELEASE, "parity"))
+    report(ws, "quantize", "failed", reasons=["snr 3 dB < 20", "size 1.0x"])
+    report(ws, "evaluate", "failed")  # no reasons: the summary
+    report(ws, "loadtest", "skipped", reasons=["no server"], details={"optional": True})
+    rows = {r.check: r for r in gate(ws.root, [spec(ws)], None).rows}
+    assert (rows["parity"].verdict, rows["parity"].detail) == (
+        "FAIL",
+        f"no report: run `dvc repro parity@{RELEASE}`",
+    )
+    assert (rows["quantize"].verdict, rows["quantize"].detail) == (
+        "FAIL",
+        "snr 3 dB < 20; size 1.0x",
+    )
+    assert (rows["evaluate"].verdict, rows["evaluate"].detail) == ("FAIL", "evaluate summary")
+    # only the engine may skip: an optional skip elsewhere is still a failure
+    assert (rows["loadtest"].verdict, rows["loadtest"].detail) == (
+        "FAIL",
+        "skipped, but required: no server",
+    )
+    assert sum(r.verdict == "FAIL" for r in rows.values()) == 4
+
+
+@pytest.mark.parametrize(
+    ("optional", "required", "verdict"),
+    [(True, False, "n/a"), (True, True, "FAIL"), (False, False, "FAIL")],
+)
+def test_the_engine_may_skip_only_where_optional_and_not_required(
+    ws: Workspace, optional: bool, required: bool, verdict: str
+) -> None:
+    all_passed(ws)
+    report(ws, "engine", "skipped", reasons=["no GPU"], details={"optional": optional})
+    result = gate(ws.root, [spec(ws, engine={"required": required})], None)
+    engine = next(r for r in result.rows if r.check == "engine")
+    assert engine.verdict == verdict
+    if verdict == "n/a":
+        assert engine.detail == "skipped (optional): engine summary"
+    else:
+        assert engine.detail == "skipped, but required: no GPU"
+    assert result.ok is (verdict == "n/a")
+
+
+def test_the_built_bundle_is_verified_and_its_digest_shown(ws: Workspace) -> None:
+    all_passed(ws)
+    assert "bundle verify" not in verdicts(gate(ws.root, [spec(ws)], None))  # none built
+    bundle = make_bundle(ws.root / "build" / RELEASE / "bundle")
+    digest = json.loads((bundle / "manifest.json").read_text())["subject"][0]["digest"]["sha256"]
+    row = next(r for r in gate(ws.root, [spec(ws)], None).rows if r.check == "bundle verify")
+    assert (row.verdict, row.detail) == (
+        "PASS",
+        f"bundle digest (OMS root, manifest.json subject) {digest}",
+    )
+    for name in ("a", "b", "c", "d"):
+        (bundle / f"{name}.py").write_text("x")
+    result = gate(ws.root, [spec(ws)], None)
+    row = next(r for r in result.rows if r.check == "bundle verify")
+    assert row.verdict == "FAIL" and not result.ok
+    assert row.detail == "; ".join(f"{n}.py: added (not in the manifest)" for n in "abc")
+
+
+def test_each_judged_slo_is_a_row_with_its_verdict(ws: Workspace) -> None:
+    all_passed(ws)
+    slo = [
+        {"slo": "p95_latency_ms", "ok": True, "why": "p95 80 ms <= 100"},
+        {"slo": "min_throughput_rps", "ok": False, "why": "12 rps < 20"},
+    ]
+    report(ws, "loadtest", details={"slo": slo})
+    rows = {r.check: r for r in gate(ws.root, [spec(ws)], None).rows}
+    assert (rows["SLO p95_latency_ms"].verdict, rows["SLO p95_latency_ms"].detail) == (
+        "PASS",
+        "p95 80 ms <= 100",
+    )
+    assert rows["SLO min_throughput_rps"].verdict == "FAIL"
+
+
+# --------------------------------------------------------------------------- production
+def production_spec(ws: Workspace, change: float, up: bool = False) -> ReleaseSpec:
+    s = gpt2_spec(version="0.2.0")
+    s["evaluation"]["thresholds"] = [
+        {
+            "metric": "perplexity",
+            "min_relative_change": change,
+            "greater_is_better": up,
+            "baseline": "production",
+        }
+    ]
+    return ws.spec(s)
+
+
+def in_production(ws: Workspace, perplexity: float | None) -> Registry:
+    registry = Registry(str(ws.root / "registry"))
+    evaluation = {} if perplexity is None else {"perplexity": perplexity}
+    bundle = make_bundle(ws.root / "prod-bundle", evaluation=evaluation)
+    registry.publish(bundle, RELEASE, "0.1.0")
+    registry.promote(RELEASE, "0.1.0", "production", "first")
+    return registry
+
+
+def candidate(ws: Workspace, perplexity: float) -> None:
+    all_passed(ws)
+    report(ws, "evaluate", metrics={"perplexity": perplexity})
+
+
+def production_row(result: GateResult) -> Row:
+    (row,) = [r for r in result.rows if "vs production" in r.check]
+    return row
+
+
+@pytest.mark.parametrize(
+    ("change", "value", "verdict"),
+    [
+        (0.0, 100.0, "PASS"),  # equal, no change demanded
+        (0.0, 100.5, "FAIL"),  # worse (lower is better), no loss allowed
+        (-0.01, 101.0, "PASS"),  # exactly the 1 % loss allowed
+        (-0.01, 101.5, "FAIL"),  # past it
+        (0.01, 99.0, "PASS"),  # exactly the 1 % gain demanded
+        (0.01, 99.5, "FAIL"),  # short of it
+    ],
+)
+def test_a_production_threshold_at_its_boundary(
+    ws: Workspace, change: float, value: float, verdict: str
+) -> None:
+    registry = in_production(ws, 100.0)
+    candidate(ws, value)
+    row = production_row(gate(ws.root, [production_spec(ws, change)], registry))
+    assert (row.check, row.verdict) == ("perplexity vs production 0.1.0", verdict), row.detail
+
+
+def test_greater_is_better_flips_the_direction(ws: Workspace) -> None:
+    registry = in_production(ws, 100.0)
+    candidate(ws, 99.0)
+    row = production_row(gate(ws.root, [production_spec(ws, -0.01, up=True)], registry))
+    assert row.verdict == "PASS"
+    candidate(ws, 98.5)
+    row = production_row(gate(ws.root, [production_spec(ws, -0.01, up=True)], registry))
+    assert row.verdict == "FAIL"
+
+
+def test_without_production_the_comparison_is_n_a(ws: Workspace) -> None:
+    candidate(ws, 100.0)
+    note = "no release of this name in production yet; nothing to regress from"
+    for registry in (None, Registry(str(ws.root / "empty"))):
+        row = production_row(gate(ws.root, [production_spec(ws, 0.0)], registry))
+        assert (row.check, row.verdict, row.detail) == ("perplexity vs production", "n/a", note)
+    # a threshold against the reference, or without a change, is not a production row
+    s = gpt2_spec()
+    s["evaluation"]["thresholds"] = [
+        {"metric": "perplexity", "threshold": 1e9, "greater_is_better": False},
+        {
+            "metric": "perplexity",
+            "min_relative_change": 0,
+            "greater_is_better": False,
+            "baseline": "reference",
+        },
+    ]
+    registry = in_production(ws, 100.0)
+    assert not [r for r in gate(ws.root, [ws.spec(s)], registry).rows if "production" in r.check]
+
+
+def test_production_that_does_not_verify_or_lacks_the_metric_fails(ws: Workspace) -> None:
+    registry = in_production(ws, None)
+    candidate(ws, 100.0)
+    row = production_row(gate(ws.root, [production_spec(ws, 0.0)], registry))
+    assert (row.verdict, row.detail) == ("FAIL", "production's manifest lacks this metric")
+    published = Path(registry.path("releases", RELEASE, "0.1.0", "model.onnx"))
+    published.chmod(0o644)
+    published.write_bytes(b"tampered")
+    row = production_row(gate(ws.root, [production_spec(ws, 0.0)], registry))
+    assert row.verdict == "FAIL"
+    assert row.detail.startswith("production 0.1.0 does not verify: published tiny-gpt2@0.1.0 ")
+    assert "model.onnx: changed" in row.detail and "\n" not in row.detail
+
+
+def test_no_evaluate_report_means_no_production_row(ws: Workspace) -> None:
+    registry = in_production(ws, 100.0)
+    all_passed(ws)
+    shutil.rmtree(report_dir(ws.root / "build" / RELEASE, "evaluate"))
+    result = gate(ws.root, [production_spec(ws, 0.0)], registry)
+    assert [r for r in result.rows if "production" in r.check] == []
+    assert verdicts(result)["evaluate"] == "FAIL"
+
+
+# --------------------------------------------------------------------------- the report
+def test_the_markdown_counts_failures_and_escapes_table_pipes() -> None:
+    result = GateResult(
+        [
+            Row("r", "a", "PASS", "fine"),
+            Row("r", "b", "FAIL", "x | y"),
+            Row("r", "c", "n/a", "skipped"),
+            Row("r", "d", "FAIL", "z"),
+        ]
+    )
+    assert not result.ok
+    assert result.markdown() == (
+        "## Shipyard release gate: FAIL\n\n"
+        "| release | check | verdict | detail |\n|---|---|---|---|\n"
+        "| r | a | ✅ PASS | fine |\n| r | b | ❌ FAIL | x / y |\n"
+        "| r | c | ➖ n/a | skipped |\n| r | d | ❌ FAIL | z |\n\n2 check(s) failed.\n"
+    )
+    assert GateResult([Row("r", "c", "n/a", "")]).ok
+
+
+# --------------------------------------------------------------------------- the command
+def test_the_gate_command_exits_4_on_one_failure_and_0_when_all_pass(
+    ws: Workspace, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SHIPYARD_ROOT", str(ws.root))
+    ws.write(gpt2_spec())
+    all_passed(ws)
+    report(ws, "loadtest", "failed", reasons=["p95 over"])
+    registry = ["--registry", str(ws.root / "registry")]
+    assert main(["gate", RELEASE, *registry, "--report", str(ws.root / "gate.md")]) == 4
+    out, err = capsys.readouterr()
+    assert "gate passed" not in out
+    assert "error: gate failed: 1 check(s) did not pass" in err
+    assert "| loadtest | ❌ FAIL | p95 over |" in (ws.root / "gate.md").read_text()
+    report(ws, "loadtest")
+    assert main(["gate", RELEASE, *registry]) == 0
+    assert capsys.readouterr().out.endswith("gate passed\n")
+    # and the installed command says the same through its exit code
+    report(ws, "parity", "failed", reasons=["max error 3.2"])
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("shipyard")), "gate", RELEASE, *registry],
+        capture_output=True,
+        text=True,
+        cwd=ws.root,
+        timeout=120,
+    )
+    assert done.returncode == 4 and "FAIL" in done.stdout and "max error 3.2" in done.stdout

@@ -1,0 +1,414 @@
+"""The registry's guarantees at their boundaries, in-process and on small synthetic bundles
+(issue 16: the trust-chain tests publish a built tiny-gpt2 through the CLI, so mutation
+testing reached none of registry.py's code in-process). Each bundle here is real: files, a
+manifest that `verify_bundle` accepts, stage reports and facts; only the model is a few bytes.
+The object-store paths run in test_registry_trust.py against a real S3 API."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import pipelines.registry as reg
+from pipelines.registry import Registry, check_channel, check_name, check_version
+from schemas import RegistryError
+from stages.bundling.oms import load_manifest
+from tests.conftest import remanifest
+
+
+def make_bundle(
+    folder: Path,
+    statuses: dict[str, str] | None = None,
+    payload: bytes = b"weights",
+    details: dict[str, dict[str, Any]] | None = None,
+    facts: dict[str, str] | None = None,
+    evaluation: dict[str, float] | None = None,
+) -> Path:
+    """A bundle that verifies: a model file, one report per stage, facts that repeat each
+    verdict (unless `facts` says otherwise) and a manifest over all of it."""
+    statuses = statuses or {"export": "passed", "parity": "passed"}
+    (folder / "reports").mkdir(parents=True)
+    (folder / "model.onnx").write_bytes(payload)
+    for stage, status in statuses.items():
+        report = {
+            "stage": stage,
+            "release": "demo",
+            "status": status,
+            "summary": f"{stage} {status}",
+            "details": (details or {}).get(stage, {}),
+        }
+        (folder / "reports" / f"{stage}.json").write_text(json.dumps(report))
+    verdicts = {**statuses, **(facts or {})}
+    shipyard = {
+        "release": "demo",
+        "stages": {s: {"status": v} for s, v in verdicts.items()},
+        "evaluation": evaluation or {},
+    }
+    (folder / "shipyard.json").write_text(json.dumps(shipyard))
+    remanifest(folder, "demo@1.0.0")
+    return folder
+
+
+def digest_of(bundle: Path) -> str:
+    return load_manifest(bundle / "manifest.json").digest
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Registry:
+    return Registry(str(tmp_path / "registry"))
+
+
+@pytest.fixture
+def bundle(tmp_path: Path) -> Path:
+    return make_bundle(tmp_path / "bundle")
+
+
+def published(registry: Registry, tmp_path: Path, *versions: str) -> None:
+    for v in versions:
+        registry.publish(make_bundle(tmp_path / f"b-{v}", payload=v.encode()), "demo", v)
+
+
+# --------------------------------------------------------------------------- names
+def test_names_versions_and_channels_at_their_limits() -> None:
+    assert check_name("a" * 128) == "a" * 128
+    assert check_name("a.b_c-1") == "a.b_c-1"
+    for bad in ("a" * 129, "", "A", "-a", ".a", "a..b", "a/b", None):
+        with pytest.raises(RegistryError, match="release name .* is not valid"):
+            check_name(bad)  # type: ignore[arg-type]
+    assert check_version("1.2.0-rc.1+build.5") == "1.2.0-rc.1+build.5"
+    for bad in ("1.2", "01.2.0", "1.2.0/..", "", None):
+        with pytest.raises(RegistryError, match=r"is not Semantic Versioning 2\.0"):
+            check_version(bad)  # type: ignore[arg-type]
+    assert check_channel("a" + "b" * 62) == "a" + "b" * 62
+    assert check_channel("canary-eu") == "canary-eu"
+    for bad in ("a" + "b" * 63, "1a", "Production", "a_b", "", None):
+        with pytest.raises(RegistryError, match="channel .* is not valid"):
+            check_channel(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("part", ["", "a/b", "a\\b", ".", "..", "a\0b"])
+def test_no_path_part_can_leave_the_root(registry: Registry, part: str) -> None:
+    with pytest.raises(RegistryError, match="is not allowed"):
+        registry.path("releases", part)
+
+
+def test_a_symlink_out_of_the_root_is_refused_and_the_root_itself_is_fine(
+    registry: Registry, tmp_path: Path
+) -> None:
+    assert registry.path() == registry.root
+    (tmp_path / "elsewhere").mkdir()
+    Path(registry.root, "releases").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(RegistryError, match="releases/demo resolves outside the registry"):
+        registry.path("releases", "demo")
+    # a sibling whose name starts like the root is outside too
+    Path(registry.root + "-evil").mkdir()
+    Path(registry.root, "channels").symlink_to(registry.root + "-evil")
+    with pytest.raises(RegistryError, match="resolves outside"):
+        registry.path("channels", "x")
+
+
+# --------------------------------------------------------------------------- publish
+def test_publish_records_the_copied_digest_read_only(
+    registry: Registry, bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHIPYARD_USER", "ci-bot")
+    record = registry.publish(bundle, "demo", "1.0.0")
+    assert record["digest"] == digest_of(bundle) and record["by"] == "ci-bot"
+    assert (record["release"], record["version"], record["recovered"]) == ("demo", "1.0.0", [])
+    assert "already" not in record
+    stored = registry.record("demo", "1.0.0")
+    assert stored is not None and stored["digest"] == record["digest"]
+    assert stored["at"] == record["at"] and "recovered" not in stored
+    folder = Path(registry.path("releases", "demo", "1.0.0"))
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.rglob("*") if p.is_file()}
+    assert modes and set(modes.values()) == {0o444}, modes
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["1.0.0", "1.0.0.json"]
+    # the same bundle again: said, not copied
+    again = registry.publish(bundle, "demo", "1.0.0")
+    assert again["already"] is True and again["digest"] == record["digest"]
+
+
+def test_a_published_version_is_immutable(registry: Registry, bundle: Path, tmp_path: Path) -> None:
+    registry.publish(bundle, "demo", "1.0.0")
+    other = make_bundle(tmp_path / "other", payload=b"other weights")
+    with pytest.raises(RegistryError, match="already published with digest .* bump `version`"):
+        registry.publish(other, "demo", "1.0.0")
+    assert registry.facts("demo", "1.0.0")["release"] == "demo"
+    assert registry.publish(other, "demo", "1.0.1")["digest"] == digest_of(other)
+
+
+@pytest.mark.parametrize(
+    ("statuses", "details", "facts", "refused"),
+    [
+        ({"parity": "failed"}, {}, {}, "parity: failed"),
+        ({"engine": "skipped"}, {}, {}, "engine: skipped"),  # not optional
+        ({"parity": "passed"}, {}, {"parity": "failed"}, r"parity: failed \(shipyard.json\)"),
+        ({"parity": "passed"}, {}, {"quantize": "skipped"}, r"quantize: skipped \(shipyard"),
+    ],
+)
+def test_only_a_release_whose_stages_passed_is_published(
+    registry: Registry,
+    tmp_path: Path,
+    statuses: dict[str, str],
+    details: dict[str, dict[str, Any]],
+    facts: dict[str, str],
+    refused: str,
+) -> None:
+    bad = make_bundle(tmp_path / "bad", statuses, details=details, facts=facts)
+    with pytest.raises(RegistryError, match=f"has stages that did not pass .*{refused}"):
+        registry.publish(bad, "demo", "1.0.0")
+    assert registry.record("demo", "1.0.0") is None
+    assert os.listdir(registry.path("releases", "demo")) == []
+
+
+def test_an_optional_skipped_stage_is_published(registry: Registry, tmp_path: Path) -> None:
+    ok = make_bundle(
+        tmp_path / "ok",
+        {"parity": "passed", "engine": "skipped"},
+        details={"engine": {"optional": True}},
+    )
+    assert registry.publish(ok, "demo", "1.0.0")["digest"] == digest_of(ok)
+
+
+def test_a_bundle_that_does_not_verify_or_holds_a_foreign_report_is_refused(
+    registry: Registry, bundle: Path
+) -> None:
+    (bundle / "model.onnx").write_bytes(b"swapped")
+    with pytest.raises(
+        RegistryError, match=r"does not match its manifest.*\n  model.onnx: changed"
+    ):
+        registry.publish(bundle, "demo", "1.0.0")
+    (bundle / "reports" / "notes.json").write_text('{"free": "form"}')
+    remanifest(bundle, "demo@1.0.0")
+    with pytest.raises(RegistryError, match=r"reports/notes.json is not a stage report"):
+        registry.publish(bundle, "demo", "1.0.0")
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"release": "demo"}', b"[1]"])
+def test_an_unreadable_publish_record_is_an_error_not_a_missing_one(
+    registry: Registry, bundle: Path, content: bytes
+) -> None:
+    registry.publish(bundle, "demo", "1.0.0")
+    record = Path(registry.path("releases", "demo", "1.0.0.json"))
+    record.chmod(0o644)
+    record.write_bytes(content)
+    with pytest.raises(RegistryError, match="1.0.0.json is unreadable; restore it"):
+        registry.record("demo", "1.0.0")
+
+
+# --------------------------------------------------------------------------- check
+def test_check_finishes_removes_and_reports_each_interrupted_publish(
+    registry: Registry, tmp_path: Path
+) -> None:
+    assert registry.check() == []  # no releases folder yet
+    good, bad = make_bundle(tmp_path / "good"), make_bundle(tmp_path / "bad", payload=b"x")
+    (bad / "model.onnx").write_bytes(b"y")  # does not verify
+    releases = Path(registry.path("releases"))
+    (releases / "demo").mkdir(parents=True)
+    for name, source in (("1.0.0", good), ("1.1.0", bad)):  # copied, never recorded
+        shutil.copytree(source, releases / "demo" / name)
+    (releases / "demo" / ".staging-2.0.0-dead").mkdir()
+    (releases / "demo" / "3.0.0.json.1.ab.tmp").write_text("{")
+    (releases / "demo" / "notes").mkdir()  # neither a version nor a leftover: left alone
+    (releases / "Bad_Name").mkdir()
+    actions = registry.check()
+    assert actions == [
+        "releases/Bad_Name: not a valid release name; left alone",
+        "removed demo/.staging-2.0.0-dead: leftover of an interrupted publish",
+        "finished demo@1.0.0: interrupted publish verified, record written",
+        "removed demo@1.1.0: interrupted publish that does not verify "
+        "(model.onnx: changed (sha256 differs from the manifest))",
+        "removed demo/3.0.0.json.1.ab.tmp: leftover of an interrupted publish",
+    ]
+    record = registry.record("demo", "1.0.0")
+    assert record is not None and record["digest"] == digest_of(good) and record["recovered"]
+    assert sorted(os.listdir(releases / "demo")) == ["1.0.0", "1.0.0.json", "notes"]
+    assert registry.check() == ["releases/Bad_Name: not a valid release name; left alone"]
+
+
+def test_a_failed_unrecorded_publish_is_removed_naming_the_stage(
+    registry: Registry, tmp_path: Path
+) -> None:
+    failed = make_bundle(tmp_path / "failed", {"parity": "failed"})
+    target = Path(registry.path("releases", "demo", "1.0.0"))
+    target.parent.mkdir(parents=True)
+    shutil.copytree(failed, target)
+    (actions,) = [registry.publish(make_bundle(tmp_path / "b"), "demo", "2.0.0")["recovered"]]
+    assert actions == [
+        "removed demo@1.0.0: interrupted publish that does not verify (unrecorded demo@1.0.0 "
+        "has stages that did not pass (parity: failed); only a release whose gate passed can "
+        "be published or promoted)"
+    ]
+
+
+# --------------------------------------------------------------------------- channels
+def test_promote_and_rollback_walk_the_history_per_release_and_channel(
+    registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHIPYARD_USER", "alice")
+    published(registry, tmp_path, "1.0.0", "1.1.0", "1.2.0")
+    first = registry.promote("demo", "1.0.0", "production", "first")
+    assert first["seq"] == 1 and first["from"] is None and first["to"] == "demo@1.0.0"
+    assert (first["action"], first["who"], first["reason"]) == ("promote", "alice", "first")
+    assert first["digest"] == registry.record("demo", "1.0.0")["digest"]  # type: ignore[index]
+    registry.promote("demo", "1.1.0", "staging", "other channel")
+    second = registry.promote("demo", "1.2.0", "production", "second")
+    assert (second["seq"], second["from"], second["to"]) == (3, "demo@1.0.0", "demo@1.2.0")
+    assert registry.channel("demo", "production")["version"] == "1.2.0"  # type: ignore[index]
+    assert registry.channel("demo", "canary") is None
+    back = registry.rollback("demo", "production", "bad latency")
+    assert (back["seq"], back["action"], back["from"], back["to"]) == (
+        4,
+        "rollback",
+        "demo@1.2.0",
+        "demo@1.0.0",
+    )
+    # staging's own history holds one version: nothing to roll back to
+    with pytest.raises(RegistryError, match=r"'staging' has no earlier version .*\(1 in its"):
+        registry.rollback("demo", "staging", "x")
+    with pytest.raises(RegistryError, match=r"'production' has no earlier version .*\(1 in"):
+        registry.rollback("demo", "production", "again")
+    with pytest.raises(RegistryError, match=r"'canary' has no earlier version .*\(0 in"):
+        registry.rollback("demo", "canary", "never promoted")
+    assert [(c["channel"], c["version"]) for c in registry.channels()] == [
+        ("production", "1.0.0"),
+        ("staging", "1.1.0"),
+    ]
+    assert [e["seq"] for e in registry.history()] == [1, 2, 3, 4]
+
+
+def test_a_rollback_follows_pushes_and_pops_not_the_last_entry(
+    registry: Registry, tmp_path: Path
+) -> None:
+    published(registry, tmp_path, "1.0.0", "1.1.0", "1.2.0")
+    for v in ("1.0.0", "1.1.0", "1.2.0"):
+        registry.promote("demo", v, "production", v)
+    assert registry.rollback("demo", "production", "a")["to"] == "demo@1.1.0"
+    assert registry.rollback("demo", "production", "b")["to"] == "demo@1.0.0"
+    other = make_bundle(tmp_path / "other", payload=b"o")
+    registry.publish(other, "other", "1.0.0")
+    registry.promote("other", "1.0.0", "production", "another release, same channel")
+    with pytest.raises(RegistryError, match="no earlier version"):
+        registry.rollback("demo", "production", "c")
+
+
+def test_promote_refuses_unpublished_missing_and_replaced_bundles(
+    registry: Registry, tmp_path: Path, bundle: Path
+) -> None:
+    with pytest.raises(RegistryError, match="demo@1.0.0 has no bundle in"):
+        registry.promote("demo", "1.0.0", "production", "x")
+    target = Path(registry.path("releases", "demo", "1.0.0"))
+    target.parent.mkdir(parents=True)
+    shutil.copytree(bundle, target)
+    with pytest.raises(RegistryError, match="demo@1.0.0 is not published in .*shipyard publish"):
+        registry.promote("demo", "1.0.0", "production", "x")
+    shutil.rmtree(target)
+    registry.publish(bundle, "demo", "1.0.0")
+    # an attacker replaces the bundle and rewrites its manifest consistently
+    for p in target.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    (target / "model.onnx").write_bytes(b"evil")
+    remanifest(target, "demo@1.0.0")
+    with pytest.raises(RegistryError, match="its publish record says .* replaced after"):
+        registry.promote("demo", "1.0.0", "production", "x")
+    with pytest.raises(RegistryError, match="replaced after publishing"):
+        registry.facts("demo", "1.0.0")
+    assert registry.history() == [] and registry.channels() == []
+
+
+def test_channels_lists_only_valid_channel_files(registry: Registry, tmp_path: Path) -> None:
+    assert registry.channels() == []
+    published(registry, tmp_path, "1.0.0")
+    registry.promote("demo", "1.0.0", "production", "x")
+    Path(registry.path("channels", "demo", "Bad.json")).write_text("{}")
+    assert [c["channel"] for c in registry.channels()] == ["production"]
+
+
+# --------------------------------------------------------------------------- signatures
+def test_a_signature_policy_refuses_unsigned_and_accepts_a_trusted_signature(
+    registry: Registry, tmp_path: Path, bundle: Path
+) -> None:
+    from pipelines.signing import sign
+    from tests.pipelines.test_signing import keypair
+
+    private, public = keypair(tmp_path, "release")
+    _, stranger = keypair(tmp_path, "stranger")
+    (tmp_path / "junk.pub").write_text("not a key")
+    with pytest.raises(RegistryError, match="junk.pub: not a PEM public key"):
+        registry.require_signature("production", [tmp_path / "junk.pub"])
+    assert registry.policy("production") is None
+    policy = registry.require_signature("production", [stranger, public])
+    assert policy["require_signature"] and len(policy["public_keys"]) == 2
+    registry.publish(bundle, "demo", "1.0.0")
+    with pytest.raises(RegistryError, match="requires a signature .* demo@1.0.0 is not signed"):
+        registry.promote("demo", "1.0.0", "production", "x")
+    assert registry.promote("demo", "1.0.0", "staging", "no policy")["to"] == "demo@1.0.0"
+    sign(bundle, private_key=private)
+    registry.publish(bundle, "demo", "1.0.1")  # model.sig is not hashed: same digest
+    assert registry.promote("demo", "1.0.1", "production", "signed")["to"] == "demo@1.0.1"
+    registry.require_signature("canary", [stranger])
+    with pytest.raises(RegistryError, match="demo@1.0.1 is not signed by one"):
+        registry.promote("demo", "1.0.1", "canary", "wrong key")
+
+
+# --------------------------------------------------------------------------- history
+def test_history_skips_torn_blank_and_foreign_lines_and_appends_after_them(
+    registry: Registry, tmp_path: Path
+) -> None:
+    assert registry.history() == []
+    published(registry, tmp_path, "1.0.0")
+    registry.promote("demo", "1.0.0", "production", "first")
+    with open(registry.path("history.jsonl"), "ab") as fh:
+        fh.write(b"\n" + json.dumps({"seq": 9, "channel": "x", "to": "y"}).encode() + b"\n")
+        fh.write(b'{"seq": 2, "at": "2026-')  # a crash mid-append: no newline
+    entry = registry.promote("demo", "1.0.0", "staging", "after the tear")
+    assert entry["seq"] == 2
+    assert [e["seq"] for e in registry.history()] == [1, 2]
+    assert len(registry.warnings) == 2
+    assert registry.warnings[0].startswith("history.jsonl line 3 is torn or not an entry")
+    assert registry.warnings[1].startswith("history.jsonl line 4 is torn or not an entry")
+    registry.history()
+    assert len(registry.warnings) == 2  # reported once per read, not piled up
+    lines = Path(registry.path("history.jsonl")).read_bytes().split(b"\n")
+    assert json.loads(lines[4])["reason"] == "after the tear" and lines[-1] == b""
+
+
+def test_a_record_is_created_exclusively(registry: Registry) -> None:
+    path = registry.path("releases", "demo", "1.0.0.json")
+    registry._create(path, {"digest": "a"})
+    with pytest.raises(RegistryError, match="exists already; refusing to overwrite it"):
+        registry._create(path, {"digest": "b"})
+    assert json.loads(Path(path).read_text()) == {"digest": "a"}
+    assert [p.name for p in Path(path).parent.iterdir()] == ["1.0.0.json"]  # no temp left
+
+
+def test_a_held_lock_times_out_naming_the_lock(
+    registry: Registry, bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from filelock import FileLock\n"
+            f"with FileLock({registry.path('.lock')!r}):\n"
+            "    print('held', flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(reg, "LOCK_TIMEOUT_S", 0.3)
+        with pytest.raises(RegistryError, match=r"registry lock .*\.lock held for over 0 s"):
+            registry.publish(bundle, "demo", "1.0.0")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert registry.publish(bundle, "demo", "1.0.0")["digest"] == digest_of(bundle)

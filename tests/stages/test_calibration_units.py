@@ -1,0 +1,194 @@
+"""Calibration data rules at their boundaries, calling the loader directly (issue 16: the
+quantize-stage tests export tiny-gpt2 first, which mutation testing cannot afford per
+mutant). The tokenizer is tiny-gpt2's real tokenizer.json; the files are real JSONL and NPZ;
+the layouts are the ones the export writes for a causal LM and a generic model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from schemas import StageError
+from schemas.spec.export import DimRange
+from schemas.spec.quantization import CalibrationData
+from stages.bundling.hashing import hash_range
+from stages.onnx.shapes import Layout, Tensor
+from stages.quant import calibration
+from tests.conftest import REPO
+
+VOCAB = 512
+LM = Layout(
+    inputs=(
+        Tensor("input_ids", "int64", ("batch", "sequence")),
+        Tensor("attention_mask", "int64", ("batch", "total_sequence")),
+        Tensor("past_key_values.0.key", "float32", ("batch", 2, "past_sequence", 8)),
+    ),
+    outputs=(Tensor("logits", "float32", ("batch", "sequence", VOCAB)),),
+)
+ENCODER = Layout(
+    inputs=(
+        Tensor("input_ids", "int64", ("batch", "sequence")),
+        Tensor("attention_mask", "int64", ("batch", "sequence")),
+        Tensor("token_type_ids", "int64", ("batch", "sequence")),
+    ),
+    outputs=(Tensor("embeddings", "float32", ("batch", 16)),),
+)
+GENERIC = Layout(
+    inputs=(Tensor("x", "float32", ("batch", 4, 8)),),
+    outputs=(Tensor("y", "float32", ("batch",)),),
+)
+DIMS = {"sequence": DimRange(min=1, opt=4, max=16)}
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "tok").mkdir()
+    shutil.copy(REPO / "models" / "tiny-gpt2" / "tokenizer.json", tmp_path / "tok")
+    (tmp_path / "data").mkdir()
+    return tmp_path
+
+
+def cfg(path: str, **fields: Any) -> CalibrationData:
+    fields.setdefault("samples", 3)
+    fields.setdefault("holdout", 2)
+    fields.setdefault("sensitivity_samples", 1)
+    tokenizer = "tok" if path.endswith(".jsonl") else None
+    return CalibrationData(path=path, tokenizer=tokenizer, **fields)
+
+
+def texts(root: Path, lines: list[str]) -> str:
+    (root / "data" / "c.jsonl").write_text("".join(f"{line}\n" for line in lines))
+    return "data/c.jsonl"
+
+
+def words(n: int) -> str:
+    return json.dumps({"text": " ".join(["a"] * n)})  # " a" is one token: n tokens
+
+
+def load(root: Path, c: CalibrationData, lay: Layout = LM, task: str = "causal-lm", **kw: Any):
+    return calibration.load("quantize", root, c, task, lay, kw.get("dims", DIMS), VOCAB)
+
+
+def refusal(root: Path, c: CalibrationData, **kw: Any) -> str:
+    with pytest.raises(StageError) as exc:
+        load(root, c, **kw)
+    return str(exc.value)
+
+
+def test_exactly_samples_plus_holdout_load_and_split(root: Path) -> None:
+    path = texts(root, [words(i + 1) for i in range(5)])
+    got = load(root, cfg(path))
+    assert [f["input_ids"].shape for f in got.calibration] == [(1, 1), (1, 2), (1, 3)]
+    assert [f["input_ids"].shape for f in got.holdout] == [(1, 4), (1, 5)]
+    assert got.sha256 == hash_range(root / path) and got.source == path
+    # one more line than needed: the extra is not used
+    path = texts(root, [words(i + 1) for i in range(6)])
+    assert [f["input_ids"].shape[1] for f in load(root, cfg(path)).holdout] == [4, 5]
+
+
+def test_one_sample_short_names_both_counts(root: Path) -> None:
+    path = texts(root, [words(2)] * 4)  # more than samples (3), less than 3 + 2
+    assert "has 4 sample(s); samples + holdout need 5" in refusal(root, cfg(path))
+
+
+def test_blank_lines_are_skipped_not_counted(root: Path) -> None:
+    path = texts(root, [words(2), "", "   ", words(2), words(2), words(2), words(2)])
+    assert len(load(root, cfg(path)).calibration) == 3
+    path = texts(root, ["", "  "])
+    assert "quantization.calibration.path data/c.jsonl is empty" in refusal(root, cfg(path))
+
+
+def test_the_length_limit_is_max_length_else_the_sequence_max(root: Path) -> None:
+    path = texts(root, [words(16)] * 5)
+    assert len(load(root, cfg(path)).calibration) == 3  # exactly the sequence max
+    path = texts(root, [words(16)] * 4 + [words(17)])
+    reason = refusal(root, cfg(path))
+    assert "data/c.jsonl:5: 17 tokens, longer than the limit 16" in reason
+    path = texts(root, [words(8)] * 5)
+    assert len(load(root, cfg(path, max_length=8)).calibration) == 3
+    path = texts(root, [words(8)] * 4 + [words(9)])
+    assert "9 tokens, longer than the limit 8" in refusal(root, cfg(path, max_length=8))
+    # no sequence dim and no max_length: no limit
+    path = texts(root, [words(40)] * 5)
+    assert len(load(root, cfg(path), dims={}).calibration) == 3
+
+
+def test_every_line_problem_names_its_line(root: Path) -> None:
+    cases = {
+        "not json": "data/c.jsonl:2: not a JSON object with a 'text' string",
+        "[1, 2]": "data/c.jsonl:2: not a JSON object with a 'text' string",
+        '{"body": "x"}': "data/c.jsonl:2: not a JSON object with a 'text' string",
+        '{"text": 3}': "data/c.jsonl:2: 'text' is not a string",
+        '{"text": ""}': "data/c.jsonl:2: the sample has no tokens",
+    }
+    for line, message in cases.items():
+        assert message in refusal(root, cfg(texts(root, [words(2), line] + [words(2)] * 3)))
+    path = texts(root, [json.dumps({"body": "a b"})] * 5)
+    assert len(load(root, cfg(path, text_field="body")).calibration) == 3
+
+
+def test_missing_file_and_tokenizer_are_named(root: Path) -> None:
+    assert "quantization.calibration.path data/none.jsonl does not exist" in refusal(
+        root, cfg("data/none.jsonl")
+    )
+    path = texts(root, [words(2)] * 5)
+    (root / "tok" / "tokenizer.json").unlink()
+    assert "quantization.calibration.tokenizer: no tokenizer.json in tok" in refusal(
+        root, cfg(path)
+    )
+
+
+def test_token_ids_must_lie_inside_the_vocabulary(root: Path) -> None:
+    ids = np.full((5, 4), VOCAB - 1, dtype=np.int64)  # the last valid id
+    np.savez(root / "data" / "ids.npz", input_ids=ids)
+    assert len(load(root, cfg("data/ids.npz")).calibration) == 3
+    for bad in (VOCAB, -1):
+        ids[3, 1] = bad
+        np.savez(root / "data" / "ids.npz", input_ids=ids)
+        reason = refusal(root, cfg("data/ids.npz"))
+        assert f"data/ids.npz: sample 3: token id {bad} is outside the model's vocabulary" in (
+            reason
+        )
+    # vocabulary 0 (a python model): unknown, not checked
+    got = calibration.load("quantize", root, cfg("data/ids.npz"), "causal-lm", LM, DIMS, 0)
+    assert len(got.holdout) == 2
+
+
+def test_npz_arrays_must_cover_every_input_with_one_sample_count(root: Path) -> None:
+    x = np.ones((5, 4, 8), dtype=np.float32)
+    np.savez(root / "data" / "g.npz", x=x, extra=np.ones(2))
+    got = load(root, cfg("data/g.npz"), GENERIC, "generic")
+    assert [f["x"].shape for f in got.calibration] == [(1, 4, 8)] * 3
+    assert set(got.calibration[0]) == {"x"}  # only the graph's inputs
+    np.savez(root / "data" / "g.npz", y=x)
+    assert "data/g.npz: no array for input(s) ['x']; found ['y']" in refusal(
+        root, cfg("data/g.npz"), lay=GENERIC, task="generic"
+    )
+    two = Layout(inputs=(*GENERIC.inputs, Tensor("z", "float32", ("batch",))), outputs=())
+    np.savez(root / "data" / "g.npz", x=x, z=np.ones(4, dtype=np.float32))
+    assert "arrays hold different or zero sample counts [4, 5]" in refusal(
+        root, cfg("data/g.npz"), lay=two, task="generic"
+    )
+    np.savez(root / "data" / "g.npz", x=x[:0])
+    assert "arrays hold different or zero sample counts [0]" in refusal(
+        root, cfg("data/g.npz"), lay=GENERIC, task="generic"
+    )
+
+
+def test_feeds_complete_the_graph_inputs(root: Path) -> None:
+    ids = np.array([[5, 6, 7]])
+    lm = calibration.to_feeds("causal-lm", LM, {"input_ids": ids})
+    assert sorted(lm) == ["attention_mask", "input_ids", "past_key_values.0.key"]
+    assert lm["attention_mask"].tolist() == [[1, 1, 1]]
+    assert lm["past_key_values.0.key"].shape == (1, 2, 0, 8)
+    assert lm["past_key_values.0.key"].dtype == np.float32
+    enc = calibration.to_feeds("text-embedding", ENCODER, {"input_ids": ids})
+    assert enc["token_type_ids"].tolist() == [[0, 0, 0]]
+    assert enc["attention_mask"].tolist() == [[1, 1, 1]]
+    row = {"x": np.ones((1, 4, 8))}
+    assert calibration.to_feeds("generic", GENERIC, row) == row

@@ -1,0 +1,230 @@
+"""`verify_bundle` and the manifest's own checks at their boundaries, on small synthetic
+bundles (issue 16: the verify tests rebuild tiny-gpt2, which mutation testing cannot afford
+per mutant). Each attack edits a real folder or a real manifest and expects one named
+problem; the untouched bundle must verify clean in every test."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas.manifest import SHARD_SIZE, algorithm_label
+from stages.bundling import oms
+from stages.bundling.hashing import hash_shards
+from stages.bundling.oms import build_manifest, load_manifest, verify_bundle, write_manifest
+
+
+def manifest_for(folder: Path, shard: int = SHARD_SIZE) -> None:
+    files = {
+        p.relative_to(folder).as_posix(): p
+        for p in folder.rglob("*")
+        if p.is_file() and p.name not in ("manifest.json", "model.sig")
+    }
+    write_manifest(
+        folder / "manifest.json", build_manifest("demo@1.0.0", hash_shards(files, shard), shard)
+    )
+
+
+@pytest.fixture
+def bundle(tmp_path: Path) -> Path:
+    folder = tmp_path / "bundle"
+    (folder / "serving" / "runtime").mkdir(parents=True)
+    (folder / "model.onnx").write_bytes(bytes(range(256)) * 40)  # 10240 bytes
+    (folder / "serving" / "runtime" / "model.py").write_text("print('hi')\n")
+    (folder / "shipyard.json").write_text('{"release": "demo"}')
+    manifest_for(folder)
+    assert verify_bundle(folder) == []
+    return folder
+
+
+def edit_manifest(folder: Path, change: Any) -> None:
+    data = json.loads((folder / "manifest.json").read_text())
+    change(data)
+    (folder / "manifest.json").write_text(json.dumps(data))
+
+
+def resources(data: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = data["predicate"]["resources"]
+    return out
+
+
+# --------------------------------------------------------------------------- files
+def test_every_added_missing_or_changed_file_is_named(bundle: Path) -> None:
+    (bundle / "serving" / "runtime" / "numpy.py").write_text("")  # empty still counts
+    (bundle / "shipyard.json").unlink()
+    blob = bytearray((bundle / "model.onnx").read_bytes())
+    blob[-1] ^= 1  # the last byte of the last shard
+    (bundle / "model.onnx").write_bytes(bytes(blob))
+    assert verify_bundle(bundle) == [
+        "serving/runtime/numpy.py: added (not in the manifest)",
+        "shipyard.json: missing (listed in the manifest)",
+        "model.onnx: changed (sha256 differs from the manifest)",
+    ]
+
+
+def test_a_change_in_any_shard_is_found_and_the_shards_are_exact(tmp_path: Path) -> None:
+    folder = tmp_path / "b"
+    folder.mkdir()
+    (folder / "w.bin").write_bytes(bytes(1000))
+    manifest_for(folder, shard=300)  # 4 shards: 0-300, 300-600, 600-900, 900-1000
+    names = [r.name for r in load_manifest(folder / "manifest.json").predicate.resources]
+    assert names == ["w.bin:0:300", "w.bin:300:600", "w.bin:600:900", "w.bin:900:1000"]
+    assert verify_bundle(folder) == []
+    for offset in (0, 299, 300, 999):
+        blob = bytearray(1000)
+        blob[offset] = 1
+        (folder / "w.bin").write_bytes(bytes(blob))
+        assert verify_bundle(folder) == ["w.bin: changed (sha256 differs from the manifest)"]
+    (folder / "w.bin").write_bytes(bytes(1001))  # one byte longer: a fifth shard
+    assert verify_bundle(folder) == ["w.bin: changed (sha256 differs from the manifest)"]
+
+
+def test_the_manifest_and_signature_are_the_only_unhashed_files(bundle: Path) -> None:
+    (bundle / "model.sig").write_text("{}")
+    assert verify_bundle(bundle) == []
+    (bundle / "serving" / "model.sig").write_text("{}")  # only at the top
+    assert verify_bundle(bundle) == ["serving/model.sig: added (not in the manifest)"]
+
+
+def test_symlinks_and_special_files_are_refused(bundle: Path, tmp_path: Path) -> None:
+    (tmp_path / "outside.py").write_text("x = 1\n")
+    (bundle / "serving" / "link.py").symlink_to(tmp_path / "outside.py")
+    (bundle / "serving" / "dirlink").symlink_to(tmp_path)
+    os.mkfifo(bundle / "pipe")
+    problems = verify_bundle(bundle)
+    assert problems == [
+        "pipe: is not a regular file",
+        "serving/dirlink: is a symlink; bundles hold plain files only",
+        "serving/link.py: is a symlink; bundles hold plain files only",
+    ]
+
+
+def test_a_folder_that_is_not_a_bundle_says_so(bundle: Path, tmp_path: Path) -> None:
+    (tmp_path / "link").symlink_to(bundle)
+    assert verify_bundle(tmp_path / "link")[0].endswith(
+        "not a directory (or a symlink to one); not a Shipyard bundle"
+    )
+    assert "not a directory" in verify_bundle(bundle / "model.onnx")[0]
+    (bundle / "manifest.json").unlink()
+    assert verify_bundle(bundle) == ["manifest.json: missing; not a Shipyard bundle"]
+
+
+def test_a_manifest_that_is_a_symlink_a_folder_or_too_big_is_refused(
+    bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = tmp_path / "real.json"
+    (bundle / "manifest.json").rename(real)
+    (bundle / "manifest.json").symlink_to(real)
+    assert verify_bundle(bundle) == [
+        "manifest.json: not a valid OMS manifest (manifest.json is a symlink; a bundle holds "
+        "plain files only)"
+    ]
+    (bundle / "manifest.json").unlink()
+    (bundle / "manifest.json").mkdir()
+    assert verify_bundle(bundle) == [
+        "manifest.json: not a valid OMS manifest (manifest.json is not a regular file)"
+    ]
+    (bundle / "manifest.json").rmdir()
+    real.rename(bundle / "manifest.json")
+    size = (bundle / "manifest.json").stat().st_size
+    monkeypatch.setattr(oms, "MAX_MANIFEST_BYTES", size)
+    assert verify_bundle(bundle) == []  # exactly at the limit
+    monkeypatch.setattr(oms, "MAX_MANIFEST_BYTES", size - 1)
+    assert verify_bundle(bundle) == [
+        f"manifest.json: not a valid OMS manifest (manifest.json is {size} bytes (over {size - 1}))"
+    ]
+
+
+@pytest.mark.parametrize("content", [b"{", b"[]", b'{"subject": []}', b"\xff\xfe"])
+def test_a_manifest_that_does_not_parse_is_named(bundle: Path, content: bytes) -> None:
+    (bundle / "manifest.json").write_bytes(content)
+    (problem,) = verify_bundle(bundle)
+    assert problem.startswith("manifest.json: not a valid OMS manifest (")
+
+
+# --------------------------------------------------------------------------- the manifest
+def _ignore(data: dict[str, Any]) -> None:
+    data["predicate"]["serialization"]["ignore_paths"].append("serving")
+
+
+def _shard(size: int) -> Any:
+    def change(data: dict[str, Any]) -> None:
+        data["predicate"]["serialization"]["shard_size"] = size
+        for r in resources(data):
+            r["algorithm"] = algorithm_label(size)
+
+    return change
+
+
+def _two_subjects(data: dict[str, Any]) -> None:
+    data["subject"].append(data["subject"][0])
+
+
+def _md5(data: dict[str, Any]) -> None:
+    data["subject"][0]["digest"] = {"md5": "0" * 32}
+
+
+def _twice(data: dict[str, Any]) -> None:
+    resources(data).append(resources(data)[-1])
+
+
+def _label(data: dict[str, Any]) -> None:
+    resources(data)[0]["algorithm"] = "sha256"
+
+
+def _name(data: dict[str, Any]) -> None:
+    resources(data)[0]["name"] = "model.onnx"
+
+
+def _order(data: dict[str, Any]) -> None:
+    resources(data).reverse()
+
+
+def _subject(data: dict[str, Any]) -> None:
+    data["subject"][0]["digest"]["sha256"] = "0" * 64
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (_ignore, "manifest.json: ignore_paths is ['manifest.json', 'model.sig', 'serving']"),
+        (_shard(0), "manifest.json: shard_size 0 must be positive"),
+        (_shard(-1), "manifest.json: shard_size -1 must be positive"),
+        (_two_subjects, "manifest.json: needs exactly one subject with a sha256 digest"),
+        (_md5, "manifest.json: needs exactly one subject with a sha256 digest"),
+        (_twice, "manifest.json: a resource is listed twice"),
+        (_label, "manifest.json: every resource must be labelled sha256-sharded-"),
+        (_name, "manifest.json: a resource name is not path:start:end"),
+        (_order, "manifest.json: resources are not in OMS order (edited?)"),
+        (_subject, "manifest.json: subject digest does not match its resources (edited?)"),
+    ],
+)
+def test_an_edited_manifest_is_refused_before_any_file_is_read(
+    bundle: Path, change: Any, problem: str
+) -> None:
+    edit_manifest(bundle, change)
+    problems = verify_bundle(bundle)
+    assert len(problems) == 1 and problems[0].startswith(problem), problems
+
+
+def test_a_smaller_shard_size_relabelled_consistently_still_verifies(bundle: Path) -> None:
+    manifest_for(bundle, shard=1000)
+    assert verify_bundle(bundle) == []
+    assert len(load_manifest(bundle / "manifest.json").predicate.resources) == 11 + 2
+
+
+def test_the_subject_digest_covers_every_resource_in_order(bundle: Path) -> None:
+    manifest = load_manifest(bundle / "manifest.json")
+    listed = manifest.predicate.resources
+    assert oms.root_digest(listed) == manifest.digest
+    assert oms.root_digest(list(reversed(listed))) != manifest.digest
+    assert oms.root_digest(listed[:-1]) != manifest.digest
+    assert oms.root_digest([]) == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def test_empty_files_are_named() -> None:
+    assert oms.empty_files({}) == []
