@@ -50,7 +50,10 @@ def load_release(
     shown = shown or str(path)
     root = _compose(path, shown)
     problems = [f"{shown}:{line}: {msg}" for line, msg in _duplicate_keys(root)]
-    data = _construct(root, shown)
+    try:
+        data = _construct(root, shown)
+    except SpecError as exc:  # every problem at once: the duplicates found above too
+        raise SpecError(shown, problems + exc.problems) from None
     try:
         spec = ReleaseSpec.model_validate(data)
     except ValidationError as exc:
@@ -275,7 +278,7 @@ def _describe(shown: str, root: yaml.Node, err: Any) -> str:
         message = "required field is missing"
     elif err["type"] == "string_type" and isinstance(err.get("input"), int | float):
         message += f' (found the number {err["input"]!r}); quote it, e.g. "{err["input"]}"'
-    elif "input" in err and err["type"] not in ("value_error", "assertion_error"):
+    elif "input" in err and err["type"] != "value_error":  # a rule's message says enough
         message += f" (found {_excerpt(repr(err['input']))})"
     message = _excerpt_long(message)
     return f"{shown}:{_line_of(root, loc)}: {field}: {message}"
