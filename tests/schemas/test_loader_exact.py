@@ -132,7 +132,17 @@ def test_excerpts_keep_exactly_their_length() -> None:
 # --------------------------------------------------------------------------- field paths
 def test_field_paths_index_lists_and_join_names() -> None:
     assert ld._field(("export", "inputs", 0, "shape", 2)) == "export.inputs[0].shape[2]"
+    assert ld._field(("Xa", "b")) == "Xa.b"  # only the leading dot goes
     assert ld._field(()) == ""
+
+
+def test_an_unknown_top_level_key_keeps_its_exact_spelling(tmp_path: Path) -> None:
+    spec = gpt2_spec()
+    spec["Xtra"] = 1
+    (problem,) = problems(tmp_path, dump(spec), "tiny-gpt2")
+    assert problem.endswith(
+        ": Xtra: unknown key 'Xtra'; check the spelling (see `shipyard schema`)"
+    )
 
 
 def test_an_unknown_key_deep_down_is_named_itself(tmp_path: Path) -> None:
@@ -224,8 +234,9 @@ def test_the_repository_is_shipyard_root_else_above_releases_else_the_cwd(
     monkeypatch.delenv("SHIPYARD_ROOT", raising=False)
     (tmp_path / "repo" / "releases").mkdir(parents=True)
     assert ld.repo_of(tmp_path / "repo" / "releases" / "a.yaml") == (tmp_path / "repo").resolve()
-    monkeypatch.chdir(tmp_path)
-    assert ld.repo_of(tmp_path / "repo" / "other.yaml") == tmp_path.resolve()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # not a folder of the spec's path: only the cwd
+    assert ld.repo_of(tmp_path / "repo" / "other.yaml") == (tmp_path / "cwd").resolve()
     monkeypatch.setenv("SHIPYARD_ROOT", str(tmp_path / "repo" / ".." / "elsewhere"))
     assert (
         ld.repo_of(tmp_path / "repo" / "releases" / "a.yaml") == (tmp_path / "elsewhere").resolve()
