@@ -412,3 +412,213 @@ def test_a_held_lock_times_out_naming_the_lock(
         holder.kill()
         holder.wait()
     assert registry.publish(bundle, "demo", "1.0.0")["digest"] == digest_of(bundle)
+
+
+# --------------------------------------------------------------------------- exact forms
+def test_records_channels_and_history_have_one_exact_form(
+    registry: Registry, tmp_path: Path
+) -> None:
+    """Readers (people, scripts, diffs) rely on these bytes: sorted keys, two-space indent,
+    a final newline; one sorted JSON object per history line."""
+    published(registry, tmp_path, "1.0.0")
+    entry = registry.promote("demo", "1.0.0", "production", "first")
+    for path in (
+        registry.path("releases", "demo", "1.0.0.json"),
+        registry.path("channels", "demo", "production.json"),
+    ):
+        text = Path(path).read_text()
+        assert text == json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n", path
+    channel = json.loads(Path(registry.path("channels", "demo", "production.json")).read_text())
+    assert channel["since"] == entry["at"] and channel["version"] == "1.0.0"
+    registry.promote("demo", "1.0.0", "staging", "second")
+    lines = Path(registry.path("history.jsonl")).read_text().split("\n")
+    assert lines[2] == "" and len(lines) == 3  # two entries, no blank line between
+    assert lines[0] == json.dumps(json.loads(lines[0]), sort_keys=True)
+
+
+def test_refusals_say_exactly_what_and_how_to_fix(registry: Registry, tmp_path: Path) -> None:
+    with pytest.raises(RegistryError) as exc:
+        check_name("Bad")
+    assert str(exc.value) == (
+        "release name 'Bad' is not valid: use lowercase letters, digits, '.', '_' and '-', "
+        "starting with a letter or digit"
+    )
+    with pytest.raises(RegistryError) as exc:
+        check_channel("Bad")
+    assert str(exc.value) == (
+        "channel 'Bad' is not valid: a lowercase letter, then lowercase letters, digits or "
+        "'-' (e.g. production, staging, canary-eu)"
+    )
+    first, other = make_bundle(tmp_path / "a"), make_bundle(tmp_path / "b", payload=b"b")
+    registry.publish(first, "demo", "1.0.0")
+    with pytest.raises(RegistryError) as exc:
+        registry.publish(other, "demo", "1.0.0")
+    assert str(exc.value) == (
+        f"demo@1.0.0 is already published with digest {digest_of(first)[:16]}; this "
+        f"bundle's is {digest_of(other)[:16]}. Published versions are immutable: bump "
+        "`version` in the release spec"
+    )
+    record = Path(registry.path("releases", "demo", "1.0.0.json"))
+    record.chmod(0o644)
+    record.write_text("{")
+    with pytest.raises(RegistryError) as exc:
+        registry.record("demo", "1.0.0")
+    assert str(exc.value) == (
+        f"publish record {record} is unreadable; restore it from a backup (published "
+        "versions are immutable)"
+    )
+
+
+def test_a_bundle_refusal_names_the_bundle_and_lists_every_problem(
+    registry: Registry, bundle: Path, tmp_path: Path
+) -> None:
+    (bundle / "model.onnx").write_bytes(b"swapped")
+    (bundle / "extra.txt").write_text("x")
+    with pytest.raises(RegistryError) as exc:
+        registry.publish(bundle, "demo", "1.0.0")
+    assert str(exc.value) == (  # what was copied is what is checked (and named)
+        f"copied bundle {bundle} does not match its manifest; refusing it:\n"
+        "  extra.txt: added (not in the manifest)\n"
+        "  model.onnx: changed (sha256 differs from the manifest)"
+    )
+    bad = make_bundle(tmp_path / "bad", {"export": "failed", "parity": "failed"})
+    with pytest.raises(RegistryError) as exc:
+        registry.publish(bad, "demo", "1.0.0")
+    assert str(exc.value) == (
+        f"copied bundle {bad} has stages that did not pass (export: failed, parity: failed); "
+        "only a release whose gate passed can be published or promoted"
+    )
+
+
+def test_a_replaced_published_bundle_names_both_digests(registry: Registry, bundle: Path) -> None:
+    registry.publish(bundle, "demo", "1.0.0")
+    target = Path(registry.path("releases", "demo", "1.0.0"))
+    for p in target.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    (target / "model.onnx").write_bytes(b"evil")
+    remanifest(target, "demo@1.0.0")
+    with pytest.raises(RegistryError) as exc:
+        registry.promote("demo", "1.0.0", "production", "x")
+    assert str(exc.value) == (
+        f"published demo@1.0.0 has digest {digest_of(target)[:16]}, but its publish record "
+        f"says {digest_of(bundle)[:16]}: the bundle and its manifest were replaced after "
+        "publishing; refusing it (restore the version from a backup)"
+    )
+
+
+def test_a_torn_history_warning_says_what_was_lost(registry: Registry) -> None:
+    Path(registry.path("history.jsonl")).write_text('{"seq": 1, "at": "2026-\n')
+    assert registry.history() == []
+    assert registry.warnings == [
+        'history.jsonl line 1 is torn or not an entry (\'{"seq": 1, "at": "2026-\'); '
+        "skipped. History is append-only: the entry it held is lost, later ones are intact"
+    ]
+
+
+def test_a_rollback_keeps_its_reason_and_skips_other_releases_entries(
+    registry: Registry, tmp_path: Path
+) -> None:
+    published(registry, tmp_path, "1.0.0", "1.1.0")
+    registry.publish(make_bundle(tmp_path / "o", payload=b"o"), "demo-two", "1.0.0")
+    registry.promote("demo", "1.0.0", "production", "a")
+    registry.promote("demo-two", "1.0.0", "production", "other release, similar name")
+    registry.promote("demo", "1.1.0", "production", "b")
+    back = registry.rollback("demo", "production", "latency regression")
+    assert (back["to"], back["reason"]) == ("demo@1.0.0", "latency regression")
+
+
+def test_a_signature_refusal_explains_the_fix(
+    registry: Registry, tmp_path: Path, bundle: Path
+) -> None:
+    from tests.pipelines.test_signing import keypair
+
+    _, public = keypair(tmp_path, "trusted")
+    registry.require_signature("production", [public])
+    registry.publish(bundle, "demo", "1.0.0")
+    with pytest.raises(RegistryError) as exc:
+        registry.promote("demo", "1.0.0", "production", "x")
+    message = str(exc.value)
+    assert message.startswith(
+        "channel 'production' requires a signature by a trusted key; demo@1.0.0 is not signed ("
+    )
+    assert message.endswith(
+        "). Sign the bundle with `shipyard sign BUNDLE --private-key KEY` before publishing "
+        "it as a new version"
+    )
+    policy = registry.policy("production")
+    assert policy is not None and policy["by"] and policy["at"]
+    Path(registry.path("policy", "production.json")).write_text(
+        json.dumps({"require_signature": True})
+    )
+    with pytest.raises(RegistryError, match=r"is not signed by one \(no trusted keys configured\)"):
+        registry.promote("demo", "1.0.0", "production", "x")
+
+
+# --------------------------------------------------------------------------- object store
+@pytest.fixture
+def s3(s3_server: str) -> Registry:
+    return Registry(f"s3://units-{next(_buckets)}/registry")
+
+
+_buckets = iter(range(1_000_000))
+
+
+def test_object_store_publish_promote_rollback_and_history(
+    s3: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHIPYARD_USER", "bob")
+    assert not s3.local and s3.root == s3.path() and not s3.root.endswith("/")
+    first, second = make_bundle(tmp_path / "a"), make_bundle(tmp_path / "b", payload=b"b")
+    record = s3.publish(first, "demo", "1.0.0")
+    assert record["digest"] == digest_of(first) and record["by"] == "bob"
+    assert s3.publish(first, "demo", "1.0.0")["already"] is True
+    with pytest.raises(RegistryError, match="already published"):
+        s3.publish(second, "demo", "1.0.0")
+    s3.publish(second, "demo", "1.1.0")
+    files = s3.fs.find(s3.path("releases", "demo", "1.1.0"))
+    assert sorted(f.rsplit("/1.1.0/", 1)[1] for f in files) == sorted(
+        p.relative_to(second).as_posix() for p in second.rglob("*") if p.is_file()
+    )
+    assert s3.facts("demo", "1.1.0")["release"] == "demo"
+    s3.promote("demo", "1.0.0", "production", "first")
+    s3.promote("demo", "1.1.0", "production", "second")
+    back = s3.rollback("demo", "production", "back")
+    assert (back["seq"], back["to"], back["reason"]) == (3, "demo@1.0.0", "back")
+    names = sorted(p.rsplit("/", 1)[1] for p in s3.fs.ls(s3.path("history"), detail=False))
+    assert names == [f"{i:010d}.json" for i in (1, 2, 3)]
+    assert [e["seq"] for e in s3.history()] == [1, 2, 3] and s3.warnings == []
+    text = s3.fs.cat_file(s3.path("history", f"{1:010d}.json")).decode()
+    assert text == json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n"
+    assert [(c["channel"], c["version"]) for c in s3.channels()] == [("production", "1.0.0")]
+    s3.fs.pipe_file(s3.path("history", f"{4:010d}.json"), b'{"seq": 4, "at')
+    assert [e["seq"] for e in s3.history()] == [1, 2, 3]
+    assert s3.warnings[0].startswith("history/0000000004.json is torn or not an entry")
+
+
+def test_object_store_records_are_created_exclusively(s3: Registry) -> None:
+    path = s3.path("releases", "demo", "1.0.0.json")
+    s3._create(path, {"digest": "a"})
+    with pytest.raises(RegistryError) as exc:
+        s3._create(path, {"digest": "b"})
+    assert str(exc.value) == f"{path} exists already; refusing to overwrite it"
+    assert json.loads(s3.fs.cat_file(path)) == {"digest": "a"}
+
+
+def test_object_store_check_finishes_and_removes_interrupted_publishes(
+    s3: Registry, tmp_path: Path
+) -> None:
+    good, bad = make_bundle(tmp_path / "good"), make_bundle(tmp_path / "bad", payload=b"x")
+    (bad / "model.onnx").write_bytes(b"y")
+    s3.fs.put(str(good) + "/", s3.path("releases", "demo", "1.0.0"), recursive=True)
+    s3.fs.put(str(bad) + "/", s3.path("releases", "demo", "1.1.0"), recursive=True)
+    s3.fs.pipe_file(s3.path("releases", "demo", ".staging-2.0.0-x", "f"), b"x")
+    assert s3.check() == [
+        "removed demo/.staging-2.0.0-x: leftover of an interrupted publish",
+        "finished demo@1.0.0: interrupted publish verified, record written",
+        "removed demo@1.1.0: interrupted publish that does not verify "
+        "(model.onnx: changed (sha256 differs from the manifest))",
+    ]
+    record = s3.record("demo", "1.0.0")
+    assert record is not None and record["digest"] == digest_of(good)
+    assert (record["release"], record["version"], record["recovered"]) == ("demo", "1.0.0", True)
+    assert s3.check() == []

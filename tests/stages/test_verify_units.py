@@ -228,3 +228,51 @@ def test_the_subject_digest_covers_every_resource_in_order(bundle: Path) -> None
 
 def test_empty_files_are_named() -> None:
     assert oms.empty_files({}) == []
+
+
+def test_file_names_with_colons_verify_and_are_checked(tmp_path: Path) -> None:
+    """OMS resource names are `path:start:end`: a colon inside the path must not split it."""
+    folder = tmp_path / "b"
+    folder.mkdir()
+    (folder / "a:b").write_bytes(b"12345")
+    (folder / "a").write_bytes(b"xyz")
+    manifest_for(folder, shard=2)
+    assert verify_bundle(folder) == []
+    (folder / "a:b").write_bytes(b"12346")
+    assert verify_bundle(folder) == ["a:b: changed (sha256 differs from the manifest)"]
+
+
+def test_a_shard_size_of_one_byte_is_valid(tmp_path: Path) -> None:
+    folder = tmp_path / "b"
+    folder.mkdir()
+    (folder / "w").write_bytes(b"abc")
+    manifest_for(folder, shard=1)
+    assert len(load_manifest(folder / "manifest.json").predicate.resources) == 3
+    assert verify_bundle(folder) == []
+
+
+def test_the_manifest_file_uses_the_oms_field_names(bundle: Path) -> None:
+    data = json.loads((bundle / "manifest.json").read_text())
+    assert sorted(data) == ["_type", "predicate", "predicateType", "subject"]
+    assert data["_type"] == "https://in-toto.io/Statement/v1"
+    assert sorted(data["predicate"]["serialization"]) == [
+        "allow_symlinks",
+        "hash_type",
+        "ignore_paths",
+        "method",
+        "shard_size",
+    ]
+
+
+def test_an_unlabelled_resource_names_the_expected_label(bundle: Path) -> None:
+    edit_manifest(bundle, _label)
+    assert verify_bundle(bundle) == [
+        f"manifest.json: every resource must be labelled {algorithm_label(SHARD_SIZE)}"
+    ]
+
+
+def test_empty_files_are_named_and_only_they(tmp_path: Path) -> None:
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "one").write_bytes(b"x")
+    files = {"empty": tmp_path / "empty", "one": tmp_path / "one"}
+    assert oms.empty_files(files) == ["empty"]
