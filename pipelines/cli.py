@@ -78,8 +78,11 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
 
     root = repo_root()
     written = compiler.write_fingerprints(root)
-    folder = written[0].parent.relative_to(root)
-    print(f"fingerprinted the code of {len(written)} stages into {folder}")
+    code = [p for p in written if p.parent == root / compiler.CODE_DIR]
+    print(
+        f"fingerprinted the code of {len(code)} stages into {compiler.CODE_DIR}, and wrote the "
+        f"spec sections of each into {len(written) - len(code)} files under {compiler.PARAMS_DIR}"
+    )
     return 0
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from pipelines.closure import stage_closure
-from pipelines.fingerprint import CODE_DIR, CODE_STAGE, FINGERPRINT_CODE
+from pipelines.fingerprint import CODE_DIR, CODE_STAGE, FINGERPRINT_CODE, write_if_changed
 from schemas import ReleaseSpec, SpecError
 from schemas.loader import load_release
 from stages import load_stages, stage_io
@@ -16,6 +17,10 @@ from stages._runtime import COMMON_CODE, StageIO, report_dir
 from stages.onnx.model import model_paths
 
 MODEL_SLOTS = ("model", "model_weights")
+# Per release and stage, the spec sections the stage reads, as canonical JSON: a file dep that
+# DVC checks by its hash in its state database, where a `params:` entry on the YAML spec made
+# DVC parse the spec once per stage on every `dvc repro` and kept every value in dvc.lock.
+PARAMS_DIR = "build/.params"
 # The code lives next to this package, wherever the repository with the specs is.
 _ROOT = str(Path(__file__).resolve().parents[1])
 HEADER = (
@@ -75,21 +80,21 @@ def compile_dvc(root: Path) -> str:
     releases, all_ios = stage_ios(root)
     modules = code_modules(root, all_ios)
     everything = sorted({m for ms in modules.values() for m in ms} | set(FINGERPRINT_CODE))
+    specs = [path.relative_to(root).as_posix() for path, _ in releases]
     stages: dict[str, Any] = {
         CODE_STAGE: {
             "cmd": "shipyard fingerprint",
-            "deps": everything,
-            "outs": [f"{CODE_DIR}/{name}.json" for name in modules],
+            "deps": [*everything, *specs],
+            "outs": [f"{CODE_DIR}/{name}.json" for name in modules]
+            + [f"{PARAMS_DIR}/{spec.name}/{name}.json" for _, spec in releases for name in all_ios],
         }
     }
-    texts = [yaml.safe_load(path.read_text(encoding="utf-8")) for path, _ in releases]
     for name, ios in all_ios.items():
         io = next(iter(ios.values()))
         slots = _model_slots(releases) if io.reads_model else 0
         items = {spec.name: _item(root, path, spec, slots) for path, spec in releases}
         data = _data_slots(items, ios)
-        params = _params(io, texts)
-        stages[name] = {"foreach": items, "do": _template(name, io, slots, data, params)}
+        stages[name] = {"foreach": items, "do": _template(name, io, slots, data)}
     document: dict[str, Any] = {"stages": stages}
     plots = _plots(all_ios)
     if plots:
@@ -121,16 +126,39 @@ def _plots(all_ios: dict[str, dict[str, StageIO]]) -> list[dict[str, Any]]:
 
 
 def write_fingerprints(root: Path) -> list[Path]:
-    """`shipyard fingerprint`: build/.code/<stage>.json for every stage, rewritten only
-    when its content changes."""
+    """`shipyard fingerprint`: build/.code/<stage>.json for every stage and
+    build/.params/<release>/<stage>.json for every release, each rewritten only when its
+    content changes."""
     from pipelines.fingerprint import write_stage_fingerprint
 
-    _, all_ios = stage_ios(root)
+    releases, all_ios = stage_ios(root)
     code = code_root(root)
-    return [
+    written = [
         write_stage_fingerprint(root, code, name, modules)
         for name, modules in code_modules(root, all_ios).items()
     ]
+    for path, spec in releases:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        for name, ios in all_ios.items():
+            target = root / PARAMS_DIR / spec.name / f"{name}.json"
+            written.append(write_if_changed(target, params_text(ios[spec.name], data)))
+    return written
+
+
+def params_text(io: StageIO, data: dict[str, Any]) -> str:
+    """The sections (or dotted sub-sections) of the spec a stage reads, as the user wrote
+    them (null where left out, so the defaults apply), in canonical JSON: a comment or a
+    section the stage does not read changes nothing here."""
+    values = {param: _lookup(data, param) for param in io.params}
+    return json.dumps(values, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def _lookup(data: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
 
 
 def _model_slots(releases: list[tuple[Path, ReleaseSpec]]) -> int:
@@ -164,37 +192,15 @@ def _data_slots(items: dict[str, dict[str, str]], ios: dict[str, StageIO]) -> li
     return used
 
 
-def _params(io: StageIO, texts: list[dict[str, Any]]) -> list[str]:
-    """The stage's params; a dotted sub-section that some release spec leaves out (it takes
-    its defaults) falls back to its section: DVC refuses a params key absent from the file,
-    and a coarser dependency only reruns more, never less."""
-    out: list[str] = []
-    for param in io.params:
-        if "." in param and not all(_present(t, param) for t in texts):
-            param = param.split(".", 1)[0]
-        if param not in out:
-            out.append(param)
-    return [p for p in out if "." not in p or p.split(".", 1)[0] not in out]
-
-
-def _present(data: Any, dotted: str) -> bool:
-    for part in dotted.split("."):
-        if not isinstance(data, dict) or part not in data:
-            return False
-        data = data[part]
-    return True
-
-
-def _template(name: str, io: Any, slots: int, data: list[str], params: list[str]) -> dict[str, Any]:
-    # Python code through its fingerprint (what it does, not how it is worded); templates and
-    # shipped files byte for byte.
-    deps = [f"{CODE_DIR}/{name}.json", *sorted(set(io.code))]
+def _template(name: str, io: Any, slots: int, data: list[str]) -> dict[str, Any]:
+    # Python code through its fingerprint (what it does, not how it is worded), the spec
+    # through the sections the stage reads; templates and shipped files byte for byte.
+    deps = [f"{CODE_DIR}/{name}.json", f"{PARAMS_DIR}/${{key}}/{name}.json", *sorted(set(io.code))]
     deps += [f"${{item.{slot}}}" for slot in (*MODEL_SLOTS[:slots], *data)]
     deps += [f"build/${{key}}/{u}" for u in io.upstream_files()]
     return {
         "cmd": f"shipyard run-stage {name} --release ${{item.spec}}",
         "deps": deps,
-        "params": [{"${item.spec}": params}],
         "outs": [
             f"build/${{key}}/{p}" for p in dict.fromkeys((name, report_dir(Path(), name).name))
         ],

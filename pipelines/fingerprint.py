@@ -2,7 +2,8 @@
 
 A stage's DVC deps on Python code are not the source files themselves but one fingerprint
 file per stage (`build/.code/<stage>.json`), written by the `code` stage of dvc.yaml from
-the stage's import closure. Each module is hashed as its syntax tree with comments,
+the stage's import closure. The same stage writes, per release, the spec sections each stage
+reads (`build/.params/<release>/<stage>.json`, see pipelines/compiler.py). Each module is hashed as its syntax tree with comments,
 formatting, docstrings and pydantic `description=` texts removed, so rewording a field
 description or a comment changes no fingerprint and reruns no release stage; any change to
 what the code does changes the tree, its fingerprint, and reruns every stage that imports it.
@@ -21,8 +22,9 @@ from pathlib import Path
 
 CODE_STAGE = "code"  # the dvc.yaml stage that writes the fingerprints
 CODE_DIR = "build/.code"
-# The code that decides what a fingerprint is: a change to it refingerprints everything.
-FINGERPRINT_CODE = ("pipelines/closure.py", "pipelines/fingerprint.py")
+# The code that decides what a fingerprint (and a stage's spec-sections file) is: a change to
+# it reruns the `code` stage, which rewrites the files whose content changes.
+FINGERPRINT_CODE = ("pipelines/closure.py", "pipelines/compiler.py", "pipelines/fingerprint.py")
 
 # Keyword arguments that document and never decide: pydantic's Field(description=...).
 DOC_KEYWORDS = frozenset({"description"})
@@ -67,9 +69,14 @@ def write_stage_fingerprint(root: Path, code: Path, stage: str, modules: list[st
     """Write build/.code/<stage>.json: each module of the stage with its digest. The file
     is replaced only when its content changes, so its mtime means something too."""
     target = root / CODE_DIR / f"{stage}.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
     data = {"stage": stage, "modules": {m: module_digest(code / m) for m in modules}}
-    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    return write_if_changed(target, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_if_changed(target: Path, text: str) -> Path:
+    """Replace `target` atomically, and only when its content changes (its mtime then
+    means something too)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     if target.is_file() and target.read_text(encoding="utf-8") == text:
         return target
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
