@@ -19,6 +19,7 @@ from pipelines.cli import main
 from pipelines.gate import GateResult, Row, gate
 from pipelines.registry import Registry
 from schemas import ReleaseSpec
+from schemas.loader import load_release
 from stages import load_stages
 from stages._runtime import report_dir
 from tests.conftest import Workspace, gpt2_spec
@@ -298,3 +299,63 @@ def test_the_gate_command_exits_4_on_one_failure_and_0_when_all_pass(
         timeout=120,
     )
     assert done.returncode == 4 and "FAIL" in done.stdout and "max error 3.2" in done.stdout
+
+
+def test_every_row_names_its_release_and_no_release_hides_another(ws: Workspace) -> None:
+    all_passed(ws)
+    make_bundle(ws.root / "build" / RELEASE / "bundle")
+    report(ws, "loadtest", details={"slo": [{"slo": "p95_latency_ms", "ok": True, "why": "ok"}]})
+    other = gpt2_spec(name="other-gpt2")
+    other["evaluation"]["thresholds"] = []
+    ws.write(other)
+    result = gate(ws.root, [spec(ws), load_release(ws.root / "releases" / "other-gpt2.yaml")], None)
+    ours = [r for r in result.rows if r.release == RELEASE]
+    assert {r.check for r in ours} == {*STAGES, "bundle verify", "SLO p95_latency_ms"}
+    theirs = [r for r in result.rows if r.release == "other-gpt2"]
+    assert [r.check for r in theirs] == STAGES and {r.verdict for r in theirs} == {"FAIL"}
+    assert len(result.rows) == len(ours) + len(theirs)
+
+
+def test_an_optional_engine_skip_does_not_end_the_walk(ws: Workspace) -> None:
+    all_passed(ws)
+    report(ws, "engine", "skipped", details={"optional": True})
+    report(ws, "bundle", "failed", reasons=["late failure"])
+    rows = gate(ws.root, [spec(ws)], None).rows
+    assert [r.check for r in rows] == STAGES
+    assert rows[-1].verdict == "FAIL" and rows[-1].detail == "late failure"
+
+
+def test_a_required_skip_lists_every_reason_and_a_report_may_lack_details(
+    ws: Workspace,
+) -> None:
+    all_passed(ws)
+    report(ws, "engine", "skipped", reasons=["no GPU", "no TensorRT"])
+    folder = report_dir(ws.root / "build" / RELEASE, "loadtest")
+    data = json.loads((folder / "report.json").read_text())
+    del data["details"]
+    (folder / "report.json").write_text(json.dumps(data))
+    rows = {r.check: r for r in gate(ws.root, [spec(ws, engine={"required": True})], None).rows}
+    assert rows["engine"].detail == "skipped, but required: no GPU; no TensorRT"
+    assert rows["loadtest"].verdict == "PASS"  # no SLO rows, no crash
+
+
+def test_production_rows_judge_change_only_and_every_threshold(ws: Workspace) -> None:
+    registry = in_production(ws, 100.0)
+    candidate(ws, 100.0)
+    s = gpt2_spec(version="0.2.0")
+    s["evaluation"]["thresholds"] = [
+        {"metric": "greedy_token_match", "min_relative_change": 0, "greater_is_better": True},
+        # an absolute bound the candidate misses is the evaluate stage's verdict, not this row's
+        {
+            "metric": "perplexity",
+            "threshold": 50.0,
+            "min_relative_change": 0.0,
+            "greater_is_better": False,
+        },
+    ]
+    rows = [r for r in gate(ws.root, [ws.spec(s)], registry).rows if "production" in r.check]
+    assert [(r.release, r.check, r.verdict) for r in rows] == [
+        (RELEASE, "greedy_token_match vs production 0.1.0", "FAIL"),
+        (RELEASE, "perplexity vs production 0.1.0", "PASS"),
+    ]
+    assert rows[0].detail == "production's manifest lacks this metric"

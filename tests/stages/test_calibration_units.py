@@ -74,6 +74,11 @@ def load(root: Path, c: CalibrationData, lay: Layout = LM, task: str = "causal-l
     return calibration.load("quantize", root, c, task, lay, kw.get("dims", DIMS), VOCAB)
 
 
+def error(message: str, fix: str = "") -> str:
+    """How a StageError of the quantize stage reads: stage, message, fix."""
+    return f"quantize: {message}" + (f"\n  fix: {fix}" if fix else "")
+
+
 def refusal(root: Path, c: CalibrationData, **kw: Any) -> str:
     with pytest.raises(StageError) as exc:
         load(root, c, **kw)
@@ -86,6 +91,7 @@ def test_exactly_samples_plus_holdout_load_and_split(root: Path) -> None:
     assert [f["input_ids"].shape for f in got.calibration] == [(1, 1), (1, 2), (1, 3)]
     assert [f["input_ids"].shape for f in got.holdout] == [(1, 4), (1, 5)]
     assert got.sha256 == hash_range(root / path) and got.source == path
+    assert all(f["input_ids"].dtype == np.int64 for f in got.calibration + got.holdout)
     # one more line than needed: the extra is not used
     path = texts(root, [words(i + 1) for i in range(6)])
     assert [f["input_ids"].shape[1] for f in load(root, cfg(path)).holdout] == [4, 5]
@@ -93,14 +99,20 @@ def test_exactly_samples_plus_holdout_load_and_split(root: Path) -> None:
 
 def test_one_sample_short_names_both_counts(root: Path) -> None:
     path = texts(root, [words(2)] * 4)  # more than samples (3), less than 3 + 2
-    assert "has 4 sample(s); samples + holdout need 5" in refusal(root, cfg(path))
+    assert refusal(root, cfg(path)) == error(
+        "quantization.calibration.path data/c.jsonl has 4 sample(s); samples + holdout need 5",
+        "add real samples, or lower calibration.samples / holdout",
+    )
 
 
 def test_blank_lines_are_skipped_not_counted(root: Path) -> None:
     path = texts(root, [words(2), "", "   ", words(2), words(2), words(2), words(2)])
     assert len(load(root, cfg(path)).calibration) == 3
     path = texts(root, ["", "  "])
-    assert "quantization.calibration.path data/c.jsonl is empty" in refusal(root, cfg(path))
+    assert refusal(root, cfg(path)) == error(
+        "quantization.calibration.path data/c.jsonl is empty",
+        "add real samples of the deployment's inputs",
+    )
 
 
 def test_the_length_limit_is_max_length_else_the_sequence_max(root: Path) -> None:
@@ -112,51 +124,75 @@ def test_the_length_limit_is_max_length_else_the_sequence_max(root: Path) -> Non
     path = texts(root, [words(8)] * 5)
     assert len(load(root, cfg(path, max_length=8)).calibration) == 3
     path = texts(root, [words(8)] * 4 + [words(9)])
-    assert "9 tokens, longer than the limit 8" in refusal(root, cfg(path, max_length=8))
+    assert refusal(root, cfg(path, max_length=8)) == error(
+        "data/c.jsonl:5: 9 tokens, longer than the limit 8 (calibration.max_length / "
+        "export.dims.sequence.max)",
+        "split the sample; samples are never truncated silently",
+    )
     # no sequence dim and no max_length: no limit
     path = texts(root, [words(40)] * 5)
     assert len(load(root, cfg(path), dims={}).calibration) == 3
 
 
 def test_every_line_problem_names_its_line(root: Path) -> None:
+    shape = 'one {"text": ...} object per line'
     cases = {
-        "not json": "data/c.jsonl:2: not a JSON object with a 'text' string",
-        "[1, 2]": "data/c.jsonl:2: not a JSON object with a 'text' string",
-        '{"body": "x"}': "data/c.jsonl:2: not a JSON object with a 'text' string",
-        '{"text": 3}': "data/c.jsonl:2: 'text' is not a string",
-        '{"text": ""}': "data/c.jsonl:2: the sample has no tokens",
+        "not json": ("data/c.jsonl:2: not a JSON object with a 'text' string", shape),
+        "[1, 2]": ("data/c.jsonl:2: not a JSON object with a 'text' string", shape),
+        '{"body": "x"}': ("data/c.jsonl:2: not a JSON object with a 'text' string", shape),
+        '{"text": 3}': ("data/c.jsonl:2: 'text' is not a string", ""),
+        '{"text": ""}': ("data/c.jsonl:2: the sample has no tokens", "remove it"),
     }
-    for line, message in cases.items():
-        assert message in refusal(root, cfg(texts(root, [words(2), line] + [words(2)] * 3)))
+    for line, (message, fix) in cases.items():
+        path = texts(root, [words(2), line] + [words(2)] * 3)
+        assert refusal(root, cfg(path)) == error(message, fix), line
     path = texts(root, [json.dumps({"body": "a b"})] * 5)
     assert len(load(root, cfg(path, text_field="body")).calibration) == 3
 
 
 def test_missing_file_and_tokenizer_are_named(root: Path) -> None:
-    assert "quantization.calibration.path data/none.jsonl does not exist" in refusal(
-        root, cfg("data/none.jsonl")
+    assert refusal(root, cfg("data/none.jsonl")) == error(
+        "quantization.calibration.path data/none.jsonl does not exist",
+        "commit the data file; Shipyard never substitutes random data",
     )
     path = texts(root, [words(2)] * 5)
     (root / "tok" / "tokenizer.json").unlink()
-    assert "quantization.calibration.tokenizer: no tokenizer.json in tok" in refusal(
-        root, cfg(path)
+    assert refusal(root, cfg(path)) == error(
+        "quantization.calibration.tokenizer: no tokenizer.json in tok",
+        "point it at the model's tokenizer folder",
     )
 
 
 def test_token_ids_must_lie_inside_the_vocabulary(root: Path) -> None:
     ids = np.full((5, 4), VOCAB - 1, dtype=np.int64)  # the last valid id
+    ids[0, 0] = 0  # and the first
     np.savez(root / "data" / "ids.npz", input_ids=ids)
     assert len(load(root, cfg("data/ids.npz")).calibration) == 3
     for bad in (VOCAB, -1):
         ids[3, 1] = bad
         np.savez(root / "data" / "ids.npz", input_ids=ids)
-        reason = refusal(root, cfg("data/ids.npz"))
-        assert f"data/ids.npz: sample 3: token id {bad} is outside the model's vocabulary" in (
-            reason
+        assert refusal(root, cfg("data/ids.npz")) == error(
+            f"data/ids.npz: sample 3: token id {bad} is outside the model's vocabulary of {VOCAB}",
+            "use the tokenizer the model was trained with",
         )
     # vocabulary 0 (a python model): unknown, not checked
     got = calibration.load("quantize", root, cfg("data/ids.npz"), "causal-lm", LM, DIMS, 0)
     assert len(got.holdout) == 2
+    # texts too: tiny-gpt2's tokenizer gives ids beyond a 10-token vocabulary
+    path = texts(root, [words(2)] * 5)
+    with pytest.raises(StageError, match="data/c.jsonl:1: token id .* vocabulary of 10"):
+        calibration.load("quantize", root, cfg(path), "causal-lm", LM, DIMS, 10)
+
+
+def test_npz_samples_obey_the_length_limit_too(root: Path) -> None:
+    np.savez(root / "data" / "ids.npz", input_ids=np.ones((5, 16), dtype=np.int64))
+    assert len(load(root, cfg("data/ids.npz")).calibration) == 3
+    np.savez(root / "data" / "ids.npz", input_ids=np.ones((5, 17), dtype=np.int64))
+    assert refusal(root, cfg("data/ids.npz")) == error(
+        "data/ids.npz: sample 0: 17 tokens, longer than the limit 16 (calibration.max_length / "
+        "export.dims.sequence.max)",
+        "split the sample; samples are never truncated silently",
+    )
 
 
 def test_npz_arrays_must_cover_every_input_with_one_sample_count(root: Path) -> None:
@@ -166,17 +202,19 @@ def test_npz_arrays_must_cover_every_input_with_one_sample_count(root: Path) -> 
     assert [f["x"].shape for f in got.calibration] == [(1, 4, 8)] * 3
     assert set(got.calibration[0]) == {"x"}  # only the graph's inputs
     np.savez(root / "data" / "g.npz", y=x)
-    assert "data/g.npz: no array for input(s) ['x']; found ['y']" in refusal(
-        root, cfg("data/g.npz"), lay=GENERIC, task="generic"
+    assert refusal(root, cfg("data/g.npz"), lay=GENERIC, task="generic") == error(
+        "data/g.npz: no array for input(s) ['x']; found ['y']",
+        "save one array per graph input, samples first",
     )
     two = Layout(inputs=(*GENERIC.inputs, Tensor("z", "float32", ("batch",))), outputs=())
     np.savez(root / "data" / "g.npz", x=x, z=np.ones(4, dtype=np.float32))
-    assert "arrays hold different or zero sample counts [4, 5]" in refusal(
-        root, cfg("data/g.npz"), lay=two, task="generic"
+    counts = "every array's first axis counts the same samples"
+    assert refusal(root, cfg("data/g.npz"), lay=two, task="generic") == error(
+        "data/g.npz: arrays hold different or zero sample counts [4, 5]", counts
     )
     np.savez(root / "data" / "g.npz", x=x[:0])
-    assert "arrays hold different or zero sample counts [0]" in refusal(
-        root, cfg("data/g.npz"), lay=GENERIC, task="generic"
+    assert refusal(root, cfg("data/g.npz"), lay=GENERIC, task="generic") == error(
+        "data/g.npz: arrays hold different or zero sample counts [0]", counts
     )
 
 
