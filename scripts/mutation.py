@@ -73,6 +73,7 @@ GUARANTEES: dict[str, list[str]] = {
     "pipelines/registry.py": [
         "tests/pipelines/test_registry_units.py",
         TRUST + "test_attack_4_registry_paths_cannot_leave_the_root",
+        TRUST + "test_remote_lock_is_owner_stamped_and_a_stale_one_expires",
     ],
     "stages/serving/mlserver_runtime.py": [
         RUNTIME + "test_two_prompts_of_different_lengths_in_one_batch_window_are_both_right",

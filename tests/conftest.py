@@ -194,6 +194,12 @@ def remanifest(bundle: Path, subject: str = "tiny-gpt2@0.1.0") -> None:
 MOTO = str(Path(sys.executable).with_name("moto_server"))
 
 
+def _forget_s3_clients() -> None:
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 @pytest.fixture(scope="module")
 def s3_server() -> Iterator[str]:
     with socket.socket() as s:
@@ -205,6 +211,7 @@ def s3_server() -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
+    _forget_s3_clients()  # fsspec caches filesystems: one made for an earlier server is stale
     saved = {
         k: os.environ.get(k)
         for k in (
@@ -232,6 +239,7 @@ def s3_server() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+        _forget_s3_clients()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
