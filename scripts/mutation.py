@@ -39,7 +39,6 @@ DATA = ("models", "data", "releases", "docs", "dvc.yaml", "dvc.lock", "Makefile"
 PARITY = "tests/stages/test_check_parity.py::"
 PLAN = "tests/stages/test_plan_capacity.py::"
 TRUST = "tests/pipelines/test_registry_trust.py::"
-RUNTIME = "tests/stages/test_runtime_requests.py::"
 GUARANTEES: dict[str, list[str]] = {
     "schemas/loader.py": [
         "tests/schemas",
@@ -75,11 +74,8 @@ GUARANTEES: dict[str, list[str]] = {
         TRUST + "test_attack_4_registry_paths_cannot_leave_the_root",
         TRUST + "test_remote_lock_is_owner_stamped_and_a_stale_one_expires",
     ],
-    "stages/serving/mlserver_runtime.py": [
-        RUNTIME + "test_two_prompts_of_different_lengths_in_one_batch_window_are_both_right",
-        RUNTIME + "test_streams_hold_a_model_instance_and_count_in_the_queue",
-        RUNTIME + "test_a_failed_merge_answers_every_request_of_the_batch_at_once",
-    ],
+    # in-process request checks and batcher (their HTTP tests reach a server process)
+    "stages/serving/mlserver_runtime.py": ["tests/runtime/test_runtime_units.py"],
     # verify and the manifest: synthetic bundles, directly and through the registry
     "stages/bundling/oms.py": [
         "tests/stages/test_verify_units.py",
@@ -183,6 +179,7 @@ def run_module(module: str, keep: Path | None, minutes: float) -> dict[str, obje
             **os.environ,
             "PATH": f"{BIN}:{os.environ['PATH']}",
             "PYTHONPATH": f"{root / 'mutants' / 'src'}:{root / 'mutation_site'}",
+            "SHIPYARD_RUNTIME_TESTS": "1",  # tests/runtime: only collected in their own run
         }
         start = time.monotonic()
         try:

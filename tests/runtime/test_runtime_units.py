@@ -1,0 +1,387 @@
+"""The runtime's request checks and batcher, in-process (issue 16: the HTTP tests reach the
+runtime in a server process, which mutation testing cannot attribute). The requests are
+real Open Inference Protocol objects (mlserver.types), the graph a real ONNX Runtime
+session over a small ONNX model built here; the batcher runs on a real event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from mlserver.types import InferenceRequest
+from onnx import TensorProto, helper
+
+from stages.serving import mlserver_runtime as rt
+from stages.serving.mlserver_runtime import Batcher, QueueFull, TimedOut, decode
+
+
+def tensor(name: str, shape: list[Any], data: Any, datatype: str = "FP32") -> Any:
+    request = InferenceRequest.model_validate(
+        {"inputs": [{"name": name, "shape": shape, "datatype": datatype, "data": data}]}
+    )
+    return request.inputs[0]
+
+
+def bad(inp: Any) -> str:
+    with pytest.raises(rt.BadRequest) as exc:
+        decode(inp)
+    assert exc.value.status_code == 400
+    return str(exc.value)
+
+
+# --------------------------------------------------------------------------- decode
+def test_a_tensor_that_fills_its_shape_decodes_exactly() -> None:
+    array = decode(tensor("x", [2, 3], [[1, 2, 3], [4, 5, 6]], "INT64"))
+    assert array.dtype == np.int64 and array.tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert decode(tensor("x", [1, 2], [0.5, 1], "FP32")).tolist() == [[0.5, 1.0]]
+    assert decode(tensor("m", [2], [True, 0], "BOOL")).tolist() == [True, False]
+    assert decode(tensor("e", [0, 3], [], "FP32")).shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    ("shape", "data", "datatype", "message"),
+    [
+        ([], [1], "FP32", "input 'x': a 0-d tensor; send shape [batch, ...]"),
+        ([2, -1], [1, 2], "FP32", "input 'x': shape [2, -1] must be non-negative integers"),
+        ([2], ["a", "b"], "BYTES", "input 'x': BYTES is not accepted here; send numbers"),
+        ([2, 2], [1, 2, 3], "FP32", "input 'x': 3 values do not fill shape [2, 2] (4 needed)"),
+        ([2], [1, 2, 3], "FP32", "input 'x': 3 values do not fill shape [2] (2 needed)"),
+        ([2], [1, 1.7], "INT64", "input 'x': INT64 needs integers; found a non-integer value"),
+        ([2], [1, True], "INT32", "input 'x': INT32 needs integers; found a non-integer value"),
+        ([1], ["yes"], "BOOL", "input 'x': BOOL needs true/false values"),
+        ([2], [1.0, True], "FP32", "input 'x': FP32 needs numbers"),
+        ([1], ["1"], "FP16", "input 'x': FP16 needs numbers"),
+    ],
+)
+def test_each_malformed_tensor_is_refused_with_its_reason(
+    shape: list[Any], data: Any, datatype: str, message: str
+) -> None:
+    assert bad(tensor("x", shape, data, datatype)) == message
+
+
+def test_the_element_cap_holds_at_its_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rt, "MAX_ELEMENTS", 6)
+    assert decode(tensor("x", [2, 3], [1] * 6, "INT64")).shape == (2, 3)
+    assert bad(tensor("x", [7], [1] * 7, "INT64")) == "input 'x': 7 elements is beyond 6"
+    # a flood of values stops being read past the cap: still refused by count
+    assert bad(tensor("x", [6], [1] * 50, "INT64")).startswith("input 'x': 7 values do not")
+
+
+def test_values_that_do_not_fit_the_datatype_are_refused() -> None:
+    message = bad(tensor("x", [1], [300], "INT8"))
+    assert message.startswith("input 'x': cannot decode as INT8 [1]: ")
+
+
+def test_flat_reads_nested_lists_in_order() -> None:
+    assert rt._flat([[1, [2, 3]], (4,), 5]) == [1, 2, 3, 4, 5]
+    assert rt._flat(7) == [7]
+
+
+# --------------------------------------------------------------------------- graph inputs
+def graph(path: Path) -> Path:
+    """y = sum(x * m) over the last two axes: x float [batch, 4, 8], m int64 [batch, 4, 8]."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8])
+    m = helper.make_tensor_value_info("m", TensorProto.INT64, ["batch", 4, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])
+    axes = helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2])
+    nodes = [
+        helper.make_node("Cast", ["m"], ["mf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["x", "mf"], ["p"]),
+        helper.make_node("ReduceSum", ["p", "axes"], ["y"], keepdims=0),
+    ]
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x, m], [y], [axes]),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    model.ir_version = 9
+    onnx.save(model, path)
+    return path
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Any:
+    """The runtime as load() leaves it for a tensors model, on a real session."""
+    model = rt.ShipyardOnnxRuntime.__new__(rt.ShipyardOnnxRuntime)
+    model.session = rt.session_from(graph(tmp_path / "g.onnx"), {})
+    model.serving, model.task, model.labels = "tensors", "generic", []
+    model.max_request_rows = 3
+    return model
+
+
+def request(**inputs: tuple[list[Any], Any, str]) -> InferenceRequest:
+    return InferenceRequest.model_validate(
+        {
+            "inputs": [
+                {"name": n, "shape": s, "data": d, "datatype": t} for n, (s, d, t) in inputs.items()
+            ]
+        }
+    )
+
+
+def rows(batch: int, cols: int = 8, datatype: str = "FP32") -> tuple[list[Any], Any, str]:
+    return ([batch, 4, cols], [1] * (batch * 4 * cols), datatype)
+
+
+def refused(runtime: Any, payload: InferenceRequest) -> str:
+    with pytest.raises(rt.BadRequest) as exc:
+        runtime._graph_inputs(payload)
+    return str(exc.value)
+
+
+def test_exactly_the_graph_inputs_at_a_served_batch_are_accepted(runtime: Any) -> None:
+    for batch in (1, 3):  # both ends of [1, max_batch_size]
+        feeds = runtime._graph_inputs(request(x=rows(batch), m=rows(batch, datatype="INT64")))
+        assert sorted(feeds) == ["m", "x"] and feeds["x"].shape == (batch, 4, 8)
+        assert feeds["m"].dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({"x": rows(1)}, "inputs must be exactly ['m', 'x']; got ['x']"),
+        (
+            {"x": rows(1), "m": rows(1, datatype="INT64"), "z": rows(1)},
+            "inputs must be exactly ['m', 'x']; got ['x', 'm', 'z']",
+        ),
+        ({"x": rows(1), "m": rows(1)}, "input 'm' must be INT64; got FP32"),
+        (
+            {"x": ([1, 32], [1] * 32, "FP32"), "m": rows(1, datatype="INT64")},
+            "input 'x' must have 3 axes ['batch', 4, 8]; got shape [1, 32]",
+        ),
+        (
+            {"x": rows(1, cols=9), "m": rows(1, datatype="INT64")},
+            "input 'x' axis 2 must be 8; got 9",
+        ),
+        (
+            {"x": rows(2), "m": rows(1, datatype="INT64")},
+            "inputs disagree on the batch size: [1, 2]",
+        ),
+        (
+            {"x": rows(4), "m": rows(4, datatype="INT64")},
+            "batch 4 is outside [1, 3] (the served max_batch_size)",
+        ),
+        (
+            {"x": rows(0), "m": rows(0, datatype="INT64")},
+            "batch 0 is outside [1, 3] (the served max_batch_size)",
+        ),
+    ],
+)
+def test_each_wrong_request_is_refused_naming_the_input(
+    runtime: Any, inputs: dict[str, Any], message: str
+) -> None:
+    assert refused(runtime, request(**inputs)) == message
+
+
+def test_a_repeated_input_name_is_refused(runtime: Any) -> None:
+    payload = InferenceRequest.model_validate(
+        {
+            "inputs": [
+                {"name": "x", "shape": [1, 4, 8], "datatype": "FP32", "data": [1] * 32},
+                {"name": "x", "shape": [1, 4, 8], "datatype": "FP32", "data": [1] * 32},
+            ]
+        }
+    )
+    assert refused(runtime, payload).startswith("inputs must be exactly ['m', 'x']")
+
+
+def test_a_batch_runs_the_graph_and_labels_name_the_top_class(runtime: Any) -> None:
+    feeds = {"x": np.ones((2, 4, 8), np.float32), "m": np.ones((2, 4, 8), np.int64)}
+    assert runtime._run_batch(None, feeds)["y"].tolist() == [32.0, 32.0]
+    scores = rt.label_scores(np.array([[1.0, 3.0], [2.0, 0.0]]), ["neg", "pos"])
+    assert scores["label"].tolist() == ["pos", "neg"]
+    assert np.allclose(scores["score"], [1 / (1 + np.exp(-2))] * 2)
+    assert rt.label_scores(np.zeros((1, 3)), [])["label"].tolist() == ["LABEL_0"]
+    with pytest.raises(RuntimeError, match="2 labels for 3 scores"):
+        rt.label_scores(np.zeros((1, 3)), ["a", "b"])
+
+
+# --------------------------------------------------------------------------- generation
+@pytest.fixture
+def generator(runtime: Any) -> Any:
+    runtime.serving, runtime.task = "generate", "causal-lm"
+    runtime.max_request_rows = 2
+    runtime.limits = {"max_prompt_tokens": 8, "max_past_tokens": 10}
+    runtime.decoder = SimpleNamespace(max_context=12, vocab=50)  # the export's limits
+    return runtime
+
+
+def gen(
+    ids: list[list[int]], datatype: str = "INT64", name: str = "input_ids", **params: Any
+) -> InferenceRequest:
+    shape = [len(ids), len(ids[0]) if ids else 0]
+    body: dict[str, Any] = {
+        "inputs": [{"name": name, "shape": shape, "datatype": datatype, "data": ids}]
+    }
+    if params:
+        body["parameters"] = params
+    return InferenceRequest.model_validate(body)
+
+
+def gen_refused(generator: Any, payload: InferenceRequest) -> str:
+    with pytest.raises(rt.BadRequest) as exc:
+        generator._generation_args(payload)
+    return str(exc.value)
+
+
+def test_a_generation_request_at_every_limit_is_accepted(generator: Any) -> None:
+    ids, new = generator._generation_args(gen([[0] * 8, [49] * 8], max_new_tokens=4))
+    assert ids.shape == (2, 8) and ids.dtype == np.int64 and new == 4  # past 8 + 4 - 2 = 10
+    ids, new = generator._generation_args(gen([[1]], datatype="INT32"))
+    assert new == 1 and ids.dtype == np.int64
+    generator.limits = {"max_prompt_tokens": 0, "max_past_tokens": 0}  # unknown: not checked
+    assert generator._generation_args(gen([[1] * 6], max_new_tokens=7))[1] == 7  # 6+7-1 = 12
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (
+            gen([[1]], name="tokens"),
+            "causal-lm expects exactly one input 'input_ids'; got ['tokens']",
+        ),
+        (gen([[1]], datatype="FP32"), "input_ids must be INT64 (or INT32); got FP32"),
+        (gen([[1]], max_new_tokens="3"), "max_new_tokens must be an integer; got '3'"),
+        (gen([[1]], max_new_tokens=True), "max_new_tokens must be an integer; got True"),
+        (gen([[1]], max_new_tokens=0), "max_new_tokens must be at least 1"),
+        (gen([[]]), "input_ids shape [1, 0]: send at least one row of one token"),
+        (gen([[1], [1], [1]]), "batch 3 exceeds the served max_batch_size 2"),
+        (gen([[1] * 9]), "prompt of 9 tokens exceeds the exported maximum 8"),
+        (
+            gen([[1] * 8], max_new_tokens=5),
+            "prompt 8 + 5 new tokens needs a past of 11 tokens; the export's past_sequence "
+            "max is 10",
+        ),
+        (gen([[50]]), "input_ids must lie in [0, 50) (the model's vocabulary)"),
+        (gen([[-1]]), "input_ids must lie in [0, 50) (the model's vocabulary)"),
+    ],
+)
+def test_each_wrong_generation_request_is_refused(
+    generator: Any, payload: InferenceRequest, message: str
+) -> None:
+    assert gen_refused(generator, payload) == message
+
+
+def test_the_served_context_is_checked_beyond_the_export_limits(generator: Any) -> None:
+    generator.limits = {"max_prompt_tokens": 0, "max_past_tokens": 0}
+    assert gen_refused(generator, gen([[1] * 6], max_new_tokens=8)) == (
+        "prompt 6 + 8 new tokens - 1 exceeds the served context 12"
+    )
+    three_axes = InferenceRequest.model_validate(
+        {"inputs": [{"name": "input_ids", "shape": [1, 1, 2], "datatype": "INT64", "data": [1, 2]}]}
+    )
+    assert (
+        gen_refused(generator, three_axes)
+        == "input_ids must be [batch, prompt]; got shape [1, 1, 2]"
+    )
+
+
+# --------------------------------------------------------------------------- batcher
+def run_loop(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_compatible_requests_merge_up_to_max_rows_and_get_their_own_rows() -> None:
+    batches: list[tuple[Any, int]] = []
+
+    def run(key: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        batches.append((key, len(feeds["x"])))
+        return {"y": feeds["x"] * 10}
+
+    async def go() -> list[Any]:
+        b = Batcher(run, max_rows=3, delay=0.05)
+        parts = [np.full((1, 2), i, np.float32) for i in range(4)] + [np.full((2, 2), 9.0)]
+        results = await asyncio.gather(
+            *(b.submit("k", {"x": p}) for p in parts[:4]), b.submit("other", {"x": parts[4]})
+        )
+        assert b.waiting == 0 and b.pending == {} and b.due == set()
+        return [r["y"].tolist() for r in results]
+
+    out = run_loop(go())
+    assert out == [[[0, 0]], [[10, 10]], [[20, 20]], [[30, 30]], [[90, 90], [90, 90]]]
+    # 3 rows at once (full), the 4th in the next batch; the other key never merged in
+    assert sorted(batches, key=str) == sorted([("k", 3), ("k", 1), ("other", 2)], key=str)
+
+
+def test_a_batch_is_due_at_its_delay_not_before() -> None:
+    async def go() -> float:
+        b = Batcher(lambda key, f: {"y": f["x"]}, max_rows=8, delay=0.2)
+        start = time.perf_counter()
+        await b.submit("k", {"x": np.ones((1, 1))})
+        return time.perf_counter() - start
+
+    assert 0.18 <= run_loop(go()) < 1.5
+
+
+def test_a_full_queue_refuses_at_once_and_a_slow_request_times_out() -> None:
+    async def go() -> tuple[str, str, int]:
+        def run(key: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            time.sleep(0.3)
+            return {"y": feeds["x"]}
+
+        b = Batcher(run, max_rows=1, delay=0.0, max_queue=2, timeout=0.1)
+        first = asyncio.ensure_future(b.submit("a", {"x": np.ones((1, 1))}))
+        second = asyncio.ensure_future(b.submit("b", {"x": np.ones((1, 1))}))
+        await asyncio.sleep(0)
+        full = ""
+        try:
+            await b.submit("c", {"x": np.ones((1, 1))})
+        except QueueFull as exc:
+            full = f"{exc.status_code} {exc}"
+        timed = ""
+        try:
+            await second
+        except TimedOut as exc:
+            timed = f"{exc.status_code} {exc}"
+        with contextlib.suppress(TimedOut):  # it may start in time or not: either is fine
+            await first
+        await asyncio.sleep(0.4)
+        return full, timed, b.waiting
+
+    full, timed, waiting = run_loop(go())
+    assert full == "503 queue full: 2 requests waiting (max_queue_depth 2); retry later"
+    assert timed == "504 request timed out after 0.1 s (request_timeout_seconds)"
+    assert waiting == 0
+
+
+def test_a_failed_run_answers_every_request_of_its_batch_at_once() -> None:
+    def run(key: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise ValueError("graph failed")
+
+    async def go() -> list[str]:
+        b = Batcher(run, max_rows=2, delay=0.01, timeout=5)
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            b.submit("k", {"x": np.ones((1, 1))}),
+            b.submit("k", {"x": np.ones((1, 1))}),
+            return_exceptions=True,
+        )
+        assert time.perf_counter() - start < 2
+        return [repr(r) for r in results]
+
+    assert run_loop(go()) == ["ValueError('graph failed')"] * 2
+
+
+def test_a_stream_holds_an_instance_and_counts_while_it_waits() -> None:
+    async def go() -> tuple[int, str]:
+        b = Batcher(lambda k, f: f, max_rows=1, delay=0.0, instances=1, max_queue=1, timeout=0.1)
+        async with b.instance():
+            assert b.waiting == 0
+            waiting = asyncio.ensure_future(b.instance().__aenter__())
+            await asyncio.sleep(0.01)
+            seen = b.waiting
+            try:
+                await waiting
+            except TimedOut as exc:
+                message = str(exc)
+        return seen, message
+
+    seen, message = run_loop(go())
+    assert seen == 1
+    assert message == "no model instance free within 0.1 s (request_timeout_seconds)"
