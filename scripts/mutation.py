@@ -168,6 +168,28 @@ def scratch(root: Path, module: str) -> None:
     (root / "mutants" / "src").mkdir(parents=True)
 
 
+def _moto_server() -> tuple[subprocess.Popen[bytes], str]:
+    """A moto S3 server on a free port, up before it is returned."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def run_module(module: str, keep: Path | None, minutes: float) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="shipyard-mutation-") as tmp:
         root = keep / module.replace("/", "_") if keep else Path(tmp)
@@ -175,8 +197,10 @@ def run_module(module: str, keep: Path | None, minutes: float) -> dict[str, obje
             shutil.rmtree(root, ignore_errors=True)
             root.mkdir(parents=True)
         scratch(root, module)
+        moto = _moto_server()
         env = {
             **os.environ,
+            "SHIPYARD_S3_ENDPOINT": moto[1],  # one S3 API for every mutant's object-store tests
             "PATH": f"{BIN}:{os.environ['PATH']}",
             "PYTHONPATH": f"{root / 'mutants' / 'src'}:{root / 'mutation_site'}",
             "SHIPYARD_RUNTIME_TESTS": "1",  # tests/runtime: only collected in their own run
@@ -195,6 +219,9 @@ def run_module(module: str, keep: Path | None, minutes: float) -> dict[str, obje
         except subprocess.TimeoutExpired as exc:
             output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else ""
             timed_out = True
+        finally:
+            moto[0].terminate()
+            moto[0].wait(timeout=10)
         seconds = time.monotonic() - start
         found = COUNTS.findall(output)
         if not found:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -200,8 +201,30 @@ def _forget_s3_clients() -> None:
     s3fs.S3FileSystem.clear_instance_cache()
 
 
+def bucket() -> str:
+    """A bucket name no other test (or earlier run against a shared server) has used."""
+    return f"t{uuid.uuid4().hex[:20]}"
+
+
 @pytest.fixture(scope="module")
 def s3_server() -> Iterator[str]:
+    """A moto S3 server for the module; SHIPYARD_S3_ENDPOINT names one already running
+    (mutation testing starts one for all its mutants: a server per mutant run is slow)."""
+    shared = os.environ.get("SHIPYARD_S3_ENDPOINT")
+    if shared:
+        os.environ.update(
+            AWS_ENDPOINT_URL=shared,
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+        _forget_s3_clients()
+        yield shared
+        return
+    yield from _own_s3_server()
+
+
+def _own_s3_server() -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

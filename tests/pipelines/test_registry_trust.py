@@ -19,7 +19,7 @@ from pipelines.registry import Registry
 from pipelines.signing import sign
 from schemas import RegistryError
 from stages.bundling.oms import verify_bundle
-from tests.conftest import Workspace, gpt2_spec, remanifest, writable_copy
+from tests.conftest import Workspace, bucket, gpt2_spec, remanifest, writable_copy
 from tests.pipelines.test_signing import keypair
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
@@ -46,15 +46,12 @@ def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
 # --------------------------------------------------------------------------- S3 (moto)
 
 
-_buckets = iter(range(1_000_000))
-
-
 @pytest.fixture(params=["local", "s3"])
 def registry(request: pytest.FixtureRequest, tmp_path: Path) -> Registry:
     if request.param == "local":
         return Registry(str(tmp_path / "registry"))
     request.getfixturevalue("s3_server")
-    return Registry(f"s3://shipyard-{next(_buckets)}/registry")
+    return Registry(f"s3://shipyard-{bucket()}/registry")
 
 
 # --------------------------------------------------------------------------- attack 1
@@ -259,7 +256,7 @@ def test_attack_6_a_torn_history_line_is_reported_never_blocking(
 def test_attack_6_object_store_history_appends_one_object_per_entry(
     built_gpt2: Workspace, s3_server: str
 ) -> None:
-    registry = Registry(f"s3://history-{next(_buckets)}/reg")
+    registry = Registry(f"s3://history-{bucket()}/reg")
     registry.publish(built_gpt2.out("tiny-gpt2", "bundle"), "tiny-gpt2", "1.0.0")
     registry.promote("tiny-gpt2", "1.0.0", "production", "first")
     first = registry.fs.info(registry.path("history", f"{1:010d}.json"))
@@ -277,7 +274,7 @@ def test_remote_lock_is_owner_stamped_and_a_stale_one_expires(
 ) -> None:
     import pipelines.registry as reg
 
-    registry = Registry(f"s3://lock-{next(_buckets)}/reg")
+    registry = Registry(f"s3://lock-{bucket()}/reg")
     stale = {"owner": "ghost", "host": "gone", "token": "t", "taken": 0, "expires": 1}
     registry.fs.pipe_file(registry.path(".lock"), json.dumps(stale).encode())
     with registry.lock():
@@ -366,7 +363,7 @@ def test_a_channel_requiring_a_signature_refuses_unsigned_and_wrongly_signed_bun
 def test_s3_registry_publish_promote_rollback_status_through_the_cli(
     built_gpt2: Workspace, s3_server: str
 ) -> None:
-    url = f"s3://cli-{next(_buckets)}/registry"
+    url = f"s3://cli-{bucket()}/registry"
     env = {"SHIPYARD_REGISTRY": url, "SHIPYARD_ROOT": str(built_gpt2.root)}
     spec = built_gpt2.root / "releases" / "tiny-gpt2.yaml"
     assert spec.is_file()

@@ -20,7 +20,7 @@ import pipelines.registry as reg
 from pipelines.registry import Registry, check_channel, check_name, check_version
 from schemas import RegistryError
 from stages.bundling.oms import load_manifest
-from tests.conftest import remanifest
+from tests.conftest import bucket, remanifest
 
 
 def make_bundle(
@@ -557,10 +557,7 @@ def test_a_signature_refusal_explains_the_fix(
 # --------------------------------------------------------------------------- object store
 @pytest.fixture
 def s3(s3_server: str) -> Registry:
-    return Registry(f"s3://units-{next(_buckets)}/registry")
-
-
-_buckets = iter(range(1_000_000))
+    return Registry(f"s3://units-{bucket()}/registry")
 
 
 def test_object_store_publish_promote_rollback_and_history(
