@@ -79,14 +79,15 @@ def compile_dvc(root: Path) -> str:
     """The dvc.yaml text for every release; deterministic for the same inputs."""
     releases, all_ios = stage_ios(root)
     modules = code_modules(root, all_ios)
-    everything = sorted({m for ms in modules.values() for m in ms} | set(FINGERPRINT_CODE))
-    specs = [path.relative_to(root).as_posix() for path, _ in releases]
+    everything = {m for ms in modules.values() for m in ms} | set(FINGERPRINT_CODE)
+    # The code stage is cheap and rewrites only files whose content changes, so it depends
+    # on whole folders: dvc.lock then lists three folders, not every module (DVC parses
+    # dvc.lock twice on each `dvc repro`). Stages depend on their own files inside its outs.
     stages: dict[str, Any] = {
         CODE_STAGE: {
             "cmd": "shipyard fingerprint",
-            "deps": [*everything, *specs],
-            "outs": [f"{CODE_DIR}/{name}.json" for name in modules]
-            + [f"{PARAMS_DIR}/{spec.name}/{name}.json" for _, spec in releases for name in all_ios],
+            "deps": [*sorted({m.split("/", 1)[0] for m in everything}), "releases"],
+            "outs": [CODE_DIR, PARAMS_DIR],
         }
     }
     for name, ios in all_ios.items():

@@ -3,10 +3,11 @@
 A stage's DVC deps on Python code are not the source files themselves but one fingerprint
 file per stage (`build/.code/<stage>.json`), written by the `code` stage of dvc.yaml from
 the stage's import closure. The same stage writes, per release, the spec sections each stage
-reads (`build/.params/<release>/<stage>.json`, see pipelines/compiler.py). Each module is hashed as its syntax tree with comments,
-formatting, docstrings and pydantic `description=` texts removed, so rewording a field
-description or a comment changes no fingerprint and reruns no release stage; any change to
-what the code does changes the tree, its fingerprint, and reruns every stage that imports it.
+reads (`build/.params/<release>/<stage>.json`, see pipelines/compiler.py). Each module is
+hashed as its syntax tree with comments, formatting, docstrings and pydantic `description=`
+texts removed, so rewording a field description or a comment changes no fingerprint and
+reruns no release stage; any change to what the code does changes the tree, its
+fingerprint, and reruns every stage that imports it.
 
 Files a stage reads as data (templates, the MLServer runtime it ships byte for byte) are not
 fingerprinted: they stay plain DVC deps (`io().code`).
