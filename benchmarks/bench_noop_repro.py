@@ -94,8 +94,13 @@ def many_releases(root: Path, count: int) -> int:
         spec = spec.replace("timing-caches/tiny-gpt2", f"timing-caches/{name}")
         (root / "releases" / f"{name}.yaml").write_text(spec)
         shutil.copytree(built, root / "build" / name, symlinks=True)
-    shutil.copytree(REPO / "build" / ".code", root / "build" / ".code")
-    for cmd in (["git", "init", "-q"], ["shipyard", "compile"], ["dvc", "commit", "-f", "-q"]):
+    steps = (
+        ["git", "init", "-q"],
+        ["shipyard", "compile"],
+        ["shipyard", "fingerprint"],  # build/.code and each copy's build/.params
+        ["dvc", "commit", "-f", "-q"],
+    )
+    for cmd in steps:
         subprocess.run(cmd, cwd=root, env=ENV, check=True, capture_output=True)
     stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
     return sum(len(s.get("foreach", [0])) for s in stages.values())
