@@ -134,7 +134,7 @@ class Registry:
             if self.local:
                 digest = self._publish_local(bundle, name, version, target)
             else:
-                digest = self._publish_remote(bundle, name, version, target)
+                digest = self._publish_remote(bundle, target)
             record = {
                 "release": name,
                 "version": version,
@@ -158,13 +158,14 @@ class Registry:
             raise
         return digest
 
-    def _publish_remote(self, bundle: Path, name: str, version: str, target: str) -> str:
+    def _publish_remote(self, bundle: Path, target: str) -> str:
+        """Upload a private snapshot: what is verified is what is uploaded. Nothing is at
+        `target`: `_recover` ran under the same lock, and a version without its record was
+        finished (then it is published) or removed."""
         with tempfile.TemporaryDirectory(prefix="shipyard-publish-") as tmp:
-            snapshot = Path(tmp) / "bundle"  # private: what is verified is what is uploaded
+            snapshot = Path(tmp) / "bundle"
             shutil.copytree(bundle, snapshot, symlinks=True)
             digest = _verified_digest(snapshot, f"copied bundle {bundle}")
-            if self.fs.exists(target):
-                self.fs.rm(target, recursive=True)
             self.fs.put(str(snapshot) + "/", target, recursive=True)
         return digest
 

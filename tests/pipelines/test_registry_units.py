@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,39 @@ def test_publish_records_the_copied_digest_read_only(
     # the same bundle again: said, not copied
     again = registry.publish(bundle, "demo", "1.0.0")
     assert again["already"] is True and again["digest"] == record["digest"]
+    assert again["recovered"] == [] and record["at"].endswith("+00:00")  # UTC
+    dirs = [p for p in folder.rglob("*") if p.is_dir()]
+    assert dirs and all(p.stat().st_mode & 0o700 == 0o700 for p in dirs)  # still traversable
+    # a second handle on the same registry (another command) opens it as it is
+    assert Registry(registry.url).record("demo", "1.0.0") == stored
+    # the same version from a bundle that no longer verifies: named as the build bundle
+    (bundle / "model.onnx").write_bytes(b"edited")
+    with pytest.raises(RegistryError) as exc:
+        registry.publish(bundle, "demo", "1.0.0")
+    assert str(exc.value).startswith(f"build bundle {bundle} does not match its manifest")
+
+
+def test_a_registry_through_a_symlinked_path_is_rooted_at_the_real_folder(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    registry = Registry(str(tmp_path / "link"))
+    assert registry.root == str((tmp_path / "real").resolve())
+    assert registry.path("releases") == str((tmp_path / "real" / "releases").resolve())
+
+
+def test_a_symlink_in_a_bundle_is_published_as_a_symlink_and_refused(
+    registry: Registry, bundle: Path, tmp_path: Path
+) -> None:
+    """The copy keeps links as links: following one would publish a file the source never
+    held as a plain file (and verify would then pass it)."""
+    (tmp_path / "same.onnx").write_bytes((bundle / "model.onnx").read_bytes())
+    (bundle / "model.onnx").unlink()
+    (bundle / "model.onnx").symlink_to(tmp_path / "same.onnx")
+    with pytest.raises(RegistryError, match="model.onnx: is a symlink"):
+        registry.publish(bundle, "demo", "1.0.0")
+    assert registry.record("demo", "1.0.0") is None
 
 
 def test_a_published_version_is_immutable(registry: Registry, bundle: Path, tmp_path: Path) -> None:
@@ -229,6 +263,7 @@ def test_check_finishes_removes_and_reports_each_interrupted_publish(
     ]
     record = registry.record("demo", "1.0.0")
     assert record is not None and record["digest"] == digest_of(good) and record["recovered"]
+    assert record["by"] and record["at"].endswith("+00:00")
     assert sorted(os.listdir(releases / "demo")) == ["1.0.0", "1.0.0.json", "notes"]
     assert registry.check() == ["releases/Bad_Name: not a valid release name; left alone"]
 
@@ -619,3 +654,107 @@ def test_object_store_check_finishes_and_removes_interrupted_publishes(
     assert record is not None and record["digest"] == digest_of(good)
     assert (record["release"], record["version"], record["recovered"]) == ("demo", "1.0.0", True)
     assert s3.check() == []
+
+
+def test_check_walks_past_recorded_versions_and_names_three_problems(
+    registry: Registry, tmp_path: Path
+) -> None:
+    published(registry, tmp_path, "1.0.0")  # recorded: sorted before the others
+    good = make_bundle(tmp_path / "good", payload=b"g")
+    bad = make_bundle(tmp_path / "bad", payload=b"b")
+    for extra in ("a.txt", "b.txt", "c.txt", "d.txt"):
+        (bad / extra).write_text("x")
+    shutil.copytree(good, Path(registry.path("releases", "demo", "1.1.0")))
+    shutil.copytree(bad, Path(registry.path("releases", "demo", "1.2.0")))
+    assert registry.check() == [
+        "finished demo@1.1.0: interrupted publish verified, record written",
+        "removed demo@1.2.0: interrupted publish that does not verify (a.txt: added (not in "
+        "the manifest); b.txt: added (not in the manifest); c.txt: added (not in the "
+        "manifest))",
+    ]
+
+
+def test_facts_without_stages_or_with_reportless_passed_stages_publish(
+    registry: Registry, tmp_path: Path
+) -> None:
+    bare = make_bundle(tmp_path / "bare")
+    facts = json.loads((bare / "shipyard.json").read_text())
+    del facts["stages"]
+    (bare / "shipyard.json").write_text(json.dumps(facts))
+    remanifest(bare, "demo@1.0.0")
+    assert registry.publish(bare, "demo", "1.0.0")["digest"] == digest_of(bare)
+    extra = make_bundle(tmp_path / "extra", payload=b"e", facts={"plan": "passed"})
+    assert registry.publish(extra, "demo", "1.0.1")["digest"] == digest_of(extra)
+
+
+def test_a_published_bundle_that_no_longer_verifies_is_named(
+    registry: Registry, bundle: Path
+) -> None:
+    registry.publish(bundle, "demo", "1.0.0")
+    published = Path(registry.path("releases", "demo", "1.0.0", "model.onnx"))
+    published.chmod(0o644)
+    published.write_bytes(b"bitrot")
+    with pytest.raises(RegistryError) as exc:
+        registry.promote("demo", "1.0.0", "production", "x")
+    assert str(exc.value) == (
+        "published demo@1.0.0 does not match its manifest; refusing it:\n"
+        "  model.onnx: changed (sha256 differs from the manifest)"
+    )
+
+
+def test_not_published_names_the_registry_and_the_fix(registry: Registry, bundle: Path) -> None:
+    shutil.copytree(bundle, Path(registry.path("releases", "demo", "1.0.0")))
+    # not through check(): a promotion must refuse what has no publish record
+    with pytest.raises(RegistryError) as exc:
+        registry._checked("demo", "1.0.0", "production")
+    assert str(exc.value) == (
+        f"demo@1.0.0 is not published in {registry.url}; run `shipyard publish demo` first"
+    )
+
+
+def test_history_survives_bytes_that_are_not_utf8_and_long_torn_lines(
+    registry: Registry, tmp_path: Path
+) -> None:
+    published(registry, tmp_path, "1.0.0")
+    registry.promote("demo", "1.0.0", "production", "first")
+    torn = '{"seq": 2, "note": "' + "x" * 100
+    with open(registry.path("history.jsonl"), "ab") as fh:
+        fh.write(b"\xff\xfe not utf-8\n" + torn.encode())
+    assert [e["seq"] for e in registry.history()] == [1]
+    assert registry.warnings[0].startswith("history.jsonl line 2 is torn or not an entry ('")
+    assert registry.warnings[1] == (
+        f"history.jsonl line 3 is torn or not an entry ({torn[:60]!r}); skipped. History is "
+        "append-only: the entry it held is lost, later ones are intact"
+    )
+
+
+def test_object_store_history_survives_bytes_that_are_not_utf8(s3: Registry) -> None:
+    s3.fs.pipe_file(s3.path("history", f"{1:010d}.json"), b"\xff\xfe{")
+    assert s3.history() == []
+    assert s3.warnings[0].startswith("history/0000000001.json is torn or not an entry")
+
+
+def test_object_store_publish_refuses_a_symlinked_file(
+    s3: Registry, bundle: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "same.onnx").write_bytes((bundle / "model.onnx").read_bytes())
+    (bundle / "model.onnx").unlink()
+    (bundle / "model.onnx").symlink_to(tmp_path / "same.onnx")
+    with pytest.raises(RegistryError, match="model.onnx: is a symlink"):
+        s3.publish(bundle, "demo", "1.0.0")
+    assert not s3.fs.exists(s3.path("releases", "demo", "1.0.0"))
+
+
+def test_object_store_lock_is_stamped_and_an_unstamped_one_is_stale(
+    s3: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHIPYARD_USER", "carol")
+    with s3.lock():
+        held = json.loads(s3.fs.cat_file(s3.path(".lock")))
+    assert sorted(held) == ["expires", "host", "owner", "pid", "taken", "token"]
+    assert held["owner"] == "carol" and held["pid"] == os.getpid()
+    assert held["taken"] <= time.time() <= held["expires"]
+    s3.fs.pipe_file(s3.path(".lock"), json.dumps({"owner": "x", "host": "h", "taken": 5}).encode())
+    with s3.lock():  # no expiry stamped: a crashed writer's; broken
+        pass
+    assert s3.warnings == ["broke a stale registry lock held by x@h since 5"]
