@@ -78,9 +78,11 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
 
     root = repo_root()
     written = compiler.write_fingerprints(root)
-    code = [p for p in written if p.parent == root / compiler.CODE_DIR]
+    from pipelines.fingerprint import CODE_DIR
+
+    code = [p for p in written if p.parent == root / CODE_DIR]
     print(
-        f"fingerprinted the code of {len(code)} stages into {compiler.CODE_DIR}, and wrote the "
+        f"fingerprinted the code of {len(code)} stages into {CODE_DIR}, and wrote the "
         f"spec sections of each into {len(written) - len(code)} files under {compiler.PARAMS_DIR}"
     )
     return 0
