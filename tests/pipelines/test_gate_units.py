@@ -22,7 +22,7 @@ from schemas import ReleaseSpec
 from schemas.loader import load_release
 from stages import load_stages
 from stages._runtime import report_dir
-from tests.conftest import Workspace, gpt2_spec
+from tests.conftest import Workspace, gpt2_spec, remanifest
 from tests.pipelines.test_registry_units import make_bundle
 
 RELEASE = "tiny-gpt2"
@@ -104,7 +104,7 @@ def test_the_engine_may_skip_only_where_optional_and_not_required(
     report(ws, "engine", "skipped", reasons=["no GPU"], details={"optional": optional})
     result = gate(ws.root, [spec(ws, engine={"required": required})], None)
     engine = next(r for r in result.rows if r.check == "engine")
-    assert engine.verdict == verdict
+    assert engine.verdict == verdict and engine.release == RELEASE
     if verdict == "n/a":
         assert engine.detail == "skipped (optional): engine summary"
     else:
@@ -126,7 +126,7 @@ def test_the_built_bundle_is_verified_and_its_digest_shown(ws: Workspace) -> Non
         (bundle / f"{name}.py").write_text("x")
     result = gate(ws.root, [spec(ws)], None)
     row = next(r for r in result.rows if r.check == "bundle verify")
-    assert row.verdict == "FAIL" and not result.ok
+    assert row.verdict == "FAIL" and not result.ok and row.release == RELEASE
     assert row.detail == "; ".join(f"{n}.py: added (not in the manifest)" for n in "abc")
 
 
@@ -196,6 +196,7 @@ def test_a_production_threshold_at_its_boundary(
     candidate(ws, value)
     row = production_row(gate(ws.root, [production_spec(ws, change)], registry))
     assert (row.check, row.verdict) == ("perplexity vs production 0.1.0", verdict), row.detail
+    assert row.release == RELEASE and row.detail.startswith(f"perplexity {value:.4g} vs ")
 
 
 def test_greater_is_better_flips_the_direction(ws: Workspace) -> None:
@@ -238,7 +239,7 @@ def test_production_that_does_not_verify_or_lacks_the_metric_fails(ws: Workspace
     published.chmod(0o644)
     published.write_bytes(b"tampered")
     row = production_row(gate(ws.root, [production_spec(ws, 0.0)], registry))
-    assert row.verdict == "FAIL"
+    assert row.verdict == "FAIL" and row.release == RELEASE
     assert row.detail.startswith("production 0.1.0 does not verify: published tiny-gpt2@0.1.0 ")
     assert "model.onnx: changed" in row.detail and "\n" not in row.detail
 
@@ -359,3 +360,17 @@ def test_production_rows_judge_change_only_and_every_threshold(ws: Workspace) ->
         (RELEASE, "perplexity vs production 0.1.0", "PASS"),
     ]
     assert rows[0].detail == "production's manifest lacks this metric"
+
+
+def test_production_facts_without_an_evaluation_section_lack_the_metric(ws: Workspace) -> None:
+    registry = Registry(str(ws.root / "registry"))
+    bundle = make_bundle(ws.root / "prod-bundle")
+    facts = json.loads((bundle / "shipyard.json").read_text())
+    del facts["evaluation"]
+    (bundle / "shipyard.json").write_text(json.dumps(facts))
+    remanifest(bundle, "demo@1.0.0")
+    registry.publish(bundle, RELEASE, "0.1.0")
+    registry.promote(RELEASE, "0.1.0", "production", "first")
+    candidate(ws, 100.0)
+    row = production_row(gate(ws.root, [production_spec(ws, 0.0)], registry))
+    assert (row.verdict, row.detail) == ("FAIL", "production's manifest lacks this metric")
