@@ -385,3 +385,138 @@ def test_a_stream_holds_an_instance_and_counts_while_it_waits() -> None:
     seen, message = run_loop(go())
     assert seen == 1
     assert message == "no model instance free within 0.1 s (request_timeout_seconds)"
+
+
+# --------------------------------------------------------------------------- sessions
+def test_the_session_takes_every_option_of_ort_session_json(tmp_path: Path) -> None:
+    path = graph(tmp_path / "g.onnx")
+    default = rt.session_from(path, {}).get_session_options()
+    assert default.graph_optimization_level == rt.ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    assert (default.intra_op_num_threads, default.inter_op_num_threads) == (0, 0)
+    assert default.execution_mode == rt.ort.ExecutionMode.ORT_SEQUENTIAL
+    for level, want in rt._LEVELS.items():
+        config = {
+            "session_options": {
+                "graph_optimization_level": level,
+                "intra_op_num_threads": 2,
+                "inter_op_num_threads": 3,
+                "execution_mode": "parallel",
+            },
+            "providers": ["CPUExecutionProvider"],
+        }
+        session = rt.session_from(path, config)
+        options = session.get_session_options()
+        assert options.graph_optimization_level == want, level
+        assert (options.intra_op_num_threads, options.inter_op_num_threads) == (2, 3)
+        assert options.execution_mode == rt.ort.ExecutionMode.ORT_PARALLEL
+        assert session.get_providers() == ["CPUExecutionProvider"]
+
+
+# --------------------------------------------------------------------------- labels
+def test_label_scores_are_stable_softmax_per_row_and_per_token() -> None:
+    big = rt.label_scores(np.array([[1000.0, 1001.0]], dtype=np.float32), ["a", "b"])
+    assert big["label"].tolist() == ["b"]
+    assert big["score"].dtype == np.float32
+    assert abs(float(big["score"][0]) - 1 / (1 + np.exp(-1))) < 1e-6
+    tokens = rt.label_scores(np.array([[[0.0, 5.0, 0.0], [9.0, 0.0, 0.0]]]), ["x", "y", "z"])
+    assert tokens["label"].tolist() == [["y", "x"]] and tokens["score"].shape == (1, 2)
+    tiny = np.array([[0.0, 1e-3]])  # float64 keeps the difference float16 would lose
+    assert rt.label_scores(tiny, ["a", "b"])["label"].tolist() == ["b"]
+
+
+def test_a_labels_model_answers_names_and_scores(runtime: Any) -> None:
+    runtime.serving, runtime.labels = "labels", ["low", "high"]
+    feeds = {"x": np.ones((2, 4, 8), np.float32), "m": np.ones((2, 4, 8), np.int64)}
+    runtime.session = rt.session_from(two_scores(runtime), {})
+    out = runtime._run_batch(None, feeds)
+    assert sorted(out) == ["label", "score", "y"]
+    assert out["label"].tolist() == ["high", "high"]
+
+
+def two_scores(runtime: Any) -> Path:
+    """y = [sum(x*m), 2*sum(x*m)] per row: two class scores, the second always higher."""
+    folder = Path(runtime.session._model_path).parent
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8])
+    m = helper.make_tensor_value_info("m", TensorProto.INT64, ["batch", 4, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])
+    axes = helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2])
+    scale = helper.make_tensor("scale", TensorProto.FLOAT, [1, 2], [1.0, 2.0])
+    nodes = [
+        helper.make_node("Cast", ["m"], ["mf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["x", "mf"], ["p"]),
+        helper.make_node("ReduceSum", ["p", "axes"], ["s"], keepdims=0),
+        helper.make_node("Unsqueeze", ["s", "one"], ["s1"]),
+        helper.make_node("Mul", ["s1", "scale"], ["y"]),
+    ]
+    one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
+    model = helper.make_model(
+        helper.make_graph(nodes, "labels", [x, m], [y], [axes, scale, one]),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    model.ir_version = 9
+    path = folder / "labels.onnx"
+    onnx.save(model, path)
+    return path
+
+
+# --------------------------------------------------------------------------- generation
+def next_token_lm(path: Path, vocab: int = 16) -> Path:
+    """A causal LM with a KV cache whose greedy next token is (last id + 1) % vocab:
+    logits = one_hot(ids + 1), present = past + the new positions."""
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    mask = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"])
+    past = [
+        helper.make_tensor_value_info(
+            f"past_key_values.0.{k}", TensorProto.FLOAT, ["batch", 1, "past", 2]
+        )
+        for k in ("key", "value")
+    ]
+    logits = helper.make_tensor_value_info(
+        "logits", TensorProto.FLOAT, ["batch", "sequence", vocab]
+    )
+    present = [
+        helper.make_tensor_value_info(f"present.0.{k}", TensorProto.FLOAT, ["batch", 1, "total", 2])
+        for k in ("key", "value")
+    ]
+    table = np.roll(np.eye(vocab, dtype=np.float32), 1, axis=1)  # row i: one-hot of i + 1
+    inits = [
+        onnx.numpy_helper.from_array(table, "table"),
+        helper.make_tensor("axes", TensorProto.INT64, [2], [1, 3]),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["table", "input_ids"], ["logits"], axis=0),
+        helper.make_node("Cast", ["input_ids"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["f", "axes"], ["f4"]),  # [batch, 1, sequence, 1]
+        helper.make_node("Concat", ["f4", "f4"], ["new"], axis=3),
+        helper.make_node("Concat", ["past_key_values.0.key", "new"], ["present.0.key"], axis=2),
+        helper.make_node("Concat", ["past_key_values.0.value", "new"], ["present.0.value"], axis=2),
+        helper.make_node("Shape", ["attention_mask"], ["unused"]),
+    ]
+    model = helper.make_model(
+        helper.make_graph(nodes, "lm", [ids, mask, *past], [logits, *present], inits),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    model.ir_version = 9
+    onnx.save(model, path)
+    return path
+
+
+def test_greedy_decoding_feeds_the_cache_and_generates_each_step(tmp_path: Path) -> None:
+    session = rt.session_from(next_token_lm(tmp_path / "lm.onnx"), {})
+    decoder = rt.Decoder(session, max_context=64)
+    assert decoder.vocab == 16 and decoder.float is None
+    assert [p.name for p in decoder.past] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert decoder.present == ["present.0.key", "present.0.value"]
+    empty = decoder._empty_past(3)
+    assert {k: v.shape for k, v in empty.items()} == {
+        "past_key_values.0.key": (3, 1, 0, 2),
+        "past_key_values.0.value": (3, 1, 0, 2),
+    }
+    steps = list(decoder.steps(np.array([[3, 4], [14, 15]], dtype=np.int64), 3))
+    assert [s.tolist() for s in steps] == [[[5], [0]], [[6], [1]], [[7], [2]]]
+    assert all(s.dtype == np.int64 and s.shape == (2, 1) for s in steps)
+
+    model = rt.ShipyardOnnxRuntime.__new__(rt.ShipyardOnnxRuntime)
+    model.serving, model.decoder, model.session = "generate", decoder, session
+    out = model._run_batch((2, 4), {"input_ids": np.array([[1, 2]], dtype=np.int64)})
+    assert out["output_ids"].tolist() == [[3, 4, 5, 6]]
