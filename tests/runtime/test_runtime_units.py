@@ -413,6 +413,20 @@ def test_the_session_takes_every_option_of_ort_session_json(tmp_path: Path) -> N
 
 
 # --------------------------------------------------------------------------- labels
+def softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def test_label_scores_equal_a_softmax_over_the_last_axis_for_any_row() -> None:
+    z = np.array([[[0.0, 5.0, 1.0], [9.0, 0.0, 2.0]], [[-1000.0, -999.0, -998.0], [3, 2, 1]]])
+    out = rt.label_scores(z, [])  # default names: one per score
+    want = softmax(z)
+    assert out["label"].tolist() == [["LABEL_1", "LABEL_0"], ["LABEL_2", "LABEL_0"]]
+    assert np.allclose(out["score"], want.max(axis=-1), atol=1e-6)
+    assert not np.isnan(out["score"]).any()  # rows far below the others stay finite
+
+
 def test_label_scores_are_stable_softmax_per_row_and_per_token() -> None:
     big = rt.label_scores(np.array([[1000.0, 1001.0]], dtype=np.float32), ["a", "b"])
     assert big["label"].tolist() == ["b"]
@@ -460,37 +474,49 @@ def two_scores(runtime: Any) -> Path:
 
 
 # --------------------------------------------------------------------------- generation
-def next_token_lm(path: Path, vocab: int = 16) -> Path:
-    """A causal LM with a KV cache whose greedy next token is (last id + 1) % vocab:
-    logits = one_hot(ids + 1), present = past + the new positions."""
+def next_token_lm(
+    path: Path, vocab: int = 16, cache: int = TensorProto.FLOAT, named_vocab: bool = False
+) -> Path:
+    """A causal LM with a KV cache whose greedy next token is (last id + 1 + offset) % vocab,
+    where offset = mask length - past length - new tokens (0 when the mask is right):
+    logits = one_hot(ids + offset + 1), present = past + the new positions."""
     ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
     mask = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"])
     past = [
-        helper.make_tensor_value_info(
-            f"past_key_values.0.{k}", TensorProto.FLOAT, ["batch", 1, "past", 2]
-        )
+        helper.make_tensor_value_info(f"past_key_values.0.{k}", cache, ["batch", 1, "past", 2])
         for k in ("key", "value")
     ]
-    logits = helper.make_tensor_value_info(
-        "logits", TensorProto.FLOAT, ["batch", "sequence", vocab]
-    )
+    last = "vocab" if named_vocab else vocab
+    logits = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", last])
     present = [
-        helper.make_tensor_value_info(f"present.0.{k}", TensorProto.FLOAT, ["batch", 1, "total", 2])
+        helper.make_tensor_value_info(f"present.0.{k}", cache, ["batch", 1, "total", 2])
         for k in ("key", "value")
     ]
     table = np.roll(np.eye(vocab, dtype=np.float32), 1, axis=1)  # row i: one-hot of i + 1
     inits = [
         onnx.numpy_helper.from_array(table, "table"),
         helper.make_tensor("axes", TensorProto.INT64, [2], [1, 3]),
+        helper.make_tensor("one", TensorProto.INT64, [1], [1]),
+        helper.make_tensor("two", TensorProto.INT64, [1], [2]),
+        helper.make_tensor("n", TensorProto.INT64, [], [vocab]),
     ]
     nodes = [
-        helper.make_node("Gather", ["table", "input_ids"], ["logits"], axis=0),
-        helper.make_node("Cast", ["input_ids"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Shape", ["attention_mask"], ["ms"]),
+        helper.make_node("Gather", ["ms", "one"], ["total"]),
+        helper.make_node("Shape", ["past_key_values.0.key"], ["ps"]),
+        helper.make_node("Gather", ["ps", "two"], ["plen"]),
+        helper.make_node("Shape", ["input_ids"], ["is"]),
+        helper.make_node("Gather", ["is", "one"], ["slen"]),
+        helper.make_node("Sub", ["total", "plen"], ["t1"]),
+        helper.make_node("Sub", ["t1", "slen"], ["offset"]),
+        helper.make_node("Add", ["input_ids", "offset"], ["shifted"]),
+        helper.make_node("Mod", ["shifted", "n"], ["wrapped"]),
+        helper.make_node("Gather", ["table", "wrapped"], ["logits"], axis=0),
+        helper.make_node("Cast", ["input_ids"], ["f"], to=cache),
         helper.make_node("Unsqueeze", ["f", "axes"], ["f4"]),  # [batch, 1, sequence, 1]
         helper.make_node("Concat", ["f4", "f4"], ["new"], axis=3),
         helper.make_node("Concat", ["past_key_values.0.key", "new"], ["present.0.key"], axis=2),
         helper.make_node("Concat", ["past_key_values.0.value", "new"], ["present.0.value"], axis=2),
-        helper.make_node("Shape", ["attention_mask"], ["unused"]),
     ]
     model = helper.make_model(
         helper.make_graph(nodes, "lm", [ids, mask, *past], [logits, *present], inits),
@@ -501,10 +527,24 @@ def next_token_lm(path: Path, vocab: int = 16) -> Path:
     return path
 
 
+def test_a_float16_cache_is_fed_in_float16(
+    tmp_path: Path,
+) -> None:
+    path = next_token_lm(tmp_path / "lm16.onnx", cache=TensorProto.FLOAT16, named_vocab=True)
+    decoder = rt.Decoder(rt.session_from(path, {}), max_context=9)
+    assert decoder.float is np.float16 and decoder.max_context == 9
+    # a declared symbolic vocabulary that ONNX Runtime cannot infer stays unknown (0); here
+    # it infers 16 from the table, so the declared name does not hide the size
+    assert decoder.vocab == 16
+    assert {v.dtype for v in decoder._empty_past(2).values()} == {np.dtype(np.float16)}
+    steps = list(decoder.steps(np.array([[1]], dtype=np.int64), 2))
+    assert [s.tolist() for s in steps] == [[[2]], [[3]]]
+
+
 def test_greedy_decoding_feeds_the_cache_and_generates_each_step(tmp_path: Path) -> None:
     session = rt.session_from(next_token_lm(tmp_path / "lm.onnx"), {})
     decoder = rt.Decoder(session, max_context=64)
-    assert decoder.vocab == 16 and decoder.float is None
+    assert decoder.vocab == 16 and decoder.float is None and decoder.max_context == 64
     assert [p.name for p in decoder.past] == ["past_key_values.0.key", "past_key_values.0.value"]
     assert decoder.present == ["present.0.key", "present.0.value"]
     empty = decoder._empty_past(3)
