@@ -560,3 +560,48 @@ def test_greedy_decoding_feeds_the_cache_and_generates_each_step(tmp_path: Path)
     model.serving, model.decoder, model.session = "generate", decoder, session
     out = model._run_batch((2, 4), {"input_ids": np.array([[1, 2]], dtype=np.int64)})
     assert out["output_ids"].tolist() == [[3, 4, 5, 6]]
+
+
+def test_a_full_batch_runs_at_once_without_waiting_for_its_delay() -> None:
+    async def go() -> float:
+        b = Batcher(lambda k, f: {"y": f["x"]}, max_rows=2, delay=30.0)
+        start = time.perf_counter()
+        await asyncio.wait_for(
+            asyncio.gather(*(b.submit("k", {"x": np.ones((1, 1))}) for _ in range(2))), 5
+        )
+        return time.perf_counter() - start
+
+    assert run_loop(go()) < 2
+
+
+def test_requests_that_together_exceed_max_rows_go_in_separate_batches() -> None:
+    sizes: list[int] = []
+
+    def run(key: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        sizes.append(len(feeds["x"]))
+        return {"y": feeds["x"]}
+
+    async def go() -> None:
+        b = Batcher(run, max_rows=3, delay=0.05)
+        parts = [np.ones((2, 1)), np.ones((2, 1)), np.ones((1, 1))]
+        await asyncio.gather(*(b.submit("k", {"x": p}) for p in parts))
+
+    run_loop(go())
+    assert sizes == [2, 3] and max(sizes) <= 3  # 2 alone (2 + 2 > 3), then 2 + 1
+
+
+def test_by_default_one_instance_runs_and_nothing_times_out() -> None:
+    def run(key: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(0.6)
+        return {"y": feeds["x"]}
+
+    async def go() -> float:
+        b = Batcher(run, max_rows=1, delay=0.0)  # instances=1, timeout=0 (none)
+        start = time.perf_counter()
+        await asyncio.gather(
+            b.submit("a", {"x": np.ones((1, 1))}), b.submit("b", {"x": np.ones((1, 1))})
+        )
+        return time.perf_counter() - start
+
+    elapsed = run_loop(go())
+    assert elapsed >= 1.15  # two runs one after the other; 1.2 s > any 1 s default timeout
