@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,23 +41,13 @@ def timed(cmds: list[list[str]], cwd: Path, env: dict[str, str]) -> tuple[float,
 
 
 def moto() -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, url
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    sys.exit("moto_server did not start")
+    sys.path.insert(0, str(REPO))
+    from tests.s3_server import start_moto
+
+    try:
+        return start_moto()
+    except RuntimeError as exc:
+        sys.exit(str(exc))
 
 
 def clone(into: Path, env: dict[str, str], source: Path = REPO) -> Path:

@@ -169,25 +169,11 @@ def scratch(root: Path, module: str) -> None:
 
 
 def _moto_server() -> tuple[subprocess.Popen[bytes], str]:
-    """A moto S3 server on a free port, up before it is returned."""
-    import socket
+    """One moto S3 server for every mutant's object-store tests (tests/s3_server.py)."""
+    sys.path.insert(0, str(REPO))
+    from tests.s3_server import start_moto
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    return proc, f"http://127.0.0.1:{port}"
+    return start_moto()
 
 
 def run_module(module: str, keep: Path | None, minutes: float) -> dict[str, object]:

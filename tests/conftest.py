@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +16,7 @@ import yaml
 from schemas import ReleaseSpec, StageReport
 from schemas.loader import load_release
 from stages import execute, load_stages
+from tests.s3_server import start_moto
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny-gpt2"
@@ -192,7 +189,6 @@ def remanifest(bundle: Path, subject: str = "tiny-gpt2@0.1.0") -> None:
 
 
 # A real S3 API on localhost (moto's server mode), for the registry and the DVC remote.
-MOTO = str(Path(sys.executable).with_name("moto_server"))
 
 
 def _forget_s3_clients() -> None:
@@ -225,15 +221,7 @@ def s3_server() -> Iterator[str]:
 
 
 def _own_s3_server() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [MOTO, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_moto()
     _forget_s3_clients()  # fsspec caches filesystems: one made for an earlier server is stale
     saved = {
         k: os.environ.get(k)
@@ -251,13 +239,6 @@ def _own_s3_server() -> Iterator[str]:
         AWS_DEFAULT_REGION="us-east-1",
     )
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.1)
         yield url
     finally:
         proc.terminate()
