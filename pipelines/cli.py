@@ -74,12 +74,11 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
     from pipelines import compiler
+    from pipelines.fingerprint import CODE_DIR
     from stages import repo_root
 
     root = repo_root()
     written = compiler.write_fingerprints(root)
-    from pipelines.fingerprint import CODE_DIR
-
     code = [p for p in written if p.parent == root / CODE_DIR]
     print(
         f"fingerprinted the code of {len(code)} stages into {CODE_DIR}, and wrote the "

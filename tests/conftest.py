@@ -169,23 +169,21 @@ def writable_copy(source: Path, target: Path) -> Path:
     return target
 
 
-def remanifest(bundle: Path, subject: str = "tiny-gpt2@0.1.0") -> None:
+def remanifest(bundle: Path, subject: str = "tiny-gpt2@0.1.0", shard: int = 0) -> None:
     """What an attacker with write access does after editing files: a manifest that is
-    consistent with the edited folder."""
-    import json
-
+    consistent with the edited folder (`shard`: the shard size, default the bundle's)."""
+    from schemas.manifest import SHARD_SIZE
     from stages.bundling.hashing import hash_shards
-    from stages.bundling.oms import build_manifest
+    from stages.bundling.oms import build_manifest, write_manifest
 
+    size = shard or SHARD_SIZE
     files = {
         p.relative_to(bundle).as_posix(): p
         for p in bundle.rglob("*")
         if p.is_file() and p.name not in ("manifest.json", "model.sig")
     }
-    manifest = build_manifest(subject, hash_shards(files))
-    (bundle / "manifest.json").write_text(
-        json.dumps(manifest.model_dump(mode="json", by_alias=True))
-    )
+    manifest = build_manifest(subject, hash_shards(files, size), size)
+    write_manifest(bundle / "manifest.json", manifest)
 
 
 # A real S3 API on localhost (moto's server mode), for the registry and the DVC remote.
@@ -207,42 +205,22 @@ def s3_server() -> Iterator[str]:
     """A moto S3 server for the module; SHIPYARD_S3_ENDPOINT names one already running
     (mutation testing starts one for all its mutants: a server per mutant run is slow)."""
     shared = os.environ.get("SHIPYARD_S3_ENDPOINT")
-    if shared:
-        os.environ.update(
-            AWS_ENDPOINT_URL=shared,
-            AWS_ACCESS_KEY_ID="testing",
-            AWS_SECRET_ACCESS_KEY="testing",
-            AWS_DEFAULT_REGION="us-east-1",
-        )
-        _forget_s3_clients()
-        yield shared
-        return
-    yield from _own_s3_server()
-
-
-def _own_s3_server() -> Iterator[str]:
-    proc, url = start_moto()
-    _forget_s3_clients()  # fsspec caches filesystems: one made for an earlier server is stale
-    saved = {
-        k: os.environ.get(k)
-        for k in (
-            "AWS_ENDPOINT_URL",
-            "AWS_ACCESS_KEY_ID",
-            "AWS_SECRET_ACCESS_KEY",
-            "AWS_DEFAULT_REGION",
-        )
-    }
+    proc, url = (None, shared) if shared else start_moto()
+    keys = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    saved = {k: os.environ.get(k) for k in keys}
     os.environ.update(
         AWS_ENDPOINT_URL=url,
         AWS_ACCESS_KEY_ID="testing",
         AWS_SECRET_ACCESS_KEY="testing",
         AWS_DEFAULT_REGION="us-east-1",
     )
+    _forget_s3_clients()  # fsspec caches filesystems: one made for an earlier server is stale
     try:
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=10)
         _forget_s3_clients()
         for k, v in saved.items():
             if v is None:

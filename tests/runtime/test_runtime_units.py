@@ -438,18 +438,17 @@ def test_label_scores_are_stable_softmax_per_row_and_per_token() -> None:
     assert rt.label_scores(tiny, ["a", "b"])["label"].tolist() == ["b"]
 
 
-def test_a_labels_model_answers_names_and_scores(runtime: Any) -> None:
+def test_a_labels_model_answers_names_and_scores(runtime: Any, tmp_path: Path) -> None:
     runtime.serving, runtime.labels = "labels", ["low", "high"]
     feeds = {"x": np.ones((2, 4, 8), np.float32), "m": np.ones((2, 4, 8), np.int64)}
-    runtime.session = rt.session_from(two_scores(runtime), {})
+    runtime.session = rt.session_from(two_scores(tmp_path / "labels.onnx"), {})
     out = runtime._run_batch(None, feeds)
     assert sorted(out) == ["label", "score", "y"]
     assert out["label"].tolist() == ["high", "high"]
 
 
-def two_scores(runtime: Any) -> Path:
+def two_scores(path: Path) -> Path:
     """y = [sum(x*m), 2*sum(x*m)] per row: two class scores, the second always higher."""
-    folder = Path(runtime.session._model_path).parent
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 8])
     m = helper.make_tensor_value_info("m", TensorProto.INT64, ["batch", 4, 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])
@@ -468,7 +467,6 @@ def two_scores(runtime: Any) -> Path:
         opset_imports=[helper.make_opsetid("", 18)],
     )
     model.ir_version = 9
-    path = folder / "labels.onnx"
     onnx.save(model, path)
     return path
 

@@ -14,19 +14,12 @@ import pytest
 
 from schemas.manifest import SHARD_SIZE, algorithm_label
 from stages.bundling import oms
-from stages.bundling.hashing import hash_shards
-from stages.bundling.oms import build_manifest, load_manifest, verify_bundle, write_manifest
+from stages.bundling.oms import load_manifest, verify_bundle
+from tests.conftest import remanifest
 
 
 def manifest_for(folder: Path, shard: int = SHARD_SIZE) -> None:
-    files = {
-        p.relative_to(folder).as_posix(): p
-        for p in folder.rglob("*")
-        if p.is_file() and p.name not in ("manifest.json", "model.sig")
-    }
-    write_manifest(
-        folder / "manifest.json", build_manifest("demo@1.0.0", hash_shards(files, shard), shard)
-    )
+    remanifest(folder, "demo@1.0.0", shard)
 
 
 @pytest.fixture
