@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ShipyardError(Exception):
     """Base of every error a user can cause and fix. `exit_code` is the CLI's exit status."""
@@ -33,6 +35,10 @@ class StageError(ShipyardError):
         self.message = message
         self.hint = hint
         super().__init__(f"{stage}: {message}" + (f"\n  fix: {hint}" if hint else ""))
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str, str]]:
+        """Pickled by its parts: a stage's child process raises it to the parent."""
+        return (type(self), (self.stage, self.message, self.hint))
 
 
 class GateError(ShipyardError):

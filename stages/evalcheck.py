@@ -99,9 +99,9 @@ def _nondeterministic_modules(flat: Any, lay: sh.Layout, feeds: dict[str, np.nda
 
 
 def _random_nodes(path: Path) -> list[str]:
-    import onnx
+    from stages.onnx import stream
 
-    graph = onnx.load(str(path), load_external_data=False).graph
+    graph = stream.skeleton(path).graph
     constants = constant_values(graph)
     problems = []
     for node in graph.node:
@@ -121,8 +121,11 @@ def _random_nodes(path: Path) -> list[str]:
 def _onnx_repeatable(path: Path, feeds: dict[str, np.ndarray]) -> list[str]:
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    first, second = session.run(None, feeds), session.run(None, feeds)
+    from stages.onnx import stream
+
+    with stream.external_view(path) as view:  # the weights read from the file, not a parse
+        session = ort.InferenceSession(str(view), providers=["CPUExecutionProvider"])
+        first, second = session.run(None, feeds), session.run(None, feeds)
     names = [o.name for o in session.get_outputs()]
     differ = [n for n, a, b in zip(names, first, second, strict=True) if not np.array_equal(a, b)]
     if differ:

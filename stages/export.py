@@ -8,8 +8,8 @@ from typing import Any
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import Arch, DimSizes, ModelInfo, TensorInfo, VersionLock
 from schemas.tasks import TASKS
-from stages._runtime import StageContext, StageIO, StageResult, release_memory
-from stages.onnx import exporter
+from stages._runtime import StageContext, StageIO, StageResult, in_child
+from stages.onnx import exporter, stream
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
 
@@ -28,28 +28,27 @@ def io(release: ReleaseSpec) -> StageIO:
 def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     config = m.model_config(release.model, ctx.root)
     _check_context(release, config)
-    net, lay = m.load_with_layout(NAME, ctx.root, release)
-    pooled = getattr(net, "pooling", None)  # set by the embedding wrapper only
-    flat = m.adapter(release.task, net, lay)
     trace = sh.trace_sizes(release.export.dims)
-    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    ctx.log(f"exporting with the {release.export.exporter} exporter at {trace}")
+    # PyTorch in a child process: this one never imports torch, so the ONNX steps below
+    # run without it and without what the tracer leaves behind (issue 14: peak memory)
+    traced = in_child(_trace, ctx, release)
+    lay, weight_bytes, pooled = traced["layout"], traced["weight_bytes"], traced["pooling"]
     external = release.export.external_data == "always" or (
         release.export.external_data == "auto" and weight_bytes > TWO_GB
     )
-    parameters = _count(net)
-    ctx.log(f"exporting with the {release.export.exporter} exporter at {trace}")
-    raw = exporter.trace_graph(ctx, flat, lay, release.export, trace, external)
-    del net, flat  # the ONNX steps below run without the PyTorch weights in memory
-    release_memory()
-    path, tied = exporter.finish(ctx, raw, lay, external)
+    path, tied = exporter.finish(ctx, traced["raw"], lay, external)
     problems = exporter.static_axes(path, lay)
-    probes = exporter.probe(ctx, path, lay, release.export.dims, trace, release.export.odd_sizes)
+    with stream.external_view(path) as view:  # ONNX Runtime reads the weights from the file
+        probes = exporter.probe(
+            ctx, view, lay, release.export.dims, trace, release.export.odd_sizes
+        )
     problems += probes["problems"]
     ctx.write(
         ModelInfo(
             task=release.task,
             arch=Arch(**m.arch(config)),
-            parameters=parameters,
+            parameters=traced["parameters"],
             weight_bytes=weight_bytes,
             dtype="float32",
             exporter=release.export.exporter,
@@ -59,8 +58,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             inputs=[_tensor(t, declared=bool(release.export.inputs)) for t in lay.inputs],
             outputs=[_tensor(t) for t in lay.outputs],
             labels=m.label_names(config) if TASKS[release.task].labels else None,
-            pooling=pooled.mode if pooled else None,
-            normalize=pooled.normalize if pooled else None,
+            pooling=pooled["pooling"] if pooled else None,
+            normalize=pooled["normalize"] if pooled else None,
         )
     )
     shipped = _model_files(ctx, release)
@@ -68,11 +67,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     if tied:
         details["tied_weights"] = tied
     if pooled:
-        details["embedding"] = {
-            "pooling": pooled.mode,
-            "normalize": pooled.normalize,
-            "from": pooled.source,
-        }
+        details["embedding"] = pooled
     if problems:
         return StageResult.failed(
             f"{len(problems)} dynamic-axis problem(s)", problems, details=details
@@ -84,6 +79,26 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         details=details,
         metrics={"onnx_bytes": size, "shapes_run": len(probes["runs"])},
     )
+
+
+def _trace(ctx: StageContext, release: ReleaseSpec) -> dict[str, Any]:
+    """The PyTorch step, run in a child process: load the model, export it with its weights
+    in a raw external data file, and say what the parent needs about the model."""
+    net, lay = m.load_with_layout(NAME, ctx.root, release)
+    pooled = getattr(net, "pooling", None)  # set by the embedding wrapper only
+    flat = m.adapter(release.task, net, lay)
+    raw = exporter.trace_graph(ctx, flat, lay, release.export, sh.trace_sizes(release.export.dims))
+    return {
+        "raw": raw,
+        "layout": lay,
+        "parameters": _count(net),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in net.parameters()),
+        "pooling": (
+            {"pooling": pooled.mode, "normalize": pooled.normalize, "from": pooled.source}
+            if pooled
+            else None
+        ),
+    }
 
 
 def _check_context(release: Any, config: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from schemas import ReleaseSpec
-from stages._runtime import StageContext, StageIO, StageResult, release_memory
+from stages._runtime import StageContext, StageIO, StageResult, in_child
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
 from stages.onnx.compare import compare, tolerance
@@ -31,9 +31,10 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     path = ctx.upstream("export") / "model.onnx"
     shapes = _shapes(release)
     with tempfile.TemporaryDirectory(prefix="shipyard-parity-") as tmp:
-        # PyTorch first, its outputs on disk; then ONNX Runtime with the model freed, so the
-        # two copies of the weights are never in memory together (issue 14: peak memory)
-        lay = _reference_outputs(ctx, release, shapes, Path(tmp))
+        # PyTorch first, in a child process, its outputs on disk; then ONNX Runtime here, in
+        # a process that never imported torch: the two copies of the weights are never in
+        # memory together, nor torch with ONNX Runtime (issue 14: peak memory)
+        lay = in_child(_reference_outputs, ctx, release, shapes, Path(tmp))
         rows, failures = _compare_all(ctx, cfg, path, lay, shapes, Path(tmp))
     details: dict[str, Any] = {"comparisons": rows}
     if failures or cfg.layerwise == "always":
@@ -61,7 +62,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 def _reference_outputs(
     ctx: StageContext, release: Any, shapes: list[tuple[str, dict[str, int]]], into: Path
 ) -> sh.Layout:
-    """PyTorch's outputs at every shape, saved as .npy under `into`; the model is freed."""
+    """PyTorch's outputs at every shape, saved as .npy under `into` (run in a child)."""
     net, lay = m.load_with_layout(NAME, ctx.root, release)
     flat = m.adapter(release.task, net, lay)
     with ctx.progress("running the PyTorch reference", len(shapes)) as advance:
@@ -70,8 +71,6 @@ def _reference_outputs(
             for j, out in enumerate(m.torch_outputs(flat, lay, feeds)):
                 np.save(into / f"{i}-{j}.npy", out)
             advance()
-    del net, flat
-    release_memory()
     return lay
 
 
@@ -83,10 +82,14 @@ def _compare_all(
     shapes: list[tuple[str, dict[str, int]]],
     saved: Path,
 ) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], dict[str, np.ndarray]]]]:
-    """ONNX Runtime at every shape against the saved reference (read memory-mapped)."""
+    """ONNX Runtime at every shape against the saved reference (read memory-mapped). The
+    session reads the weights from the file (`stream.external_view`), not from a parse."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    from stages.onnx import stream
+
+    with stream.external_view(path) as view:
+        session = ort.InferenceSession(str(view), providers=["CPUExecutionProvider"])
     rows, failures = [], []
     with ctx.progress("comparing outputs", len(shapes)) as advance:
         for i, (label, sizes) in enumerate(shapes):

@@ -3,8 +3,10 @@ the static-axis check, and probing the graph in ONNX Runtime at every corner and
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,11 @@ STRIPPED_METADATA = ("pkg.torch.onnx.stack_trace",)  # absolute source paths: no
 
 
 def trace_graph(
-    ctx: StageContext, flat: Any, lay: sh.Layout, export: Any, trace: dict[str, int], external: bool
+    ctx: StageContext, flat: Any, lay: sh.Layout, export: Any, trace: dict[str, int]
 ) -> Path:
-    """torch.onnx.export into a scratch folder; `finish` turns it into the shipped graph.
-    Two steps so that the caller can free the PyTorch model in between (peak memory)."""
+    """torch.onnx.export into a scratch folder, every weight in an external data file there;
+    `finish` turns it into the shipped graph. Two steps so that the caller can free the
+    PyTorch model in between (peak memory)."""
     import torch
 
     feeds = sh.make_inputs(lay, trace, seed=0)
@@ -36,15 +39,16 @@ def trace_graph(
         kwargs.update(
             dynamo=True,
             dynamic_shapes=(_dynamic_shapes(lay, export.dims),),
-            external_data=external,
+            external_data=True,
             optimize=True,
             verbose=False,
         )
     else:
         kwargs.update(dynamo=False, dynamic_axes=_legacy_axes(lay, export.dims))
+    weights: dict[str, Any] = {}
     try:
         # The tracer's warnings are about transformers internals the probes below re-check.
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), _weights_held_back(weights):
             warnings.simplefilter("ignore")
             torch.onnx.export(flat, args, str(raw / "model.onnx"), **kwargs)
     except Exception as exc:  # the exporters raise many types; all mean "cannot export"
@@ -55,61 +59,167 @@ def trace_graph(
             "a dim the model treats as constant cannot be dynamic; see the "
             "exporter message above, or try the other export.exporter",
         ) from None
+    if export.exporter != "dynamo":
+        _weights_to_file(raw / "model.onnx", weights, RAW_DATA)
     return raw / "model.onnx"
+
+
+RAW_DATA = "weights.bin"
+
+
+@contextlib.contextmanager
+def _weights_held_back(into: dict[str, Any]) -> Iterator[None]:
+    """Two places where the TorchScript exporter copies every weight, made to copy none
+    (gpt2-small, 0.5 GB checkpoint: its peak went from 2.9 GB to 1.1 GB):
+
+    - It encodes the graph with the weights inline: a C++ proto, its bytes, and onnx's
+      parse of those bytes in Python. Handed no weights, it leaves them as graph inputs,
+      and `_weights_to_file` writes them one at a time. What it would have been handed
+      (after constant folding and deduplication) is kept in `into`.
+    - Its whole-graph shape inference builds an ONNX model holding every weight. Shape
+      inference reads constant values only for shape-like inputs (integers, and small
+      float scales such as Resize's), so it is given the integer and small tensors only.
+
+    Both are checked against torch's own output by the tests (same bytes). The dynamo
+    exporter writes external data itself and calls neither."""
+    import torch
+
+    graph, jit = torch._C.Graph, torch._C
+    export_original = getattr(graph, "_export_onnx", None)
+    infer_original = getattr(jit, "_jit_pass_onnx_graph_shape_type_inference", None)
+    if export_original is None or infer_original is None:  # another torch: it copies
+        yield
+        return
+
+    def export_onnx(self: Any, params: dict[str, Any], *rest: Any) -> Any:
+        into.update(params)
+        return export_original(self, {}, *rest)
+
+    def infer(g: Any, params: dict[str, Any], *rest: Any) -> Any:
+        small = {
+            k: v
+            for k, v in params.items()
+            if not v.is_floating_point() or v.numel() * v.element_size() < SHAPE_VALUE_BYTES
+        }
+        return infer_original(g, small, *rest)
+
+    setattr(graph, "_export_onnx", export_onnx)  # noqa: B010 (C++ classes: no stub to type)
+    setattr(jit, "_jit_pass_onnx_graph_shape_type_inference", infer)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(graph, "_export_onnx", export_original)  # noqa: B010
+        setattr(jit, "_jit_pass_onnx_graph_shape_type_inference", infer_original)  # noqa: B010
+
+
+SHAPE_VALUE_BYTES = 1 << 20
+
+
+def _weights_to_file(path: Path, weights: dict[str, Any], location: str) -> None:
+    """Turn the graph inputs that are weights into initializers whose bytes are in
+    `location`, in graph-input order (the order the exporter gives its initializers)."""
+    import onnx
+    import torch
+
+    model = onnx.load(str(path))  # small: no weights in it
+    graph = model.graph
+    inputs = [v for v in graph.input if v.name not in weights]
+    held = [v.name for v in graph.input if v.name in weights]
+    dtypes = _torch_to_onnx()
+    with open(path.parent / location, "wb") as data:
+        for name in held:
+            value = weights[name].detach().contiguous()
+            if value.dtype not in dtypes:
+                raise StageError(
+                    STAGE,
+                    f"weight {name} has dtype {value.dtype}, which ONNX cannot store",
+                    "cast the model to float32, float16 or bfloat16 before exporting",
+                )
+            tensor = graph.initializer.add()
+            tensor.dims.extend(value.shape)
+            tensor.data_type = dtypes[value.dtype]
+            tensor.name = name
+            offset = data.tell()
+            data.write(value.reshape(-1).view(torch.uint8).numpy().data)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            length = data.tell() - offset
+            for key, v in (("location", location), ("offset", offset), ("length", length)):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, str(v)
+    del graph.input[:]
+    graph.input.extend(inputs)
+    weights.clear()
+    onnx.save_model(model, str(path))
+
+
+def _torch_to_onnx() -> dict[Any, int]:
+    import torch
+    from onnx import TensorProto as T
+
+    return {
+        torch.float32: T.FLOAT,
+        torch.float16: T.FLOAT16,
+        torch.bfloat16: T.BFLOAT16,
+        torch.float64: T.DOUBLE,
+        torch.int64: T.INT64,
+        torch.int32: T.INT32,
+        torch.int16: T.INT16,
+        torch.int8: T.INT8,
+        torch.uint8: T.UINT8,
+        torch.bool: T.BOOL,
+    }
 
 
 def finish(
     ctx: StageContext, raw_path: Path, lay: sh.Layout, external: bool
 ) -> tuple[Path, list[dict[str, Any]]]:
-    """Name the dims, drop unreproducible metadata, store tied weights once, save (external
-    data when asked), check. Returns the graph's path and the weights it shares."""
+    """Name the dims, drop unreproducible metadata, store tied weights once, check, save
+    (external data when asked). Returns the graph's path and the weights it shares. The
+    weights stay on disk: they are memory-mapped to find ties and copied a step at a time
+    into the shipped graph (`stream.save`), so no step holds a second copy of them."""
     import onnx
 
+    from stages.onnx import stream
     from stages.onnx.graph import share_tied_weights
 
     raw = raw_path.parent
-
-    model = onnx.load(str(raw_path))
+    model = onnx.load(str(raw_path), load_external_data=False)
     _normalize(model, lay)
-    tied = share_tied_weights(model)
+    tied = share_tied_weights(model, raw)
     for t in tied:
         ctx.log(f"tied weight stored once: {t['dropped']} is {t['how']} of {t['kept']}")
-    path = ctx.work / "model.onnx"
-    if external:
-        _to_external(model, "model.onnx.data")
-    onnx.save_model(model, str(path))  # writes the tensors marked external to their file
-    del model  # the checker reads the saved file; one copy of the graph at a time
-    shutil.rmtree(raw)
+    checked = raw / "checked.onnx"  # the graph as shipped, its weights in the raw data files
+    onnx.save_model(model, str(checked))
     try:
-        onnx.checker.check_model(str(path))
+        onnx.checker.check_model(str(checked))
     except onnx.checker.ValidationError as exc:
         raise StageError(STAGE, f"exported graph is not valid ONNX: {str(exc)[:300]}") from None
+    path = ctx.work / "model.onnx"
+    outside = _external_names(model, raw) if external else set()
+    stream.save(model, raw, path, outside, "model.onnx.data")
+    del model
+    shutil.rmtree(raw)
     return path, tied
 
 
-INLINE_DTYPES = (6, 7, 9)  # INT32, INT64, BOOL: shape constants, indices, mode flags
-INLINE_BYTES = 1 << 20
-SCALAR_BYTES = 8
+def _external_names(model: Any, base: Path) -> set[str]:
+    """The weights that go to the external data file (`stream.goes_external`)."""
+    from onnx import numpy_helper
 
+    from stages.onnx import stream
 
-def _to_external(model: Any, location: str) -> None:
-    """Mark the weights for one external data file. Integer and bool tensors under 1 MiB and
-    scalars stay inline: ONNX Runtime's shape inference reads the constant inputs of
-    Reshape/Unsqueeze/Slice and cannot from external data (dynamo's graphs hold them as
-    initializers), and the eval-mode check reads flags such as Dropout's training_mode. A
-    plain size threshold would instead leave a small model's weights inline under `always`."""
-    from onnx import TensorProto, numpy_helper
-    from onnx.external_data_helper import set_external_data
-
+    names = set()
     for tensor in model.graph.initializer:
-        if tensor.data_location == TensorProto.EXTERNAL:
-            continue
-        if not tensor.HasField("raw_data"):  # typed fields (float_data, ...) -> raw bytes
-            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
-        size = len(tensor.raw_data)
-        if size <= SCALAR_BYTES or (tensor.data_type in INLINE_DTYPES and size < INLINE_BYTES):
-            continue
-        set_external_data(tensor, location)
+        where = stream.source(tensor, base)
+        if where is not None:
+            size = where.length
+        elif tensor.HasField("raw_data"):
+            size = len(tensor.raw_data)
+        else:  # typed fields (float_data, ...): their size as raw bytes
+            size = numpy_helper.to_array(tensor).nbytes
+        if stream.goes_external(tensor.data_type, size):
+            names.add(tensor.name)
+    return names
 
 
 def _legacy_axes(lay: sh.Layout, dims: dict[str, Any]) -> dict[str, dict[int, str]]:
@@ -144,9 +254,9 @@ def _normalize(model: Any, lay: sh.Layout) -> None:
 
 def static_axes(path: Path, lay: sh.Layout) -> list[str]:
     """Every declared dim must be symbolic in the saved graph."""
-    import onnx
+    from stages.onnx import stream
 
-    graph = onnx.load(str(path), load_external_data=False).graph
+    graph = stream.skeleton(path).graph
     declared = {t.name: t for t in (*lay.inputs, *lay.outputs)}
     problems = []
     for value in (*graph.input, *graph.output):

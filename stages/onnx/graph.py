@@ -57,62 +57,49 @@ def all_tensors(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarra
     """Every intermediate tensor of the graph: each node output becomes a graph output (what
     Polygraphy's MARK_ALL does) and ONNX Runtime runs it once.
 
-    The weights are never loaded into Python: the marked graph is saved beside links to the
-    original's external data files, so a model beyond protobuf's 2 GiB works too (Polygraphy
+    The weights are never loaded into Python: the marked graph is an external view of the
+    file (`stream.external_view`), so a model beyond protobuf's 2 GiB works too (Polygraphy
     serializes the whole model to bytes, which fails there)."""
-    import os
-    import shutil
-    import tempfile
-
     import onnx
     import onnxruntime as ort
 
-    model = onnx.load(str(path), load_external_data=False)
-    graph = model.graph
-    known = {o.name for o in graph.output}
-    marked = [out for node in graph.node for out in node.output if out and out not in known]
-    graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in dict.fromkeys(marked))
-    files = {
-        entry.value
-        for t in graph.initializer
-        if t.data_location == onnx.TensorProto.EXTERNAL
-        for entry in t.external_data
-        if entry.key == "location"
-    }
-    # beside the model's folder (same file system, so the data files are linked, not copied)
-    with tempfile.TemporaryDirectory(prefix=".all-tensors-", dir=path.parent.parent) as tmp:
-        for name in files:
-            try:
-                os.link(path.parent / name, Path(tmp) / name)
-            except OSError:
-                shutil.copyfile(path.parent / name, Path(tmp) / name)
-        onnx.save(model, str(Path(tmp) / path.name))
-        del model
-        session = ort.InferenceSession(
-            str(Path(tmp) / path.name), providers=["CPUExecutionProvider"]
+    from stages.onnx import stream
+
+    def mark_all(model: Any) -> None:
+        graph = model.graph
+        known = {o.name for o in graph.output}
+        marked = [out for node in graph.node for out in node.output if out and out not in known]
+        graph.output.extend(
+            onnx.helper.make_empty_tensor_value_info(n) for n in dict.fromkeys(marked)
         )
+
+    with stream.external_view(path, edit=mark_all) as view:
+        session = ort.InferenceSession(str(view), providers=["CPUExecutionProvider"])
         names = [o.name for o in session.get_outputs()]
         return dict(zip(names, session.run(names, feeds), strict=True))
 
 
 def scoped_outputs(path: Path) -> list[tuple[str, str]]:
     """(module scope, tensor name) for every node output, in graph (topological) order."""
-    import onnx
+    from stages.onnx import stream
 
-    graph = onnx.load(str(path), load_external_data=False).graph
+    graph = stream.skeleton(path).graph
     return [(node_scope(node), out) for node in graph.node for out in node.output if out]
 
 
 TIED_MIN_ELEMENTS = 1 << 10  # weights, not small constants
 
 
-def share_tied_weights(model: Any) -> list[dict[str, Any]]:
+def share_tied_weights(model: Any, base: Path | None = None) -> list[dict[str, Any]]:
     """Store a tied weight once. An exporter folds `lm_head = embedding.T` into a second,
     transposed initializer (GPT-2: 154 MB of 652 MB) and may keep exact copies; each such
     initializer is replaced by the one it copies (an exact copy: its uses are renamed; a
     transposed copy: a Transpose node computes it, which ONNX Runtime folds at load).
-    Returns what was shared. Initializers a subgraph, a graph input or output names stay."""
-    from onnx import helper, numpy_helper
+    Returns what was shared. Initializers a subgraph, a graph input or output names stay.
+    External weights (under `base`) are memory-mapped and compared a block at a time."""
+    from onnx import helper
+
+    from stages.onnx import stream
 
     graph = model.graph
     pinned = {v.name for v in (*graph.input, *graph.output)} | _subgraph_names(graph)
@@ -126,7 +113,7 @@ def share_tied_weights(model: Any) -> list[dict[str, Any]]:
 
     def array(t: Any) -> np.ndarray:
         if t.name not in arrays:
-            arrays[t.name] = numpy_helper.to_array(t)
+            arrays[t.name] = stream.array(t, base or Path("."))
         return arrays[t.name]
 
     shared: list[dict[str, Any]] = []
@@ -143,13 +130,13 @@ def share_tied_weights(model: Any) -> list[dict[str, Any]]:
                 if _keep_order(b) < _keep_order(a):
                     continue  # b is the one to keep; a is dropped when its turn comes
                 want = array(a).T if how == "transpose" else array(a)
-                got = array(b)
-                if np.array_equal(want[:1], got[:1]) and np.array_equal(want, got):
+                if _equal(want, array(b)):
                     dropped.add(b.name)
                     shared.append({"dropped": b.name, "kept": a.name, "how": how})
                     break
             if b.name in dropped:
                 break
+    arrays.clear()  # unmaps the weights
     if not shared:
         return []
     drop = {s["dropped"]: s for s in shared}
@@ -174,6 +161,22 @@ def share_tied_weights(model: Any) -> list[dict[str, Any]]:
     for i, node in enumerate(transposes):
         graph.node.insert(i, node)
     return shared
+
+
+TIED_BLOCK_BYTES = 16 << 20
+
+
+def _equal(want: np.ndarray, got: np.ndarray) -> bool:
+    """np.array_equal a block of rows at a time: the first rows decide most pairs, and no
+    comparison makes a temporary the size of the weight."""
+    if want.shape != got.shape:
+        return False
+    if got.ndim == 0 or got.size == 0:
+        return bool(np.array_equal(want, got))
+    rows = max(1, TIED_BLOCK_BYTES // got[:1].nbytes)
+    return all(
+        np.array_equal(want[i : i + rows], got[i : i + rows]) for i in range(0, len(got), rows)
+    )
 
 
 def _keep_order(t: Any) -> tuple[bool, str]:
