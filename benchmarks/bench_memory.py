@@ -5,12 +5,15 @@ evaluate) of one release in a scratch copy of the repository, each stage in its 
 under /usr/bin/time, and prints its peak memory next to the checkpoint's size.
 
 Export and parity run their PyTorch step in a child process, so one number per process is
-not the stage's memory. Three are printed:
-- `largest`: GNU time's peak RSS, the largest single process (its children included);
-- `tree`: the sum of RSS over the process and its children, sampled every 10 ms;
-- `bound`: the sum over those processes of each one's own peak (VmHWM), as if all peaked
-  at the same moment: an upper bound of the tree's peak, which sampling cannot miss.
-The ratio and the goal use `bound`.
+not the stage's memory. Printed per stage:
+- `stage`, `child`: each process's own peak RSS (VmHWM; the stage process and its PyTorch
+  child), and GNU time's peak RSS agrees with the larger;
+- `tree`: the peak of the process tree's summed RSS. It is sampled every 10 ms, and at
+  each sample each process's own peak so far is counted in place of its current RSS when
+  that is larger (with the others' RSS at that sample): a spike between two samples is
+  counted, a process that waits (the stage process, while its child runs) is not
+  counted at a peak it had before.
+The ratio and the goal use `tree`.
 The baseline row is the interpreter with torch, transformers and onnxruntime imported and
 nothing loaded.
 
@@ -37,7 +40,7 @@ BASELINE = "import torch, transformers, onnxruntime, onnx"
 
 
 def peak_rss(cmd: list[str], cwd: Path) -> tuple[int, int, int]:
-    """(largest process, sampled tree peak, bound) of `cmd` in bytes; see the docstring."""
+    """(stage process peak, PyTorch child peak, tree peak) of `cmd` in bytes."""
     import psutil
 
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "SHIPYARD_ROOT": str(cwd)}
@@ -51,21 +54,24 @@ def peak_rss(cmd: list[str], cwd: Path) -> tuple[int, int, int]:
             text=True,
         )
         root, tree = psutil.Process(proc.pid), 0
-        own: dict[tuple[int, float], int] = {}
+        own: dict[tuple[int, float], tuple[bool, int]] = {}  # (pid, start) -> (child?, peak)
         while proc.poll() is None:
-            total = 0
+            seen = []
             try:
-                procs = [root, *root.children(recursive=True)]
+                procs = root.children(recursive=True)
             except psutil.Error:
                 procs = []
-            for child in procs:
+            for p in procs:
                 try:
-                    total += child.memory_info().rss
-                    key = (child.pid, child.create_time())
-                    own[key] = max(_hwm(child.pid), own.get(key, 0))
+                    rss, hwm = p.memory_info().rss, _hwm(p.pid)
+                    kid = "stages._child" in " ".join(p.cmdline())
+                    key = (p.pid, p.create_time())
                 except (psutil.Error, OSError):
                     continue
-            tree = max(tree, total)
+                own[key] = (kid, max(hwm, own.get(key, (kid, 0))[1]))
+                seen.append((rss, hwm))
+            total = sum(rss for rss, _ in seen)
+            tree = max([tree, *(total - rss + hwm for rss, hwm in seen)])
             time.sleep(0.01)
         err.seek(0)
         text = err.read()
@@ -73,8 +79,9 @@ def peak_rss(cmd: list[str], cwd: Path) -> tuple[int, int, int]:
         sys.exit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
     line = next(ln for ln in reversed(text.splitlines()) if ln.startswith("MAXRSS "))
     largest = int(line.split()[1]) * 1024
-    bound = sum(v for (pid, _), v in own.items() if pid != proc.pid)  # not /usr/bin/time
-    return largest, max(tree, largest), max(bound, largest)
+    stage = max([0, *(peak for is_child, peak in own.values() if not is_child)])
+    child = max([0, *(peak for is_child, peak in own.values() if is_child)])
+    return max(stage, 0 if child else largest), child, max(tree, largest)
 
 
 def _hwm(pid: int) -> int:
@@ -139,14 +146,12 @@ def main() -> None:
     print(
         f"{release}{how}: checkpoint {weights / gb:.3f} GB, exported ONNX {onnx_bytes / gb:.3f} GB"
     )
-    print(f"{'stage':<10} {'largest':>8} {'tree':>8} {'bound':>8} {'x checkpoint':>13}")
+    print(f"{'stage':<10} {'stage':>8} {'child':>8} {'tree':>8} {'x checkpoint':>13}")
     print(f"{'(imports)':<10} {base / gb:7.2f}G {'':>8} {'':>8} {base / weights:12.2f}x")
-    for stage, (largest, tree, bound) in rows:
-        flag = "" if bound / weights <= GOAL else f"  (goal <= {GOAL:.0f}x)"
-        print(
-            f"{stage:<10} {largest / gb:7.2f}G {tree / gb:7.2f}G {bound / gb:7.2f}G "
-            f"{bound / weights:12.2f}x{flag}"
-        )
+    for stage, (own, child, tree) in rows:
+        flag = "" if tree / weights <= GOAL else f"  (goal <= {GOAL:.0f}x)"
+        kid = f"{child / gb:7.2f}G" if child else f"{'-':>8}"
+        print(f"{stage:<10} {own / gb:7.2f}G {kid} {tree / gb:7.2f}G {tree / weights:12.2f}x{flag}")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,10 @@ def _reference_outputs(
     """PyTorch's outputs at every shape, saved as .npy under `into` (run in a child)."""
     net, lay = m.load_with_layout(NAME, ctx.root, release)
     flat = m.adapter(release.task, net, lay)
-    with ctx.progress("running the PyTorch reference", len(shapes)) as advance:
+    with (
+        ctx.progress("running the PyTorch reference", len(shapes)) as advance,
+        m.weights_paged(net),
+    ):
         for i, (_, sizes) in enumerate(shapes):
             feeds = sh.make_inputs(lay, sizes, seed=release.parity.seed)
             for j, out in enumerate(m.torch_outputs(flat, lay, feeds)):
@@ -94,18 +97,25 @@ def _compare_all(
     with ctx.progress("comparing outputs", len(shapes)) as advance:
         for i, (label, sizes) in enumerate(shapes):
             feeds = sh.make_inputs(lay, sizes, seed=cfg.seed)
-            got = session.run([t.name for t in lay.outputs], feeds)
-            for j, (t, out) in enumerate(zip(lay.outputs, got, strict=True)):
+            got: list[Any] = session.run([t.name for t in lay.outputs], feeds)
+            done: dict[int, dict[str, Any]] = {}
+            # smallest first, each freed once compared: the biggest (a causal LM's logits)
+            # is compared with the others gone (rows stay in output order)
+            for j in sorted(range(len(got)), key=lambda k: got[k].nbytes):
                 ref = np.load(saved / f"{i}-{j}.npy", mmap_mode="r")
-                row = {
+                t = lay.outputs[j]
+                done[j] = {
                     "shape": label,
                     "sizes": sizes,
                     "output": t.name,
-                    **compare(ref, out, tolerance(cfg, t.name), cfg),
+                    **compare(ref, got[j], tolerance(cfg, t.name), cfg),
                 }
-                rows.append(row)
-                if not row["ok"]:
-                    failures.append((row, feeds))
+                got[j] = None
+                del ref  # unmaps the reference's pages
+            for j in range(len(done)):
+                rows.append(done[j])
+                if not done[j]["ok"]:
+                    failures.append((done[j], feeds))
             advance()
     return rows, failures
 

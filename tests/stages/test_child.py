@@ -10,7 +10,9 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from schemas import StageError
@@ -85,3 +87,63 @@ def test_export_and_parity_never_import_torch_in_the_stage_process(ws: Workspace
     assert done.returncode == 0, done.stderr[-3000:]
     assert "torch imported: False False" in done.stdout
     assert (Path(ws.out(spec["name"], "export")) / "model.onnx").is_file()
+
+
+def _mapped_rss() -> int:
+    """Resident kB of the safetensors files mapped in this process."""
+    total, mapped = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            mapped = head[-1].endswith(".safetensors")
+        elif mapped and head[:1] == ["Rss:"]:
+            total += int(head[1])
+    return total
+
+
+def _tiny_net() -> tuple[Any, Any, dict[str, Any]]:
+    from schemas.loader import load_release
+    from stages.onnx import model as m
+    from stages.onnx import shapes as sh
+
+    ws_root = REPO
+    release = load_release(REPO / "releases" / "tiny-gpt2.yaml")
+    net, lay = m.load_with_layout("parity", ws_root, release)
+    flat = m.adapter(release.task, net, lay)
+    feeds = sh.make_inputs(lay, sh.trace_sizes(release.export.dims), seed=0)
+    return net, (flat, lay), feeds
+
+
+def test_paged_weights_give_the_same_outputs_and_leave_the_resident_set() -> None:
+    from stages.onnx import model as m
+
+    net, (flat, lay), feeds = _tiny_net()
+    want = m.torch_outputs(flat, lay, feeds)
+    assert _mapped_rss() > 0, "the checkpoint is not memory-mapped: nothing to test"
+    with m.weights_paged(net):
+        got = m.torch_outputs(flat, lay, feeds)
+        again = m.torch_outputs(flat, lay, feeds)  # faulted back in, unchanged
+    assert _mapped_rss() == 0
+    for a, b, c in zip(want, got, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+
+
+def test_a_weight_written_in_memory_is_never_dropped() -> None:
+    """A mapping with a written (copy-on-write) page would lose the write if dropped: the
+    model would silently run with the file's weights. Such a mapping is left alone."""
+    import torch
+
+    from stages.onnx import model as m
+
+    net, (flat, lay), feeds = _tiny_net()
+    weight = next(p for n, p in net.named_parameters() if n.endswith("c_fc.weight"))
+    with torch.no_grad():
+        weight.mul_(1.5)  # in place: the mapped page is copied and written
+    want = m.torch_outputs(flat, lay, feeds)
+    assert _mapped_rss() > 0
+    assert m._clean_checkpoint_maps() == []
+    with m.weights_paged(net):
+        got = m.torch_outputs(flat, lay, feeds)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a, b)
