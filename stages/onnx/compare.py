@@ -31,7 +31,10 @@ def compare(ref: np.ndarray, out: np.ndarray, tol: Any, cfg: Any) -> dict[str, A
 
     Computed in float64 a chunk at a time, so a big output (a 7B model's logits) costs a few
     chunks of temporaries, not five float64 copies of itself (issue 14: peak memory). Only a
-    quantile statistic keeps every normalized error (one float64 array) to rank them."""
+    quantile statistic keeps every normalized error (one float64 array) to rank them. A
+    reference memory-mapped read-only (parity's saved PyTorch outputs) leaves the resident
+    set a chunk at a time as it is read."""
+    done_with = _pager(ref)
     ref, out = np.asarray(ref), np.asarray(out)
     if ref.shape != out.shape:
         return {
@@ -59,6 +62,7 @@ def compare(ref: np.ndarray, out: np.ndarray, tol: Any, cfg: Any) -> dict[str, A
         total += float(np.sum(norm))
         if kept is not None:
             kept[start : start + norm.size] = norm
+        done_with(start, start + r.size)
     if stat == "max":
         error = top
     elif stat == "mean":
@@ -71,6 +75,27 @@ def compare(ref: np.ndarray, out: np.ndarray, tol: Any, cfg: Any) -> dict[str, A
     # difference being finite everywhere is the whole test.
     error = math.inf if not finite or not np.isfinite(error) else error
     return {"ok": error <= 1.0, "error": error, "max_abs": max_abs if finite else math.inf}
+
+
+def _pager(ref: Any) -> Any:
+    """For a C-contiguous read-only np.memmap: a function dropping the pages of elements
+    [start, stop) from the resident set (they fault back from the file if read again);
+    otherwise a no-op. A writable mapping is left alone: dropping could lose a write."""
+    import mmap
+
+    raw = getattr(ref, "_mmap", None)
+    if raw is None or ref.flags.writeable or not ref.flags.c_contiguous:
+        return lambda start, stop: None
+    base = ref.ctypes.data - np.frombuffer(raw, dtype=np.uint8).ctypes.data  # offset in map
+    page = mmap.PAGESIZE
+
+    def drop(start: int, stop: int) -> None:
+        first = (base + start * ref.itemsize) // page * page
+        last = (base + stop * ref.itemsize) // page * page  # a page still partly ahead stays
+        if last > first:
+            raw.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    return drop
 
 
 def compare_outputs(

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -147,3 +149,43 @@ def test_the_chunked_comparator_equals_the_whole_array_definition(
     assert got["error"] == pytest.approx(want["error"], rel=1e-12, abs=0)
     if poison is not None:
         assert got["error"] == float("inf") and not got["ok"]
+
+
+def _resident_kb(name: str) -> int:
+    """Resident kB of the mappings of files called `name` in this process."""
+    total, hit = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            hit = head[-1].endswith(name)
+        elif hit and head[:1] == ["Rss:"]:
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.parametrize("statistic", ["max", "mean", "quantile"])
+def test_a_memory_mapped_reference_gives_the_same_and_leaves_the_resident_set(
+    tmp_path: Path, statistic: str
+) -> None:
+    """Parity's saved reference, memory-mapped read-only: the same result as in memory, and
+    its pages are dropped chunk by chunk (all of a 4 MB reference is read, none stays).
+    A writable mapping or a strided view keeps its pages (dropping could lose a write)."""
+    rng = np.random.default_rng(4)
+    ref = rng.standard_normal((1000, 1000)).astype("f4")
+    out = ref + rng.normal(0, 1e-4, ref.shape).astype("f4")
+    np.save(tmp_path / "ref.npy", ref)
+    extra = {"quantile": 0.9} if statistic == "quantile" else {}
+    cfg, tol = ParityConfig(statistic=statistic, **extra), Tolerance(atol=1e-4, rtol=1e-3)
+    mapped = np.load(tmp_path / "ref.npy", mmap_mode="r")
+    assert compare(mapped, out, tol, cfg) == compare(ref, out, tol, cfg)
+    assert _resident_kb("ref.npy") <= 8  # the header's page and a last partial page at most
+    np.asarray(mapped).sum()  # the pages fault back in, unchanged
+    assert _resident_kb("ref.npy") > 3000
+    del mapped
+    writable = np.load(tmp_path / "ref.npy", mmap_mode="r+")
+    compare(writable, out, tol, cfg)
+    assert _resident_kb("ref.npy") > 3000
+    del writable
+    strided = np.load(tmp_path / "ref.npy", mmap_mode="r")[:, ::2]
+    compare(strided, out[:, ::2], tol, cfg)
+    assert _resident_kb("ref.npy") > 3000
