@@ -97,7 +97,7 @@ def many_releases(root: Path, count: int) -> int:
     steps = (
         ["git", "init", "-q"],
         ["shipyard", "compile"],
-        ["shipyard", "fingerprint"],  # build/.code and each copy's build/.params
+        ["shipyard", "fingerprint"],  # each copy's build/.params
         ["dvc", "commit", "-f", "-q"],
     )
     for cmd in steps:

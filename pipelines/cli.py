@@ -74,15 +74,12 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
     from pipelines import compiler
-    from pipelines.fingerprint import CODE_DIR
     from stages import repo_root
 
-    root = repo_root()
-    written = compiler.write_fingerprints(root)
-    code = [p for p in written if p.parent == root / CODE_DIR]
+    written = compiler.write_fingerprints(repo_root())
     print(
-        f"fingerprinted the code of {len(code)} stages into {CODE_DIR}, and wrote the "
-        f"spec sections of each into {len(written) - len(code)} files under {compiler.PARAMS_DIR}"
+        f"wrote the code fingerprint and spec sections of each release's stages into "
+        f"{len(written)} files under {compiler.PARAMS_DIR}"
     )
     return 0
 
@@ -364,7 +361,8 @@ def parser() -> argparse.ArgumentParser:
     ini.add_argument("--tokenizer", help="tokenizer folder, when the model folder has none")
     ini.set_defaults(func=cmd_init)
     fp = sub.add_parser(
-        "fingerprint", help="write build/.code/<stage>.json (dvc.yaml's `code` stage)"
+        "fingerprint",
+        help="write build/.params/<release>/<stage>.json (dvc.yaml's `code` stage)",
     )
     fp.set_defaults(func=cmd_fingerprint)
     sch = sub.add_parser("schema", help="print the release spec JSON Schema")

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from pipelines.closure import stage_closure
-from pipelines.fingerprint import CODE_DIR, CODE_STAGE, FINGERPRINT_CODE, write_if_changed
+from pipelines.fingerprint import CODE_STAGE, FINGERPRINT_CODE, write_if_changed
 from schemas import ReleaseSpec, SpecError
 from schemas.loader import load_release
 from stages import load_stages, stage_io
@@ -87,7 +87,7 @@ def compile_dvc(root: Path) -> str:
         CODE_STAGE: {
             "cmd": "shipyard fingerprint",
             "deps": [*sorted({m.split("/", 1)[0] for m in everything}), "releases"],
-            "outs": [CODE_DIR, PARAMS_DIR],
+            "outs": [PARAMS_DIR],
         }
     }
     for name, ios in all_ios.items():
@@ -127,31 +127,35 @@ def _plots(all_ios: dict[str, dict[str, StageIO]]) -> list[dict[str, Any]]:
 
 
 def write_fingerprints(root: Path) -> list[Path]:
-    """`shipyard fingerprint`: build/.code/<stage>.json for every stage and
-    build/.params/<release>/<stage>.json for every release, each rewritten only when its
-    content changes."""
-    from pipelines.fingerprint import write_stage_fingerprint
+    """`shipyard fingerprint`: build/.params/<release>/<stage>.json for every release and
+    stage (`params_text`), each rewritten only when its content changes."""
+    from pipelines.fingerprint import stage_fingerprint
 
     releases, all_ios = stage_ios(root)
     code = code_root(root)
-    written = [
-        write_stage_fingerprint(root, code, name, modules)
+    digests = {
+        name: stage_fingerprint(code, modules)
         for name, modules in code_modules(root, all_ios).items()
-    ]
+    }
+    written = []
     for path, spec in releases:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
         for name, ios in all_ios.items():
             target = root / PARAMS_DIR / spec.name / f"{name}.json"
-            written.append(write_if_changed(target, params_text(ios[spec.name], data)))
+            text = params_text(ios[spec.name], data, digests[name])
+            written.append(write_if_changed(target, text))
     return written
 
 
-def params_text(io: StageIO, data: dict[str, Any]) -> str:
-    """The sections (or dotted sub-sections) of the spec a stage reads, as the user wrote
-    them (null where left out, so the defaults apply), in canonical JSON: a comment or a
-    section the stage does not read changes nothing here."""
+def params_text(io: StageIO, data: dict[str, Any], code: dict[str, str] | None = None) -> str:
+    """What a stage's run depends on besides files, in canonical JSON: the digests of its
+    Python code (`code`: module -> digest, pipelines/fingerprint.py), and the sections (or
+    dotted sub-sections) of the spec it reads, as the user wrote them (null where left out,
+    so the defaults apply). A comment, or a section the stage does not read, changes
+    nothing here. One file per stage and release: each is one dependency in dvc.lock."""
     values = {param: _lookup(data, param) for param in io.params}
-    return json.dumps(values, indent=2, sort_keys=True, default=str) + "\n"
+    text = json.dumps({"code": code or {}, "spec": values}, indent=2, sort_keys=True, default=str)
+    return text + "\n"
 
 
 def _lookup(data: Any, dotted: str) -> Any:
@@ -194,9 +198,10 @@ def _data_slots(items: dict[str, dict[str, str]], ios: dict[str, StageIO]) -> li
 
 
 def _template(name: str, io: Any, slots: int, data: list[str]) -> dict[str, Any]:
-    # Python code through its fingerprint (what it does, not how it is worded), the spec
-    # through the sections the stage reads; templates and shipped files byte for byte.
-    deps = [f"{CODE_DIR}/{name}.json", f"{PARAMS_DIR}/${{key}}/{name}.json", *sorted(set(io.code))]
+    # Python code through its fingerprint (what it does, not how it is worded) and the spec
+    # through the sections the stage reads, both in one file; templates and shipped files
+    # byte for byte.
+    deps = [f"{PARAMS_DIR}/${{key}}/{name}.json", *sorted(set(io.code))]
     deps += [f"${{item.{slot}}}" for slot in (*MODEL_SLOTS[:slots], *data)]
     deps += [f"build/${{key}}/{u}" for u in io.upstream_files()]
     return {

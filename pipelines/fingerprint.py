@@ -1,9 +1,9 @@
 """Fingerprints of Python code that ignore what cannot change behaviour.
 
-A stage's DVC deps on Python code are not the source files themselves but one fingerprint
-file per stage (`build/.code/<stage>.json`), written by the `code` stage of dvc.yaml from
-the stage's import closure. The same stage writes, per release, the spec sections each stage
-reads (`build/.params/<release>/<stage>.json`, see pipelines/compiler.py). Each module is
+A stage's DVC deps on Python code are not the source files themselves but one file per
+release and stage (`build/.params/<release>/<stage>.json`, see pipelines/compiler.py),
+written by the `code` stage of dvc.yaml: the digests of the stage's import closure and the
+spec sections the stage reads. Each module is
 hashed as its syntax tree with comments, formatting, docstrings and pydantic `description=`
 texts removed, so rewording a field description or a comment changes no fingerprint and
 reruns no release stage; any change to what the code does changes the tree, its
@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import json
 import os
 from pathlib import Path
 
 CODE_STAGE = "code"  # the dvc.yaml stage that writes the fingerprints
-CODE_DIR = "build/.code"
 # The code that decides what a fingerprint (and a stage's spec-sections file) is: a change to
 # it reruns the `code` stage, which rewrites the files whose content changes.
 FINGERPRINT_CODE = ("pipelines/closure.py", "pipelines/compiler.py", "pipelines/fingerprint.py")
@@ -66,12 +64,9 @@ def module_digest(path: Path) -> str:
     return hashlib.sha256(normalized(text, str(path)).encode("utf-8")).hexdigest()
 
 
-def write_stage_fingerprint(root: Path, code: Path, stage: str, modules: list[str]) -> Path:
-    """Write build/.code/<stage>.json: each module of the stage with its digest. The file
-    is replaced only when its content changes, so its mtime means something too."""
-    target = root / CODE_DIR / f"{stage}.json"
-    data = {"stage": stage, "modules": {m: module_digest(code / m) for m in modules}}
-    return write_if_changed(target, json.dumps(data, indent=2, sort_keys=True) + "\n")
+def stage_fingerprint(code: Path, modules: list[str]) -> dict[str, str]:
+    """Each module of a stage's import closure with its digest."""
+    return {m: module_digest(code / m) for m in modules}
 
 
 def write_if_changed(target: Path, text: str) -> Path:

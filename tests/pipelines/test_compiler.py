@@ -27,12 +27,12 @@ def test_each_stage_depends_on_a_file_of_only_its_own_spec_sections(tmp_path: Pa
     for name, body in stages.items():
         if name != "code":  # the fingerprints: release-independent
             assert "params" not in body["do"]  # no YAML parse per stage on every repro
-            assert body["do"]["deps"][1] == f"build/.params/${{key}}/{name}.json"
+            assert body["do"]["deps"][0] == f"build/.params/${{key}}/{name}.json"
     ws = Workspace(tmp_path)
     ws.write(gpt2_spec())
     compiler.write_fingerprints(tmp_path)
     folder = tmp_path / "build" / ".params" / "tiny-gpt2"
-    sections = {p.stem: sorted(json.loads(p.read_text())) for p in folder.glob("*.json")}
+    sections = {p.stem: sorted(json.loads(p.read_text())["spec"]) for p in folder.glob("*.json")}
     assert sections == {
         "pin": ["model", "pins"],
         "export": ["export", "model", "task"],
@@ -56,7 +56,7 @@ def test_each_stage_depends_on_a_file_of_only_its_own_spec_sections(tmp_path: Pa
     }
     code = stages["code"]
     assert code["deps"] == ["pipelines", "schemas", "stages", "releases"]
-    assert code["outs"] == ["build/.code", "build/.params"]
+    assert code["outs"] == ["build/.params"]
 
 
 def test_a_params_file_changes_only_with_what_its_stage_reads(tmp_path: Path) -> None:
@@ -71,7 +71,7 @@ def test_a_params_file_changes_only_with_what_its_stage_reads(tmp_path: Path) ->
         return {p.stem: (p.read_text(), p.stat().st_mtime_ns) for p in folder.glob("*.json")}
 
     before = snapshot()
-    serve = json.loads(before["serve"][0])
+    serve = json.loads(before["serve"][0])["spec"]
     assert serve["bundle.ort_session"] is None  # left out: the defaults apply
     assert serve["version"] == spec["version"] and serve["task"] == "causal-lm"
     # a comment and a section no stage reads as a whole: no file changes, none is rewritten
@@ -83,20 +83,27 @@ def test_a_params_file_changes_only_with_what_its_stage_reads(tmp_path: Path) ->
     compiler.write_fingerprints(tmp_path)
     after = snapshot()
     assert [s for s in before if after[s] != before[s]] == ["loadtest"]
-    assert json.loads(after["loadtest"][0])["loadtest"]["ramp"]["max_windows"] == 7
+    assert json.loads(after["loadtest"][0])["spec"]["loadtest"]["ramp"]["max_windows"] == 7
 
 
 def test_stages_depend_on_their_code_and_upstream_artifacts() -> None:
     do = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]["parity"]["do"]
     assert do["cmd"] == "shipyard run-stage parity --release ${item.spec}"
     # its Python code through the fingerprint the `code` stage writes from the same closure
-    assert do["deps"][0] == "build/.code/parity.json"
+    assert do["deps"][0] == "build/.params/${key}/parity.json"
     assert not [d for d in do["deps"] if d.endswith(".py")]
     code = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]["code"]
     assert code["cmd"] == "shipyard fingerprint"
-    assert code["outs"] == ["build/.code", "build/.params"]  # a stage depends on its own file
+    assert code["outs"] == ["build/.params"]  # a stage depends on its own file
     modules = compiler.code_modules(REPO, compiler.stage_ios(REPO)[1])["parity"]
     assert {"stages/parity.py", "stages/onnx/compare.py"} <= set(modules)
+    written = json.loads(
+        compiler.params_text(compiler.stage_ios(REPO)[1]["parity"]["tiny-gpt2"], {}, {"m.py": "d"})
+    )
+    assert written == {
+        "code": {"m.py": "d"},
+        "spec": {p: None for p in ("export", "model", "parity", "task")},
+    }
     assert "build/${key}/export/model.onnx" in do["deps"]
     assert do["outs"] == ["build/${key}/parity"]
     assert do["metrics"] == [{"build/${key}/metrics/parity.json": {"cache": False}}]

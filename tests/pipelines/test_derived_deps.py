@@ -26,7 +26,7 @@ def declared(stage: str) -> set[str]:
     import yaml
 
     deps = yaml.safe_load(compile_dvc(REPO))["stages"][stage]["do"]["deps"]
-    assert deps[0] == f"build/.code/{stage}.json"
+    assert deps[0] == f"build/.params/${{key}}/{stage}.json"
     assert not [
         d for d in deps if d.endswith(".py") and not d.startswith("stages/serving/mlserver")
     ]
