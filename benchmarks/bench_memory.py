@@ -44,6 +44,7 @@ def peak_rss(cmd: list[str], cwd: Path) -> tuple[int, int, int]:
     import psutil
 
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "SHIPYARD_ROOT": str(cwd)}
+    env["SHIPYARD_STAGE_CHILD"] = "1"  # as a build runs: the PyTorch step in a child
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
             ["/usr/bin/time", "-f", "MAXRSS %M", *cmd],

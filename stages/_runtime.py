@@ -328,10 +328,22 @@ def in_child(fn: Any, *args: Any) -> Any:
     work that follows runs in a process that never imported torch (issue 14: peak memory;
     in one process, 0.2 GB stayed behind and the probes peaked on top of it). A plain
     subprocess rather than multiprocessing's spawn, which re-runs the caller's main script.
-    `fn` and the arguments are pickled: module-level functions and plain data."""
+    `fn` and the arguments are pickled: module-level functions and plain data.
+
+    SHIPYARD_STAGE_CHILD=0 runs it in this process instead, after the same pickling of the
+    call and its result: the test suite's in-process stages (a child pays torch's import,
+    about 3 s, per stage); tests of the child itself and the end-to-end builds keep it."""
     import pickle
     import subprocess
     import tempfile
+
+    if os.environ.get("SHIPYARD_STAGE_CHILD") == "0":
+        call, call_args = pickle.loads(pickle.dumps((fn, args)))
+        try:
+            value = call(*call_args)
+        except StageError as exc:
+            raise pickle.loads(pickle.dumps(exc)) from None
+        return pickle.loads(pickle.dumps(value))
 
     stage = getattr(args[0], "stage", "stage") if args else "stage"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}

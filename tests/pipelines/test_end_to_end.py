@@ -25,6 +25,7 @@ def sh(
     cmd: list[str], cwd: Path, extra: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PATH": f"{VENV / 'bin'}:{os.environ['PATH']}", "SHIPYARD_ROOT": ""}
+    env["SHIPYARD_STAGE_CHILD"] = "1"  # as a user's build runs: PyTorch in a child
     env.pop("SHIPYARD_ROOT")
     env.update(extra or {})
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)

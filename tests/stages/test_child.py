@@ -32,7 +32,15 @@ def _kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_a_result_and_a_stage_error_come_back() -> None:
+@pytest.fixture(autouse=True)
+def real_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """conftest runs the PyTorch step in-process for speed; here it is the subject."""
+    monkeypatch.setenv("SHIPYARD_STAGE_CHILD", "1")
+
+
+@pytest.mark.parametrize("child", ["1", "0"])
+def test_a_result_and_a_stage_error_come_back(monkeypatch: pytest.MonkeyPatch, child: str) -> None:
+    monkeypatch.setenv("SHIPYARD_STAGE_CHILD", child)
     assert in_child(divmod, 17, 5) == (3, 2)
     with pytest.raises(StageError) as caught:
         in_child(_fail, "export")
@@ -47,6 +55,13 @@ def test_stage_error_pickles_by_its_parts() -> None:
     error = pickle.loads(pickle.dumps(StageError("parity", "message", "hint")))
     assert (error.stage, error.message, error.hint) == ("parity", "message", "hint")
     assert str(error) == str(StageError("parity", "message", "hint"))
+
+
+def test_in_process_mode_still_pickles_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What cannot cross to a child fails in the tests' in-process mode too."""
+    monkeypatch.setenv("SHIPYARD_STAGE_CHILD", "0")
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        in_child(lambda: 1)
 
 
 def test_a_crash_and_a_kill_are_stage_errors(capfd: pytest.CaptureFixture[str]) -> None:
