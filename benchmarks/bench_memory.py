@@ -69,7 +69,9 @@ def peak_rss(cmd: list[str], cwd: Path) -> tuple[int, int, int]:
                     key = (p.pid, p.create_time())
                 except (psutil.Error, OSError):
                     continue
-                own[key] = (kid, max(hwm, own.get(key, (kid, 0))[1]))
+                was_kid, peak = own.get(key, (False, 0))
+                # a child's command line reads empty while it exits: once seen, it stays one
+                own[key] = (kid or was_kid, max(hwm, peak))
                 seen.append((rss, hwm))
             total = sum(rss for rss, _ in seen)
             tree = max([tree, *(total - rss + hwm for rss, hwm in seen)])
