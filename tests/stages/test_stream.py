@@ -200,15 +200,16 @@ def test_external_data_outside_the_folder_is_refused(tmp_path: Path) -> None:
 
 
 class _Tied(torch.nn.Module):
-    """Parameters of several dtypes, a tied head, a bool buffer and a folded constant."""
+    """Parameters of several dtypes, a tied head, a bool buffer and a folded constant; the
+    embedding is over 1 MiB, so shape inference is handed the graph without it."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(50, 16)
-        self.proj = torch.nn.Linear(16, 16)
-        self.scale = torch.nn.Parameter(torch.rand(16, dtype=torch.float64))
-        self.register_buffer("keep", torch.rand(16) > 0.5)
+        self.emb = torch.nn.Embedding(4200, 64)
+        self.proj = torch.nn.Linear(64, 64)
+        self.scale = torch.nn.Parameter(torch.rand(64, dtype=torch.float64))
+        self.register_buffer("keep", torch.rand(64) > 0.5)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.proj(self.emb(ids)) * self.scale.float() * self.keep
@@ -219,6 +220,7 @@ def test_held_back_weights_make_the_same_graph_as_torch(tmp_path: Path) -> None:
     """The legacy exporter handed no weights, plus `_weights_to_file`, then the inline save:
     the bytes torch.onnx.export writes itself."""
     net, ids = _Tied().eval(), torch.tensor([[1, 2, 3]])
+    assert net.emb.weight.numel() * 4 > exporter.SHAPE_VALUE_BYTES  # the filter drops it
     kwargs: dict[str, Any] = {"input_names": ["ids"], "output_names": ["logits"], "dynamo": False}
     kwargs["dynamic_axes"] = {"ids": {1: "sequence"}}
     with torch.no_grad():
