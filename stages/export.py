@@ -32,7 +32,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     ctx.log(f"exporting with the {release.export.exporter} exporter at {trace}")
     # PyTorch in a child process: this one never imports torch, so the ONNX steps below
     # run without it and without what the tracer leaves behind (issue 14: peak memory)
-    traced = in_child(_trace, ctx, release)
+    traced = in_child(_trace, ctx, release, trace)
     lay, weight_bytes, pooled = traced["layout"], traced["weight_bytes"], traced["pooling"]
     external = release.export.external_data == "always" or (
         release.export.external_data == "auto" and weight_bytes > TWO_GB
@@ -81,13 +81,13 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     )
 
 
-def _trace(ctx: StageContext, release: ReleaseSpec) -> dict[str, Any]:
+def _trace(ctx: StageContext, release: ReleaseSpec, trace: dict[str, int]) -> dict[str, Any]:
     """The PyTorch step, run in a child process: load the model, export it with its weights
     in a raw external data file, and say what the parent needs about the model."""
     net, lay = m.load_with_layout(NAME, ctx.root, release)
     pooled = getattr(net, "pooling", None)  # set by the embedding wrapper only
     flat = m.adapter(release.task, net, lay)
-    raw = exporter.trace_graph(ctx, flat, lay, release.export, sh.trace_sizes(release.export.dims))
+    raw = exporter.trace_graph(ctx, flat, lay, release.export, trace)
     return {
         "raw": raw,
         "layout": lay,

@@ -121,6 +121,8 @@ def _weights_to_file(path: Path, weights: dict[str, Any], location: str) -> None
     import onnx
     import torch
 
+    from stages.onnx import stream
+
     model = onnx.load(str(path))  # small: no weights in it
     graph = model.graph
     inputs = [v for v in graph.input if v.name not in weights]
@@ -141,11 +143,7 @@ def _weights_to_file(path: Path, weights: dict[str, Any], location: str) -> None
             tensor.name = name
             offset = data.tell()
             data.write(value.reshape(-1).view(torch.uint8).numpy().data)
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            length = data.tell() - offset
-            for key, v in (("location", location), ("offset", offset), ("length", length)):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, str(v)
+            stream.point(tensor, location, offset, data.tell() - offset)
     del graph.input[:]
     graph.input.extend(inputs)
     weights.clear()

@@ -62,18 +62,6 @@ def array(tensor: Any, base: Path) -> np.ndarray:
     return np.memmap(where.path, dtype=dtype, mode="r", offset=where.offset, shape=shape)
 
 
-def inline_bytes(tensor: Any, base: Path) -> None:
-    """Read an external initializer's bytes into it (a small one the output keeps inline)."""
-    where = source(tensor, base)
-    if where is None:
-        return
-    with open(where.path, "rb") as f:
-        f.seek(where.offset)
-        tensor.raw_data = f.read(where.length)
-    del tensor.external_data[:]
-    tensor.ClearField("data_location")
-
-
 def save(model: Any, base: Path, path: Path, external: set[str], location: str) -> None:
     """Write `model` to `path`. Its external initializers (bytes under `base`) named in
     `external` go to `location` beside `path`, one after another as `onnx.save_model` lays
@@ -94,7 +82,7 @@ def save(model: Any, base: Path, path: Path, external: set[str], location: str) 
                     tensor.ClearField("raw_data")
                 else:
                     _copy(where, data)
-                _point(tensor, location, offset, data.tell() - offset)
+                point(tensor, location, offset, data.tell() - offset)
             elif where is not None:
                 deferred[i] = where
                 del tensor.external_data[:]
@@ -119,7 +107,7 @@ def _raw(tensor: Any) -> bytes:
     return bytes(tensor.raw_data)
 
 
-def _point(tensor: Any, location: str, offset: int, length: int) -> None:
+def point(tensor: Any, location: str, offset: int, length: int) -> None:
     """What onnx's set_external_data writes: location, offset, length, in that order."""
     from onnx import TensorProto
 
@@ -254,8 +242,10 @@ def _read_varint(f: BinaryIO) -> int:
 
 
 def _fields(f: BinaryIO, end: int) -> Iterator[tuple[int, int, int, bytes]]:
-    """(field number, wire type, payload start, key + length bytes) of each field up to
-    `end`; a length-delimited payload is left unread for the caller to read or skip."""
+    """(field number, payload length, payload end or start, encoded head) of each field up
+    to `end`. A length-delimited field's head is its key and length, its payload left
+    unread at the given start for the caller to read or skip; a scalar field (length -1)
+    is all head, and the position given is its end."""
     while f.tell() < end:
         start = f.tell()
         key = _read_varint(f)
@@ -309,7 +299,7 @@ def skeleton(path: Path) -> Any:
                         kept += t_head + (f.read(t_length) if t_length >= 0 else b"")
                 tensor = TensorProto.FromString(bytes(kept))
                 if raw is not None and goes_external(tensor.data_type, raw[1]):
-                    _point(tensor, path.name, *raw)
+                    point(tensor, path.name, *raw)
                 elif raw is not None:
                     f.seek(raw[0])
                     tensor.raw_data = f.read(raw[1])
