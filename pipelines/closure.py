@@ -5,7 +5,7 @@ functions (stages import heavy libraries lazily, and their helpers the same way)
 The compiler fingerprints these (pipelines/fingerprint.py) into one file per stage that the
 stage's DVC entry depends on, so a change to what any of them does reruns the stage; a
 hand-kept list went stale (issue 12). Templates and other non-Python files a stage reads are
-declared in its `io().code` and stay plain deps.
+declared in its `io().code`; the same file carries their sha256, byte for byte.
 """
 
 from __future__ import annotations

@@ -80,9 +80,11 @@ def compile_dvc(root: Path) -> str:
     releases, all_ios = stage_ios(root)
     modules = code_modules(root, all_ios)
     everything = {m for ms in modules.values() for m in ms} | set(FINGERPRINT_CODE)
+    everything |= {f for ios in all_ios.values() for io in ios.values() for f in io.code}
     # The code stage is cheap and rewrites only files whose content changes, so it depends
-    # on whole folders: dvc.lock then lists three folders, not every module (DVC parses
-    # dvc.lock twice on each `dvc repro`). Stages depend on their own files inside its outs.
+    # on whole folders (and top-level files): dvc.lock then lists a few paths, not every
+    # module or template (DVC parses dvc.lock twice on each `dvc repro`). Stages depend on
+    # their own files inside its outs.
     stages: dict[str, Any] = {
         CODE_STAGE: {
             "cmd": "shipyard fingerprint",
@@ -137,25 +139,56 @@ def write_fingerprints(root: Path) -> list[Path]:
         name: stage_fingerprint(code, modules)
         for name, modules in code_modules(root, all_ios).items()
     }
+    files = {
+        name: file_digests(code, next(iter(ios.values())).code) for name, ios in all_ios.items()
+    }
     written = []
     for path, spec in releases:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
         for name, ios in all_ios.items():
             target = root / PARAMS_DIR / spec.name / f"{name}.json"
-            text = params_text(ios[spec.name], data, digests[name])
+            text = params_text(ios[spec.name], data, digests[name], files[name])
             written.append(write_if_changed(target, text))
     return written
 
 
-def params_text(io: StageIO, data: dict[str, Any], code: dict[str, str] | None = None) -> str:
-    """What a stage's run depends on besides files, in canonical JSON: the digests of its
-    Python code (`code`: module -> digest, pipelines/fingerprint.py), and the sections (or
-    dotted sub-sections) of the spec it reads, as the user wrote them (null where left out,
-    so the defaults apply). A comment, or a section the stage does not read, changes
-    nothing here. One file per stage and release: each is one dependency in dvc.lock."""
+def params_text(
+    io: StageIO,
+    data: dict[str, Any],
+    code: dict[str, str] | None = None,
+    files: dict[str, str] | None = None,
+) -> str:
+    """What a stage's run depends on besides its inputs, in canonical JSON: the digests of
+    its Python code (`code`: module -> digest, pipelines/fingerprint.py), the sha256 of each
+    other file of ours it reads or ships byte for byte (`files`: templates, the MLServer
+    runtime, pyproject.toml; `io().code`), and the sections (or dotted sub-sections) of the
+    spec it reads, as the user wrote them (null where left out, so the defaults apply). A
+    comment, or a section the stage does not read, changes nothing here. One file per stage
+    and release: each is one dependency in dvc.lock, where each template was one more."""
     values = {param: _lookup(data, param) for param in io.params}
-    text = json.dumps({"code": code or {}, "spec": values}, indent=2, sort_keys=True, default=str)
-    return text + "\n"
+    document: dict[str, Any] = {"code": code or {}, "spec": values}
+    if files:  # only stages that read such files carry the key
+        document["files"] = files
+    return json.dumps(document, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def file_digests(root: Path, paths: tuple[str, ...]) -> dict[str, str]:
+    """sha256 of each file, byte for byte (a template's comment is part of what ships)."""
+    import hashlib
+
+    out = {}
+    for rel in sorted(set(paths)):
+        path = root / rel
+        if not path.is_file():
+            raise SpecError(
+                rel,
+                [
+                    f"{rel}: a stage's io().code names this file, but it does not exist; "
+                    "restore it or remove it from io().code"
+                ],
+            )
+        out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
 
 
 def _lookup(data: Any, dotted: str) -> Any:
@@ -198,10 +231,10 @@ def _data_slots(items: dict[str, dict[str, str]], ios: dict[str, StageIO]) -> li
 
 
 def _template(name: str, io: Any, slots: int, data: list[str]) -> dict[str, Any]:
-    # Python code through its fingerprint (what it does, not how it is worded) and the spec
-    # through the sections the stage reads, both in one file; templates and shipped files
-    # byte for byte.
-    deps = [f"{PARAMS_DIR}/${{key}}/{name}.json", *sorted(set(io.code))]
+    # Python code through its fingerprint (what it does, not how it is worded), templates
+    # and shipped files byte for byte, and the spec through the sections the stage reads:
+    # all in one file.
+    deps = [f"{PARAMS_DIR}/${{key}}/{name}.json"]
     deps += [f"${{item.{slot}}}" for slot in (*MODEL_SLOTS[:slots], *data)]
     deps += [f"build/${{key}}/{u}" for u in io.upstream_files()]
     return {

@@ -9,8 +9,10 @@ texts removed, so rewording a field description or a comment changes no fingerpr
 reruns no release stage; any change to what the code does changes the tree, its
 fingerprint, and reruns every stage that imports it.
 
-Files a stage reads as data (templates, the MLServer runtime it ships byte for byte) are not
-fingerprinted: they stay plain DVC deps (`io().code`).
+Files a stage reads as data (templates, the MLServer runtime it ships byte for byte;
+`io().code`) are not fingerprinted: the same file carries their sha256 over their bytes
+(pipelines/compiler.py `file_digests`), so every change to them, a comment included, reruns
+the stage.
 """
 
 from __future__ import annotations

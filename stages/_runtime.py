@@ -73,6 +73,12 @@ class StageIO:
     data:     (slot, path) data files from the spec, e.g. the calibration set; None = unused
     plots:    DVC plots over files it writes (top-level in dvc.yaml, so they may differ per
               release; not part of the foreach template)
+    sealed_by: an `upstream` stage whose output records, by sha256, every file the stage
+              takes from the other `upstream` folders, and the stage refuses any file that
+              differs (bundle: the manifest, checked by verify_bundle). DVC then depends on
+              that stage's folder and the `reads` files only: a change upstream reruns the
+              sealing stage, and this one when the seal changes. Ten folder deps less for
+              bundle, each of which DVC walked file by file on every `dvc repro`.
     """
 
     params: tuple[str, ...]
@@ -82,11 +88,20 @@ class StageIO:
     code: tuple[str, ...] = ()
     data: tuple[tuple[str, str | None], ...] = ()
     plots: tuple[Plot, ...] = ()
+    sealed_by: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.sealed_by is not None and self.sealed_by not in self.upstream:
+            raise ValueError(f"sealed_by={self.sealed_by!r} must be one of upstream")
 
     def upstream_files(self) -> tuple[str, ...]:
         """Every upstream dependency: the artifacts' files, then the other outputs. An
         artifact its stage writes only sometimes is a dependency on that stage's folder (DVC
-        refuses a dep that does not exist), as is one whose whole folder is declared."""
+        refuses a dep that does not exist), as is one whose whole folder is declared. With
+        `sealed_by`, the other upstream folders are left to the sealing stage's output."""
+        if self.sealed_by is not None:
+            reads = [a.STAGE if a.OPTIONAL else a.location() for a in self.reads]
+            return tuple(dict.fromkeys([*reads, self.sealed_by]))
         found = [
             a.STAGE if a.OPTIONAL else a.location()
             for a in self.reads

@@ -32,6 +32,8 @@ def io(release: ReleaseSpec) -> StageIO:
         params=("version", "task", "bundle.model_card"),
         reads=(ModelInfo, LoadTestSummary),
         upstream=(*CHECKED, "manifest"),
+        # the manifest hashes every payload file; verify_bundle refuses any that differs
+        sealed_by="manifest",
         code=("stages/templates/MODEL_CARD.md.j2",),
     )
 

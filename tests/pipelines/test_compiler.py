@@ -55,8 +55,54 @@ def test_each_stage_depends_on_a_file_of_only_its_own_spec_sections(tmp_path: Pa
         "bundle": ["bundle.model_card", "task", "version"],
     }
     code = stages["code"]
-    assert code["deps"] == ["pipelines", "schemas", "stages", "releases"]
+    assert code["deps"] == ["pipelines", "pyproject.toml", "schemas", "stages", "releases"]
     assert code["outs"] == ["build/.params"]
+
+
+def test_templates_and_shipped_files_are_in_the_params_file_byte_for_byte(
+    tmp_path: Path,
+) -> None:
+    """A template (or the runtime serve ships) is no dvc.lock entry of its own: its sha256
+    is in the stage's params file, so any change to its bytes, a comment included, changes
+    that file and reruns the stage; no other stage's file changes."""
+    stages = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]
+    for name, body in stages.items():
+        if name != "code":
+            assert not [d for d in body["do"]["deps"] if d.startswith("stages/")], name
+            assert "pyproject.toml" not in body["do"]["deps"], name
+    ws = Workspace(tmp_path)
+    ws.write(gpt2_spec())
+    for rel in ("pipelines", "schemas", "stages", "pyproject.toml"):
+        source = REPO / rel
+        if source.is_dir():
+            shutil.copytree(source, tmp_path / rel, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, tmp_path / rel)
+    compiler.write_fingerprints(tmp_path)
+    folder = tmp_path / "build" / ".params" / "tiny-gpt2"
+
+    def snapshot() -> dict[str, str]:
+        return {p.stem: p.read_text() for p in folder.glob("*.json")}
+
+    before = snapshot()
+    serve = json.loads(before["serve"])["files"]
+    assert "stages/serving/mlserver_runtime.py" in serve
+    assert "stages/templates/triton_config.pbtxt.j2" in serve
+    assert list(json.loads(before["pin"])["files"]) == ["pyproject.toml"]
+    assert "files" not in json.loads(before["export"])  # reads none: its file is unchanged
+    template = tmp_path / "stages" / "templates" / "triton_config.pbtxt.j2"
+    template.write_text(template.read_text() + "{# a comment ships too #}\n")
+    compiler.write_fingerprints(tmp_path)
+    after = snapshot()
+    assert [s for s in before if after[s] != before[s]] == ["serve"]
+    # a shipped Python file counts by its bytes, not its syntax tree
+    runtime = tmp_path / "stages" / "serving" / "mlserver_runtime.py"
+    runtime.write_text(runtime.read_text() + "# a comment\n")
+    compiler.write_fingerprints(tmp_path)
+    assert [s for s in after if snapshot()[s] != after[s]] == ["serve"]
+    template.unlink()
+    with pytest.raises(SpecError, match="triton_config.pbtxt.j2.*does not exist"):
+        compiler.write_fingerprints(tmp_path)
 
 
 def test_a_params_file_changes_only_with_what_its_stage_reads(tmp_path: Path) -> None:
@@ -154,3 +200,17 @@ def test_compile_reports_every_bad_release_together(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
         compiler.compile_dvc(tmp_path)
     assert [p.split(":")[0] for p in info.value.problems] == ["releases/a.yaml", "releases/b.yaml"]
+
+
+def test_dvc_parses_dvc_lock_with_libyaml() -> None:
+    """Every `dvc repro` parses dvc.lock (hundreds of lines per release) twice; ruamel's
+    pure-Python parser made that most of a no-op's time at 32 releases. pyproject pins
+    ruamel.yaml.clib, which ruamel.yaml 0.19 no longer pulls in by itself."""
+    from dvc.utils.serialize._yaml import parse_yaml
+    from ruamel.yaml import YAML
+    from ruamel.yaml.main import CParser  # type: ignore[attr-defined]
+
+    assert CParser is not None, "ruamel.yaml.clib is not installed: pip install -e ."
+    assert YAML(typ="safe").Parser is CParser
+    lock = (REPO / "dvc.lock").read_text()
+    assert parse_yaml(lock, "dvc.lock") == yaml.safe_load(lock)

@@ -156,3 +156,28 @@ def test_manifest_refuses_a_release_whose_checks_failed(ws: Workspace) -> None:
     report = ws.run("manifest", spec)
     assert report.status.value == "failed"
     assert "upstream stages did not pass (parity: failed)" in report.reasons[0]
+
+
+@pytest.mark.parametrize("tamper", ["edit", "add"])
+def test_bundle_refuses_an_upstream_file_the_manifest_does_not_seal(
+    built_gpt2: Workspace, tmp_path: Path, tamper: str
+) -> None:
+    """bundle's DVC entry depends on the manifest, not on the ten folders it copies from
+    (`sealed_by`): so a file in them that changed or appeared after the manifest was
+    written must stop the bundle, never ship."""
+    ws = Workspace.__new__(Workspace)
+    ws.root = tmp_path / "root"
+    writable_copy(built_gpt2.root, ws.root)
+    serve = ws.out("tiny-gpt2", "serve")
+    if tamper == "edit":
+        target = serve / "serving.yaml"
+        target.write_text(target.read_text() + "# edited after the manifest\n")
+    else:
+        (serve / "extra.txt").write_text("not in the manifest\n")
+    report = ws.run("bundle", gpt2_spec())
+    assert report.status.value == "failed"
+    assert "does not verify" in report.reasons[0]
+    named = "serving.yaml: changed" if tamper == "edit" else "extra.txt: added"
+    assert named in report.reasons[0]
+    # nothing that verifies is left where the bundle goes
+    assert verify_bundle(ws.out("tiny-gpt2", "bundle")) != []
