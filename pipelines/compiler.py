@@ -11,6 +11,7 @@ import yaml
 from pipelines.closure import stage_closure
 from pipelines.fingerprint import CODE_STAGE, FINGERPRINT_CODE, write_if_changed
 from schemas import ReleaseSpec, SpecError
+from schemas.artifacts import VersionLock
 from schemas.loader import load_release
 from stages import load_stages, stage_io
 from stages._runtime import COMMON_CODE, StageIO, report_dir
@@ -94,9 +95,12 @@ def compile_dvc(root: Path) -> str:
     }
     for name, ios in all_ios.items():
         io = next(iter(ios.values()))
-        slots = _model_slots(releases) if io.reads_model else 0
+        # pin hashes every file of the model into lock.json (VersionLock.files); the other
+        # stages that load the model depend on that file, not on the model's folders, which
+        # DVC would otherwise walk file by file for each of them on every `dvc repro`
+        slots = _model_slots(releases) if io.reads_model and name == VersionLock.STAGE else 0
         items = {spec.name: _item(root, path, spec, slots) for path, spec in releases}
-        data = _data_slots(items, ios)
+        data = _data_slots(items, ios, {spec.name: model_paths(spec.model) for _, spec in releases})
         stages[name] = {"foreach": items, "do": _template(name, io, slots, data)}
     document: dict[str, Any] = {"stages": stages}
     plots = _plots(all_ios)
@@ -212,11 +216,17 @@ def _item(root: Path, path: Path, spec: ReleaseSpec, slots: int) -> dict[str, st
     return item
 
 
-def _data_slots(items: dict[str, dict[str, str]], ios: dict[str, StageIO]) -> list[str]:
+def _data_slots(
+    items: dict[str, dict[str, str]],
+    ios: dict[str, StageIO],
+    models: dict[str, tuple[str, ...]],
+) -> list[str]:
     """Add each data file the spec names (calibration set, tokenizer) to the items.
 
     A foreach template is shared, so a release that has no file for a slot some other
-    release uses gets its own exported model there: a dependency it has anyway.
+    release uses gets its own exported model there: a dependency it has anyway. A data
+    path inside the release's own model (its tokenizer, most often) is pin's lock.json,
+    which hashes every file there, instead of a second walk of the folder.
     """
     used = [
         slot
@@ -226,8 +236,16 @@ def _data_slots(items: dict[str, dict[str, str]], ios: dict[str, StageIO]) -> li
     for name, io in ios.items():
         paths = dict(io.data)
         for slot in used:
-            items[name][slot] = paths[slot] or f"build/{name}/export/model.onnx"
+            path = paths[slot]
+            if path is not None and _inside(path, models[name]):
+                path = f"build/{name}/{VersionLock.location()}"
+            items[name][slot] = path or f"build/{name}/export/model.onnx"
     return used
+
+
+def _inside(path: str, bases: tuple[str, ...]) -> bool:
+    parts = Path(path).parts
+    return any(parts[: len(Path(b).parts)] == Path(b).parts for b in bases)
 
 
 def _template(name: str, io: Any, slots: int, data: list[str]) -> dict[str, Any]:
@@ -236,7 +254,10 @@ def _template(name: str, io: Any, slots: int, data: list[str]) -> dict[str, Any]
     # all in one file.
     deps = [f"{PARAMS_DIR}/${{key}}/{name}.json"]
     deps += [f"${{item.{slot}}}" for slot in (*MODEL_SLOTS[:slots], *data)]
-    deps += [f"build/${{key}}/{u}" for u in io.upstream_files()]
+    upstream = io.upstream_files()
+    if io.reads_model and name != VersionLock.STAGE:
+        upstream = tuple(dict.fromkeys([VersionLock.location(), *upstream]))
+    deps += [f"build/${{key}}/{u}" for u in upstream]
     return {
         "cmd": f"shipyard run-stage {name} --release ${{item.spec}}",
         "deps": deps,

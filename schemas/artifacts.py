@@ -43,6 +43,11 @@ class VersionLock(Artifact):
     python: str
     packages: dict[str, str | None] = Field(description="Installed version; null = absent.")
     checkpoints: dict[str, str] = Field(description="Checkpoint file -> sha256.")
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="Every file under the model's paths (repo-relative) -> sha256. The "
+        "stages that load the model depend on this file instead of the model folders.",
+    )
 
 
 class GitState(_Model):

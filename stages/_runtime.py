@@ -67,7 +67,9 @@ class StageIO:
     params:   top-level spec sections the stage reads (its DVC `params:`; nothing else is visible)
     reads:    the typed artifacts it reads (schemas/artifacts.py); their files become deps
     upstream: other upstream outputs as `stage` (whole output folder) or `stage/file`
-    reads_model: the stage loads the checkpoint, so the model files are dependencies
+    reads_model: the stage loads the checkpoint, so the model files are dependencies: pin's
+              are the model's paths; the others' is pin's lock.json, which holds the
+              sha256 of every file under them (VersionLock.files)
     code:     files it reads that are not Python modules (templates, the runtime it ships);
               the Python modules it imports are derived from the code (pipelines/closure.py)
     data:     (slot, path) data files from the spec, e.g. the calibration set; None = unused

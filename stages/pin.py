@@ -28,6 +28,7 @@ RECORDED = (
     "pydantic",
 )
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".onnx", ".data")
+VCS_DIRS = frozenset({".git", ".hg", ".dvc"})
 
 
 def io(release: ReleaseSpec) -> StageIO:
@@ -41,7 +42,7 @@ def io(release: ReleaseSpec) -> StageIO:
 def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     pins = release.pins
     packages = {name: _version(name) for name in sorted({*RECORDED, *pins.packages})}
-    checkpoints = _checkpoint_digests(ctx, release.model)
+    files, checkpoints = _hash_model(ctx, release.model)
     python = platform.python_version()
     problems = _check_packages(pins.packages, packages)
     if pins.python and not _satisfies(python, pins.python):
@@ -54,7 +55,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             "uncommitted changes; commit them first"
         )
     # lock.json is what later stages depend on: deterministic, no commit, no time.
-    lock = VersionLock(python=python, packages=packages, checkpoints=checkpoints)
+    lock = VersionLock(python=python, packages=packages, checkpoints=checkpoints, files=files)
     ctx.write(lock)
     ctx.write(Provenance(git=GitState(**git)))
     details = {**lock.model_dump(), "git": git}
@@ -100,8 +101,14 @@ def _check_packages(wanted: dict[str, str], found: dict[str, str | None]) -> lis
     return problems
 
 
-def _checkpoint_digests(ctx: StageContext, model: Any) -> dict[str, str]:
-    paths: dict[str, Path] = {}
+def _hash_model(ctx: StageContext, model: Any) -> tuple[dict[str, str], dict[str, str]]:
+    """sha256 of every file under the model's paths, by repo-relative name: the stages that
+    load the model depend on lock.json, not on the folders, so nothing in them may be left
+    out (tokenizer, generation config, custom code). And of the checkpoint among them, named
+    as pins.checkpoints names them: the weights, the config and a sharded checkpoint's index
+    (which shard holds which tensor: they decide what the weights mean)."""
+    names: dict[str, Path] = {}
+    checkpoint: dict[str, str] = {}
     for rel in dict.fromkeys(model_paths(model)):
         base = ctx.path(rel)
         if not base.exists():
@@ -110,19 +117,27 @@ def _checkpoint_digests(ctx: StageContext, model: Any) -> dict[str, str]:
                 f"model checkpoint {rel} does not exist",
                 "fix model.path / model.weights, or regenerate the checkpoint",
             )
-        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
-        for f in files:
-            # the config and a sharded checkpoint's index (which shard holds which tensor)
-            # decide what the weights mean, so they are hashed with them
+        prefix = Path(rel).as_posix()
+        found = [base] if base.is_file() else sorted(p for p in base.rglob("*") if _kept(p, base))
+        for f in found:
+            name = prefix if base.is_file() else f"{prefix}/{f.relative_to(base).as_posix()}"
+            names[name] = f
             if f.suffix in WEIGHT_SUFFIXES or f.name == "config.json" or _is_index(f):
-                paths[f.relative_to(base).as_posix() if base.is_dir() else f.name] = f
-    if not any(p.suffix in WEIGHT_SUFFIXES for p in paths.values()) and model.kind == "hf":
+                checkpoint[f.relative_to(base).as_posix() if base.is_dir() else f.name] = name
+    if not any(Path(n).suffix in WEIGHT_SUFFIXES for n in checkpoint) and model.kind == "hf":
         raise StageError(
             NAME,
             f"model.path {model.path}: no weight file found",
             "save the checkpoint as *.safetensors",
         )
-    return hash_files(paths)
+    files = hash_files(names)
+    return files, {key: files[name] for key, name in sorted(checkpoint.items())}
+
+
+def _kept(path: Path, base: Path) -> bool:
+    """A file of the model, not of a version control's store inside its folder (a cloned
+    model repository's .git holds every LFS object again; DVC skips these too)."""
+    return path.is_file() and not VCS_DIRS & set(path.relative_to(base).parts[:-1])
 
 
 def _is_index(f: Path) -> bool:

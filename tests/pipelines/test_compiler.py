@@ -161,10 +161,9 @@ def test_two_releases_become_foreach_items(tmp_path: Path) -> None:
     ws.write(generic_spec("small", "small"))
     stages = yaml.safe_load(compiler.compile_dvc(tmp_path))["stages"]
     assert list(stages["export"]["foreach"]) == ["small", "tiny-gpt2"]
-    assert stages["export"]["foreach"]["small"] == {
-        "spec": "releases/small.yaml",
-        "model": "traps.py",
-    }
+    assert stages["pin"]["foreach"]["small"] == {"spec": "releases/small.yaml", "model": "traps.py"}
+    # export reads the model through pin's lock.json, which hashes traps.py too
+    assert stages["export"]["foreach"]["small"] == {"spec": "releases/small.yaml"}
 
 
 def test_model_weights_get_their_own_dependency_slot_when_apart(tmp_path: Path) -> None:
@@ -214,3 +213,34 @@ def test_dvc_parses_dvc_lock_with_libyaml() -> None:
     assert YAML(typ="safe").Parser is CParser
     lock = (REPO / "dvc.lock").read_text()
     assert parse_yaml(lock, "dvc.lock") == yaml.safe_load(lock)
+
+
+def test_only_pin_depends_on_the_model_folder_the_others_on_its_lock() -> None:
+    """DVC walks a folder dep file by file on every `dvc repro`; pin hashes every file of
+    the model into lock.json (tests/stages/test_pin_versions.py), so the stages that load
+    the model depend on that one file."""
+    stages = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]
+    loaders = {n for n, per in compiler.stage_ios(REPO)[1].items() if per["tiny-gpt2"].reads_model}
+    assert loaders == {"pin", "export", "evalcheck", "parity", "evaluate"}
+    assert "${item.model}" in stages["pin"]["do"]["deps"]
+    for name in loaders - {"pin"}:
+        deps = stages[name]["do"]["deps"]
+        assert "build/${key}/pin/lock.json" in deps, name
+        assert not [d for d in deps if "item.model" in d], name
+        assert all("model" not in slot for slot in stages[name]["foreach"]["tiny-gpt2"]), name
+
+
+def test_a_data_file_inside_the_releases_own_model_is_its_lock() -> None:
+    """The tokenizer of tiny-gpt2 is its model folder: lock.json hashes it already. The
+    gpt2-small release borrows tiny-gpt2's tokenizer, a folder its pin does not hash, which
+    stays a folder dependency."""
+    stages = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]
+    tiny, small = (stages["quantize"]["foreach"][n] for n in ("tiny-gpt2", "gpt2-small"))
+    assert tiny["tokenizer"] == "build/tiny-gpt2/pin/lock.json"
+    assert small["tokenizer"] == "models/tiny-gpt2"
+    assert stages["evaluate"]["foreach"]["tiny-gpt2"]["dataset_tokenizer"] == (
+        "build/tiny-gpt2/pin/lock.json"
+    )
+    assert tiny["calibration"] == "data/calibration/docstrings.jsonl"
+    assert compiler._inside("models/a/tokenizer.json", ("models/a",))
+    assert not compiler._inside("models/ab", ("models/a",))

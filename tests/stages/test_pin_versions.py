@@ -54,3 +54,38 @@ def test_pin_missing_checkpoint_folder_fails_naming_it(ws: Workspace) -> None:
     report = ws.run("pin", gpt2_spec(model={"kind": "hf", "path": "models/gone"}))
     assert report.status.value == "failed"
     assert report.reasons[0].startswith("model checkpoint models/gone does not exist")
+
+
+def test_lock_json_hashes_every_file_a_later_stage_may_read(ws: Workspace) -> None:
+    """export, evalcheck, parity and evaluate depend on lock.json instead of the model folder
+    (dvc.yaml), so every file in it counts: a tokenizer edit, a file added in a subfolder.
+    A version control store inside the folder does not (DVC skips it too)."""
+    lock_path = ws.out("tiny-gpt2", "pin") / "lock.json"
+
+    def files() -> dict[str, str]:
+        assert ws.run("pin", gpt2_spec()).status.value == "passed"
+        return dict(json.loads(lock_path.read_text())["files"])
+
+    before = files()
+    on_disk = sorted(
+        p.relative_to(ws.root).as_posix()
+        for p in (ws.root / "models" / "tiny-gpt2").rglob("*")
+        if p.is_file()
+    )
+    assert sorted(before) == on_disk and "models/tiny-gpt2/model.safetensors" in before
+    assert before["models/tiny-gpt2/model.safetensors"] == DIGEST
+    tokenizer = next(n for n in before if "tokenizer" in n or n.endswith("vocab.json"))
+    (ws.root / tokenizer).write_bytes((ws.root / tokenizer).read_bytes() + b" ")
+    nested = ws.root / "models" / "tiny-gpt2" / "extra" / "chat_template.jinja"
+    nested.parent.mkdir()
+    nested.write_text("{{ messages }}")
+    git = ws.root / "models" / "tiny-gpt2" / ".git" / "objects" / "blob"
+    git.parent.mkdir(parents=True)
+    git.write_bytes(b"an LFS copy of the weights")
+    after = files()
+    assert after[tokenizer] != before[tokenizer]
+    assert "models/tiny-gpt2/extra/chat_template.jinja" in after
+    assert not [n for n in after if "/.git/" in n]
+    assert {n: d for n, d in after.items() if n != tokenizer and "extra/" not in n} == {
+        n: d for n, d in before.items() if n != tokenizer
+    }
