@@ -178,21 +178,19 @@ def params_text(
 
 def file_digests(root: Path, paths: tuple[str, ...]) -> dict[str, str]:
     """sha256 of each file, byte for byte (a template's comment is part of what ships)."""
-    import hashlib
+    from stages.bundling.hashing import hash_files
 
-    out = {}
-    for rel in sorted(set(paths)):
-        path = root / rel
-        if not path.is_file():
-            raise SpecError(
-                rel,
-                [
-                    f"{rel}: a stage's io().code names this file, but it does not exist; "
-                    "restore it or remove it from io().code"
-                ],
-            )
-        out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
+    missing = [rel for rel in sorted(set(paths)) if not (root / rel).is_file()]
+    if missing:
+        raise SpecError(
+            missing[0],
+            [
+                f"{rel}: a stage's io().code names this file, but it does not exist; "
+                "restore it or remove it from io().code"
+                for rel in missing
+            ],
+        )
+    return hash_files({rel: root / rel for rel in set(paths)})
 
 
 def _lookup(data: Any, dotted: str) -> Any:

@@ -101,15 +101,14 @@ class StageIO:
         artifact its stage writes only sometimes is a dependency on that stage's folder (DVC
         refuses a dep that does not exist), as is one whose whole folder is declared. With
         `sealed_by`, the other upstream folders are left to the sealing stage's output."""
-        if self.sealed_by is not None:
-            reads = [a.STAGE if a.OPTIONAL else a.location() for a in self.reads]
-            return tuple(dict.fromkeys([*reads, self.sealed_by]))
+        sealed = self.sealed_by is not None
         found = [
             a.STAGE if a.OPTIONAL else a.location()
             for a in self.reads
-            if a.STAGE not in self.upstream
+            if sealed or a.STAGE not in self.upstream
         ]
-        return tuple(dict.fromkeys([*found, *self.upstream]))
+        folders = (self.sealed_by,) if self.sealed_by is not None else self.upstream
+        return tuple(dict.fromkeys([*found, *folders]))
 
     def template(self) -> tuple[Any, ...]:
         """Everything but the per-release data paths: must agree across releases."""
