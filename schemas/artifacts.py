@@ -87,10 +87,15 @@ class TensorInfo(_Model):
     dtype: str
     axes: list[int | str] = Field(description="Named dims of the spec, or fixed sizes.")
     low: float | None = Field(
-        default=None, description="Declared smallest value of an integer input (export.inputs)."
+        default=None,
+        description="Smallest value an integer input accepts (token ids 0, masks 0, or "
+        "export.inputs' low); null for floats.",
     )
     high: float | None = Field(
-        default=None, description="Declared exclusive upper bound of an integer input."
+        default=None,
+        description="Exclusive upper bound of an integer input's values (the vocabulary, "
+        "type_vocab_size, 2 for a mask, or export.inputs' high); the server refuses values "
+        "outside [low, high) with 400.",
     )
 
 

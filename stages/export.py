@@ -55,7 +55,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             opset=release.export.opset,
             external_data=external,
             dims={k: DimSizes(**v.model_dump()) for k, v in release.export.dims.items()},
-            inputs=[_tensor(t, declared=bool(release.export.inputs)) for t in lay.inputs],
+            inputs=[_tensor(t) for t in lay.inputs],
             outputs=[_tensor(t) for t in lay.outputs],
             labels=m.label_names(config) if TASKS[release.task].labels else None,
             pooling=pooled["pooling"] if pooled else None,
@@ -160,14 +160,10 @@ def _count(net: Any) -> int:
     return sum(p.numel() for p in net.parameters())
 
 
-def _tensor(t: sh.Tensor, declared: bool = False) -> TensorInfo:
-    """A declared integer input keeps its value range: the load test and the engine's
-    inputs draw from it (a task's inputs are token ids below the vocabulary instead)."""
-    ranged = declared and t.dtype.startswith("int")
-    return TensorInfo(
-        name=t.name,
-        dtype=t.dtype,
-        axes=list(t.axes),
-        low=t.low if ranged else None,
-        high=t.high if ranged else None,
-    )
+def _tensor(t: sh.Tensor) -> TensorInfo:
+    """Every integer input keeps the values it accepts (token ids below the vocabulary,
+    segment ids below type_vocab_size, masks 0/1, a declared export.inputs range): the
+    server refuses a value outside with 400, the load test and the engine's inputs draw
+    from it. Without it a BERT's token_type_ids were drawn from the whole vocabulary."""
+    low, high = sh.accepted_range(t) if t.dtype.startswith("int") else (None, None)
+    return TensorInfo(name=t.name, dtype=t.dtype, axes=list(t.axes), low=low, high=high)

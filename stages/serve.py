@@ -69,6 +69,13 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         # what the runtime returns (TASKS): generated ids, labels and scores, or the tensors
         "serving_kind": TASKS[release.task].serving,
         "labels": info.labels or [],
+        # [low, high) per integer input: the runtime refuses other values with 400 (an id
+        # past its embedding table is an ONNX Runtime error, a 500, otherwise)
+        "input_bounds": {
+            t.name: [int(t.low), int(t.high)]
+            for t in info.inputs
+            if t.low is not None and t.high is not None
+        },
         "max_prompt_tokens": info.dims["sequence"].max if "sequence" in info.dims else 0,
         "max_past_tokens": info.dims["past_sequence"].max if "past_sequence" in info.dims else 0,
     }

@@ -32,8 +32,14 @@ class TensorSpec(Strict):
     shape: list[int | str] = Field(
         description="Sizes: an int is static, a string names a dim from `export.dims`."
     )
-    low: float = Field(default=0, description="Smallest generated value (integer inputs).")
-    high: float = Field(default=1, description="Upper bound (exclusive) of generated values.")
+    low: float = Field(
+        default=0,
+        description="Smallest value of an integer input: probes and the load test draw from "
+        "[low, high), and the server refuses a value outside it with 400.",
+    )
+    high: float = Field(
+        default=1, description="Exclusive upper bound of an integer input's values."
+    )
 
 
 class OutputSpec(Strict):

@@ -205,7 +205,9 @@ def layout(
     ids = Tensor("input_ids", "int64", ("batch", "sequence"), 0, a["vocab"])
     ins = [ids, Tensor("attention_mask", "int64", ("batch", seq), 1, 2)]
     if "token_type_ids" in forward and not spec.kv_cache:
-        ins.append(Tensor("token_type_ids", "int64", ("batch", "sequence"), 0, 1))
+        # segment ids index a table of type_vocab_size rows (BERT: 2, RoBERTa: 1)
+        segments = max(int(config.get("type_vocab_size") or 1), 1)
+        ins.append(Tensor("token_type_ids", "int64", ("batch", "sequence"), 0, segments))
     sizes: dict[str, int] = {"vocab": a["vocab"], "labels": a["labels"], "hidden": a["hidden"]}
     outs_: list[Tensor] = [
         Tensor(o.name, "float32", tuple(sizes.get(x, x) for x in o.axes)) for o in spec.outputs

@@ -104,13 +104,22 @@ def token_tensor(
     vocab: int,
     declared: tuple[float | None, float | None] = (None, None),
 ) -> Tensor:
-    """A graph input as recorded in model_info.json, with the value range a real request
-    has: a range the spec declared (export.inputs low/high), else masks are ones and other
-    integer inputs token ids below `vocab`."""
+    """A graph input as recorded in model_info.json, with the values a real request sends:
+    masks are ones (a mask accepts 0 too, but a row of zeros attends to nothing); other
+    integer inputs take the range model_info records (token ids below the vocabulary,
+    segment ids below type_vocab_size, a declared export.inputs range), else ids below
+    `vocab`."""
+    if "mask" in name:
+        return Tensor(name, dtype, tuple(axes), 1, 2)
     if declared[0] is not None and declared[1] is not None:
         return Tensor(name, dtype, tuple(axes), declared[0], declared[1])
-    low, high = (1, 2) if "mask" in name else (0, vocab)
-    return Tensor(name, dtype, tuple(axes), low, high)
+    return Tensor(name, dtype, tuple(axes), 0, vocab)
+
+
+def accepted_range(t: Tensor) -> tuple[float, float]:
+    """The values a server accepts for an integer input, [low, high): a mask takes 0 and 1
+    (drawn as ones), everything else the range it is drawn from."""
+    return (0, 2) if "mask" in t.name else (t.low, t.high)
 
 
 def seeded_inputs(

@@ -112,6 +112,19 @@ def decode(inp: Any) -> np.ndarray:
     return array
 
 
+def check_bounds(name: str, array: np.ndarray, bounds: tuple[int, int] | None) -> None:
+    """An integer input's values lie in its [low, high) from model_info (token ids below
+    the vocabulary, segment ids below type_vocab_size, masks 0/1): an id past its
+    embedding table would be an ONNX Runtime error, that is a 500, not the client's 400."""
+    if bounds is None or not array.size or array.dtype.kind not in "iu":
+        return
+    low, high = bounds
+    smallest, largest = int(array.min()), int(array.max())
+    if smallest < low or largest >= high:
+        found = smallest if smallest < low else largest
+        raise BadRequest(f"input {name!r}: values must lie in [{low}, {high}); found {found}")
+
+
 def _flat(data: Any) -> list[Any]:
     out: list[Any] = []
     stack = [data]
@@ -342,6 +355,9 @@ class ShipyardOnnxRuntime(MLModel):
         self.task = extra.get("task", "generic")
         self.serving = extra.get("serving", "tensors")  # generate | labels | tensors
         self.labels = [str(x) for x in extra.get("labels") or []]
+        self.bounds = {
+            str(k): (int(v[0]), int(v[1])) for k, v in (extra.get("input_bounds") or {}).items()
+        }
         self.session = session_from(model_path, config)
         if self.serving == "generate":
             self.decoder = Decoder(self.session, int(extra.get("max_context_length", 1 << 30)))
@@ -391,6 +407,7 @@ class ShipyardOnnxRuntime(MLModel):
             for axis, (size, dim) in enumerate(zip(array.shape, want.shape, strict=True)):
                 if isinstance(dim, int) and size != dim:
                     raise BadRequest(f"input {inp.name!r} axis {axis} must be {dim}; got {size}")
+            check_bounds(inp.name, array, self.bounds.get(inp.name))
             feeds[inp.name] = array
         batches = {v.shape[0] for v in feeds.values()}
         if len(batches) != 1:

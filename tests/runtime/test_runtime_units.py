@@ -112,6 +112,7 @@ def runtime(tmp_path: Path) -> Any:
     model.session = rt.session_from(graph(tmp_path / "g.onnx"), {})
     model.serving, model.task, model.labels = "tensors", "generic", []
     model.max_request_rows = 3
+    model.bounds = {}
     return model
 
 
@@ -177,6 +178,23 @@ def test_each_wrong_request_is_refused_naming_the_input(
     runtime: Any, inputs: dict[str, Any], message: str
 ) -> None:
     assert refused(runtime, request(**inputs)) == message
+
+
+def test_an_integer_input_is_refused_just_past_its_bounds_and_served_at_them(
+    runtime: Any,
+) -> None:
+    runtime.bounds = {"m": (0, 2)}
+
+    def m_with(value: int) -> InferenceRequest:
+        data = [1] * 31 + [value]
+        return request(x=rows(1), m=([1, 4, 8], data, "INT64"))
+
+    for value in (0, 1):
+        assert runtime._graph_inputs(m_with(value))["m"].max() == 1
+    assert refused(runtime, m_with(2)) == "input 'm': values must lie in [0, 2); found 2"
+    assert refused(runtime, m_with(-1)) == "input 'm': values must lie in [0, 2); found -1"
+    runtime.bounds = {}  # an input without bounds takes any integer
+    assert runtime._graph_inputs(m_with(7))["m"].max() == 7
 
 
 def test_a_repeated_input_name_is_refused(runtime: Any) -> None:

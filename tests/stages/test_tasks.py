@@ -225,3 +225,72 @@ def test_a_classifier_is_served_with_its_labels_over_http(tmp_path: Path) -> Non
     assert outputs["label"]["data"] == [want[i] for i in logits.argmax(1)]
     probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
     assert np.allclose(outputs["score"]["data"], probs.max(1), atol=1e-5)
+
+
+def test_every_bounded_input_of_a_bert_is_refused_past_its_range_with_400(
+    encoders: Workspace, tmp_path: Path
+) -> None:
+    """A BERT's token_type_ids index a table of type_vocab_size (2) rows: model_info
+    records [low, high) for every integer input, and the server answers a value just past
+    it with 400 naming the input, where ONNX Runtime would fail with a 500 (issue 28)."""
+    import aiohttp
+
+    from stages.serving import loadgen as lg
+    from stages.serving.server import LocalServer, assemble
+
+    arch = encoder("BERT", "text-embedding")
+    spec, slug = prepare(encoders, arch), matrix.slug_of(arch)
+    for stage in ("quantize", "plan", "serve"):
+        report = encoders.run(stage, spec)
+        assert report.status.value == "passed", (stage, report.reasons)
+    info = json.loads((encoders.out(slug, "export") / "model_info.json").read_text())
+    bounds = {t["name"]: (t["low"], t["high"]) for t in info["inputs"]}
+    assert bounds == {
+        "input_ids": (0, matrix.VOCAB),
+        "attention_mask": (0, 2),
+        "token_type_ids": (0, 2),
+    }
+    tree = tmp_path / "tree"
+    assemble(
+        tree,
+        sorted(encoders.out(slug, "quantize").glob("model.onnx*")),
+        encoders.out(slug, "serve"),
+    )
+    ids = np.array([[5, 6, 7, 8]], dtype=np.int64)
+
+    def feeds(**change: int) -> dict[str, np.ndarray]:
+        out = {
+            "input_ids": ids.copy(),
+            "attention_mask": np.ones_like(ids),
+            "token_type_ids": np.zeros_like(ids),
+        }
+        for name, value in change.items():
+            out[name][0, -1] = value
+        return out
+
+    async def infer(body: dict[str, np.ndarray]) -> tuple[int, str]:
+        async with aiohttp.ClientSession() as s:
+            url = f"{srv.url}/v2/models/{slug}/infer"
+            data = lg.v2_body(body, {})
+            async with s.post(url, data=data, headers={"content-type": "application/json"}) as r:
+                return r.status, await r.text()
+
+    at_limit = [
+        {"token_type_ids": 1},
+        {"input_ids": matrix.VOCAB - 1},
+        {"input_ids": 0},
+        {"attention_mask": 0},
+    ]
+    past = [
+        ({"token_type_ids": 2}, "input 'token_type_ids': values must lie in [0, 2); found 2"),
+        ({"token_type_ids": -1}, "input 'token_type_ids': values must lie in [0, 2); found -1"),
+        ({"input_ids": matrix.VOCAB}, f"values must lie in [0, {matrix.VOCAB}); found 512"),
+        ({"attention_mask": 2}, "input 'attention_mask': values must lie in [0, 2); found 2"),
+    ]
+    with LocalServer(tree, slug, tmp_path / "log", 60) as srv:
+        for change in at_limit:
+            status, text = asyncio.run(infer(feeds(**change)))
+            assert status == 200, (change, text)
+        for change, reason in past:
+            status, text = asyncio.run(infer(feeds(**change)))
+            assert status == 400 and reason in text, (change, status, text)
