@@ -42,7 +42,7 @@ from schemas.spec.evaluation import (
     EvaluationConfig,
     MetricThreshold,
 )
-from schemas.spec.export import DimRange, ExportConfig, OutputSpec, TensorSpec
+from schemas.spec.export import DERIVED_DIM, DimRange, ExportConfig, OutputSpec, TensorSpec
 from schemas.spec.loadtest import LoadGrid, LoadRamp, LoadSlo, LoadSoak, LoadTarget, LoadTestConfig
 from schemas.spec.model import HfModel, ModelSource, PythonModel
 from schemas.spec.parity import ParityConfig, Tolerance
@@ -149,7 +149,8 @@ class ReleaseSpec(Strict):
     @model_validator(mode="after")
     def _task_needs(self) -> ReleaseSpec:
         """Rule: The task's dims are in export.dims (causal-lm: batch, sequence, past_sequence);
-        generic and python models declare export.inputs; every shape names declared dims;
+        generic and python models declare export.inputs; every shape names declared dims
+        (or total_sequence, derived as past_sequence + sequence and never declared);
         parity.shapes lie inside export.dims."""
         if not TASKS[self.task].pooled and (
             self.export.pooling is not None or self.export.normalize is not None
@@ -175,9 +176,19 @@ class ReleaseSpec(Strict):
             *(self.export.inputs or []),
             *(self.export.outputs or []),
         ]
+        if DERIVED_DIM in self.export.dims:
+            raise ValueError(
+                f"export.dims.{DERIVED_DIM} is derived (past_sequence + sequence), never "
+                "declared; remove it from export.dims and name it in shapes as it is"
+            )
+        derived = {DERIVED_DIM} if {"past_sequence", "sequence"} <= set(self.export.dims) else set()
         for spec in tensors:
             sizes = spec.shape or []
-            unknown = [d for d in sizes if isinstance(d, str) and d not in self.export.dims]
+            unknown = [
+                d
+                for d in sizes
+                if isinstance(d, str) and d not in self.export.dims and d not in derived
+            ]
             if unknown:
                 raise ValueError(
                     f"export {spec.name!r} uses dims {unknown} that export.dims "
@@ -185,6 +196,7 @@ class ReleaseSpec(Strict):
                 )
         self._check_quantization()
         self._check_evaluation()
+        self._check_kv()
         self._check_loadtest()
         self._check_engine()
         self._check_serving()
@@ -238,6 +250,27 @@ class ReleaseSpec(Strict):
             raise ValueError(
                 f"evaluation.decode prompt_tokens + tokens - 1 = {d.prompt_tokens + d.tokens - 1}"
                 f" exceeds export.dims.past_sequence.max {dims['past_sequence'].max}"
+            )
+
+    def _check_kv(self) -> None:
+        """Rule: causal-lm parity.kv.past_lengths lie in [0, export.dims.past_sequence.max]; the
+        KV check prefills an empty past and decodes one token a step (past_sequence.min 0,
+        sequence.min 1)."""
+        if not TASKS[self.task].kv_cache:
+            return
+        kv, dims = self.parity.kv, self.export.dims
+        top = dims["past_sequence"].max
+        wrong = [p for p in kv.past_lengths or [] if not 0 <= p <= top]
+        if wrong:
+            raise ValueError(
+                f"parity.kv.past_lengths {wrong} lie outside [0, {top}] "
+                "(export.dims.past_sequence); the graph is not promised to run there"
+            )
+        if dims["past_sequence"].min != 0 or dims["sequence"].min != 1:
+            raise ValueError(
+                f"export.dims: a KV-cache graph is prefilled with an empty past and decodes one "
+                f"token a step: past_sequence.min must be 0 (is {dims['past_sequence'].min}) "
+                f"and sequence.min 1 (is {dims['sequence'].min})"
             )
 
     def _check_loadtest(self) -> None:

@@ -28,6 +28,7 @@ STAGES: tuple[str, ...] = (
     "export",
     "evalcheck",
     "parity",
+    "kvcheck",
     "quantize",
     "evaluate",
     "plan",

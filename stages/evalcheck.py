@@ -81,7 +81,7 @@ def _nondeterministic_modules(flat: Any, lay: sh.Layout, feeds: dict[str, np.nda
         return []
     where = f"the forward of the root module {type(flat.model).__name__}"
     previous = None
-    for (name, in_a, a), (_, in_b, b) in zip(mods_a, mods_b, strict=True):
+    for (name, in_a, a, _), (_, in_b, b, _) in zip(mods_a, mods_b, strict=True):
         if np.array_equal(a, b):
             previous = name
             continue

@@ -108,6 +108,8 @@ def greedy(run: Run, lay: sh.Layout, prompt: np.ndarray, tokens: int) -> list[in
             "input_ids": np.array([[out[-1]]], dtype=np.int64),
             "attention_mask": np.ones((1, total), dtype=np.int64),
         }
+        if any(t.name == sh.POSITIONS for t in lay.inputs):
+            feeds[sh.POSITIONS] = sh.positions_from_mask(feeds["attention_mask"], 1)
         feeds |= {
             t.name: results[t.name.replace("past_key_values", "present")]
             for t in lay.inputs

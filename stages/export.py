@@ -47,7 +47,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     ctx.write(
         ModelInfo(
             task=release.task,
-            arch=Arch(**m.arch(config)),
+            arch=Arch(**m.arch_of(config, lay)),
             parameters=traced["parameters"],
             weight_bytes=weight_bytes,
             dtype="float32",

@@ -10,10 +10,11 @@ import numpy as np
 
 from schemas import ReleaseSpec
 from stages._runtime import StageContext, StageIO, StageResult, in_child
+from stages.onnx import kvcache as kv
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
 from stages.onnx.compare import compare, tolerance
-from stages.onnx.graph import all_tensors, scoped_outputs
+from stages.onnx.layerwise import layerwise
 
 NAME = "parity"
 
@@ -36,11 +37,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         # memory together, nor torch with ONNX Runtime (issue 14: peak memory)
         lay = in_child(_reference_outputs, ctx, release, shapes, Path(tmp))
         rows, failures = _compare_all(ctx, cfg, path, lay, shapes, Path(tmp))
+        first_feeds = _feeds(Path(tmp), 0)
     details: dict[str, Any] = {"comparisons": rows}
     if failures or cfg.layerwise == "always":
         net, lay = m.load_with_layout(NAME, ctx.root, release)
         flat = m.adapter(release.task, net, lay)
-        feeds = failures[0][1] if failures else sh.make_inputs(lay, shapes[0][1], cfg.seed)
+        feeds = failures[0][1] if failures else first_feeds
         details["layerwise"] = layerwise(flat, lay, path, feeds, cfg)
     worst = max(r["error"] for r in rows)
     metrics = {"worst_normalized_error": worst, "max_abs_diff": max(r["max_abs"] for r in rows)}
@@ -62,15 +64,25 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 def _reference_outputs(
     ctx: StageContext, release: Any, shapes: list[tuple[str, dict[str, int]]], into: Path
 ) -> sh.Layout:
-    """PyTorch's outputs at every shape, saved as .npy under `into` (run in a child)."""
+    """PyTorch's outputs at every shape, saved as .npy under `into` with the inputs both
+    sides are fed (run in a child). A KV-cache graph is fed the past the model produces
+    from seeded tokens, never random-normal tensors (stages/onnx/kvcache.py)."""
     net, lay = m.load_with_layout(NAME, ctx.root, release)
     flat = m.adapter(release.task, net, lay)
+    names = [t.name for t in lay.outputs]
+    chunk = release.export.dims["sequence"].max if "sequence" in release.export.dims else 1
+
+    def torch_run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(names, m.torch_outputs(flat, lay, feeds), strict=True))
+
     with (
         ctx.progress("running the PyTorch reference", len(shapes)) as advance,
         m.weights_paged(net),
     ):
         for i, (_, sizes) in enumerate(shapes):
             feeds = sh.make_inputs(lay, sizes, seed=release.parity.seed)
+            feeds = kv.with_produced_past(torch_run, lay, feeds, chunk, release.parity.seed)
+            np.savez(into / f"{i}-feeds.npz", **feeds)  # type: ignore[arg-type]
             for j, out in enumerate(m.torch_outputs(flat, lay, feeds)):
                 np.save(into / f"{i}-{j}.npy", out)
             advance()
@@ -96,7 +108,7 @@ def _compare_all(
     rows, failures = [], []
     with ctx.progress("comparing outputs", len(shapes)) as advance:
         for i, (label, sizes) in enumerate(shapes):
-            feeds = sh.make_inputs(lay, sizes, seed=cfg.seed)
+            feeds = _feeds(saved, i)
             got: list[Any] = session.run([t.name for t in lay.outputs], feeds)
             done: dict[int, dict[str, Any]] = {}
             # smallest first, each freed once compared: the biggest (a causal LM's logits)
@@ -120,6 +132,12 @@ def _compare_all(
     return rows, failures
 
 
+def _feeds(saved: Path, i: int) -> dict[str, np.ndarray]:
+    """The inputs the reference ran shape `i` with."""
+    with np.load(saved / f"{i}-feeds.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
 def _shapes(release: Any) -> list[tuple[str, dict[str, int]]]:
     dims = release.export.dims
     if release.parity.shapes:
@@ -129,40 +147,6 @@ def _shapes(release: Any) -> list[tuple[str, dict[str, int]]]:
         ]
     shapes = sh.corners(dims, odd_avoid={n: d.opt for n, d in dims.items()})
     return list({str(s): (k, s) for k, s in shapes.items()}.values())
-
-
-def layerwise(
-    flat: Any, lay: sh.Layout, path: Path, feeds: dict[str, np.ndarray], cfg: Any
-) -> dict[str, Any]:
-    """Compare each PyTorch module's output with the last ONNX tensor of the same scope."""
-    _, modules = m.traced_run(flat, lay, feeds)
-    tensors = all_tensors(path, feeds)
-    scoped = scoped_outputs(path)
-    layers, first = [], None
-    for module, _, ref in modules:
-        # A module's output is the last tensor computed inside it or its children
-        # (GPT-2's attention ends in c_proj; eval-mode dropout after it exports to nothing).
-        match = next(
-            (
-                t
-                for scope, t in reversed(scoped)
-                if (scope == module or scope.startswith(module + "."))
-                and t in tensors
-                and tensors[t].shape == ref.shape
-            ),
-            None,
-        )
-        if match is None:
-            continue
-        row = {
-            "module": module,
-            "tensor": match,
-            **compare(ref, tensors[match], cfg.tolerance, cfg),
-        }
-        layers.append(row)
-        if first is None and not row["ok"]:
-            first = row
-    return {"compared": len(layers), "first_divergent": first, "layers": layers}
 
 
 def _reasons(failures: list[tuple[dict, Any]], details: dict[str, Any]) -> list[str]:

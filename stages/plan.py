@@ -78,6 +78,15 @@ def compute(cap: Any, info: ModelInfo, task: str, weights: int) -> CapacityPlan:
             f"accepts ({export_context} tokens)",
             "lower capacity.max_context",
         )
+    unsized = [k for k in ("layers", "kv_heads", "head_dim") if not getattr(arch, k)]
+    if TASKS[task].kv_cache and unsized:
+        raise StageError(
+            NAME,
+            f"cannot size the KV cache: the export records {', '.join(unsized)} = 0 (neither "
+            "the model's config nor its past_key_values inputs give them)",
+            "declare each past_key_values.<i>.key/value input of export.inputs with fixed "
+            "sizes, [batch, <kv_heads>, past_sequence, <head_dim>], or use a Hugging Face folder",
+        )
     kv_per_seq = (
         (2 * arch.layers * arch.kv_heads * arch.head_dim * context * KV_BYTES[cap.kv_dtype])
         if TASKS[task].kv_cache

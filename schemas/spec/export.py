@@ -24,6 +24,11 @@ class DimRange(Strict):
         return self
 
 
+# past_sequence + sequence: the attention mask's and the present's length in a KV-cache
+# graph. Derived, never declared in export.dims; shapes may name it.
+DERIVED_DIM = "total_sequence"
+
+
 class TensorSpec(Strict):
     name: str = Field(description="Graph input name.")
     dtype: Literal["float32", "float16", "int64", "int32", "bool"] = Field(

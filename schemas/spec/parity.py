@@ -14,6 +14,34 @@ class Tolerance(Strict):
     rtol: float = Field(default=1e-3, ge=0, description="Relative tolerance (of the reference).")
 
 
+class KVCheck(Strict):
+    """The kvcheck stage (causal-lm): cached decoding against a full recompute."""
+
+    steps: int = Field(
+        default=4,
+        ge=0,
+        le=64,
+        description="Single-token decode steps after a short prompt, each compared with a full "
+        "recompute (no cache, the whole sequence in one pass) at that length.",
+    )
+    past_lengths: list[int] | None = Field(
+        default=None,
+        description="Past lengths to decode one token at, each compared with a full pass; "
+        "default: odd lengths spread out to export.dims.past_sequence.max, the max included.",
+    )
+    padded: bool = Field(
+        default=True,
+        description="Also check that a left-padded row of a batch equals the same row alone "
+        "(needs export.dims.batch.max >= 2).",
+    )
+    tolerance: Tolerance = Field(
+        default_factory=Tolerance,
+        description="How close cached logits and presents must be to the full recompute's "
+        "(parity.statistic applies).",
+    )
+    seed: int = Field(default=0, description="Seed of the token ids the model decodes.")
+
+
 class ParityConfig(Strict):
     shapes: list[dict[str, int]] | None = Field(
         default=None,
@@ -34,3 +62,7 @@ class ParityConfig(Strict):
         default="on-failure", description="When to compare layer by layer."
     )
     seed: int = Field(default=0, description="Seed for generated inputs.")
+    kv: KVCheck = Field(
+        default_factory=KVCheck,
+        description="The KV-cache check of the kvcheck stage (causal-lm releases).",
+    )

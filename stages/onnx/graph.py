@@ -87,6 +87,23 @@ def scoped_outputs(path: Path) -> list[tuple[str, str]]:
     return [(node_scope(node), out) for node in graph.node for out in node.output if out]
 
 
+def boundary_outputs(path: Path, module: str) -> list[str]:
+    """The tensors computed inside `module`'s scope that leave it: read by a node outside
+    the scope, or graph outputs. These are what the module returns, in graph order."""
+    from stages.onnx import stream
+
+    graph = stream.skeleton(path).graph
+
+    def inside(node: Any) -> bool:
+        scope = node_scope(node)
+        return scope == module or scope.startswith(module + ".")
+
+    made = [out for node in graph.node if inside(node) for out in node.output if out]
+    read_outside = {i for node in graph.node if not inside(node) for i in node.input}
+    leaving = read_outside | {o.name for o in graph.output}
+    return [t for t in made if t in leaving]
+
+
 TIED_MIN_ELEMENTS = 1 << 10  # weights, not small constants
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from schemas import StageError
 from schemas.artifacts import ModelInfo
 from schemas.tasks import TASKS
-from stages.onnx.shapes import TOTAL, Layout, Tensor
+from stages.onnx.shapes import POSITIONS, TOTAL, Layout, Tensor
 
 
 def model_paths(model: Any) -> tuple[str, str]:
@@ -157,6 +157,27 @@ def arch(config: dict[str, Any]) -> dict[str, int]:
     }
 
 
+def arch_of(config: dict[str, Any], lay: Layout) -> dict[str, int]:
+    """arch(config), completed from the graph's own tensors where the config says nothing (a
+    python model has no config): layers, KV heads and head dim from the past_key_values
+    inputs [batch, kv_heads, past_sequence, head_dim], the vocabulary from the logits. The
+    capacity plan sizes the KV cache from these; it refuses a cache it cannot size."""
+    out = arch(config)
+    keys = [
+        t for t in lay.inputs if t.name.startswith("past_key_values.") and t.name.endswith(".key")
+    ]
+    if keys and not (out["layers"] and out["kv_heads"] and out["head_dim"]):
+        axes = keys[0].axes
+        out["layers"] = len(keys)
+        out["kv_heads"] = axes[1] if len(axes) == 4 and isinstance(axes[1], int) else 0
+        out["head_dim"] = axes[3] if len(axes) == 4 and isinstance(axes[3], int) else 0
+        out["heads"] = out["heads"] or out["kv_heads"]
+    logits = next((t for t in lay.outputs if t.name == "logits"), None)
+    if not out["vocab"] and logits and logits.axes and isinstance(logits.axes[-1], int):
+        out["vocab"] = logits.axes[-1]
+    return out
+
+
 def load_with_layout(stage: str, root: Path, release: Any) -> tuple[Any, Layout]:
     """The model in eval mode and its graph layout (which depends on what forward takes)."""
     import inspect
@@ -204,6 +225,10 @@ def layout(
     seq = TOTAL if spec.kv_cache else "sequence"
     ids = Tensor("input_ids", "int64", ("batch", "sequence"), 0, a["vocab"])
     ins = [ids, Tensor("attention_mask", "int64", ("batch", seq), 1, 2)]
+    if spec.kv_cache and POSITIONS in forward:
+        # without it a left-padded row numbers its tokens from the pads: wrong logits for
+        # every padded request (tiny-gpt2: 0.57 off); the runtime derives it from the mask
+        ins.append(Tensor(POSITIONS, "int64", ("batch", "sequence"), 0, a["positions"] or 1))
     if "token_type_ids" in forward and not spec.kv_cache:
         # segment ids index a table of type_vocab_size rows (BERT: 2, RoBERTa: 1)
         segments = max(int(config.get("type_vocab_size") or 1), 1)
@@ -264,11 +289,13 @@ def _forward(task: str, net: Any, names: tuple[str, ...], args: tuple[Any, ...],
     if spec.kv_cache and n_out > 1:
         from transformers.cache_utils import DynamicCache
 
-        ids, mask, *past = args
+        named = dict(zip(names, args, strict=True))
+        past = [named[n] for n in names if n.startswith("past_key_values.")]
         cache = DynamicCache()
         for i in range(len(past) // 2):
             cache.update(past[2 * i], past[2 * i + 1], i)
-        out = net(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        given = {n: named[n] for n in ("input_ids", "attention_mask", POSITIONS) if n in named}
+        out = net(**given, cache=cache, use_cache=True)
         present = out.cache
         flat = [t for layer in present.layers for t in (layer.keys, layer.values)]
         return (out.logits, *flat)
@@ -291,23 +318,22 @@ def torch_outputs(module: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> lis
 
 
 def traced_run(flat: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> tuple[list, list]:
-    """Outputs, plus (module name, first input, first output) per module in execution order.
+    """Outputs, plus (module name, first input, first output, every tensor output) per
+    module in execution order: a module returning several tensors (a rotary embedding's
+    cos and sin) is compared output by output.
 
     Names drop the adapter's `model.` prefix; the user's root module is not hooked.
     """
-    seen: list[tuple[str, np.ndarray | None, np.ndarray]] = []
+    seen: list[tuple[str, np.ndarray | None, np.ndarray, list[np.ndarray]]] = []
 
     def hook(name: str) -> Any:
         def record(_mod: Any, inp: Any, out: Any) -> None:
-            first_out = _first_tensor(out)
-            if first_out is not None:
+            outs = _tensors(out)
+            if outs:
                 first_in = _first_tensor(inp)
+                arrays = [t.numpy().copy() for t in outs]
                 seen.append(
-                    (
-                        name,
-                        None if first_in is None else first_in.numpy().copy(),
-                        first_out.numpy().copy(),
-                    )
+                    (name, None if first_in is None else first_in.numpy().copy(), arrays[0], arrays)
                 )
 
         return record
@@ -323,6 +349,16 @@ def traced_run(flat: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> tuple[li
         for h in handles:
             h.remove()
     return outs, seen
+
+
+def _tensors(value: Any) -> list[Any]:
+    """A module output's tensors, in order: the value itself, or the items of a tuple/list."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value.detach()]
+    items = value if isinstance(value, tuple | list) else ()
+    return [v.detach() for v in items if isinstance(v, torch.Tensor)]
 
 
 def _first_tensor(value: Any) -> Any:

@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-TOTAL = "total_sequence"  # past_sequence + sequence; derived, never declared in the spec
+from schemas.spec.export import DERIVED_DIM
+
+TOTAL = DERIVED_DIM  # past_sequence + sequence; derived, never declared in the spec
 BOUNDS = ("min", "opt", "max")
 
 
@@ -136,7 +138,23 @@ def seeded_inputs(
             feeds[t.name] = rng.integers(0, 2, size=shape).astype(bool)
         else:
             feeds[t.name] = rng.standard_normal(shape).astype(t.dtype)
+    if POSITIONS in feeds and "attention_mask" in feeds:  # what a runtime feeds: from the mask
+        width = feeds[POSITIONS].shape[-1]
+        feeds[POSITIONS] = positions_from_mask(feeds["attention_mask"], width)
     return feeds
+
+
+POSITIONS = "position_ids"
+
+
+def positions_from_mask(mask: np.ndarray, width: int) -> np.ndarray:
+    """Position ids of the last `width` tokens of a [batch, total] mask: each real token's
+    index among the row's real tokens (a row left-padded by 3 starts at 0 after the pads),
+    padding at 0 (masked out, but a valid index). The serving runtime derives them the same
+    way, as transformers' generate does (cumsum of the mask - 1)."""
+    mask = np.asarray(mask)
+    positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0) * (mask != 0)
+    return positions[:, positions.shape[-1] - width :].astype(np.int64)
 
 
 def make_inputs(lay: Layout, sizes: Mapping[str, int], seed: int) -> dict[str, np.ndarray]:

@@ -133,7 +133,8 @@ def _npz_rows(
     wanted = [
         t.name
         for t in lay.inputs
-        if not t.name.startswith("past_key_values") and t.name != "attention_mask"
+        if not t.name.startswith("past_key_values")
+        and t.name not in ("attention_mask", sh.POSITIONS)
     ]
     missing = [n for n in wanted if n not in arrays]
     if missing:
@@ -165,6 +166,8 @@ def to_feeds(task: str, lay: sh.Layout, row: dict[str, np.ndarray]) -> dict[str,
     for t in lay.inputs:
         if t.name == "token_type_ids":  # one segment
             feeds[t.name] = np.zeros_like(ids)
+        elif t.name == sh.POSITIONS:
+            feeds[t.name] = sh.positions_from_mask(feeds["attention_mask"], ids.shape[1])
         elif t.name.startswith("past_key_values"):
             shape: list[Any] = [
                 ids.shape[0] if a == "batch" else 0 if a == "past_sequence" else a for a in t.axes

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from stages.onnx import shapes as sh
+
 TWO_GB = 2 << 30
 WEIGHTS = "weights.data"
 
@@ -227,7 +229,10 @@ def _packed(samples: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]
     windows = []
     for start in range(0, tokens.size - width + 1, width):
         ids = tokens[None, start : start + width]
-        windows.append({**samples[0], "input_ids": ids, "attention_mask": np.ones_like(ids)})
+        window = {**samples[0], "input_ids": ids, "attention_mask": np.ones_like(ids)}
+        if sh.POSITIONS in window:
+            window[sh.POSITIONS] = sh.positions_from_mask(window["attention_mask"], width)
+        windows.append(window)
     return windows
 
 

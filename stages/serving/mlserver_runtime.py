@@ -152,6 +152,14 @@ def session_from(model_path: Path, config: dict[str, Any]) -> ort.InferenceSessi
     return ort.InferenceSession(str(model_path), options, providers=providers)
 
 
+def positions_from_mask(mask: np.ndarray, width: int) -> np.ndarray:
+    """Position ids of the last `width` tokens of a [batch, total] mask, as transformers'
+    generate derives them (cumsum of the mask - 1; padding at 0, masked out): a row
+    left-padded by 3 numbers its first real token 0, not 3."""
+    positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0) * (mask != 0)
+    return positions[:, positions.shape[-1] - width :].astype(np.int64)
+
+
 class Decoder:
     """Greedy decoding with a KV-cache graph: inputs input_ids, attention_mask, past_*."""
 
@@ -161,6 +169,7 @@ class Decoder:
         self.past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
         self.present = [o.name for o in session.get_outputs() if o.name.startswith("present.")]
         self.float = np.float16 if "float16" in (self.past[0].type if self.past else "") else None
+        self.positions = any(i.name == "position_ids" for i in session.get_inputs())
         logits = next(o for o in session.get_outputs() if o.name == "logits")
         self.vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else 0
 
@@ -176,7 +185,10 @@ class Decoder:
         feeds: dict[str, np.ndarray] = {"input_ids": input_ids, **self._empty_past(batch)}
         total = prompt
         for _ in range(new_tokens):
-            feeds["attention_mask"] = np.ones((batch, total), dtype=np.int64)
+            mask = np.ones((batch, total), dtype=np.int64)
+            feeds["attention_mask"] = mask
+            if self.positions:
+                feeds["position_ids"] = positions_from_mask(mask, feeds["input_ids"].shape[1])
             logits, *present = self.session.run(["logits", *self.present], feeds)
             token = logits[:, -1, :].argmax(axis=-1).astype(np.int64)[:, None]
             yield token

@@ -88,7 +88,7 @@ def test_gate_exits_4_with_the_failing_checks_on_a_failed_release(ws: Workspace)
     assert done.returncode == 4, done.stdout + done.stderr
     assert "gate passed" not in done.stdout
     failed = [line for line in done.stdout.splitlines() if line.startswith("FAIL")]
-    assert len(failed) == 12  # the failed pin and 11 stages without a report
+    assert len(failed) == 13  # the failed pin and 12 stages without a report
     assert f"error: gate failed: {len(failed)} check(s) did not pass" in done.stderr
 
 

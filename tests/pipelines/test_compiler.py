@@ -37,6 +37,7 @@ def test_each_stage_depends_on_a_file_of_only_its_own_spec_sections(tmp_path: Pa
         "pin": ["model", "pins"],
         "export": ["export", "model", "task"],
         "evalcheck": ["export", "model", "task"],
+        "kvcheck": ["export", "model", "parity", "task"],
         "parity": ["export", "model", "parity", "task"],
         "quantize": ["export", "quantization", "task"],
         "evaluate": ["evaluation", "export", "model", "task"],
@@ -221,7 +222,7 @@ def test_only_pin_depends_on_the_model_folder_the_others_on_its_lock() -> None:
     the model depend on that one file."""
     stages = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]
     loaders = {n for n, per in compiler.stage_ios(REPO)[1].items() if per["tiny-gpt2"].reads_model}
-    assert loaders == {"pin", "export", "evalcheck", "parity", "evaluate"}
+    assert loaders == {"pin", "export", "evalcheck", "parity", "kvcheck", "evaluate"}
     assert "${item.model}" in stages["pin"]["do"]["deps"]
     for name in loaders - {"pin"}:
         deps = stages[name]["do"]["deps"]

@@ -621,3 +621,57 @@ def test_by_default_one_instance_runs_and_nothing_times_out() -> None:
 
     elapsed = run_loop(go())
     assert elapsed >= 1.15  # two runs one after the other; 1.2 s > any 1 s default timeout
+
+
+def test_position_ids_are_derived_from_the_mask_as_the_pipeline_derives_them() -> None:
+    """The runtime ships alone, so it has its own copy of the rule; both give the same
+    numbers on any mask (left-padded rows included)."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from stages.onnx import shapes as sh
+
+    @given(
+        st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=12), min_size=1, max_size=4),
+        st.data(),
+    )
+    def agree(rows: list[list[int]], data: Any) -> None:
+        width = min(len(r) for r in rows)
+        mask = np.array([r[:width] for r in rows], dtype=np.int64)
+        last = data.draw(st.integers(1, width))
+        assert (rt.positions_from_mask(mask, last) == sh.positions_from_mask(mask, last)).all()
+
+    agree()
+    mask = np.array([[1, 1, 1, 1], [0, 0, 1, 1]])
+    assert rt.positions_from_mask(mask, 4).tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]
+    assert rt.positions_from_mask(mask, 1).tolist() == [[3], [1]]
+
+
+def test_a_graph_with_position_ids_is_fed_them_at_every_step() -> None:
+    fed: list[dict[str, np.ndarray]] = []
+
+    class Port:
+        def __init__(self, name: str, shape: list[Any]) -> None:
+            self.name, self.shape, self.type = name, shape, "tensor(float)"
+
+    class Session:
+        def get_inputs(self) -> list[Port]:
+            return [
+                Port("input_ids", ["b", "s"]),
+                Port("attention_mask", ["b", "t"]),
+                Port("position_ids", ["b", "s"]),
+                Port("past_key_values.0.key", ["b", 1, "p", 2]),
+            ]
+
+        def get_outputs(self) -> list[Port]:
+            return [Port("logits", ["b", "s", 4]), Port("present.0.key", ["b", 1, "t", 2])]
+
+        def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+            fed.append(dict(feeds))
+            batch, n = feeds["input_ids"].shape
+            past = feeds["past_key_values.0.key"].shape[2]
+            return [np.zeros((batch, n, 4), np.float32), np.zeros((batch, 1, past + n, 2))]
+
+    decoder = rt.Decoder(Session(), max_context=16)  # type: ignore[arg-type]
+    list(decoder.steps(np.array([[7, 8, 9]], dtype=np.int64), 3))
+    assert [f["position_ids"].tolist() for f in fed] == [[[0, 1, 2]], [[3]], [[4]]]

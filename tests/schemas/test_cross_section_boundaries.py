@@ -122,10 +122,11 @@ CASES = [
         profile(batch=(1, 4)),
         "engine.profiles[0]: (p) dim 'batch' [1, 4] lies outside the export's [1, 3]",
     ),
-    (  # the lower end too: the export's sequence starts at 2 here
-        lambda s: (s["export"]["dims"]["sequence"].update(min=2), profile(sequence=(2, 64))(s)),
-        lambda s: (s["export"]["dims"]["sequence"].update(min=2), profile(sequence=(1, 64))(s)),
-        "engine.profiles[0]: (p) dim 'sequence' [1, 64] lies outside the export's [2, 64]",
+    (  # the lower end too: the export's batch starts at 2 here (a KV-cache graph's sequence
+        # must start at 1: it decodes one token a step)
+        lambda s: (s["export"]["dims"]["batch"].update(min=2), graphs(2, batch=(2, 3))(s)),
+        lambda s: (s["export"]["dims"]["batch"].update(min=2), graphs(2, batch=(1, 3))(s)),
+        "engine.profiles[0]: (p) dim 'batch' [1, 3] lies outside the export's [2, 3]",
     ),
     (
         profile(past_sequence=(0, 24)),

@@ -150,6 +150,7 @@ def hostile_context(value: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         "triton": triton_values(info, ServingValues(**values)),
         "serving_kind": "labels",
         "labels": [value, "plain"],  # from the checkpoint's config.id2label: anything
+        "input_bounds": {value: [0, 2], "plain": [-3, 7]},  # input names from the spec
         "max_prompt_tokens": 8,
         "max_past_tokens": 0,
     }
@@ -182,6 +183,7 @@ def test_every_serving_template_round_trips_hostile_values(tmp_path: Path, value
     settings = json.loads((tmp_path / "serving/mlserver/r/model-settings.json").read_text())
     assert settings["parameters"]["version"] == value
     assert settings["parameters"]["extra"]["labels"] == [value, "plain"]
+    assert settings["parameters"]["extra"]["input_bounds"] == {value: [0, 2], "plain": [-3, 7]}
     assert settings["parameters"]["uri"] == f"../../../models/{value}"
 
 

@@ -42,8 +42,15 @@ def test_kv_cache_graph_decodes_like_a_full_forward(built_gpt2: Workspace) -> No
         for i in range(2)
         for k in ("key", "value")
     }
+    positions = np.arange(6, dtype=np.int64)[None]
     full = session.run(
-        ["logits"], {"input_ids": ids, "attention_mask": np.ones((1, 6), np.int64), **empty}
+        ["logits"],
+        {
+            "input_ids": ids,
+            "attention_mask": np.ones((1, 6), np.int64),
+            "position_ids": positions,
+            **empty,
+        },
     )[0]
     names = [o.name for o in session.get_outputs()]
     prefill = dict(
@@ -51,7 +58,12 @@ def test_kv_cache_graph_decodes_like_a_full_forward(built_gpt2: Workspace) -> No
             names,
             session.run(
                 None,
-                {"input_ids": ids[:, :5], "attention_mask": np.ones((1, 5), np.int64), **empty},
+                {
+                    "input_ids": ids[:, :5],
+                    "attention_mask": np.ones((1, 5), np.int64),
+                    "position_ids": positions[:, :5],
+                    **empty,
+                },
             ),
             strict=True,
         )
@@ -62,7 +74,13 @@ def test_kv_cache_graph_decodes_like_a_full_forward(built_gpt2: Workspace) -> No
         for k in ("key", "value")
     }
     step = session.run(
-        ["logits"], {"input_ids": ids[:, 5:], "attention_mask": np.ones((1, 6), np.int64), **past}
+        ["logits"],
+        {
+            "input_ids": ids[:, 5:],
+            "attention_mask": np.ones((1, 6), np.int64),
+            "position_ids": positions[:, 5:],
+            **past,
+        },
     )[0]
     np.testing.assert_allclose(step[:, -1], full[:, -1], atol=1e-5)
 

@@ -48,6 +48,7 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
         "reports/export.json",
         "reports/evalcheck.json",
         "reports/parity.json",
+        "reports/kvcheck.json",
         "reports/quantize.json",
         "reports/evaluate.json",
         "reports/plan.json",
@@ -149,7 +150,17 @@ def test_serving_configs_refuse_a_batch_larger_than_the_export(built_gpt2: Works
 
 def test_manifest_refuses_a_release_whose_checks_failed(ws: Workspace) -> None:
     spec = gpt2_spec()
-    for stage in ("pin", "export", "evalcheck", "quantize", "evaluate", "plan", "engine", "serve"):
+    for stage in (
+        "pin",
+        "export",
+        "evalcheck",
+        "kvcheck",
+        "quantize",
+        "evaluate",
+        "plan",
+        "engine",
+        "serve",
+    ):
         ws.run(stage, spec)
     ws.run("loadtest", spec)
     ws.run("parity", gpt2_spec(parity={"tolerance": {"atol": 0, "rtol": 0}, "outputs": {}}))

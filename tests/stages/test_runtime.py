@@ -19,6 +19,7 @@ def test_registry_lists_every_stage_module_once_in_pipeline_order() -> None:
         "export",
         "evalcheck",
         "parity",
+        "kvcheck",
         "quantize",
         "evaluate",
         "plan",

@@ -1,0 +1,285 @@
+"""Cached decoding against the truth: a full recompute (issue 24).
+
+Every other check compares the export with the model, so a bug in the model's own cache path
+(positions that restart at 0, a dropped or clipped past, a mask ignored over the past) sits
+on both sides and passes. Here the reference is always one pass over the whole sequence
+with an empty past, never another cached decoder:
+
+- `walk` decodes a seeded sequence through the cache: a short prompt, then one token a step
+  for the first `steps`, then, at each past length of the plan (spread out to
+  past_sequence.max, the max included, odd ones among them), a single-token step after the
+  past was filled by chunked prefills of at most sequence.max tokens. Each step's last
+  logits and its presents are compared with one full pass at that length: the cost is a few
+  full passes, not one per step.
+- `padded` decodes a batch whose second row is left-padded (zeros in the mask, positions
+  from the mask) and compares each row, at the prefill and at every step, with a full pass
+  of that row alone.
+
+A backend is a `Run`: feeds by name -> outputs by name (PyTorch or ONNX Runtime). The past a
+step is fed is always the one the backend itself produced from real tokens, never noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from stages.onnx import shapes as sh
+from stages.onnx.compare import compare
+
+Run = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+PAST = "past_key_values."
+
+
+@dataclass(frozen=True)
+class Plan:
+    prompt: int  # tokens prefilled before the first step
+    steps: int  # single-token steps after the prompt
+    pasts: tuple[int, ...]  # past lengths of the later steps, ascending
+    chunk: int  # the longest prefill one pass takes (sequence.max)
+    batch: int  # rows per pass of the walk (batch.min, at least 1)
+    padded: tuple[int, int, int] | None  # (row length, pad, steps); None: batch.max < 2
+
+    def lengths(self) -> list[int]:
+        """Full-pass lengths the walk compares with: one per step (past + 1 tokens)."""
+        steps = [self.prompt + k + 1 for k in range(self.steps)]
+        return sorted({*steps, *(p + 1 for p in self.pasts)})
+
+    def padded_lengths(self) -> list[tuple[int, int]]:
+        """(row, length) of the full passes the padded check compares each row with."""
+        if self.padded is None:
+            return []
+        length, pad, steps = self.padded
+        return [
+            (row, n + k) for row, n in ((0, length), (1, length - pad)) for k in range(steps + 1)
+        ]
+
+
+def make_plan(dims: Any, cfg: Any) -> Plan:
+    """The probes for export.dims and parity.kv (spec rules: past_sequence.min 0, sequence.min
+    1; past_lengths within past_sequence)."""
+    seq, past, batch = dims["sequence"], dims["past_sequence"], dims.get("batch")
+    prompt = max(1, min(3, seq.max))
+    steps = max(0, min(cfg.steps, past.max - prompt + 1))
+    if cfg.past_lengths is not None:
+        pasts = sorted(set(cfg.past_lengths))
+    else:
+        top = past.max
+        pasts = sorted({min(top, (top * k // 4) | 1) for k in (1, 2, 3)} | {top})
+        pasts = [p for p in pasts if p >= prompt + steps]
+    padded = None
+    if cfg.padded and batch is not None and batch.min <= 2 <= batch.max and seq.max >= 2:
+        length = min(seq.max, 6)
+        pad = max(1, length // 2)
+        padded = (length, pad, max(0, min(cfg.steps, past.max - length + 1)))
+    rows = max(1, batch.min if batch is not None else 1)
+    return Plan(prompt, steps, tuple(pasts), seq.max, rows, padded)
+
+
+def sequences(vocab: int, length: int, seed: int) -> np.ndarray:
+    """Two seeded token sequences [2, length]: the walk's and the padded row's."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, max(vocab, 1), size=(2, length)).astype(np.int64)
+
+
+def feeds(
+    lay: sh.Layout, ids: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray] | None
+) -> dict[str, np.ndarray]:
+    """The graph's inputs for one pass: ids [batch, n], mask [batch, past + n], positions
+    from the mask, the past (empty when None)."""
+    out = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
+    for t in lay.inputs:
+        if t.name == sh.POSITIONS:
+            out[t.name] = sh.positions_from_mask(mask, ids.shape[1])
+        elif t.name.startswith(PAST):
+            if past is not None:
+                out[t.name] = past[t.name]
+            else:
+                shape = [
+                    ids.shape[0] if a == "batch" else 0 if isinstance(a, str) else a for a in t.axes
+                ]
+                out[t.name] = np.zeros(shape, dtype=np.float32)
+    return out
+
+
+def presents(lay: sh.Layout, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The outputs that feed the next step, keyed by the past input they become."""
+    return {
+        t.name: outputs[t.name.replace("past_key_values", "present")]
+        for t in lay.inputs
+        if t.name.startswith(PAST)
+    }
+
+
+def with_produced_past(
+    run: Run, lay: sh.Layout, given: dict[str, np.ndarray], chunk: int, seed: int
+) -> dict[str, np.ndarray]:
+    """`given` feeds with the past the model itself produces from seeded tokens (prefilled through
+    its cache in chunks of at most `chunk`) instead of noise: random-normal keys and values
+    are nothing a model produces, and 30 layers amplify float differences on them into
+    false parity failures (a real 135M Llama at past 1536). Unchanged without a past."""
+    names = [t.name for t in lay.inputs if t.name.startswith(PAST)]
+    if not names or given[names[0]].shape[2] == 0:
+        return given
+    batch, length = given["input_ids"].shape[0], given[names[0]].shape[2]
+    tokens = np.random.default_rng(seed).integers(0, vocab_of(lay), size=(batch, length))
+    cache: dict[str, np.ndarray] | None = None
+    for start in range(0, length, chunk):
+        ids = tokens[:, start : start + chunk]
+        cache = presents(lay, run(feeds(lay, ids, np.ones((batch, start + ids.shape[1])), cache)))
+    assert cache is not None
+    return {**given, **cache}
+
+
+def vocab_of(lay: sh.Layout) -> int:
+    ids = next(t for t in lay.inputs if t.name == "input_ids")
+    return max(int(ids.high), 1)
+
+
+def full_pass(run: Run, lay: sh.Layout, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The reference at one length: ids [1, n] in one pass, an empty past. Kept: the last
+    position's logits and the presents (every layer's keys and values at every position)."""
+    out = run(feeds(lay, ids, np.ones_like(ids), None))
+    kept = {"logits": np.asarray(out["logits"])[:, -1]}
+    kept |= {name: np.asarray(v) for name, v in presents(lay, out).items()}
+    return kept
+
+
+@dataclass(frozen=True)
+class Probe:
+    label: str  # "step 2", "past 127", "padded row 1 step 0"
+    past: int  # the past length the compared pass was fed
+    position: int  # the token position whose next-token logits are compared
+    outputs: dict[str, np.ndarray]
+    rows: tuple[int, ...] | None = None  # padded: which batch row; None: every row
+
+
+def walk(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan) -> Iterator[Probe]:
+    """The cached decode of `tokens` [n]: prompt, single steps, then a step at each past
+    length (a shorter one than the cache already holds starts a fresh cache)."""
+    rows = plan.batch
+    cache: dict[str, np.ndarray] | None = None
+    held = 0
+
+    def advance(upto: int) -> dict[str, np.ndarray]:
+        nonlocal cache, held
+        out: dict[str, np.ndarray] = {}
+        while held < upto:
+            n = min(plan.chunk, upto - held)
+            ids = np.tile(tokens[None, held : held + n], (rows, 1))
+            out = run(feeds(lay, ids, np.ones((rows, held + n)), cache))
+            cache, held = presents(lay, out), held + n
+        return out
+
+    advance(plan.prompt)
+    for k in range(plan.steps):
+        yield Probe(f"step {k}", held, held, advance(held + 1))
+    for past in plan.pasts:
+        if past < held:
+            cache, held = None, 0
+        advance(past)
+        yield Probe(f"past {past}", past, past, advance(past + 1))
+
+
+def padded(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan) -> Iterator[Probe]:
+    """A batch of two rows, the second left-padded: prefill, then single steps; each probe
+    names the row it is compared on."""
+    assert plan.padded is not None
+    length, pad, steps = plan.padded
+    ids = np.stack([tokens[0, :length], np.r_[np.zeros(pad), tokens[1, : length - pad]]])
+    mask = np.ones((2, length))
+    mask[1, :pad] = 0
+    out = run(feeds(lay, ids, mask, None))
+    for k in range(steps + 1):
+        for row in (0, 1):
+            real = length - pad * row + k  # the row's real tokens so far
+            label = f"padded row {row} ({pad * row} pads) step {k}"
+            yield Probe(label, real - 1, real - 1, out, (row,))
+        if k == steps:
+            break
+        step = np.array([[tokens[0, length + k]], [tokens[1, length - pad + k]]])
+        mask = np.concatenate([mask, np.ones((2, 1))], axis=1)
+        out = run(feeds(lay, step, mask, presents(lay, out)))
+
+
+def judge(probe: Probe, ref: dict[str, np.ndarray], tol: Any, cfg: Any) -> list[dict[str, Any]]:
+    """Compare a probe's last logits (and, unpadded, its presents) with the full pass. A
+    failed row names the first diverging position along the sequence."""
+    rows = list(probe.rows) if probe.rows is not None else None
+    names = ["logits"] + ([] if rows is not None else sorted(k for k in ref if k != "logits"))
+    out = []
+    for name in names:
+        key = name.replace("past_key_values", "present")
+        got = np.asarray(probe.outputs["logits" if name == "logits" else key])
+        got = got[:, -1] if name == "logits" else got
+        got = got[rows] if rows is not None else got
+        want = ref[name]
+        if rows is None and got.shape[0] != want.shape[0]:  # the walk's rows are one sequence
+            want = np.repeat(want, got.shape[0], axis=0)
+        row = {"probe": probe.label, "past": probe.past, "output": key}
+        result = compare(want, got, tol, cfg)
+        position = probe.position
+        if not result["ok"] and name != "logits" and want.shape == got.shape:
+            position = first_position(want, got, tol)
+        out.append({**row, "position": position, **result})
+    return out
+
+
+def first_position(want: np.ndarray, got: np.ndarray, tol: Any) -> int:
+    """The first position (axis 2 of [batch, heads, positions, dim]) out of tolerance."""
+    diff = np.abs(want.astype(np.float64) - got)
+    norm = diff / (tol.atol + tol.rtol * np.abs(want)) if tol.atol or tol.rtol else diff
+    bad = np.nonzero((~np.isfinite(norm) | (norm > 1)).any(axis=(0, 1, 3)))[0]
+    return int(bad[0]) if bad.size else -1
+
+
+def check(
+    run: Run,
+    lay: sh.Layout,
+    tokens: np.ndarray,
+    plan: Plan,
+    refs: Callable[[str, int, int], dict[str, np.ndarray]],
+    tol: Any,
+    cfg: Any,
+) -> list[dict[str, Any]]:
+    """Every probe of the walk and of the padded batch, judged against its full pass.
+    `refs(kind, row, length)`: the reference of `kind` ("walk" | "padded") at that length."""
+    rows: list[dict[str, Any]] = []
+    for probe in walk(run, lay, tokens[0], plan):
+        rows += judge(probe, refs("walk", 0, probe.past + 1), tol, cfg)
+    if plan.padded is not None:
+        for probe in padded(run, lay, tokens, plan):
+            row = probe.rows[0] if probe.rows else 0
+            rows += judge(probe, refs("padded", row, probe.position + 1), tol, cfg)
+    return rows
+
+
+def references(
+    run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan
+) -> Iterator[tuple[str, int, int, dict[str, np.ndarray]]]:
+    """(kind, row, length, full pass) for every probe of `check`: the walk's sequence at each
+    length, and each padded row alone at each of its lengths."""
+    for n in plan.lengths():
+        yield "walk", 0, n, full_pass(run, lay, tokens[:1, :n])
+    for row, n in plan.padded_lengths():
+        yield "padded", row, n, full_pass(run, lay, tokens[row : row + 1, :n])
+
+
+def reasons(who: str, rows: list[dict[str, Any]]) -> list[str]:
+    """The first diverging probe per output kind, in decode order, named for the user."""
+    failed = [r for r in rows if not r["ok"]]
+    if not failed:
+        return []
+    first = failed[0]
+    what = first.get("note") or (
+        f"normalized error {first['error']:.3g} > 1 (max |diff| {first['max_abs']:.3g})"
+    )
+    more = f"; {len(failed) - 1} more comparison(s) out of tolerance" if len(failed) > 1 else ""
+    past = "" if first["probe"].startswith("past ") else f" (past {first['past']})"
+    return [
+        f"{who}: cached decode at {first['probe']}{past}: {first['output']} "
+        f"at position {first['position']} differs from a full recompute: {what}{more}"
+    ]

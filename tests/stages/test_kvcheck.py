@@ -1,0 +1,333 @@
+"""The KV path, proven (issue 24): cached decoding against a full recompute in PyTorch and in
+ONNX Runtime, a left-padded row against itself alone, position ids from the mask, pasts the
+model produces, multi-output modules compared output by output, a KV cache sized or refused.
+
+The cache-bug models (tests/fixtures/kvbugs.py) compute correctly without a past and wrongly
+with one: every stage that compares the graph with the model passes them, kvcheck stops
+each, naming the probe and the position."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from schemas import SpecError, StageError
+from tests.conftest import REPO, Workspace, gpt2_spec, model_info
+from tests.fixtures import architectures as matrix
+from tests.fixtures import kvbugs
+
+KVBUGS = Path(kvbugs.__file__)
+OTHER_STAGES = ("pin", "export", "evalcheck", "parity", "quantize", "evaluate", "plan", "serve")
+
+
+def bug_ws(root: Path) -> Workspace:
+    ws = Workspace(root)
+    shutil.copy(KVBUGS, root / "kvbugs.py")
+    return ws
+
+
+@pytest.fixture(scope="module")
+def bugs(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    return bug_ws(tmp_path_factory.mktemp("kvbugs"))
+
+
+def bug_spec(bug: str, **kv: Any) -> dict[str, Any]:
+    spec = kvbugs.spec(f"kv-{bug}", bug, gpt2_spec())
+    if kv:
+        spec["parity"] = {**spec["parity"], "kv": kv}
+    return spec
+
+
+# ----------------------------------------------------------------------- cache-bug models
+@pytest.mark.parametrize(
+    ("bug", "probe"),
+    [
+        ("restart", "cached decode at step 0 (past 3): logits at position 3"),
+        ("drop", "cached decode at step 0 (past 3): logits at position 3"),
+        ("mask", "cached decode at padded row 1 (3 pads) step 1 (past 3): logits at position 3"),
+        ("clip", "cached decode at past 37: logits at position 37"),
+    ],
+)
+def test_each_cache_bug_passes_every_other_stage_and_kvcheck_stops_it(
+    bugs: Workspace, bug: str, probe: str
+) -> None:
+    spec = bug_spec(bug)
+    for stage in OTHER_STAGES:
+        report = bugs.run(stage, spec)
+        assert report.status.value == "passed", (bug, stage, report.reasons)
+    report = bugs.run("kvcheck", spec)
+    assert report.status.value == "failed"
+    assert report.stage == "kvcheck"
+    torch_reason, onnx_reason = report.reasons
+    assert torch_reason.startswith(f"PyTorch: {probe} differs from a full recompute")
+    assert onnx_reason.startswith(f"ONNX Runtime: {probe} differs from a full recompute")
+    assert report.metrics["worst_normalized_error"] > 1
+
+
+def test_the_same_decoder_without_a_bug_passes_with_the_same_probes(bugs: Workspace) -> None:
+    spec = bug_spec("none")
+    for stage in ("pin", "export"):
+        assert bugs.run(stage, spec).status.value == "passed"
+    report = bugs.run("kvcheck", spec)
+    assert report.status.value == "passed", report.reasons
+    plan = report.details["plan"]
+    assert plan["past_lengths"] == [13, 25, 37, 48]  # odd ones spread out, the max included
+    assert list(plan["padded"]) == [6, 3, 4]  # rows of 6 and 3 tokens, 4 steps
+    probes = {r["probe"] for r in report.details["onnx"]}
+    assert {"step 0", "step 3", "past 48", "padded row 1 (3 pads) step 4"} <= probes
+    assert report.metrics["worst_normalized_error"] < 0.1
+
+
+def test_a_clipped_past_passes_at_its_window_and_fails_one_token_past_it(
+    bugs: Workspace,
+) -> None:
+    for stage in ("pin", "export"):
+        bugs.run(stage, bug_spec("clip"))
+    at = bugs.run("kvcheck", bug_spec("clip", steps=0, padded=False, past_lengths=[32]))
+    assert at.status.value == "passed", at.reasons
+    past = bugs.run("kvcheck", bug_spec("clip", steps=0, padded=False, past_lengths=[33]))
+    assert past.status.value == "failed"
+    assert "cached decode at past 33: logits at position 33" in past.reasons[0]
+
+
+def test_a_dropped_token_is_found_in_the_presents_at_its_position() -> None:
+    """The presents are compared too: a cache that loses a position names it."""
+    from schemas.spec.parity import Tolerance
+    from stages.onnx import kvcache as kv
+
+    want = np.zeros((1, 2, 9, 4), np.float32)
+    got = want.copy()
+    got[0, 1, 6, 2] = 1.0
+    assert kv.first_position(want, got, Tolerance()) == 6
+    assert kv.first_position(want, want.copy(), Tolerance()) == -1
+
+
+# --------------------------------------------------------------------------- tiny-gpt2
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    ws = Workspace(tmp_path_factory.mktemp("gpt2-kv"))
+    for stage in ("pin", "export"):
+        assert ws.run(stage, gpt2_spec()).status.value == "passed"
+    return ws
+
+
+def test_tiny_gpt2_exports_position_ids_and_passes_kvcheck(gpt2: Workspace) -> None:
+    import json
+
+    info = json.loads((gpt2.out("tiny-gpt2", "export") / "model_info.json").read_text())
+    names = [t["name"] for t in info["inputs"]]
+    assert names[:3] == ["input_ids", "attention_mask", "position_ids"]
+    report = gpt2.run("kvcheck", gpt2_spec())
+    assert report.status.value == "passed", report.reasons
+    assert report.details["plan"]["past_lengths"][-1] == 24  # past_sequence.max
+
+
+def test_a_left_padded_tiny_gpt2_batch_matches_each_row_alone_in_onnx_runtime(
+    gpt2: Workspace,
+) -> None:
+    """Rows of 6 and 3 tokens (the second left-padded by 3), prefilled and then decoded
+    three steps, through ONNX Runtime with the mask's zeros and positions from the mask."""
+    import onnxruntime as ort
+
+    from stages.onnx import kvcache as kv
+    from stages.onnx import model as m
+    from stages.onnx import shapes as sh
+
+    info_path = gpt2.out("tiny-gpt2", "export") / "model_info.json"
+    from schemas.artifacts import ModelInfo
+
+    lay = m.layout_from_info(ModelInfo.model_validate_json(info_path.read_text()))
+    session = ort.InferenceSession(str(gpt2.out("tiny-gpt2", "export") / "model.onnx"))
+    names = [t.name for t in lay.outputs]
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(names, session.run(names, feeds), strict=True))
+
+    rows = np.array([[5, 6, 7, 8, 9, 10, 11, 12, 13], [21, 22, 23, 24, 25, 26, 0, 0, 0]])
+    ids = np.array([[5, 6, 7, 8, 9, 10], [0, 0, 0, 21, 22, 23]])
+    mask = np.array([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    assert sh.positions_from_mask(mask, 6).tolist() == [[0, 1, 2, 3, 4, 5], [0, 0, 0, 0, 1, 2]]
+    out = run(kv.feeds(lay, ids, mask, None))
+    lengths = [6, 3]
+    for step in range(4):
+        for row in (0, 1):
+            alone = rows[row : row + 1, : lengths[row]]
+            want = kv.full_pass(run, lay, alone)["logits"][0]
+            assert np.abs(out["logits"][row, -1] - want).max() < 1e-4, (step, row)
+        if step == 3:
+            break
+        nxt = np.array([[rows[0, lengths[0]]], [rows[1, lengths[1]]]])
+        lengths = [n + 1 for n in lengths]
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+        out = run(kv.feeds(lay, nxt, mask, kv.presents(lay, out)))
+
+
+def test_without_position_ids_a_padded_row_is_wrong_and_kvcheck_says_so(
+    gpt2: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check bites: the same graph fed positions that ignore the padding (what an
+    export without position_ids computes) fails the padded probe."""
+    from stages.onnx import kvcache as kv
+    from stages.onnx import shapes as sh
+
+    def from_zero(mask: np.ndarray, width: int) -> np.ndarray:
+        total = np.asarray(mask).shape[-1]
+        return np.tile(np.arange(total - width, total), (len(mask), 1)).astype(np.int64)
+
+    monkeypatch.setattr(sh, "positions_from_mask", from_zero)
+    monkeypatch.setattr(kv.sh, "positions_from_mask", from_zero)
+    report = gpt2.run("kvcheck", gpt2_spec())
+    assert report.status.value == "failed"
+    assert "padded row 1 (3 pads) step 0" in report.reasons[0]
+
+
+def test_a_produced_past_is_the_models_own_cache_over_seeded_tokens(gpt2: Workspace) -> None:
+    """Parity's pasts: prefilled through the cache in chunks, equal to one full pass's."""
+    from schemas.loader import load_release
+    from stages.onnx import kvcache as kv
+    from stages.onnx import model as m
+    from stages.onnx import shapes as sh
+
+    release = load_release(gpt2.write(gpt2_spec()))
+    net, lay = m.load_with_layout("parity", gpt2.root, release)
+    flat = m.adapter("causal-lm", net, lay)
+    names = [t.name for t in lay.outputs]
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(names, m.torch_outputs(flat, lay, feeds), strict=True))
+
+    random = sh.make_inputs(lay, {"batch": 2, "sequence": 3, "past_sequence": 13}, seed=0)
+    produced = kv.with_produced_past(run, lay, random, chunk=5, seed=0)
+    assert produced["input_ids"] is random["input_ids"]
+    tokens = np.random.default_rng(0).integers(0, 512, size=(2, 13))
+    whole = run(kv.feeds(lay, tokens, np.ones((2, 13)), None))
+    for name, value in kv.presents(lay, whole).items():
+        assert value.shape == produced[name].shape
+        assert np.abs(value - produced[name]).max() < 1e-5
+        assert np.abs(random[name] - produced[name]).max() > 0.1  # the noise is gone
+
+
+# ------------------------------------------------------------------ layerwise, rotary
+def test_layerwise_compares_each_rotary_output_with_its_own_tensor(tmp_path: Path) -> None:
+    """Llama's rotary embedding returns (cos, sin), both [batch, sequence, head_dim]: each is
+    compared with the graph tensor it is, never cos with sin (max |cos - sin| is sqrt 2)."""
+    ws = Workspace(tmp_path)
+    arch = next(a for a in matrix.ARCHITECTURES if a.name == "Llama")
+    slug = matrix.slug_of(arch)
+    matrix.build_model(arch, tmp_path / "models" / slug)
+    spec = matrix.spec_for(arch, slug)
+    spec["parity"]["layerwise"] = "always"
+    for stage in ("pin", "export"):
+        assert ws.run(stage, spec).status.value == "passed"
+    layers = ws.run("parity", spec).details["layerwise"]
+    rotary = {r["module"]: r for r in layers["layers"] if "rotary_emb" in r["module"]}
+    assert set(rotary) == {"model.rotary_emb[0]", "model.rotary_emb[1]"}
+    assert rotary["model.rotary_emb[0]"]["tensor"] != rotary["model.rotary_emb[1]"]["tensor"]
+    assert all(r["ok"] and r["max_abs"] < 1e-5 for r in rotary.values())
+    assert layers["first_divergent"] is None
+
+
+# ---------------------------------------------------------------- derived dims, the plan
+def test_a_python_decoders_kv_cache_is_sized_from_its_declared_past(bugs: Workspace) -> None:
+    import json
+
+    spec = bug_spec("none")
+    for stage in ("pin", "export", "quantize", "plan"):
+        assert bugs.run(stage, spec).status.value == "passed"
+    info = json.loads((bugs.out("kv-none", "export") / "model_info.json").read_text())
+    arch = {k: info["arch"][k] for k in ("layers", "kv_heads", "head_dim", "vocab")}
+    assert arch == {
+        "layers": kvbugs.LAYERS,
+        "kv_heads": kvbugs.KV_HEADS,
+        "head_dim": kvbugs.HEAD_DIM,
+        "vocab": kvbugs.VOCAB,
+    }
+    plan = json.loads((bugs.out("kv-none", "plan") / "plan.json").read_text())
+    context = 64 + 48
+    assert plan["kv_bytes_per_sequence"] == 2 * 2 * 2 * 8 * context * 4
+
+
+def test_the_plan_refuses_a_kv_cache_it_cannot_size() -> None:
+    from schemas.spec.capacity import CapacityConfig
+    from stages import plan
+
+    dims = {"batch": {"max": 2}, "sequence": {"max": 8}, "past_sequence": {"max": 8}}
+    arch = {"layers": 0, "heads": 0, "kv_heads": 0, "head_dim": 0, "hidden": 0, "vocab": 9}
+    info = model_info(dims=dims, arch={**arch, "positions": 0, "labels": 2})
+    with pytest.raises(StageError) as exc:
+        plan.compute(CapacityConfig(device_memory="1GiB"), info, "causal-lm", 100)
+    assert "cannot size the KV cache: the export records layers, kv_heads, head_dim = 0" in str(
+        exc.value
+    )
+    assert "past_key_values.<i>.key/value" in str(exc.value)
+
+
+def test_total_sequence_is_derived_in_shapes_and_refused_as_a_declared_dim(tmp_path: Path) -> None:
+    import yaml
+
+    from schemas.loader import load_release
+
+    ws = bug_ws(tmp_path)
+    spec = bug_spec("none")
+    assert load_release(ws.write(spec)).export.inputs  # shapes name it, undeclared
+    spec["export"]["dims"]["total_sequence"] = {"min": 1, "opt": 8, "max": 112}
+    path = ws.write(spec)
+    with pytest.raises(SpecError) as exc:
+        load_release(path)
+    assert str(exc.value).endswith(
+        "kv-none.yaml:26: export.dims.total_sequence: is derived (past_sequence + sequence), "
+        "never declared; remove it from export.dims and name it in shapes as it is"
+    )
+    assert yaml.safe_load(path.read_text())["name"] == "kv-none"
+
+
+def test_kv_past_lengths_outside_the_export_are_refused_at_validate(tmp_path: Path) -> None:
+    from schemas.loader import load_release
+
+    ws = Workspace(tmp_path)
+    at = gpt2_spec(parity={"kv": {"past_lengths": [0, 24]}})
+    assert load_release(ws.write(at)).parity.kv.past_lengths == [0, 24]
+    over = gpt2_spec(parity={"kv": {"past_lengths": [25]}})
+    with pytest.raises(SpecError) as exc:
+        load_release(ws.write(over))
+    assert "tiny-gpt2.yaml:34: parity.kv.past_lengths: [25] lie outside [0, 24]" in str(exc.value)
+
+
+def test_an_embedding_release_skips_kvcheck_as_optional(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    arch = next(a for a in matrix.ARCHITECTURES if a.name == "DistilBERT")
+    slug = matrix.slug_of(arch)
+    matrix.build_model(arch, tmp_path / "models" / slug)
+    report = ws.run("kvcheck", matrix.spec_for(arch, slug))
+    assert report.status.value == "skipped"
+    assert report.reasons == ["task text-embedding has no KV cache"]
+    assert report.acceptable()
+
+
+def test_every_stage_file_is_listed_in_pyproject() -> None:
+    from stages import STAGES
+
+    text = (REPO / "pyproject.toml").read_text()
+    assert all(text.count(f'"stages.{name}"') == 2 for name in STAGES)
+
+
+def test_a_kv_graph_must_take_one_token_on_an_empty_past(tmp_path: Path) -> None:
+    """The runtime prefills with an empty past and decodes one token a step: an export
+    that does not promise those sizes is refused at validate, naming the dim."""
+    from schemas.loader import load_release
+
+    ws = Workspace(tmp_path)
+    for dim, value, found in (
+        ("sequence", 2, "sequence.min 1 (is 2)"),
+        ("past_sequence", 1, "past_sequence.min must be 0 (is 1)"),
+    ):
+        spec = gpt2_spec()
+        spec["export"]["dims"][dim]["min"] = value
+        with pytest.raises(SpecError) as exc:
+            load_release(ws.write(spec))
+        assert "a KV-cache graph is prefilled with an empty past" in str(exc.value)
+        assert found in str(exc.value)
