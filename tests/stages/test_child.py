@@ -147,11 +147,11 @@ def test_paged_weights_give_the_same_outputs_and_leave_the_resident_set() -> Non
 def test_a_weight_written_in_memory_is_never_dropped() -> None:
     """A mapping with a written (copy-on-write) page would lose the write if dropped: the
     model would silently run with the file's weights. Such a mapping is left alone."""
+    import gc
+
     import torch
 
     from stages.onnx import model as m
-
-    import gc
 
     gc.collect()  # models other tests loaded in this process, unreachable but not yet freed
     others = set(m._clean_checkpoint_maps())
