@@ -331,3 +331,41 @@ def test_a_kv_graph_must_take_one_token_on_an_empty_past(tmp_path: Path) -> None
             load_release(ws.write(spec))
         assert "a KV-cache graph is prefilled with an empty past" in str(exc.value)
         assert found in str(exc.value)
+
+
+def test_run_stage_names_the_stage_the_step_and_the_position_and_exits_3(
+    bugs: Workspace,
+) -> None:
+    """What `dvc repro` prints: the stage's command, `shipyard run-stage`, on a cache bug."""
+    import os
+    import subprocess
+    import sys
+
+    spec = bug_spec("restart")
+    for stage in ("pin", "export"):
+        assert bugs.run(stage, spec).status.value == "passed"
+    path = bugs.write(spec)
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("shipyard")),
+            "run-stage",
+            "kvcheck",
+            "--release",
+            str(path.relative_to(bugs.root)),
+        ],
+        cwd=bugs.root,
+        env={**os.environ, "SHIPYARD_ROOT": str(bugs.root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 3, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if not line.startswith("    ")]
+    assert any(
+        line.startswith("FAIL kvcheck@kv-restart: cached decoding differs from a full recompute")
+        for line in lines
+    ), done.stdout
+    assert any(
+        "- ONNX Runtime: cached decode at step 0 (past 3): logits at position 3" in line
+        for line in lines
+    ), done.stdout
