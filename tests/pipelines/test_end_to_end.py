@@ -147,8 +147,8 @@ def test_editing_parity_reruns_only_parity_and_what_depends_on_it(clone: Path) -
     spec = clone / "releases" / "tiny-gpt2.yaml"
     spec.write_text(spec.read_text().replace("  statistic: max", "  statistic: mean"))
     done = sh(["dvc", "repro", "bundle@tiny-gpt2"], clone)
-    # engine reads parity.tolerance as its default; its unchanged output stops the chain there
-    assert ran(done.stdout) == ["parity", "engine", "manifest", "bundle"]
+    # kvcheck judges with parity.statistic; engine reads parity.tolerance as its default
+    assert ran(done.stdout) == ["parity", "kvcheck", "engine", "manifest", "bundle"]
     sh(["shipyard", "verify", "build/tiny-gpt2/bundle"], clone)
 
 

@@ -48,7 +48,8 @@ def test_a_model_beyond_2gib_goes_through_every_stage_and_the_registry(
     spec = wide_spec()
     for stage in load_stages():
         report = ws.run(stage, spec)
-        optional = stage == "engine" and report.status.value == "skipped"  # no GPU here
+        # no GPU here; a generic model has no KV cache to check
+        optional = stage in ("engine", "kvcheck") and report.status.value == "skipped"
         assert report.status.value == "passed" or optional, (stage, report.reasons)
     export = ws.out("wide", "export")
     info = json.loads((export / "model_info.json").read_text())
