@@ -67,7 +67,11 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             details=details,
             metrics=metrics,
         )
-    padded = "" if plan.padded is None else ", a left-padded row equal to itself alone"
+    padded = (
+        "; padded rows not checked (parity.kv.padded off, or export.dims.batch has no 2)"
+        if plan.padded is None
+        else ", a left-padded row equal to itself alone"
+    )
     return StageResult.passed(
         f"cached decode = full recompute in PyTorch and ONNX Runtime: {plan.steps} steps, "
         f"pasts {list(plan.pasts)}{padded} (worst normalized error {worst:.3g} <= 1)",

@@ -369,3 +369,12 @@ def test_run_stage_names_the_stage_the_step_and_the_position_and_exits_3(
         "- ONNX Runtime: cached decode at step 0 (past 3): logits at position 3" in line
         for line in lines
     ), done.stdout
+
+
+def test_without_a_padded_batch_the_report_says_padded_rows_were_not_checked(
+    gpt2: Workspace,
+) -> None:
+    report = gpt2.run("kvcheck", gpt2_spec(parity={"kv": {"padded": False}}))
+    assert report.status.value == "passed"
+    assert "padded rows not checked" in report.summary
+    assert not any(r["probe"].startswith("padded") for r in report.details["onnx"])
