@@ -326,12 +326,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject's), without importing the package."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shipyard")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shipyard", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="shipyard",
+        description="Build, check and ship model releases: one YAML spec per release "
+        "(releases/<name>.yaml), one command to build them all (`dvc repro`).",
+        epilog="Start with `shipyard init models/<folder> --data data/<texts>.jsonl`, then "
+        "`shipyard compile` and `dvc repro`; `shipyard <command> --help` for each command.",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("--verbose", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="validate release specs")
-    v.add_argument("specs", nargs="+")
+    v.add_argument("specs", nargs="+", help="release spec files (releases/<name>.yaml)")
     v.set_defaults(func=cmd_validate)
     c = sub.add_parser("compile", help="write dvc.yaml from releases/*.yaml")
     c.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml is stale")
@@ -340,7 +357,11 @@ def parser() -> argparse.ArgumentParser:
     ca = sub.add_parser(
         "cache", help="DVC remote + run-cache from SHIPYARD_DVC_REMOTE: pull before, push after"
     )
-    ca.add_argument("action", choices=["pull", "push", "configure"])
+    ca.add_argument(
+        "action",
+        choices=["pull", "push", "configure"],
+        help="pull / push outputs and run-cache; configure: point DVC at SHIPYARD_DVC_REMOTE",
+    )
     ca.set_defaults(func=cmd_cache)
     b = sub.add_parser(
         "build", help="dvc repro several releases in parallel, within the machine's memory"
@@ -369,18 +390,18 @@ def parser() -> argparse.ArgumentParser:
     sch.add_argument("--rules", action="store_true", help="the rules as Markdown instead")
     sch.set_defaults(func=cmd_schema)
     r = sub.add_parser("run-stage", help="run one stage for one release (dvc.yaml's cmd)")
-    r.add_argument("stage")
+    r.add_argument("stage", help="the stage to run (pin, export, ... bundle: dvc.yaml's order)")
     r.add_argument("--release", required=True, help="path of the release spec")
     r.set_defaults(func=cmd_run_stage)
     f = sub.add_parser("verify", help="re-hash a bundle against its manifest (and signature)")
-    f.add_argument("bundle")
+    f.add_argument("bundle", help="the bundle folder (build/<release>/bundle)")
     f.add_argument("--public-key", help="PEM public key the signature must verify with")
     f.add_argument("--certificate-chain", nargs="+", help="PEM chain for certificate signatures")
     f.add_argument("--sigstore-identity", help="Sigstore signer identity (e.g. an email)")
     f.add_argument("--sigstore-issuer", help="OIDC issuer of the Sigstore identity")
     f.set_defaults(func=cmd_verify)
     sg = sub.add_parser("sign", help="sign a verified bundle (writes BUNDLE/model.sig)")
-    sg.add_argument("bundle")
+    sg.add_argument("bundle", help="the bundle folder to sign (verified first)")
     sg.add_argument("--private-key", help="PEM private key (elliptic curve)")
     sg.add_argument("--signing-certificate", help="PEM certificate of --private-key")
     sg.add_argument("--certificate-chain", nargs="+", help="PEM chain of the certificate")
@@ -390,20 +411,22 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("releases", nargs="*", help="release names (default: all)")
     g.add_argument("--report", help="write a markdown report here (for the PR comment)")
     pub = sub.add_parser("publish", help="copy a built bundle into the registry")
-    pub.add_argument("release")
+    pub.add_argument("release", help="release name: its built bundle is published")
     pro = sub.add_parser("promote", help="move a channel to a published version")
-    pro.add_argument("target", metavar="NAME@VERSION")
-    pro.add_argument("--to", required=True, metavar="CHANNEL")
+    pro.add_argument("target", metavar="NAME@VERSION", help="a published release version")
+    pro.add_argument("--to", required=True, metavar="CHANNEL", help="the channel to move")
     rb = sub.add_parser("rollback", help="move a channel back to its previous version")
-    rb.add_argument("channel")
+    rb.add_argument("channel", help="the channel to move back")
     rb.add_argument("--release", help="release name (needed when several have the channel)")
     hist = sub.add_parser("history", help="print the append-only promotion history")
     st = sub.add_parser("status", help="print every channel pointer")
     reg = sub.add_parser("registry", help="registry maintenance and policy")
-    reg_sub = reg.add_subparsers(dest="registry_command", required=True)
+    reg_sub = reg.add_subparsers(
+        dest="registry_command", required=True, help="check | require-signature"
+    )
     chk = reg_sub.add_parser("check", help="finish or remove interrupted publishes")
     req = reg_sub.add_parser("require-signature", help="a channel accepts only signed bundles")
-    req.add_argument("channel")
+    req.add_argument("channel", help="the channel that will accept only signed bundles")
     req.add_argument("--public-key", nargs="+", required=True, help="trusted PEM public key(s)")
     for cmd, func in (
         (chk, cmd_registry_check),

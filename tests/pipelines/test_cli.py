@@ -75,3 +75,30 @@ def test_readme_quickstart_is_the_two_make_commands() -> None:
         "make test",
     ]
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_version_prints_the_installed_version_and_exits_0() -> None:
+    import tomllib
+
+    done = shipyard("--version")
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert (done.returncode, done.stdout.strip()) == (0, f"shipyard {version}")
+
+
+def test_help_speaks_to_a_user_and_every_argument_says_what_it_is() -> None:
+    import argparse
+
+    from pipelines.cli import parser
+
+    top = shipyard("--help")
+    assert top.returncode == 0
+    assert "The only place that catches" not in top.stdout  # an internal docstring
+    assert "one YAML spec per release" in top.stdout
+    commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [
+        f"{name} {action.dest}"
+        for name, sub in commands.choices.items()
+        for action in sub._actions
+        if not action.help and not isinstance(action, argparse._HelpAction)
+    ]
+    assert silent == []
