@@ -94,11 +94,7 @@ def _pytorch(
 ) -> tuple[sh.Layout, list[dict[str, Any]]]:
     """Full passes saved under `into`; PyTorch's cached decode judged against them."""
     net, lay = m.load_with_layout(NAME, ctx.root, release)
-    flat = m.adapter(release.task, net, lay)
-    names = [t.name for t in lay.outputs]
-
-    def torch_run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(names, m.torch_outputs(flat, lay, feeds), strict=True))
+    torch_run = m.named_run(m.adapter(release.task, net, lay), lay)
 
     tokens = _tokens(release, kv.vocab_of(lay), plan)
     with m.weights_paged(net):

@@ -317,6 +317,17 @@ def torch_outputs(module: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> lis
     return [o.detach().numpy() for o in outs]
 
 
+def named_run(module: Any, lay: Layout) -> Any:
+    """The adapter as a function of named feeds returning named outputs (stages/onnx/kvcache
+    Run): what the KV-cache walks and produced pasts call for PyTorch."""
+    names = [t.name for t in lay.outputs]
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(names, torch_outputs(module, lay, feeds), strict=True))
+
+    return run
+
+
 def traced_run(flat: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> tuple[list, list]:
     """Outputs, plus (module name, first input, first output, every tensor output) per
     module in execution order: a module returning several tensors (a rotary embedding's

@@ -194,11 +194,7 @@ def test_a_produced_past_is_the_models_own_cache_over_seeded_tokens(gpt2: Worksp
 
     release = load_release(gpt2.write(gpt2_spec()))
     net, lay = m.load_with_layout("parity", gpt2.root, release)
-    flat = m.adapter("causal-lm", net, lay)
-    names = [t.name for t in lay.outputs]
-
-    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(names, m.torch_outputs(flat, lay, feeds), strict=True))
+    run = m.named_run(m.adapter("causal-lm", net, lay), lay)
 
     random = sh.make_inputs(lay, {"batch": 2, "sequence": 3, "past_sequence": 13}, seed=0)
     produced = kv.with_produced_past(run, lay, random, chunk=5, seed=0)
