@@ -19,6 +19,9 @@ import numpy as np
 
 STABLE_WINDOWS = 3
 DRAIN_SECONDS = 30.0
+# What an SLO may be judged on; each point keeps these per window (the last three) so that
+# an unstable point can still give a verdict when every window lands on one side of a limit.
+WINDOW_METRICS = ("throughput_rps", "tokens_per_s", "p95_latency_ms", "p95_ttft_ms", "p95_itl_ms")
 
 
 @dataclass
@@ -192,6 +195,7 @@ async def measure(
         windows=len(windows),
         stable=stable(windows, within),
         window_throughput=[round(w["throughput_rps"], 3) for w in windows],
+        window_metrics={k: [w.get(k) for w in last] for k in WINDOW_METRICS},
     )
     return merged
 

@@ -240,6 +240,9 @@ def test_load_test_measures_streaming_and_writes_plots(built_gpt2: Workspace) ->
         assert (built_gpt2.out("tiny-gpt2", "loadtest") / name).stat().st_size > 1000
     data = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").read_text())
     assert [p["concurrency"] for p in data["ramp"]["points"]] == [1, 2]
+    for p in data["ramp"]["points"] + data["streaming"]["points"]:  # what an SLO is judged on
+        assert all(len(v) == 3 for v in p["window_metrics"].values())
+    assert all(v > 0 for v in data["streaming"]["points"][0]["window_metrics"]["p95_itl_ms"])
     assert data["grid"][0]["batch"] == 2 and data["grid"][0]["errors"] == 0
 
 
@@ -279,6 +282,40 @@ def test_stability_needs_three_agreeing_windows() -> None:
     assert not lg.stable([w(100), w(104)], 0.10)
     assert not lg.stable([w(100), w(130), w(98)], 0.10)
     assert not lg.stable([w(100), w(100, 10), w(100, 20)], 0.10)
+
+
+def _slo_at(itl: float, windows: list[float], stable: bool) -> dict:
+    from types import SimpleNamespace
+
+    from stages.serving.slo import check_slo
+
+    point = {"concurrency": 1, "stable": stable, "p95_itl_ms": itl, "throughput_rps": 100.0}
+    point["window_metrics"] = {"p95_itl_ms": windows, "throughput_rps": [100.0] * 3}
+    results = {
+        "ramp": {"points": [point], "knee": 1, "knee_point": point},
+        "streaming": {"points": [point]},
+    }
+    names = ("p95_latency_ms", "p95_ttft_ms", "min_tokens_per_s", "max_memory_fraction")
+    slo = SimpleNamespace(p95_itl_ms=20.0, min_throughput_rps=None, **dict.fromkeys(names))
+    return check_slo(slo, results, device_memory=1)[0]
+
+
+def test_an_unstable_point_is_judged_only_when_every_window_lies_on_one_side_of_the_limit() -> None:
+    # Windows 1-3 ms apart (unstable) against a 20 ms limit: a verdict either way is the same.
+    far = _slo_at(2.0, [1.0, 2.0, 3.0], stable=False)
+    assert far["ok"] and "every one of the last 3" in far["why"]
+    # Exactly at the limit counts as meeting it (<=) in every window: still conclusive.
+    assert _slo_at(20.0, [20.0, 19.0, 20.0], stable=False)["ok"]
+    # One window past the limit: the verdict depends on the window, so it is inconclusive.
+    among = _slo_at(19.0, [18.0, 19.0, 20.5], stable=False)
+    assert not among["ok"] and among["why"].startswith("inconclusive")
+    # Every window breaks it: a conclusive failure, not an inconclusive one.
+    broken = _slo_at(30.0, [25.0, 30.0, 40.0], stable=False)
+    assert not broken["ok"] and "breaks" in broken["why"]
+    # A point without per-window numbers (older results) stays inconclusive when unstable.
+    bare = _slo_at(2.0, [], stable=False)
+    assert not bare["ok"] and bare["why"].startswith("inconclusive")
+    assert _slo_at(2.0, [1.0, 2.0, 30.0], stable=True)["ok"]  # stable: the merged value rules
 
 
 def test_soak_growth_flags_a_steady_climb_not_a_warm_up() -> None:
