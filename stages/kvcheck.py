@@ -1,10 +1,14 @@
-"""kvcheck: cached decoding equals a full recompute, in PyTorch and in the exported graph.
+"""kvcheck: cached decoding equals a full recompute, in PyTorch, in the exported graph and
+in the shipped (quantized) graph.
 
-The reference is PyTorch's full pass (no cache, the whole sequence at once) at each
-compared length; the candidates are PyTorch's own cached decode and ONNX Runtime's over the
-exported graph, each fed only the pasts it produced itself (stages/onnx/kvcache.py). A
-left-padded row of a batch must equal the same row alone. A release without a KV cache is
-skipped (optional): there is nothing cached to check.
+The reference is a full pass (no cache, the whole sequence at once) at each compared
+length, each candidate fed only the pasts it produced itself (stages/onnx/kvcache.py):
+PyTorch's full pass for PyTorch's own cached decode and for ONNX Runtime's over the export;
+the shipped graph's own full pass for its cached decode, since quantization moves its numbers
+away from PyTorch's on purpose. Dynamic INT8 takes a scale per call from the whole tensor,
+which couples positions, so that graph runs with each scale pinned to a constant
+(stages/quant/pinned.py) and is then held to the same float tolerance. A left-padded row of
+a batch must equal the same row alone. A release without a KV cache is skipped (optional).
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from typing import Any
 import numpy as np
 
 from schemas import ReleaseSpec
+from schemas.artifacts import QuantInfo
 from schemas.tasks import TASKS
 from stages._runtime import StageContext, StageIO, StageResult, in_child
 from stages.onnx import kvcache as kv
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
+from stages.quant import pinned as pq
 
 NAME = "kvcheck"
 
@@ -28,7 +34,8 @@ NAME = "kvcheck"
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("model", "task", "export", "parity"),
-        upstream=("export/model.onnx",),
+        reads=(QuantInfo,),
+        upstream=("export/model.onnx", "quantize/model.onnx"),
         reads_model=True,
     )
 
@@ -44,8 +51,10 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         # there; then ONNX Runtime here, judged against the same references
         lay, torch_rows = in_child(_pytorch, ctx, release, plan, Path(tmp))
         onnx_rows = _onnx(ctx, release, plan, lay, Path(tmp))
+        shipped_rows, shipped = _shipped(ctx, release, plan, lay, Path(tmp))
     failures = kv.reasons("PyTorch", torch_rows) + kv.reasons("ONNX Runtime", onnx_rows)
-    rows = torch_rows + onnx_rows
+    failures += kv.reasons(f"shipped graph ({shipped})", shipped_rows)
+    rows = torch_rows + onnx_rows + shipped_rows
     worst = max((r["error"] for r in rows), default=0.0)
     metrics = {"worst_normalized_error": worst, "comparisons": float(len(rows))}
     details: dict[str, Any] = {
@@ -59,6 +68,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         },
         "pytorch": torch_rows,
         "onnx": onnx_rows,
+        "shipped": {"graph": shipped, "rows": shipped_rows},
     }
     if failures:
         return StageResult.failed(
@@ -73,8 +83,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         else ", a left-padded row equal to itself alone"
     )
     return StageResult.passed(
-        f"cached decode = full recompute in PyTorch and ONNX Runtime: {plan.steps} steps, "
-        f"pasts {list(plan.pasts)}{padded} (worst normalized error {worst:.3g} <= 1)",
+        f"cached decode = full recompute in PyTorch, the export and the shipped graph "
+        f"({shipped}): {plan.steps} steps, pasts {list(plan.pasts)}{padded} "
+        f"(worst normalized error {worst:.3g} <= 1)",
         details=details,
         metrics=metrics,
     )
@@ -85,8 +96,8 @@ def _tokens(release: Any, vocab: int, plan: kv.Plan) -> np.ndarray:
     return kv.sequences(vocab, need, release.parity.kv.seed)
 
 
-def _file(into: Path, kind: str, row: int, n: int) -> Path:
-    return into / f"{kind}-{row}-{n}.npz"
+def _file(into: Path, kind: str, row: int, n: int, who: str = "pytorch") -> Path:
+    return into / f"{who}-{kind}-{row}-{n}.npz"
 
 
 def _pytorch(
@@ -107,24 +118,53 @@ def _pytorch(
 def _onnx(
     ctx: StageContext, release: Any, plan: kv.Plan, lay: sh.Layout, into: Path
 ) -> list[dict[str, Any]]:
-    import onnxruntime as ort
-
-    from stages.onnx import stream
-
-    with stream.external_view(ctx.upstream("export") / "model.onnx") as view:
-        session = ort.InferenceSession(str(view), providers=["CPUExecutionProvider"])
-    names = [t.name for t in lay.outputs]
-
-    def onnx_run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(names, session.run(names, feeds), strict=True))
-
+    onnx_run = _session(ctx.upstream("export") / "model.onnx")
     tokens = _tokens(release, kv.vocab_of(lay), plan)
     return kv.check(onnx_run, lay, tokens, plan, _loader(into), *_tol(release))
 
 
-def _loader(into: Path) -> Any:
+def _shipped(
+    ctx: StageContext, release: Any, plan: kv.Plan, lay: sh.Layout, into: Path
+) -> tuple[list[dict[str, Any]], str]:
+    """The shipped graph's cached decode against its own full passes, its dynamic scales
+    pinned to ranges that cover every pass of the check (gathered by a first run)."""
+    if ctx.read(QuantInfo).method == "none":
+        return [], "the export itself: quantization.method none"
+    path, tokens = ctx.upstream("quantize") / "model.onnx", _tokens(release, kv.vocab_of(lay), plan)
+    pq.refuse_unpinnable(path)
+    exposed: list[tuple[str, str, str]] = []
+    ranges = pq.Ranges()
+    collect = pq.collector(
+        _session(path, lambda g: exposed.extend(pq.expose_scales(g))), exposed, ranges
+    )
+    if exposed:
+        kv.exercise(collect, lay, tokens, plan)
+    run = _session(path, lambda g: pq.pin(g, ranges))
+    for kind, row, n, ref in kv.references(run, lay, tokens, plan):
+        np.savez(_file(into, kind, row, n, "shipped"), **ref)  # type: ignore[arg-type]
+    rows = kv.check(run, lay, tokens, plan, _loader(into, "shipped"), *_tol(release))
+    return rows, f"{len(exposed)} dynamic quantization scale(s) pinned"
+
+
+def _session(path: Path, edit: Any = None) -> kv.Run:
+    """A Run over every output of the graph at `path` (edited by `edit` when given)."""
+    import onnxruntime as ort
+
+    from stages.onnx import stream
+
+    with stream.external_view(path, edit) as view:
+        session = ort.InferenceSession(str(view), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(names, session.run(names, feeds), strict=True))
+
+    return run
+
+
+def _loader(into: Path, who: str = "pytorch") -> Any:
     def load(kind: str, row: int, n: int) -> dict[str, np.ndarray]:
-        with np.load(_file(into, kind, row, n)) as data:
+        with np.load(_file(into, kind, row, n, who)) as data:
             return {k: data[k] for k in data.files}
 
     return load

@@ -268,6 +268,18 @@ def references(
         yield "padded", row, n, full_pass(run, lay, tokens[row : row + 1, :n])
 
 
+def exercise(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan) -> None:
+    """Every pass `references` and `check` make, outputs dropped: for a run that records
+    something as it goes (the ranges of a dynamically quantized graph)."""
+    for _ in references(run, lay, tokens, plan):
+        pass
+    for _ in walk(run, lay, tokens[0], plan):
+        pass
+    if plan.padded is not None:
+        for _ in padded(run, lay, tokens, plan):
+            pass
+
+
 def reasons(who: str, rows: list[dict[str, Any]]) -> list[str]:
     """The first diverging probe per output kind, in decode order, named for the user."""
     failed = [r for r in rows if not r["ok"]]

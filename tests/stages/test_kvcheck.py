@@ -8,6 +8,7 @@ each, naming the probe and the position."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -62,15 +63,21 @@ def test_each_cache_bug_passes_every_other_stage_and_kvcheck_stops_it(
     report = bugs.run("kvcheck", spec)
     assert report.status.value == "failed"
     assert report.stage == "kvcheck"
-    torch_reason, onnx_reason = report.reasons
+    torch_reason, onnx_reason, shipped_reason = report.reasons
     assert torch_reason.startswith(f"PyTorch: {probe} differs from a full recompute")
     assert onnx_reason.startswith(f"ONNX Runtime: {probe} differs from a full recompute")
+    # the shipped INT8 graph carries the model's bug too, judged against its own full pass
+    pinned = re.match(
+        r"shipped graph \((\d+) dynamic quantization scale\(s\) pinned\): ", shipped_reason
+    )
+    assert pinned and int(pinned[1]) > 0, shipped_reason
+    assert shipped_reason[pinned.end() :].startswith(f"{probe} differs from a full recompute")
     assert report.metrics["worst_normalized_error"] > 1
 
 
 def test_the_same_decoder_without_a_bug_passes_with_the_same_probes(bugs: Workspace) -> None:
     spec = bug_spec("none")
-    for stage in ("pin", "export"):
+    for stage in ("pin", "export", "quantize"):
         assert bugs.run(stage, spec).status.value == "passed"
     report = bugs.run("kvcheck", spec)
     assert report.status.value == "passed", report.reasons
@@ -85,7 +92,7 @@ def test_the_same_decoder_without_a_bug_passes_with_the_same_probes(bugs: Worksp
 def test_a_clipped_past_passes_at_its_window_and_fails_one_token_past_it(
     bugs: Workspace,
 ) -> None:
-    for stage in ("pin", "export"):
+    for stage in ("pin", "export", "quantize"):
         bugs.run(stage, bug_spec("clip"))
     at = bugs.run("kvcheck", bug_spec("clip", steps=0, padded=False, past_lengths=[32]))
     assert at.status.value == "passed", at.reasons
@@ -110,7 +117,7 @@ def test_a_dropped_token_is_found_in_the_presents_at_its_position() -> None:
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     ws = Workspace(tmp_path_factory.mktemp("gpt2-kv"))
-    for stage in ("pin", "export"):
+    for stage in ("pin", "export", "quantize"):
         assert ws.run(stage, gpt2_spec()).status.value == "passed"
     return ws
 
@@ -338,7 +345,7 @@ def test_run_stage_names_the_stage_the_step_and_the_position_and_exits_3(
     import sys
 
     spec = bug_spec("restart")
-    for stage in ("pin", "export"):
+    for stage in ("pin", "export", "quantize"):
         assert bugs.run(stage, spec).status.value == "passed"
     path = bugs.write(spec)
     done = subprocess.run(
@@ -374,3 +381,157 @@ def test_without_a_padded_batch_the_report_says_padded_rows_were_not_checked(
     assert report.status.value == "passed"
     assert "padded rows not checked" in report.summary
     assert not any(r["probe"].startswith("padded") for r in report.details["onnx"])
+
+
+# ------------------------------------------------------------------ the shipped graph
+def _layout(ws: Workspace) -> Any:
+    from schemas.artifacts import ModelInfo
+    from stages.onnx import shapes as sh
+
+    info = ModelInfo.model_validate_json(
+        (ws.out("tiny-gpt2", "export") / "model_info.json").read_text()
+    )
+    inputs = tuple(
+        sh.Tensor(t.name, t.dtype, tuple(t.axes), t.low or 0, 1 if t.high is None else t.high)
+        for t in info.inputs
+    )
+    return sh.Layout(inputs, tuple(sh.Tensor(t.name, t.dtype, tuple(t.axes)) for t in info.outputs))
+
+
+def _session(path: Path, edit: Any = None) -> Any:
+    import onnxruntime as ort
+
+    from stages.onnx import stream
+
+    with stream.external_view(path, edit) as view:
+        session = ort.InferenceSession(str(view), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return lambda feeds: dict(zip(names, session.run(names, feeds), strict=True))
+
+
+def _self_check(run: Any, lay: Any, release: Any) -> list[dict[str, Any]]:
+    from stages.onnx import kvcache as kv
+
+    plan = kv.make_plan(release.export.dims, release.parity.kv)
+    tokens = kv.sequences(kv.vocab_of(lay), 64, release.parity.kv.seed)
+    refs = {(k, r, n): ref for k, r, n, ref in kv.references(run, lay, tokens, plan)}
+    return kv.check(
+        run,
+        lay,
+        tokens,
+        plan,
+        lambda k, r, n: refs[(k, r, n)],
+        release.parity.kv.tolerance,
+        release.parity,
+    )
+
+
+def test_dynamic_int8_decodes_apart_through_its_cache_until_its_scales_are_pinned(
+    gpt2: Workspace,
+) -> None:
+    """Why the shipped graph is checked pinned: a correct INT8-dynamic graph judged against
+    its own full pass fails (a per-call scale couples positions); pinned, it is exact. And
+    pinning to one pass's own ranges reproduces that pass bit for bit (the range each scale
+    covered is recovered right)."""
+    from schemas.loader import load_release
+    from stages.onnx import kvcache as kv
+    from stages.quant import pinned as pq
+
+    release = load_release(gpt2.write(gpt2_spec()))
+    lay, path = _layout(gpt2), gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
+    raw = _self_check(_session(path), lay, release)
+    assert not all(r["ok"] for r in raw)  # the noise the pinning removes
+
+    exposed: list[tuple[str, str, str]] = []
+    raw_all = _session(path, lambda g: exposed.extend(pq.expose_scales(g)))
+    ranges = pq.Ranges()
+    feeds = kv.feeds(lay, kv.sequences(kv.vocab_of(lay), 12, 3)[:1], np.ones((1, 12)), None)
+    want = pq.collector(raw_all, exposed, ranges)(feeds)
+    assert len(exposed) == 9
+    got = _session(path, lambda g: pq.pin(g, ranges))(feeds)
+    for name in (t.name for t in lay.outputs):
+        assert np.array_equal(want[name], got[name]), name
+
+    ranges = pq.Ranges()
+    kv.exercise(
+        pq.collector(raw_all, exposed, ranges),
+        lay,
+        kv.sequences(kv.vocab_of(lay), 64, release.parity.kv.seed),
+        kv.make_plan(release.export.dims, release.parity.kv),
+    )
+    pinned = _self_check(_session(path, lambda g: pq.pin(g, ranges)), lay, release)
+    assert all(r["ok"] for r in pinned), kv.reasons("pinned", pinned)
+
+
+def test_a_quantized_graph_whose_cache_path_is_off_is_stopped_on_the_shipped_graph(
+    gpt2: Workspace,
+) -> None:
+    """A quantizer that leaves one layer's past values 0.1 % off (everything else intact):
+    PyTorch and the export pass, kvcheck stops the shipped graph at the first cached step."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    shipped = gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
+    kept = shipped.read_bytes()
+    graph = onnx.load(shipped)
+    past = "past_key_values.0.value"
+    for node in graph.graph.node:
+        node.input[:] = [f"{past}/off" if x == past else x for x in node.input]
+    off = helper.make_tensor("off", TensorProto.FLOAT, [], [1.001])
+    graph.graph.node.insert(0, helper.make_node("Mul", [past, "off"], [f"{past}/off"]))
+    graph.graph.initializer.append(off)
+    try:
+        shipped.unlink()  # quantize's output may be a hard link: never write through it
+        onnx.save(graph, shipped)
+        report = gpt2.run("kvcheck", gpt2_spec())
+    finally:
+        shipped.unlink()
+        shipped.write_bytes(kept)
+    assert report.status.value == "failed"
+    (reason,) = report.reasons  # PyTorch and the export are right
+    assert reason.startswith(
+        "shipped graph (9 dynamic quantization scale(s) pinned): cached decode at step 0 "
+        "(past 3): logits at position 3 differs from a full recompute"
+    ), reason
+    assert gpt2.run("kvcheck", gpt2_spec()).status.value == "passed"
+
+
+def test_a_release_shipping_the_export_checks_it_once(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    spec = gpt2_spec()
+    spec["quantization"] = {"method": "none"}
+    for stage in ("pin", "export", "quantize"):
+        assert ws.run(stage, spec).status.value == "passed"
+    report = ws.run("kvcheck", spec)
+    assert report.status.value == "passed", report.reasons
+    assert "the shipped graph (the export itself: quantization.method none)" in report.summary
+    assert report.details["shipped"]["rows"] == []
+
+
+def test_a_fused_dynamic_kernel_cannot_be_pinned_and_is_refused_naming_the_node(
+    tmp_path: Path,
+) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    from stages.quant import pinned as pq
+
+    node = helper.make_node(
+        "DynamicQuantizeMatMul",
+        ["x", "w", "s", "z"],
+        ["y"],
+        name="mlp/fused",
+        domain="com.microsoft",
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph), path)
+    with pytest.raises(StageError) as exc:
+        pq.refuse_unpinnable(path)
+    assert "node 'mlp/fused' (DynamicQuantizeMatMul, 1 such)" in exc.value.message
+    assert "quantize_dynamic" in exc.value.hint
