@@ -1,0 +1,13 @@
+"""The generation engine the bundle ships (as the package `shipyard_engine`, next to the
+server entry that uses it): one scheduler that batches decode steps, not requests.
+
+- `params`: what a request may ask (sampling, stops, limits), refused when unknown;
+- `sampler`: temperature, top-k, top-p, repetition penalty, seeded;
+- `text`: the shipped tokenizer, incremental detokenization, stop strings, chat templates;
+- `kv`: the running batch's KV cache (left-padded rows, joined and filtered between steps);
+- `scheduler`: iteration-level (continuous) batching with chunked prefill, admission
+  against the KV budget, ageing, prefix caching, and a request-level policy to compare.
+
+It imports only numpy, onnxruntime, pydantic, tokenizers and jinja2: the front ends (the
+MLServer runtime, the Triton python model) are thin adapters over `scheduler.Engine`.
+"""

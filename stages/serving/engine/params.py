@@ -1,0 +1,56 @@
+"""What one generation request may ask: checked, never ignored (an unknown name is a 400)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOPS = 16
+MAX_LOGPROBS = 20
+
+
+class BadParameter(ValueError):
+    """A request parameter the engine refuses; the front ends answer 400 with the message."""
+
+
+class GenerationParams(BaseModel):
+    """Sampling and stopping for one sequence. Temperature 0 is greedy decoding."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(default=16, ge=1, description="Tokens to generate at most.")
+    temperature: float = Field(default=1.0, ge=0, le=100, description="0: greedy.")
+    top_k: int = Field(default=0, ge=0, description="Keep the k most likely tokens; 0: all.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus mass to keep.")
+    repetition_penalty: float = Field(
+        default=1.0, gt=0, le=10, description="> 1 discourages tokens already in the text."
+    )
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description="Same seed, same tokens.")
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOPS)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
+    ignore_eos: bool = Field(default=False, description="Generate past the model's EOS.")
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="Top alternatives to return per token."
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError("a stop string must not be empty")
+        return value
+
+
+def parse(given: dict[str, Any], defaults: dict[str, Any] | None = None) -> GenerationParams:
+    """`given` over `defaults` (the model's generation config), or BadParameter naming the
+    parameter and what it must be."""
+    try:
+        return GenerationParams.model_validate({**(defaults or {}), **given})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "request"
+        if first["type"] == "extra_forbidden":
+            known = ", ".join(GenerationParams.model_fields)
+            raise BadParameter(f"unknown parameter {where!r}; known: {known}") from None
+        raise BadParameter(f"parameter {where!r}: {first['msg']}") from None

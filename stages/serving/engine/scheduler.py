@@ -1,0 +1,388 @@
+"""Iteration-level (continuous) batching over a KV-cache graph, the way LLM servers do it.
+
+One thread owns the graph. Each iteration it
+1. drops cancelled and timed-out requests, and admits waiting ones while a row is free and
+   the padded cache (rows x longest total) stays within the KV budget, first come first
+   served; a request that does not fit may be overtaken by later ones that do, until it has
+   waited `max_wait_s`, after which nobody overtakes it (so neither a long request nor the
+   short ones behind it starve);
+2. prefills admitted prompts, at most `chunk` tokens per iteration across them (a long
+   prompt is prefilled in chunks between decode steps, so it does not stall running ones),
+   starting from the longest cached prefix when prefix caching is on; a prompt whose
+   prefill ends samples its first token and joins the running batch;
+3. runs one decode step for every running sequence together, samples each row, and lets
+   rows leave at EOS, a stop token or string, or their token limit.
+
+The `request` policy is the request-level baseline: a batch is admitted only when the
+previous one has finished, and nobody joins it midway.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import sampler
+from .kv import Batch, empty_past, positions_from_mask
+from .params import BadParameter, GenerationParams
+from .text import Detokenizer, Text
+
+PAST, PRESENT = "past_key_values.", "present."
+
+
+class EngineSettings(BaseModel):
+    """The engine's limits, rendered by the serve stage from the spec and the plan."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_rows: int = Field(ge=1, description="Sequences decoded together (max_batch_size).")
+    max_context: int = Field(ge=1, description="Prompt + generated tokens of one sequence.")
+    chunk: int = Field(ge=1, description="Prefill tokens per iteration (export sequence.max).")
+    max_past: int = Field(ge=0, description="The export's past_sequence.max.")
+    kv_budget_tokens: int = Field(ge=1, description="Padded cache size the batch may hold.")
+    max_queue: int = Field(default=0, ge=0, description="Waiting requests; 0: unbounded.")
+    timeout_s: float = Field(default=0.0, ge=0, description="Wait for admission; 0: forever.")
+    max_wait_s: float = Field(default=1.0, ge=0, description="Ageing: overtaken this long.")
+    policy: Literal["continuous", "request"] = "continuous"
+    prefix_cache_tokens: int = Field(default=0, ge=0, description="0: no prefix caching.")
+    prefix_block: int = Field(default=16, ge=1, description="Prefixes cached in blocks.")
+    eos_token_ids: list[int] = Field(default_factory=list, description="generation_config's.")
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at max_queue: answered at once (503), never queued."""
+
+
+@dataclass
+class Event:
+    """One step of a sequence's output, in order; the last has `finish` (or `error`)."""
+
+    token: int | None = None
+    text: str = ""
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+    finish: str | None = None  # "stop" | "length" | "abort"
+    error: str | None = None
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Graph:
+    """The KV-cache graph: its past inputs, presents, whether it takes position_ids."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        inputs = session.get_inputs()
+        self.spec = [
+            (i.name, int(i.shape[1]), int(i.shape[3])) for i in inputs if i.name.startswith(PAST)
+        ]
+        self.presents = [n.replace("past_key_values.", PRESENT) for n, _, _ in self.spec]
+        self.positions = any(i.name == "position_ids" for i in inputs)
+        first = next(i for i in inputs if i.name.startswith(PAST))
+        self.dtype = np.dtype(np.float16 if "float16" in first.type else np.float32)
+        logits = next(o for o in session.get_outputs() if o.name == "logits")
+        self.vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else 0
+        self.bytes_per_token = sum(h * d for _, h, d in self.spec) * self.dtype.itemsize
+
+    def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        logits, *present = self.session.run(["logits", *self.presents], feeds)
+        return logits, dict(zip((n for n, _, _ in self.spec), present, strict=True))
+
+
+class PrefixCache:
+    """KV of prompt prefixes in whole blocks, least recently used evicted first."""
+
+    def __init__(self, capacity: int, block: int) -> None:
+        self.capacity, self.block = capacity, block
+        self.entries: collections.OrderedDict[tuple[int, ...], dict[str, np.ndarray]] = (
+            collections.OrderedDict()
+        )
+        self.held = 0
+        self.hits = self.misses = self.hit_tokens = 0
+
+    def lookup(self, prompt: list[int]) -> tuple[int, dict[str, np.ndarray] | None]:
+        """The longest cached block-aligned prefix shorter than the prompt (one token at
+        least is left to prefill: its logits give the first token)."""
+        for n in range((len(prompt) - 1) // self.block * self.block, 0, -self.block):
+            key = tuple(prompt[:n])
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                self.hits, self.hit_tokens = self.hits + 1, self.hit_tokens + n
+                return n, self.entries[key]
+        self.misses += 1
+        return 0, None
+
+    def store(self, prompt: list[int], past: dict[str, np.ndarray]) -> None:
+        n = (len(prompt) - 1) // self.block * self.block
+        key = tuple(prompt[:n])
+        if n == 0 or n > self.capacity or key in self.entries:
+            return
+        while self.held + n > self.capacity:
+            old, _ = self.entries.popitem(last=False)
+            self.held -= len(old)
+        self.entries[key] = {k: np.ascontiguousarray(v[:, :, :n]) for k, v in past.items()}
+        self.held += n
+
+
+@dataclass
+class Sequence:
+    key: int
+    prompt: list[int]
+    params: GenerationParams
+    emit: Callable[[Event], None]
+    arrival: float
+    rng: np.random.Generator
+    detok: Detokenizer | None
+    stops: frozenset[int]
+    generated: list[int] = field(default_factory=list)
+    done: int = 0  # prompt tokens prefilled
+    past: dict[str, np.ndarray] | None = None  # its own cache while it prefills
+    cached: int = 0
+    cancelled: bool = False
+
+    @property
+    def total(self) -> int:
+        return len(self.prompt) + self.params.max_tokens
+
+
+class Handle:
+    def __init__(self, engine: Engine, seq: Sequence) -> None:
+        self._engine, self._seq = engine, seq
+
+    def cancel(self) -> None:
+        """The client went away: the sequence leaves at the next iteration."""
+        self._seq.cancelled = True
+        self._engine._wake()
+
+
+class Engine:
+    def __init__(self, graph: Graph, settings: EngineSettings, text: Text | None = None) -> None:
+        self.graph, self.settings, self.text = graph, settings, text
+        self.eos = frozenset(settings.eos_token_ids)
+        self.batch = Batch(graph.spec, graph.dtype)
+        self.rows: dict[int, Sequence] = {}  # running, by key
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.prefilling: list[Sequence] = []
+        self.prefix = (
+            PrefixCache(settings.prefix_cache_tokens, settings.prefix_block)
+            if settings.prefix_cache_tokens
+            else None
+        )
+        self.steps = 0
+        self._ids = itertools.count()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="shipyard-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ requests in
+    def check(self, prompt: list[int], params: GenerationParams) -> None:
+        """BadParameter for a request the graph cannot serve (the front ends answer 400)."""
+        s, n = self.settings, len(prompt)
+        if n < 1:
+            raise BadParameter("the prompt is empty: send at least one token")
+        if self.graph.vocab and not 0 <= min(prompt) <= max(prompt) < self.graph.vocab:
+            raise BadParameter(f"token ids must lie in [0, {self.graph.vocab}) (the vocabulary)")
+        if n + params.max_tokens - 1 > s.max_context:
+            raise BadParameter(
+                f"prompt {n} + max_tokens {params.max_tokens} - 1 exceeds the served context "
+                f"{s.max_context}"
+            )
+        if n + params.max_tokens - 2 > s.max_past:
+            raise BadParameter(
+                f"prompt {n} + max_tokens {params.max_tokens} needs a past of "
+                f"{n + params.max_tokens - 2} tokens; the export's past_sequence max is "
+                f"{s.max_past}"
+            )
+        if params.stop and self.text is None:
+            raise BadParameter("stop strings need the model's tokenizer, which is not shipped")
+
+    def submit(
+        self, prompt: list[int], params: GenerationParams, emit: Callable[[Event], None]
+    ) -> Handle:
+        self.check(prompt, params)
+        with self._cv:
+            if self.settings.max_queue and len(self.waiting) >= self.settings.max_queue:
+                raise QueueFull(
+                    f"queue full: {len(self.waiting)} requests waiting (max_queue_depth "
+                    f"{self.settings.max_queue}); retry later"
+                )
+            seq = Sequence(
+                next(self._ids),
+                list(prompt),
+                params,
+                emit,
+                time.monotonic(),
+                np.random.default_rng(params.seed),
+                Detokenizer(self.text, params.stop) if self.text is not None else None,
+                frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos),
+            )
+            self.waiting.append(seq)
+            self._cv.notify()
+        return Handle(self, seq)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stop or self.waiting or self.prefilling or self.rows):
+                    self._cv.wait()
+                if self._stop:
+                    break
+                self._drop()
+                self._admit()
+            try:
+                if self.prefilling:
+                    self._prefill()
+                if self.rows:
+                    self._decode()
+            except Exception as exc:  # the graph failed: every running request learns why
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+        self._fail_all("the server is shutting down", 503)
+
+    def _drop(self) -> None:
+        now, s = time.monotonic(), self.settings
+        keep: collections.deque[Sequence] = collections.deque()
+        for seq in self.waiting:
+            if seq.cancelled:
+                continue
+            if s.timeout_s and now - seq.arrival > s.timeout_s:
+                seq.emit(
+                    Event(
+                        error=f"not admitted within {s.timeout_s:g} s (request_timeout_seconds)",
+                        status=504,
+                    )
+                )
+                continue
+            keep.append(seq)
+        self.waiting = keep
+        self.prefilling = [q for q in self.prefilling if not q.cancelled]
+        gone = [k for k, q in self.rows.items() if q.cancelled]
+        for k in gone:
+            self.rows.pop(k).emit(Event(finish="abort"))
+        if gone:
+            self.batch.keep(list(self.rows))
+
+    def _admit(self) -> None:
+        s = self.settings
+        if s.policy == "request" and (self.rows or self.prefilling):
+            return
+        now, skipped = time.monotonic(), 0
+        while skipped < len(self.waiting):
+            seq = self.waiting[skipped]
+            if len(self.rows) + len(self.prefilling) >= s.max_rows:
+                return
+            if self._fits(seq):
+                del self.waiting[skipped]
+                self._start(seq)
+                continue
+            if s.policy == "request" or now - seq.arrival >= s.max_wait_s:
+                return  # it has waited long enough: nobody overtakes it
+            skipped += 1
+
+    def _fits(self, seq: Sequence) -> bool:
+        active = [*self.rows.values(), *self.prefilling, seq]
+        return len(active) * max(q.total for q in active) <= self.settings.kv_budget_tokens
+
+    def _start(self, seq: Sequence) -> None:
+        if self.prefix is not None:
+            seq.cached, seq.past = self.prefix.lookup(seq.prompt)
+            seq.done = seq.cached
+        self.prefilling.append(seq)
+
+    def _prefill(self) -> None:
+        budget = self.settings.chunk
+        for seq in list(self.prefilling):
+            if budget <= 0:
+                break
+            n = min(budget, self.settings.chunk, len(seq.prompt) - seq.done)
+            ids = np.array([seq.prompt[seq.done : seq.done + n]], np.int64)
+            past = (
+                seq.past
+                if seq.past is not None
+                else empty_past(self.graph.spec, 1, self.graph.dtype)
+            )
+            mask = np.ones((1, seq.done + n), np.int64)
+            feeds = {"input_ids": ids, "attention_mask": mask, **past}
+            if self.graph.positions:
+                feeds["position_ids"] = positions_from_mask(mask, n)
+            logits, seq.past = self.graph.run(feeds)
+            seq.done, budget = seq.done + n, budget - n
+            if seq.done < len(seq.prompt):
+                continue
+            self.prefilling.remove(seq)
+            if self.prefix is not None:
+                self.prefix.store(seq.prompt, seq.past)
+            if self._take(seq, logits[0, -1]):
+                self.batch.join(seq.key, seq.past)
+                self.rows[seq.key] = seq
+            seq.past = None
+
+    def _decode(self) -> None:
+        order = list(self.rows)
+        tokens = np.array([self.rows[k].generated[-1] for k in order], np.int64)
+        logits, presents = self.graph.run(self.batch.feeds(tokens, self.graph.positions))
+        self.batch.advance(presents)
+        self.steps += 1
+        for row, key in enumerate(order):
+            if not self._take(self.rows[key], logits[row, -1]):
+                del self.rows[key]
+        self.batch.keep(list(self.rows))
+
+    def _take(self, seq: Sequence, logits: np.ndarray) -> bool:
+        """Sample, emit; whether the sequence goes on."""
+        p = seq.params
+        seen = (
+            np.array([*seq.prompt, *seq.generated], np.int64)
+            if p.repetition_penalty != 1
+            else _NONE
+        )
+        token = sampler.choose(logits, p, seq.rng, seen)
+        seq.generated.append(token)
+        event = Event(token=token, prompt_tokens=len(seq.prompt), cached_tokens=seq.cached)
+        if p.logprobs is not None:
+            event.logprob, event.top = sampler.top_logprobs(logits, token, p.logprobs)
+        stopped = token in seq.stops
+        if seq.detok is not None and not stopped:
+            event.text, stopped = seq.detok.add(token)
+        if not stopped and len(seq.generated) >= p.max_tokens:
+            event.finish = "length"
+        elif stopped:
+            event.finish = "stop"
+        if event.finish and seq.detok is not None:
+            event.text += seq.detok.flush()
+        event.completion_tokens = len(seq.generated)
+        seq.emit(event)
+        return event.finish is None
+
+    def _fail_all(self, why: str, status: int = 500) -> None:
+        with self._cv:
+            for seq in [*self.rows.values(), *self.prefilling, *self.waiting]:
+                seq.emit(Event(error=why, status=status))
+            self.rows.clear()
+            self.prefilling.clear()
+            self.waiting.clear()
+            self.batch = Batch(self.graph.spec, self.graph.dtype)
+
+
+_NONE = np.zeros(0, np.int64)
