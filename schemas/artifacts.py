@@ -234,6 +234,9 @@ class ServingValues(Artifact):
     instance_count: int
     instance_kind: str
     warmup: bool
+    scheduling: str
+    prefix_caching: bool
+    max_wait_ms: float
 
 
 # loadtest ----------------------------------------------------------------------------------

@@ -5,13 +5,18 @@ Outputs, laid out as they sit in the bundle:
 - `serving/triton/<release>/config.pbtxt`: a Triton model repository entry (onnxruntime
   backend; the bundle adds `1/model.onnx`), parsed back with Triton's own protobuf;
 - `serving/mlserver/`: `settings.json` and `<release>/model-settings.json` plus the
-  `shipyard_runtime.py` that serves the model over the Open Inference Protocol.
+  `shipyard_runtime.py` that serves the model (Open Inference Protocol, and the OpenAI API
+  for generating and embedding tasks) and the generation engine it drives, `shipyard_engine/`;
+- `serving/text/`: the tokenizer files the runtime reads text with (when the model ships a
+  `tokenizer.json`): `tokenizer_config.json` and `chat_template.jinja` where present.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from schemas import ReleaseSpec
 from schemas.artifacts import (
@@ -26,6 +31,9 @@ from stages.serving.render import render
 
 NAME = "serve"
 RUNTIME = Path(__file__).parent / "serving" / "mlserver_runtime.py"  # ships as shipyard_runtime.py
+ENGINE = Path(__file__).parent / "serving" / "engine"  # ships as shipyard_engine/
+TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TEXT_DIR = "serving/text"
 
 
 def rendered(release: str) -> dict[str, str]:
@@ -41,12 +49,15 @@ def rendered(release: str) -> dict[str, str]:
 
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
-        params=("version", "task", "bundle.serving", "bundle.ort_session"),
+        params=("version", "task", "model", "bundle.serving", "bundle.ort_session"),
         reads=(ModelInfo, QuantInfo, CapacityPlan),
+        # the tokenizer files and generation config it ships come from the model's folder
+        reads_model=True,
         # the templates it renders (named once, in rendered()) and the runtime it ships
         code=(
             *sorted({f"stages/templates/{t}" for t in rendered(release.name).values()}),
             "stages/serving/mlserver_runtime.py",
+            *sorted(f"stages/serving/engine/{p.name}" for p in ENGINE.glob("*.py")),
         ),
     )
 
@@ -55,6 +66,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     info, plan = ctx.read(ModelInfo), ctx.read(CapacityPlan)
     values = configs.serving_values(release, info, plan, ctx.read(QuantInfo).dtype)
     ctx.write(values)
+    text, generation = _text(ctx, release)
+    settings = configs.runtime_settings(release, info, plan, values, text, generation)
     triton = configs.triton_values(info, values)
     context = {
         **values.model_dump(),
@@ -68,25 +81,40 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         # past of at most past_sequence.max (0 = no such dim: the runtime does not check)
         # what the runtime returns (TASKS): generated ids, labels and scores, or the tensors
         "serving_kind": TASKS[release.task].serving,
-        "labels": info.labels or [],
-        # [low, high) per integer input: the runtime refuses other values with 400 (an id
-        # past its embedding table is an ONNX Runtime error, a 500, otherwise)
-        "input_bounds": {
-            t.name: [int(t.low), int(t.high)]
-            for t in info.inputs
-            if t.low is not None and t.high is not None
-        },
-        "max_prompt_tokens": info.dims["sequence"].max if "sequence" in info.dims else 0,
-        "max_past_tokens": info.dims["past_sequence"].max if "past_sequence" in info.dims else 0,
+        # everything the shipped runtime reads, typed (stages/serving/engine/settings.py)
+        "runtime": settings.model_dump(mode="json"),
     }
     files = render(ctx.work, rendered(ctx.release), context)
     for path in files:
         configs.parse_back(path, info, values)
-    runtime = ctx.work / "serving" / "mlserver" / ctx.release / "shipyard_runtime.py"
-    shutil.copyfile(RUNTIME, runtime)
+    entry = ctx.work / "serving" / "mlserver" / ctx.release
+    shutil.copyfile(RUNTIME, entry / "shipyard_runtime.py")
+    (entry / "shipyard_engine").mkdir()
+    for module in sorted(ENGINE.glob("*.py")):
+        shutil.copyfile(module, entry / "shipyard_engine" / module.name)
     return StageResult.passed(
         f"{len(files)} configs rendered and parsed back; max_batch_size "
         f"{values.max_batch_size}, context {values.max_context_length}",
         metrics={"max_batch_size": values.max_batch_size},
         details={"serving": values.model_dump(), "files": sorted(rendered(ctx.release))},
     )
+
+
+def _text(ctx: StageContext, release: ReleaseSpec) -> tuple[str | None, dict[str, Any]]:
+    """Copy the tokenizer files into serving/text/ (text in and out of the server) and read
+    the generation config (EOS ids, sampling defaults). A model without a tokenizer.json is
+    served with token ids only."""
+    folder = ctx.root / release.model.path if release.model.kind == "hf" else None
+    if folder is None:
+        return None, {}
+    gen_file = folder / "generation_config.json"
+    generation = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.is_file() else {}
+    if not (folder / "tokenizer.json").is_file():
+        return None, generation if isinstance(generation, dict) else {}
+    out = ctx.work / TEXT_DIR
+    out.mkdir(parents=True)
+    for name in TEXT_FILES:
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, out / name)
+    # relative to serving/mlserver/<release>/model-settings.json
+    return "../../text", generation if isinstance(generation, dict) else {}

@@ -73,6 +73,22 @@ class ServingConfig(Strict):
         default="KIND_CPU", description="Triton instance_group kind."
     )
     warmup: bool = Field(default=True, description="Triton model_warmup with a max-shape request.")
+    scheduling: Literal["continuous", "request"] = Field(
+        default="continuous",
+        description="causal-lm: batch decode steps (requests join and leave between steps), "
+        "or request-level (a batch runs to its end before the next is admitted).",
+    )
+    prefix_caching: bool = Field(
+        default=True,
+        description="causal-lm: reuse the KV cache of a shared prompt prefix, within the "
+        "KV budget, least recently used evicted first.",
+    )
+    max_wait_ms: float = Field(
+        default=1000.0,
+        ge=0,
+        description="causal-lm: how long a waiting request that does not fit may be overtaken "
+        "by later ones that do (ageing).",
+    )
 
 
 class OrtSessionConfig(Strict):

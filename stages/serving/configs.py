@@ -18,6 +18,9 @@ from schemas.artifacts import (
 )
 from schemas.tasks import TASKS
 from stages.onnx import shapes as sh
+from stages.serving.engine.scheduler import EngineSettings
+from stages.serving.engine.settings import BatchingSettings, RuntimeSettings
+from stages.serving.engine.text import eos_ids, sampling_defaults
 from stages.serving.layout import MODEL_DIR
 from stages.serving.render import parse_triton
 
@@ -83,6 +86,66 @@ def serving_values(release: Any, info: ModelInfo, plan: CapacityPlan, dtype: str
         instance_count=s.instance_count,
         instance_kind=s.instance_kind,
         warmup=s.warmup,
+        scheduling=s.scheduling,
+        prefix_caching=s.prefix_caching,
+        max_wait_ms=s.max_wait_ms,
+    )
+
+
+def runtime_settings(
+    release: Any,
+    info: ModelInfo,
+    plan: CapacityPlan,
+    values: ServingValues,
+    text: str | None,
+    generation: dict[str, Any],
+) -> RuntimeSettings:
+    """What the shipped runtime reads (parameters.extra of model-settings.json), typed."""
+    task = TASKS[release.task]
+    batch_rows = values.max_batch_size if "batch" in info.dims else 1
+    batching = BatchingSettings(
+        max_rows=batch_rows,
+        enabled=values.dynamic_batching and batch_rows > 1,
+        delay_s=values.max_queue_delay_microseconds / 1e6,
+        instances=values.instance_count,
+        max_queue=values.max_queue_depth,
+        timeout_s=values.request_timeout_seconds,
+    )
+    engine = None
+    if task.serving == "generate":
+        per_token = max(1, plan.kv_bytes_per_sequence // max(plan.context, 1))
+        engine = EngineSettings(
+            # dynamic batching off: one sequence decodes at a time
+            max_rows=values.max_batch_size if values.dynamic_batching else 1,
+            max_context=values.max_context_length,
+            chunk=info.dims["sequence"].max,
+            max_past=info.dims["past_sequence"].max,
+            kv_budget_tokens=max(1, values.kv_cache_budget // per_token),
+            max_queue=values.max_queue_depth,
+            timeout_s=values.request_timeout_seconds,
+            max_wait_s=values.max_wait_ms / 1000,
+            policy=values.scheduling,  # type: ignore[arg-type]
+            prefix_cache_tokens=max(1, values.kv_cache_budget // per_token)
+            if values.prefix_caching
+            else 0,
+            eos_token_ids=eos_ids(generation),
+        )
+    return RuntimeSettings(
+        task=release.task,
+        serving=task.serving,
+        labels=info.labels or [],
+        input_bounds={
+            t.name: (int(t.low), int(t.high))
+            for t in info.inputs
+            if t.low is not None and t.high is not None
+        },
+        max_sequence=info.dims["sequence"].max if "sequence" in info.dims else None,
+        embedding_output="sentence_embedding" if task.pooled else None,
+        ort_session="../../../ort_session.json",
+        text=text,
+        sampling_defaults=sampling_defaults(generation),
+        batching=batching,
+        engine=engine,
     )
 
 

@@ -40,7 +40,8 @@ def request(
     base: str, info: ModelInfo, batch: int, length: int, tokens: int, stream: bool
 ) -> lg.Request:
     causal = TASKS[info.task].serving == "generate"
-    params = {"max_new_tokens": tokens} if causal else None
+    # a fixed output length, as benchmark tools ask it (the model's EOS would cut it short)
+    params = {"max_new_tokens": tokens, "ignore_eos": True} if causal else None
     return lg.Request(
         url=f"{base}/{'infer_stream' if stream else 'infer'}",
         body=lg.v2_body(_inputs(info, batch, length), params),

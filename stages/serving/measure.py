@@ -66,7 +66,8 @@ def batching(
     if cfg.target is not None:
         return {"skipped": "external target: its batching cannot be switched from here"}
     settings = tree / "serving" / "mlserver" / model / "model-settings.json"
-    if not json.loads(settings.read_text())["parameters"]["extra"]["dynamic_batching"]:
+    extra = json.loads(settings.read_text())["parameters"]["extra"]
+    if not (extra["batching"]["enabled"] or (extra.get("engine") or {}).get("max_rows", 1) > 1):
         return {"skipped": "the served config has dynamic batching off (bundle.serving)"}
     r = cfg.ramp
     with LocalServer(

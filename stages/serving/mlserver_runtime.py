@@ -1,35 +1,46 @@
-"""MLServer runtime for a Shipyard bundle: ONNX Runtime behind the Open Inference Protocol.
+"""MLServer runtime for a Shipyard bundle: ONNX Runtime behind the Open Inference Protocol
+and, for generating and embedding tasks, the OpenAI API.
 
-The bundle ships this file next to `model-settings.json`; MLServer imports it from there
-(`implementation: shipyard_runtime.ShipyardOnnxRuntime`). It needs only mlserver,
-onnxruntime and numpy.
+The bundle ships this file next to `model-settings.json` (`implementation:
+shipyard_runtime.ShipyardOnnxRuntime`) with the generation engine beside it
+(`shipyard_engine/`); `parameters.extra` is the typed `RuntimeSettings`. It needs mlserver,
+onnxruntime, numpy, and for text the `tokenizers` library (jinja2 for chat templates).
 
 - every task: `infer` feeds the request's tensors by name and returns every graph output;
   a label task (sequence/token classification, `serving: labels`) adds `label` (BYTES, the
   top class's name from the model's id2label) and `score` (FP32, its softmax probability).
-- Concurrent `infer` requests are batched by the runtime itself (see Batcher), not by
-  MLServer's adaptive batching, which would merge incompatible requests.
-- a generating task (causal-lm, `serving: generate`): `infer` takes `input_ids` INT64
-  [batch, prompt] and the request parameter `max_new_tokens` (default 1) and returns
-  `output_ids` INT64 [batch, max_new_tokens] by greedy decoding with the KV-cache graph
-  (prefill runs on the same graph with an empty past). `infer_stream` / `generate_stream`
-  yield one response per decoded token.
+  Concurrent requests are batched by the runtime itself (Batcher), not by MLServer's
+  adaptive batching, which would merge incompatible requests.
+- a generating task (causal-lm, `serving: generate`): every request goes to one engine
+  (shipyard_engine.scheduler) that batches decode steps, so requests join and leave between
+  steps. `infer` takes `input_ids` INT64 [batch, prompt] or `text` BYTES [batch] and the
+  generation parameters (`max_new_tokens` or `max_tokens`, `temperature` (default 0:
+  greedy), `top_k`, `top_p`, `repetition_penalty`, `seed`, `stop`, `stop_token_ids`,
+  `ignore_eos`); it returns `output_ids` INT64 [batch, longest] (-1 after a row's end),
+  `finish_reason` and, with a tokenizer, `text`. `infer_stream` yields one response per token.
+  `/v1/completions`, `/v1/chat/completions` (SSE when streamed) and `/v1/models` speak the
+  OpenAI API; a text-embedding bundle answers `/v1/embeddings`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
 from mlserver import MLModel
-from mlserver.codecs import NumpyCodec
+from mlserver.codecs import NumpyCodec, StringCodec
 from mlserver.errors import MLServerError
+from mlserver.handlers import custom_handler
 from mlserver.types import InferenceRequest, InferenceResponse, Parameters, ResponseOutput
 from mlserver.utils import get_model_uri
 
@@ -152,51 +163,6 @@ def session_from(model_path: Path, config: dict[str, Any]) -> ort.InferenceSessi
     return ort.InferenceSession(str(model_path), options, providers=providers)
 
 
-def positions_from_mask(mask: np.ndarray, width: int) -> np.ndarray:
-    """Position ids of the last `width` tokens of a [batch, total] mask, as transformers'
-    generate derives them (cumsum of the mask - 1; padding at 0, masked out): a row
-    left-padded by 3 numbers its first real token 0, not 3."""
-    positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0) * (mask != 0)
-    return positions[:, positions.shape[-1] - width :].astype(np.int64)
-
-
-class Decoder:
-    """Greedy decoding with a KV-cache graph: inputs input_ids, attention_mask, past_*."""
-
-    def __init__(self, session: ort.InferenceSession, max_context: int) -> None:
-        self.session = session
-        self.max_context = max_context
-        self.past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
-        self.present = [o.name for o in session.get_outputs() if o.name.startswith("present.")]
-        self.float = np.float16 if "float16" in (self.past[0].type if self.past else "") else None
-        self.positions = any(i.name == "position_ids" for i in session.get_inputs())
-        logits = next(o for o in session.get_outputs() if o.name == "logits")
-        self.vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else 0
-
-    def _empty_past(self, batch: int) -> dict[str, np.ndarray]:
-        dtype = self.float or np.float32
-        return {
-            i.name: np.zeros((batch, i.shape[1], 0, i.shape[3]), dtype=dtype) for i in self.past
-        }
-
-    def steps(self, input_ids: np.ndarray, new_tokens: int) -> Iterator[np.ndarray]:
-        """Yields the next token ids [batch, 1], new_tokens times."""
-        batch, prompt = input_ids.shape
-        feeds: dict[str, np.ndarray] = {"input_ids": input_ids, **self._empty_past(batch)}
-        total = prompt
-        for _ in range(new_tokens):
-            mask = np.ones((batch, total), dtype=np.int64)
-            feeds["attention_mask"] = mask
-            if self.positions:
-                feeds["position_ids"] = positions_from_mask(mask, feeds["input_ids"].shape[1])
-            logits, *present = self.session.run(["logits", *self.present], feeds)
-            token = logits[:, -1, :].argmax(axis=-1).astype(np.int64)[:, None]
-            yield token
-            feeds = {"input_ids": token}
-            feeds.update(zip((i.name for i in self.past), present, strict=True))
-            total += 1
-
-
 class Batcher:
     """Dynamic batching that only merges compatible requests, Triton-style.
 
@@ -210,7 +176,7 @@ class Batcher:
 
     Limits, as Triton's queue policy: at most `max_queue` requests wait (more are refused at
     once with 503 "queue full"), and a request not answered within `timeout` seconds gets
-    504 and leaves the queue. Streams take an instance too (`instance()`).
+    504 and leaves the queue.
     """
 
     def __init__(
@@ -227,7 +193,7 @@ class Batcher:
         self.due: set[Any] = set()
         self.instances = instances
         self.max_queue, self.timeout = max_queue, timeout
-        self.waiting = 0  # requests queued, not yet running (streams included)
+        self.waiting = 0  # requests queued, not yet running
         self._slots: asyncio.Semaphore | None = None
 
     def _admit(self) -> None:
@@ -267,24 +233,6 @@ class Batcher:
                 f"request timed out after {self.timeout:g} s (request_timeout_seconds)"
             ) from None
         return result
-
-    @contextlib.asynccontextmanager
-    async def instance(self) -> AsyncIterator[None]:
-        """One model instance for a stream: counted in the queue while it waits."""
-        self._admit()
-        self.waiting += 1
-        try:
-            await asyncio.wait_for(self._semaphore().acquire(), self.timeout or None)
-        except TimeoutError:
-            raise TimedOut(
-                f"no model instance free within {self.timeout:g} s (request_timeout_seconds)"
-            ) from None
-        finally:
-            self.waiting -= 1
-        try:
-            yield
-        finally:
-            self._semaphore().release()
 
     def _make_due(self, key: Any) -> None:
         if self.pending.get(key) and key not in self.due:
@@ -355,48 +303,73 @@ def _rows(queue: list[tuple[dict[str, np.ndarray], Any]]) -> int:
     return sum(len(next(iter(arrays.values()))) for arrays, _ in queue)
 
 
+try:  # in a bundle: the engine ships beside this file as shipyard_engine/
+    import shipyard_engine as eng  # type: ignore[import-not-found]
+except ModuleNotFoundError:  # in the repository
+    from stages.serving import engine as eng
+
+GREEDY = {"temperature": 0.0}  # V2 requests decode greedily unless they ask otherwise
+
+
 class ShipyardOnnxRuntime(MLModel):
-    """Loads the bundle's ONNX model; parameters.extra carries task and session config."""
+    """Loads the bundle's ONNX model; parameters.extra is the typed RuntimeSettings."""
 
     async def load(self) -> bool:
         extra = dict(self.settings.parameters.extra or {}) if self.settings.parameters else {}
+        try:
+            self.config = eng.settings.RuntimeSettings.model_validate(extra)
+        except ValueError as exc:
+            raise RuntimeError(f"model-settings.json parameters.extra: {exc}") from None
+        c = self.config
         model_path = Path(await get_model_uri(self.settings))
         folder = Path(self.settings._source or ".").parent
-        config_file = extra.get("ort_session")
-        config = json.loads((folder / config_file).read_text()) if config_file else {}
-        self.task = extra.get("task", "generic")
-        self.serving = extra.get("serving", "tensors")  # generate | labels | tensors
-        self.labels = [str(x) for x in extra.get("labels") or []]
-        self.bounds = {
-            str(k): (int(v[0]), int(v[1])) for k, v in (extra.get("input_bounds") or {}).items()
-        }
-        self.session = session_from(model_path, config)
+        session_config = json.loads((folder / c.ort_session).read_text())
+        self.task, self.serving, self.labels = c.task, c.serving, list(c.labels)
+        self.bounds = {k: (int(v[0]), int(v[1])) for k, v in c.input_bounds.items()}
+        self.session = session_from(model_path, session_config)
+        self.text = eng.text.Text(folder / c.text) if c.text else None
+        self.max_request_rows = c.batching.max_rows
+        self.engine = None
         if self.serving == "generate":
-            self.decoder = Decoder(self.session, int(extra.get("max_context_length", 1 << 30)))
-        self.max_request_rows = int(extra.get("max_batch_rows", 1))  # the served batch
-        self.limits = {k: int(extra.get(k, 0)) for k in ("max_prompt_tokens", "max_past_tokens")}
-        rows = self.max_request_rows if extra.get("dynamic_batching") else 1
-        delay = float(extra.get("max_batch_delay_s", 0))
-        instances = int(extra.get("instance_count", 1))
+            assert c.engine is not None, "a generating task needs engine settings"
+            graph = eng.scheduler.Graph(self.session)
+            self.engine = eng.scheduler.Engine(graph, c.engine, self.text)
+        b = c.batching
         self.batcher = Batcher(
             self._run_batch,
-            rows,
-            delay,
-            instances,
-            max_queue=int(extra.get("max_queue_depth", 0)),
-            timeout=float(extra.get("request_timeout_seconds", 0)),
+            b.max_rows if b.enabled else 1,
+            b.delay_s,
+            b.instances,
+            max_queue=b.max_queue,
+            timeout=b.timeout_s,
         )
         self.ready = True
         return self.ready
 
+    async def unload(self) -> bool:
+        if self.engine is not None:
+            self.engine.close()
+        return True
+
+    # ------------------------------------------------------------ V2: one pass per request
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:
         if self.serving != "generate":
             feeds = self._graph_inputs(payload)
             key = tuple(sorted((n, v.shape[1:], str(v.dtype)) for n, v in feeds.items()))
             return self._response(await self.batcher.submit(key, feeds))
-        input_ids, new_tokens = self._generation_args(payload)
-        generation = (input_ids.shape[1], new_tokens)
-        return self._response(await self.batcher.submit(generation, {"input_ids": input_ids}))
+        prompts, params = self._generation_args(payload)
+        results = await self._generate_all(prompts, params)
+        width = max(len(r) for r in results)
+        ids = np.full((len(results), width), -1, dtype=np.int64)
+        for row, events in enumerate(results):
+            ids[row, : len(events)] = [e.token for e in events]
+        outputs: dict[str, np.ndarray] = {
+            "output_ids": ids,
+            "finish_reason": np.array([r[-1].finish or "" for r in results], dtype=object),
+        }
+        if self.text is not None:
+            outputs["text"] = np.array(["".join(e.text for e in r) for r in results], object)
+        return self._response(outputs)
 
     def _graph_inputs(self, payload: InferenceRequest) -> dict[str, np.ndarray]:
         """Exactly the graph's inputs: names, datatypes, ranks, static sizes, one batch."""
@@ -432,15 +405,127 @@ class ShipyardOnnxRuntime(MLModel):
         return feeds
 
     def _run_batch(self, key: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One batch in a worker thread: greedy generation, or one pass of the graph."""
-        if self.serving == "generate":
-            steps = self.decoder.steps(feeds["input_ids"], key[1])
-            return {"output_ids": np.concatenate(list(steps), axis=1)}
+        """One batch of a one-pass task in a worker thread."""
         names = [o.name for o in self.session.get_outputs()]
         out = dict(zip(names, self.session.run(names, feeds), strict=True))
         if self.serving == "labels":
             out.update(label_scores(out[names[0]], self.labels))
         return out
+
+    # ------------------------------------------------------------ generation
+    async def _events(self, prompt: list[int], params: Any) -> AsyncGenerator[Any, None]:
+        """The engine's events for one sequence, in order; leaving early cancels it."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        def emit(event: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody listens
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        assert self.engine is not None
+        try:
+            handle = self.engine.submit(prompt, params, emit)
+        except eng.params.BadParameter as exc:
+            raise BadRequest(str(exc)) from None
+        except eng.scheduler.QueueFull as exc:
+            raise QueueFull(str(exc)) from None
+        try:
+            while True:
+                event = await queue.get()
+                if event.error:
+                    raise MLServerError(event.error, status_code=event.status)
+                yield event
+                if event.finish:
+                    return
+        finally:
+            handle.cancel()
+
+    async def _generate(self, prompt: list[int], params: Any) -> list[Any]:
+        return [event async for event in self._events(prompt, params)]
+
+    async def _generate_all(self, prompts: list[list[int]], params: Any) -> list[list[Any]]:
+        """Every prompt of a request; the first failure cancels the rest and is raised."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._generate(p, params)) for p in prompts]
+        except* MLServerError as failed:
+            raise failed.exceptions[0] from None
+        return [t.result() for t in tasks]
+
+    def _generation_args(self, payload: InferenceRequest) -> tuple[list[list[int]], Any]:
+        names = [i.name for i in payload.inputs]
+        if names not in (["input_ids"], ["text"]):
+            raise BadRequest(
+                f"{self.task} expects exactly one input 'input_ids' (or 'text'); got {names}"
+            )
+        inp = payload.inputs[0]
+        if names == ["text"]:
+            prompts = self._text_prompts(inp)
+        else:
+            if inp.datatype not in ("INT64", "INT32"):
+                raise BadRequest(f"input_ids must be INT64 (or INT32); got {inp.datatype}")
+            input_ids = decode(inp).astype(np.int64)
+            if input_ids.ndim != 2:
+                raise BadRequest(
+                    f"input_ids must be [batch, prompt]; got shape {list(input_ids.shape)}"
+                )
+            if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+                raise BadRequest(
+                    f"input_ids shape {list(input_ids.shape)}: send at least one row of one token"
+                )
+            prompts = input_ids.tolist()
+        if len(prompts) > self.max_request_rows:
+            raise BadRequest(
+                f"batch {len(prompts)} exceeds the served max_batch_size {self.max_request_rows}"
+            )
+        params = self._v2_params(payload)
+        assert self.engine is not None
+        for prompt in prompts:
+            try:
+                self.engine.check(prompt, params)
+            except eng.params.BadParameter as exc:
+                raise BadRequest(str(exc)) from None
+        return prompts, params
+
+    def _text_prompts(self, inp: Any) -> list[list[int]]:
+        if self.text is None:
+            raise BadRequest("this bundle ships no tokenizer.json: send input_ids")
+        if inp.datatype != "BYTES":
+            raise BadRequest(f"text must be BYTES; got {inp.datatype}")
+        shape = list(inp.shape or [])
+        values = _flat(getattr(inp.data, "root", inp.data))
+        if len(shape) != 1 or shape[0] != len(values) or not values:
+            raise BadRequest(f"text must be [batch] strings; got shape {shape}")
+        out = []
+        for value in values:
+            if isinstance(value, bytes):
+                try:
+                    value = value.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise BadRequest("text must be UTF-8") from None
+            if not isinstance(value, str) or not value:
+                raise BadRequest("text must be non-empty strings")
+            out.append(self.text.encode(value))
+        return out
+
+    def _v2_params(self, payload: InferenceRequest) -> Any:
+        given = dict((payload.parameters.model_extra if payload.parameters else None) or {})
+        if "max_new_tokens" in given:
+            if "max_tokens" in given:
+                raise BadRequest("give max_new_tokens or max_tokens, not both")
+            new_tokens = given.pop("max_new_tokens")
+            if isinstance(new_tokens, bool) or not isinstance(new_tokens, int):
+                raise BadRequest(f"max_new_tokens must be an integer; got {new_tokens!r:.40}")
+            if new_tokens < 1:
+                raise BadRequest("max_new_tokens must be at least 1")
+            given["max_tokens"] = new_tokens
+        given.setdefault("max_tokens", 1)
+        if isinstance(given.get("stop"), str):
+            given["stop"] = [given["stop"]]
+        try:
+            return eng.params.parse(given, GREEDY)
+        except eng.params.BadParameter as exc:
+            raise BadRequest(str(exc)) from None
 
     async def predict_stream(
         self, payloads: AsyncIterator[InferenceRequest]
@@ -449,78 +534,199 @@ class ShipyardOnnxRuntime(MLModel):
             raise BadRequest(f"streaming is only served for generating tasks, not {self.task}")
         payload = await payloads.__anext__()
         try:
-            input_ids, new_tokens = self._generation_args(payload)
-        except BadRequest as exc:
+            prompts, params = self._generation_args(payload)
+            if len(prompts) != 1:
+                raise BadRequest(f"a stream generates one sequence; got a batch of {len(prompts)}")
+            async for event in self._events(prompts[0], params):
+                outputs: dict[str, np.ndarray] = {
+                    "output_ids": np.array([[event.token]], dtype=np.int64)
+                }
+                if self.text is not None:
+                    outputs["text"] = np.array([event.text], dtype=object)
+                response = self._response(outputs)
+                if event.finish:
+                    response.parameters = Parameters(finish_reason=event.finish)
+                yield response
+        except MLServerError as exc:
             # MLServer 1.7.1 has committed the stream's response before this generator
             # runs, so a raised error can only become a bare 500: say why in-band instead,
-            # as one event carrying the error and its status, and no tokens.
+            # as one event carrying the error and its status.
             yield InferenceResponse(
                 model_name=self.name,
                 model_version=self.version,
                 outputs=[],
-                parameters=Parameters(error=exc.args[0] if exc.args else str(exc), status_code=400),
+                parameters=Parameters(
+                    error=exc.args[0] if exc.args else str(exc),
+                    status_code=getattr(exc, "status_code", 500),
+                ),
             )
-            return
-        async with self.batcher.instance():  # a stream holds a model instance throughout
-            steps = self.decoder.steps(input_ids, new_tokens)
-            while (token := await asyncio.to_thread(next, steps, None)) is not None:
-                yield self._response({"output_ids": token})
-
-    def _generation_args(self, payload: InferenceRequest) -> tuple[np.ndarray, int]:
-        names = [i.name for i in payload.inputs]
-        if names != ["input_ids"]:
-            raise BadRequest(f"{self.task} expects exactly one input 'input_ids'; got {names}")
-        inp = payload.inputs[0]
-        if inp.datatype not in ("INT64", "INT32"):
-            raise BadRequest(f"input_ids must be INT64 (or INT32); got {inp.datatype}")
-        input_ids = decode(inp).astype(np.int64)
-        if input_ids.ndim != 2:
-            raise BadRequest(
-                f"input_ids must be [batch, prompt]; got shape {list(input_ids.shape)}"
-            )
-        extra = (payload.parameters.model_extra if payload.parameters else None) or {}
-        new_tokens = extra.get("max_new_tokens", 1)
-        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int):
-            raise BadRequest(f"max_new_tokens must be an integer; got {new_tokens!r:.40}")
-        if new_tokens < 1:
-            raise BadRequest("max_new_tokens must be at least 1")
-        batch, prompt = input_ids.shape
-        if batch < 1 or prompt < 1:
-            raise BadRequest(
-                f"input_ids shape {[batch, prompt]}: send at least one row of one token"
-            )
-        if batch > self.max_request_rows:
-            raise BadRequest(
-                f"batch {batch} exceeds the served max_batch_size {self.max_request_rows}"
-            )
-        limits = self.limits
-        if limits["max_prompt_tokens"] and prompt > limits["max_prompt_tokens"]:
-            raise BadRequest(
-                f"prompt of {prompt} tokens exceeds the exported maximum "
-                f"{limits['max_prompt_tokens']}"
-            )
-        past = prompt + new_tokens - 2  # the longest past the last decode step feeds
-        if limits["max_past_tokens"] and past > limits["max_past_tokens"]:
-            raise BadRequest(
-                f"prompt {prompt} + {new_tokens} new tokens needs a past of {past} tokens; "
-                f"the export's past_sequence max is {limits['max_past_tokens']}"
-            )
-        if prompt + new_tokens - 1 > self.decoder.max_context:
-            raise BadRequest(
-                f"prompt {prompt} + {new_tokens} new tokens - 1 exceeds the served context "
-                f"{self.decoder.max_context}"
-            )
-        vocab = self.decoder.vocab
-        if (
-            vocab
-            and input_ids.size
-            and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab
-        ):
-            raise BadRequest(f"input_ids must lie in [0, {vocab}) (the model's vocabulary)")
-        return input_ids, new_tokens
 
     def _response(self, outputs: dict[str, np.ndarray]) -> InferenceResponse:
-        encoded: list[ResponseOutput] = [
-            NumpyCodec.encode_output(name, value) for name, value in outputs.items()
-        ]
+        encoded: list[ResponseOutput] = []
+        for name, value in outputs.items():
+            if value.dtype == object:
+                encoded.append(StringCodec.encode_output(name, [str(v) for v in value]))
+            else:
+                encoded.append(NumpyCodec.encode_output(name, value))
         return InferenceResponse(model_name=self.name, model_version=self.version, outputs=encoded)
+
+    # ------------------------------------------------------------ the OpenAI API
+    @custom_handler(rest_path="/v1/models", rest_method="GET")
+    async def openai_models(self, request: Request) -> Response:
+        data = [{"id": self.name, "object": "model", "created": 0, "owned_by": "shipyard"}]
+        return JSONResponse({"object": "list", "data": data})
+
+    @custom_handler(rest_path="/v1/completions")
+    async def openai_completions(self, request: Request) -> Response:
+        return await self._openai(request, "completion")
+
+    @custom_handler(rest_path="/v1/chat/completions")
+    async def openai_chat(self, request: Request) -> Response:
+        return await self._openai(request, "chat")
+
+    @custom_handler(rest_path="/v1/embeddings")
+    async def openai_embeddings(self, request: Request) -> Response:
+        try:
+            if self.config.embedding_output is None:
+                raise eng.openai_api.ApiError(404, f"{self.task} serves no embeddings")
+            inputs, b64 = eng.openai_api.embeddings(await _json_body(request), self.name)
+            vectors, tokens = await self._embed(inputs)
+        except eng.openai_api.ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        data = [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode()
+                if b64
+                else v.astype(np.float32).tolist(),
+            }
+            for i, v in enumerate(vectors)
+        ]
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return JSONResponse({"object": "list", "data": data, "model": self.name, "usage": usage})
+
+    async def _embed(self, inputs: list[Any]) -> tuple[np.ndarray, int]:
+        api = eng.openai_api
+        rows = []
+        for item in inputs:
+            if isinstance(item, str):
+                if self.text is None:
+                    raise api.ApiError(400, "this bundle ships no tokenizer.json: send token ids")
+                item = self.text.encode(item)
+            rows.append(item)
+        if len(rows) > self.max_request_rows:
+            raise api.ApiError(
+                400,
+                f"{len(rows)} inputs exceed the served max_batch_size {self.max_request_rows}",
+                "input",
+            )
+        longest = max(len(r) for r in rows)
+        limit = self.config.max_sequence
+        if limit and longest > limit:
+            raise api.ApiError(
+                400, f"an input of {longest} tokens exceeds the exported maximum {limit}", "input"
+            )
+        ids = np.zeros((len(rows), longest), np.int64)
+        mask = np.zeros((len(rows), longest), np.int64)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = r, 1
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        names = {i.name for i in self.session.get_inputs()}
+        if "token_type_ids" in names:
+            feeds["token_type_ids"] = np.zeros_like(ids)
+        try:
+            for name, array in feeds.items():
+                check_bounds(name, array, self.bounds.get(name))
+        except BadRequest as exc:
+            raise api.ApiError(400, str(exc), "input") from None
+        key = tuple(sorted((n, v.shape[1:], str(v.dtype)) for n, v in feeds.items()))
+        out = await self.batcher.submit(key, feeds)
+        return out[self.config.embedding_output], int(mask.sum())
+
+    async def _openai(self, request: Request, kind: str) -> Response:
+        api = eng.openai_api
+        try:
+            if self.serving != "generate":
+                raise api.ApiError(404, f"{self.task} does not generate; see /v2 or /v1/embeddings")
+            body = await _json_body(request)
+            defaults = dict(self.config.sampling_defaults)
+            if kind == "chat":
+                call, messages = api.chat(body, self.name, defaults)
+                if self.text is None:
+                    raise api.ApiError(400, "this bundle ships no tokenizer: chat needs text")
+                try:
+                    call.prompts = [self.text.encode(self.text.chat(messages), special=False)]
+                except ValueError as exc:
+                    raise api.ApiError(400, str(exc), "messages") from None
+            else:
+                call = api.completion(body, self.name, defaults)
+            prompts = [self._prompt_ids(p) for p in call.prompts]
+            if len(prompts) > self.max_request_rows:
+                raise api.ApiError(
+                    400,
+                    f"{len(prompts)} prompts exceed the served "
+                    f"max_batch_size {self.max_request_rows}",
+                    "prompt",
+                )
+            assert self.engine is not None
+            for p in prompts:
+                try:
+                    self.engine.check(p, call.params)
+                except eng.params.BadParameter as exc:
+                    raise api.ApiError(400, str(exc)) from None
+        except api.ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        decode = self.text.decode if self.text is not None else (lambda ids: "")
+        if call.stream:
+            return await self._openai_stream(call, rid, prompts[0], decode)
+        try:
+            results = await self._generate_all(prompts, call.params)
+        except MLServerError as exc:
+            error = api.ApiError(getattr(exc, "status_code", 500), str(exc.args[0]))
+            return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(api.response(call, rid, self.name, results, decode))
+
+    async def _openai_stream(self, call: Any, rid: str, prompt: list[int], decode: Any) -> Response:
+        api = eng.openai_api
+        events = self._events(prompt, call.params)
+        try:  # admission errors (queue full, ...) are still an HTTP status, not an event
+            first = await events.__anext__()
+        except MLServerError as exc:
+            error = api.ApiError(getattr(exc, "status_code", 500), str(exc.args[0]))
+            return JSONResponse(error.body(), status_code=error.status)
+
+        async def body() -> AsyncIterator[str]:
+            last = first
+            try:
+                yield api.chunk(call, rid, self.name, first, decode, first=True)
+                if not first.finish:
+                    async for event in events:
+                        last = event
+                        yield api.chunk(call, rid, self.name, event, decode)
+                if call.include_usage:
+                    yield api.usage_chunk(call, rid, self.name, last)
+                yield api.DONE
+            except MLServerError as exc:
+                yield api.sse(api.ApiError(getattr(exc, "status_code", 500), str(exc)).body())
+            finally:
+                await events.aclose()
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if self.text is None:
+                raise eng.openai_api.ApiError(
+                    400, "this bundle ships no tokenizer: send token ids as the prompt", "prompt"
+                )
+            return self.text.encode(prompt)
+        return list(prompt)
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise eng.openai_api.ApiError(400, "the request body is not valid JSON") from None

@@ -86,8 +86,11 @@ class LocalServer:
         (folder / "settings.json").write_text(json.dumps(settings, indent=2))
         model_settings = folder / self.model / "model-settings.json"
         ms = json.loads(model_settings.read_text())
-        if not self.batching:
-            ms["parameters"]["extra"]["dynamic_batching"] = False
+        if not self.batching:  # one request at a time: what batching is measured against
+            extra = ms["parameters"]["extra"]
+            extra["batching"]["enabled"] = False
+            if extra.get("engine"):
+                extra["engine"]["max_rows"] = 1
         model_settings.write_text(json.dumps(ms, indent=2))
         self.url = f"http://127.0.0.1:{http}"
 

@@ -11,3 +11,7 @@ server entry that uses it): one scheduler that batches decode steps, not request
 It imports only numpy, onnxruntime, pydantic, tokenizers and jinja2: the front ends (the
 MLServer runtime, the Triton python model) are thin adapters over `scheduler.Engine`.
 """
+
+from . import kv, openai_api, params, sampler, scheduler, settings, text
+
+__all__ = ["kv", "openai_api", "params", "sampler", "scheduler", "settings", "text"]

@@ -27,8 +27,10 @@ class Text:
         ) or _template_of(config)
         self.special = {k: _token(config.get(k)) for k in ("bos_token", "eos_token")}
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids; `special`: with the tokenizer's own additions (BOS, [CLS]/[SEP]), as a
+        completion prompt or an embedding input is encoded (a rendered chat has them)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
