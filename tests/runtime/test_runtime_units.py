@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -222,12 +221,18 @@ def test_a_batch_runs_the_graph_and_labels_name_the_top_class(runtime: Any) -> N
 
 # --------------------------------------------------------------------------- generation
 @pytest.fixture
-def generator(runtime: Any) -> Any:
-    runtime.serving, runtime.task = "generate", "causal-lm"
+def generator(runtime: Any, tmp_path: Path) -> Any:
+    """The runtime as load() leaves it for a causal LM: an engine over next_token_lm (vocab
+    50), the export's limits past 10 and context 12, served batch 2."""
+    from stages.serving.engine.scheduler import Engine, EngineSettings, Graph
+
+    session = rt.session_from(next_token_lm(tmp_path / "lm.onnx", vocab=50), {})
+    settings = EngineSettings(max_rows=2, max_context=12, chunk=8, max_past=10, kv_budget_tokens=48)
+    runtime.serving, runtime.task, runtime.text = "generate", "causal-lm", None
     runtime.max_request_rows = 2
-    runtime.limits = {"max_prompt_tokens": 8, "max_past_tokens": 10}
-    runtime.decoder = SimpleNamespace(max_context=12, vocab=50)  # the export's limits
-    return runtime
+    runtime.engine = Engine(Graph(session), settings)
+    yield runtime
+    runtime.engine.close()
 
 
 def gen(
@@ -249,12 +254,13 @@ def gen_refused(generator: Any, payload: InferenceRequest) -> str:
 
 
 def test_a_generation_request_at_every_limit_is_accepted(generator: Any) -> None:
-    ids, new = generator._generation_args(gen([[0] * 8, [49] * 8], max_new_tokens=4))
-    assert ids.shape == (2, 8) and ids.dtype == np.int64 and new == 4  # past 8 + 4 - 2 = 10
-    ids, new = generator._generation_args(gen([[1]], datatype="INT32"))
-    assert new == 1 and ids.dtype == np.int64
-    generator.limits = {"max_prompt_tokens": 0, "max_past_tokens": 0}  # unknown: not checked
-    assert generator._generation_args(gen([[1] * 6], max_new_tokens=7))[1] == 7  # 6+7-1 = 12
+    prompts, params = generator._generation_args(gen([[0] * 8, [49] * 8], max_new_tokens=4))
+    assert prompts == [[0] * 8, [49] * 8] and params.max_tokens == 4  # past 8 + 4 - 2 = 10
+    assert params.temperature == 0  # V2 decodes greedily unless asked
+    prompts, params = generator._generation_args(gen([[1]], datatype="INT32"))
+    assert params.max_tokens == 1 and prompts == [[1]]
+    # a prompt beyond sequence.max (8) is prefilled in chunks: only past and context bind
+    assert generator._generation_args(gen([[1] * 11], max_new_tokens=1))[1].max_tokens == 1
 
 
 @pytest.mark.parametrize(
@@ -262,34 +268,43 @@ def test_a_generation_request_at_every_limit_is_accepted(generator: Any) -> None
     [
         (
             gen([[1]], name="tokens"),
-            "causal-lm expects exactly one input 'input_ids'; got ['tokens']",
+            "causal-lm expects exactly one input 'input_ids' (or 'text'); got ['tokens']",
         ),
         (gen([[1]], datatype="FP32"), "input_ids must be INT64 (or INT32); got FP32"),
         (gen([[1]], max_new_tokens="3"), "max_new_tokens must be an integer; got '3'"),
         (gen([[1]], max_new_tokens=True), "max_new_tokens must be an integer; got True"),
         (gen([[1]], max_new_tokens=0), "max_new_tokens must be at least 1"),
+        (gen([[1]], max_new_tokens=2, max_tokens=2), "give max_new_tokens or max_tokens"),
         (gen([[]]), "input_ids shape [1, 0]: send at least one row of one token"),
         (gen([[1], [1], [1]]), "batch 3 exceeds the served max_batch_size 2"),
-        (gen([[1] * 9]), "prompt of 9 tokens exceeds the exported maximum 8"),
         (
             gen([[1] * 8], max_new_tokens=5),
-            "prompt 8 + 5 new tokens needs a past of 11 tokens; the export's past_sequence "
+            "prompt 8 + max_tokens 5 needs a past of 11 tokens; the export's past_sequence "
             "max is 10",
         ),
-        (gen([[50]]), "input_ids must lie in [0, 50) (the model's vocabulary)"),
-        (gen([[-1]]), "input_ids must lie in [0, 50) (the model's vocabulary)"),
+        (gen([[50]]), "token ids must lie in [0, 50) (the vocabulary)"),
+        (gen([[-1]]), "token ids must lie in [0, 50) (the vocabulary)"),
+        (gen([[1]], temperature=-1), "parameter 'temperature': Input should be greater"),
+        (gen([[1]], top_p=0), "parameter 'top_p': Input should be greater than 0"),
+        (gen([[1]], beam_width=4), "unknown parameter 'beam_width'; known: max_tokens"),
+        (gen([[1]], stop=["x"]), "stop strings need the model's tokenizer"),
+        (gen([[1]], seed=-3), "parameter 'seed'"),
     ],
 )
 def test_each_wrong_generation_request_is_refused(
     generator: Any, payload: InferenceRequest, message: str
 ) -> None:
-    assert gen_refused(generator, payload) == message
+    assert gen_refused(generator, payload).startswith(message)
 
 
 def test_the_served_context_is_checked_beyond_the_export_limits(generator: Any) -> None:
-    generator.limits = {"max_prompt_tokens": 0, "max_past_tokens": 0}
+    from stages.serving.engine.scheduler import Engine, EngineSettings
+
+    generator.engine.close()
+    wide = EngineSettings(max_rows=2, max_context=12, chunk=8, max_past=100, kv_budget_tokens=48)
+    generator.engine = Engine(generator.engine.graph, wide)
     assert gen_refused(generator, gen([[1] * 6], max_new_tokens=8)) == (
-        "prompt 6 + 8 new tokens - 1 exceeds the served context 12"
+        "prompt 6 + max_tokens 8 - 1 exceeds the served context 12"
     )
     three_axes = InferenceRequest.model_validate(
         {"inputs": [{"name": "input_ids", "shape": [1, 1, 2], "datatype": "INT64", "data": [1, 2]}]}
@@ -298,6 +313,20 @@ def test_the_served_context_is_checked_beyond_the_export_limits(generator: Any) 
         gen_refused(generator, three_axes)
         == "input_ids must be [batch, prompt]; got shape [1, 1, 2]"
     )
+
+
+def test_a_generation_request_through_predict_returns_ids_and_finish_reasons(
+    generator: Any,
+) -> None:
+    """next_token_lm's greedy next token is the last id + 1: two rows of one request."""
+    from mlserver.settings import ModelSettings
+
+    generator._settings = ModelSettings(name="lm", implementation=rt.ShipyardOnnxRuntime)
+    out = run_loop(generator.predict(gen([[3, 4], [40, 41]], max_new_tokens=3)))
+    ids = next(o for o in out.outputs if o.name == "output_ids")
+    assert ids.shape == [2, 3] and ids.data.root == [5, 6, 7, 42, 43, 44]
+    reasons = next(o for o in out.outputs if o.name == "finish_reason")
+    assert reasons.data.root == [b"length", b"length"]  # BYTES; JSON carries the strings
 
 
 # --------------------------------------------------------------------------- batcher
@@ -384,25 +413,6 @@ def test_a_failed_run_answers_every_request_of_its_batch_at_once() -> None:
         return [repr(r) for r in results]
 
     assert run_loop(go()) == ["ValueError('graph failed')"] * 2
-
-
-def test_a_stream_holds_an_instance_and_counts_while_it_waits() -> None:
-    async def go() -> tuple[int, str]:
-        b = Batcher(lambda k, f: f, max_rows=1, delay=0.0, instances=1, max_queue=1, timeout=0.1)
-        async with b.instance():
-            assert b.waiting == 0
-            waiting = asyncio.ensure_future(b.instance().__aenter__())
-            await asyncio.sleep(0.01)
-            seen = b.waiting
-            try:
-                await waiting
-            except TimedOut as exc:
-                message = str(exc)
-        return seen, message
-
-    seen, message = run_loop(go())
-    assert seen == 1
-    assert message == "no model instance free within 0.1 s (request_timeout_seconds)"
 
 
 # --------------------------------------------------------------------------- sessions
@@ -543,39 +553,52 @@ def next_token_lm(
     return path
 
 
-def test_a_float16_cache_is_fed_in_float16(
-    tmp_path: Path,
-) -> None:
+def greedy(session: Any, prompt: list[int], tokens: int, **limits: int) -> list[int]:
+    """The engine's greedy tokens for one prompt, waited for here."""
+    import queue
+
+    from stages.serving.engine.params import parse
+    from stages.serving.engine.scheduler import Engine, EngineSettings, Graph
+
+    settings = {"max_rows": 2, "max_context": 64, "chunk": 8, "max_past": 64}
+    settings |= {"kv_budget_tokens": 256, **limits}
+    engine = Engine(Graph(session), EngineSettings(**settings))
+    events: queue.Queue[Any] = queue.Queue()
+    try:
+        engine.submit(prompt, parse({"max_tokens": tokens, "temperature": 0}), events.put)
+        out = []
+        while not out or not out[-1].finish:
+            out.append(events.get(timeout=10))
+            assert out[-1].error is None, out[-1].error
+    finally:
+        engine.close()
+    return [e.token for e in out]
+
+
+def test_a_float16_cache_is_fed_in_float16(tmp_path: Path) -> None:
+    from stages.serving.engine.scheduler import Graph
+
     path = next_token_lm(tmp_path / "lm16.onnx", cache=TensorProto.FLOAT16, named_vocab=True)
-    decoder = rt.Decoder(rt.session_from(path, {}), max_context=9)
-    assert decoder.float is np.float16 and decoder.max_context == 9
+    graph = Graph(rt.session_from(path, {}))
     # a declared symbolic vocabulary that ONNX Runtime cannot infer stays unknown (0); here
     # it infers 16 from the table, so the declared name does not hide the size
-    assert decoder.vocab == 16
-    assert {v.dtype for v in decoder._empty_past(2).values()} == {np.dtype(np.float16)}
-    steps = list(decoder.steps(np.array([[1]], dtype=np.int64), 2))
-    assert [s.tolist() for s in steps] == [[[2]], [[3]]]
+    assert graph.dtype == np.float16 and graph.vocab == 16
+    assert graph.bytes_per_token == 2 * 1 * 2 * 2  # key + value, 1 head, dim 2, 2 bytes
+    assert greedy(rt.session_from(path, {}), [1], 2) == [2, 3]
 
 
 def test_greedy_decoding_feeds_the_cache_and_generates_each_step(tmp_path: Path) -> None:
-    session = rt.session_from(next_token_lm(tmp_path / "lm.onnx"), {})
-    decoder = rt.Decoder(session, max_context=64)
-    assert decoder.vocab == 16 and decoder.float is None and decoder.max_context == 64
-    assert [p.name for p in decoder.past] == ["past_key_values.0.key", "past_key_values.0.value"]
-    assert decoder.present == ["present.0.key", "present.0.value"]
-    empty = decoder._empty_past(3)
-    assert {k: v.shape for k, v in empty.items()} == {
-        "past_key_values.0.key": (3, 1, 0, 2),
-        "past_key_values.0.value": (3, 1, 0, 2),
-    }
-    steps = list(decoder.steps(np.array([[3, 4], [14, 15]], dtype=np.int64), 3))
-    assert [s.tolist() for s in steps] == [[[5], [0]], [[6], [1]], [[7], [2]]]
-    assert all(s.dtype == np.int64 and s.shape == (2, 1) for s in steps)
+    from stages.serving.engine.scheduler import Graph
 
-    model = rt.ShipyardOnnxRuntime.__new__(rt.ShipyardOnnxRuntime)
-    model.serving, model.decoder, model.session = "generate", decoder, session
-    out = model._run_batch((2, 4), {"input_ids": np.array([[1, 2]], dtype=np.int64)})
-    assert out["output_ids"].tolist() == [[3, 4, 5, 6]]
+    session = rt.session_from(next_token_lm(tmp_path / "lm.onnx"), {})
+    graph = Graph(session)
+    assert graph.vocab == 16 and graph.dtype == np.float32
+    assert graph.spec == [("past_key_values.0.key", 1, 2), ("past_key_values.0.value", 1, 2)]
+    assert graph.presents == ["present.0.key", "present.0.value"]
+    assert greedy(session, [3, 4], 3) == [5, 6, 7]
+    assert greedy(session, [14, 15], 3) == [0, 1, 2]  # wraps at the vocabulary
+    # a prompt longer than a prefill chunk (8) is prefilled in two, then decoded
+    assert greedy(session, list(range(11)), 2) == [11, 12]
 
 
 def test_a_full_batch_runs_at_once_without_waiting_for_its_delay() -> None:
@@ -624,12 +647,13 @@ def test_by_default_one_instance_runs_and_nothing_times_out() -> None:
 
 
 def test_position_ids_are_derived_from_the_mask_as_the_pipeline_derives_them() -> None:
-    """The runtime ships alone, so it has its own copy of the rule; both give the same
+    """The engine ships alone, so it has its own copy of the rule; both give the same
     numbers on any mask (left-padded rows included)."""
     from hypothesis import given
     from hypothesis import strategies as st
 
     from stages.onnx import shapes as sh
+    from stages.serving.engine import kv as ekv
 
     @given(
         st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=12), min_size=1, max_size=4),
@@ -639,12 +663,12 @@ def test_position_ids_are_derived_from_the_mask_as_the_pipeline_derives_them() -
         width = min(len(r) for r in rows)
         mask = np.array([r[:width] for r in rows], dtype=np.int64)
         last = data.draw(st.integers(1, width))
-        assert (rt.positions_from_mask(mask, last) == sh.positions_from_mask(mask, last)).all()
+        assert (ekv.positions_from_mask(mask, last) == sh.positions_from_mask(mask, last)).all()
 
     agree()
     mask = np.array([[1, 1, 1, 1], [0, 0, 1, 1]])
-    assert rt.positions_from_mask(mask, 4).tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]
-    assert rt.positions_from_mask(mask, 1).tolist() == [[3], [1]]
+    assert ekv.positions_from_mask(mask, 4).tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]
+    assert ekv.positions_from_mask(mask, 1).tolist() == [[3], [1]]
 
 
 def test_a_graph_with_position_ids_is_fed_them_at_every_step() -> None:
@@ -664,14 +688,13 @@ def test_a_graph_with_position_ids_is_fed_them_at_every_step() -> None:
             ]
 
         def get_outputs(self) -> list[Port]:
-            return [Port("logits", ["b", "s", 4]), Port("present.0.key", ["b", 1, "t", 2])]
+            return [Port("logits", ["b", "s", 16]), Port("present.0.key", ["b", 1, "t", 2])]
 
         def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
             fed.append(dict(feeds))
             batch, n = feeds["input_ids"].shape
             past = feeds["past_key_values.0.key"].shape[2]
-            return [np.zeros((batch, n, 4), np.float32), np.zeros((batch, 1, past + n, 2))]
+            return [np.zeros((batch, n, 16), np.float32), np.zeros((batch, 1, past + n, 2))]
 
-    decoder = rt.Decoder(Session(), max_context=16)  # type: ignore[arg-type]
-    list(decoder.steps(np.array([[7, 8, 9]], dtype=np.int64), 3))
+    greedy(Session(), [7, 8, 9], 3)
     assert [f["position_ids"].tolist() for f in fed] == [[[0, 1, 2]], [[3]], [[4]]]

@@ -14,30 +14,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from stages.serving.mlserver_runtime import Batcher, QueueFull  # noqa: E402
-
-
-async def stream_holds_instance() -> list[str]:
-    batcher = Batcher(lambda key, feeds: feeds, 1, 0.0, instances=1, max_queue=1)
-    release = asyncio.Event()
-    seen: list[str] = []
-
-    async def stream(name: str) -> None:
-        async with batcher.instance():
-            seen.append(f"{name} runs")
-            await release.wait()
-
-    first = asyncio.ensure_future(stream("first"))
-    await asyncio.sleep(0.01)
-    second = asyncio.ensure_future(stream("second"))  # waits for the only instance
-    await asyncio.sleep(0.01)
-    try:
-        await batcher.submit(("k",), {"x": np.zeros((1, 2))})  # the queue is full
-    except QueueFull as exc:
-        seen.append(str(exc))
-    release.set()
-    await asyncio.gather(first, second)
-    return seen
+from stages.serving.mlserver_runtime import Batcher  # noqa: E402
 
 
 async def failed_merge() -> dict[str, Any]:

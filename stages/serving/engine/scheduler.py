@@ -204,6 +204,11 @@ class Engine:
                 f"{n + params.max_tokens - 2} tokens; the export's past_sequence max is "
                 f"{s.max_past}"
             )
+        if n + params.max_tokens > s.kv_budget_tokens:
+            raise BadParameter(
+                f"prompt {n} + max_tokens {params.max_tokens} needs {n + params.max_tokens} "
+                f"tokens of KV cache; the served budget is {s.kv_budget_tokens}"
+            )
         if params.stop and self.text is None:
             raise BadParameter("stop strings need the model's tokenizer, which is not shipped")
 

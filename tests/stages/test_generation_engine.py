@@ -1,0 +1,517 @@
+"""The generation engine (issue 25), against judges: transformers' greedy `generate` and
+logits processors on the real tiny-gpt2 export, each sequence alone against the same
+sequence in a continuously changing batch, the prefix cache against no cache, the sampler
+against the exact distribution. Scheduling (admission, ageing, queue, timeout, chunked
+prefill, request-level policy, cancellation) is checked on a counting graph whose next
+token is the last one + 1, so every batch the engine ran can be read back."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stages.serving.engine import sampler
+from stages.serving.engine.params import BadParameter, parse
+from stages.serving.engine.scheduler import Engine, EngineSettings, Event, Graph, QueueFull
+from stages.serving.engine.text import Detokenizer, Text
+from tests.conftest import TINY, Workspace, gpt2_spec
+
+
+def collect(engine: Engine, prompt: list[int], **params: Any) -> list[Event]:
+    events: queue.Queue[Event] = queue.Queue()
+    engine.submit(prompt, parse(params), events.put)
+    out: list[Event] = []
+    while not out or not (out[-1].finish or out[-1].error):
+        out.append(events.get(timeout=30))
+    return out
+
+
+def tokens(events: list[Event]) -> list[int]:
+    return [e.token for e in events if e.token is not None]
+
+
+def limits(**changes: Any) -> EngineSettings:
+    base = {"max_rows": 4, "max_context": 88, "chunk": 64, "max_past": 86}
+    return EngineSettings(**{**base, "kv_budget_tokens": 4 * 88, **changes})
+
+
+# ----------------------------------------------------------------- the real tiny-gpt2
+@pytest.fixture(scope="module")
+def gpt2_graph(tmp_path_factory: pytest.TempPathFactory) -> Graph:
+    import onnxruntime as ort
+
+    ws = Workspace(tmp_path_factory.mktemp("engine-gpt2"))
+    spec = gpt2_spec()
+    spec["export"]["dims"]["past_sequence"]["max"] = 86
+    for stage in ("pin", "export"):
+        assert ws.run(stage, spec).status.value == "passed"
+    path = ws.out("tiny-gpt2", "export") / "model.onnx"
+    return Graph(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
+
+
+@pytest.fixture(scope="module")
+def judge() -> Any:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(TINY).eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+class Recorder:
+    """The graph, recording each pass's rows and whether its mask had padding."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.spec, self.presents, self.positions = graph.spec, graph.presents, graph.positions
+        self.dtype, self.vocab = graph.dtype, graph.vocab
+        self.rows: list[int] = []
+        self.padded: list[set[int]] = []
+
+    def run(self, feeds: dict[str, np.ndarray]) -> Any:
+        self.rows.append(feeds["input_ids"].shape[0])
+        self.padded.append(set(np.unique(feeds["attention_mask"]).tolist()))
+        return self.graph.run(feeds)
+
+
+PROMPTS = [[7], [5, 9, 11], list(range(40, 103)), list(range(3, 67)), list(range(100, 180))]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=[f"{len(p)} tokens" for p in PROMPTS])
+def test_greedy_decoding_equals_transformers_generate(
+    gpt2_graph: Graph, judge: Any, prompt: list[int]
+) -> None:
+    """Prompts shorter than, at, and beyond one prefill chunk (64: 80 tokens prefill in two)."""
+    engine = Engine(gpt2_graph, limits())
+    try:
+        n = min(8, 88 - len(prompt))
+        got = tokens(collect(engine, prompt, max_tokens=n, temperature=0, ignore_eos=True))
+    finally:
+        engine.close()
+    assert got == hf_greedy(judge, prompt, n)
+
+
+def test_each_sequence_in_a_changing_batch_decodes_as_it_does_alone(gpt2_graph: Graph) -> None:
+    """Eight requests of different lengths and limits at once through four rows: they join
+    and leave between steps, left-padded against each other; each gets its solo tokens."""
+    rng = np.random.default_rng(3)
+    jobs = [(rng.integers(2, 500, int(rng.integers(1, 50))).tolist(), 3 + 4 * i) for i in range(8)]
+    alone = Engine(gpt2_graph, limits(max_rows=1))
+    try:
+        solo = [
+            tokens(collect(alone, p, max_tokens=n, temperature=0, ignore_eos=True)) for p, n in jobs
+        ]
+    finally:
+        alone.close()
+    recorder = Recorder(gpt2_graph)
+    shared, got = Engine(recorder, limits()), [None] * len(jobs)  # type: ignore[arg-type]
+
+    def work(i: int) -> None:
+        p, n = jobs[i]
+        got[i] = tokens(collect(shared, p, max_tokens=n, temperature=0, ignore_eos=True))  # type: ignore[call-overload]
+
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        shared.close()
+    assert got == solo
+    assert max(recorder.rows) == 4  # decode steps really ran batched
+    assert any(0 in mask for mask in recorder.padded)  # rows were left-padded
+
+
+def test_a_shared_prefix_is_reused_and_decodes_the_same(gpt2_graph: Graph) -> None:
+    system = list(range(10, 58))  # 48 tokens: three blocks of 16
+    prompts = [system + [200 + i, 300 + i] for i in range(3)]
+    plain = Engine(gpt2_graph, limits())
+    cached = Engine(gpt2_graph, limits(prefix_cache_tokens=200))
+    try:
+        want = [tokens(collect(plain, p, max_tokens=6, temperature=0)) for p in prompts]
+        events = [collect(cached, p, max_tokens=6, temperature=0) for p in prompts]
+    finally:
+        plain.close()
+        cached.close()
+    assert [tokens(e) for e in events] == want
+    assert [e[-1].cached_tokens for e in events] == [0, 48, 48]  # the first one filled it
+    assert cached.prefix is not None and cached.prefix.hits == 2
+
+
+def test_the_prefix_cache_evicts_the_least_recently_used_within_its_budget() -> None:
+    from stages.serving.engine.scheduler import PrefixCache
+
+    cache = PrefixCache(capacity=32, block=16)
+    past = {"k": np.zeros((1, 1, 40, 2), np.float32)}
+    cache.store(list(range(20)), past)  # 16 cached
+    cache.store(list(range(100, 120)), past)  # 16 more: full
+    assert cache.lookup(list(range(20)))[0] == 16  # touched: now the most recent
+    cache.store(list(range(200, 220)), past)  # evicts range(100, ...)
+    assert cache.held == 32
+    assert cache.lookup(list(range(100, 120)))[0] == 0
+    assert cache.lookup(list(range(20)))[0] == 16
+    assert cache.lookup(list(range(16)))[0] == 0  # a prefix must leave one token to prefill
+    cache.store(list(range(500, 560)), past)  # 48 > capacity: never stored
+    assert cache.held == 32
+
+
+# ----------------------------------------------------------------- sampling
+def test_a_seed_gives_the_same_tokens_and_other_seeds_others(gpt2_graph: Graph) -> None:
+    engine = Engine(gpt2_graph, limits())
+    try:
+        draw = {"max_tokens": 12, "temperature": 1.0, "top_p": 0.95, "ignore_eos": True}
+        a = tokens(collect(engine, [5, 6, 7], seed=11, **draw))
+        b = tokens(collect(engine, [5, 6, 7], seed=11, **draw))
+        c = tokens(collect(engine, [5, 6, 7], seed=12, **draw))
+        greedy = tokens(collect(engine, [5, 6, 7], max_tokens=12, temperature=0, ignore_eos=True))
+        top1 = tokens(collect(engine, [5, 6, 7], seed=1, top_k=1, **draw))
+    finally:
+        engine.close()
+    assert a == b and a != c
+    assert top1 == greedy  # top-k 1 leaves only the argmax
+
+
+def test_the_repetition_penalty_equals_transformers_processor() -> None:
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(50).astype(np.float32) * 3
+    seen = np.array([3, 7, 7, 20, 49])
+    want = RepetitionPenaltyLogitsProcessor(1.3)(
+        torch.tensor(seen[None]), torch.tensor(logits[None])
+    )
+    assert np.allclose(sampler.penalize(logits, seen, 1.3), want[0].numpy(), atol=1e-6)
+
+
+def test_samples_follow_the_tempered_truncated_distribution() -> None:
+    """20 000 draws against the exact probabilities of top-k 4 at temperature 0.7."""
+    logits = np.array([2.0, 1.0, 0.5, 0.2, 0.1, -1.0, 3.0], np.float32)
+    params = parse({"temperature": 0.7, "top_k": 4})
+    rng = np.random.default_rng(0)
+    counts = np.bincount(
+        [sampler.choose(logits, params, rng, np.zeros(0, np.int64)) for _ in range(20000)],
+        minlength=7,
+    )
+    keep = np.argsort(-logits)[:4]
+    exact = np.zeros(7)
+    exact[keep] = np.exp(logits[keep] / 0.7) / np.exp(logits[keep] / 0.7).sum()
+    assert np.abs(counts / 20000 - exact).max() < 0.015
+    assert counts[[4, 5]].sum() == 0  # outside the top 4: never
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    st.lists(st.floats(-20, 20), min_size=2, max_size=600),
+    st.floats(0.01, 0.999),
+)
+def test_the_nucleus_is_the_smallest_set_reaching_top_p(values: list[float], top_p: float) -> None:
+    """The fast path (the 256 most likely first) gives exactly what a full sort gives."""
+    logits = np.array(values, np.float64)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    ids, kept = sampler._nucleus(np.arange(probs.size), probs, top_p)
+    order = np.argsort(-probs, kind="stable")
+    need = int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
+    assert sorted(probs[ids].tolist()) == sorted(probs[order[:need]].tolist())
+    assert np.isclose(kept.sum(), 1.0)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"temperature": -0.1}, "parameter 'temperature'"),
+        ({"top_p": 0}, "parameter 'top_p'"),
+        ({"top_p": 1.01}, "parameter 'top_p'"),
+        ({"top_k": -1}, "parameter 'top_k'"),
+        ({"max_tokens": 0}, "parameter 'max_tokens'"),
+        ({"seed": -1}, "parameter 'seed'"),
+        ({"stop": [""]}, "a stop string must not be empty"),
+        ({"stop": ["a"] * 17}, "parameter 'stop'"),
+        ({"logprobs": 21}, "parameter 'logprobs'"),
+        ({"num_beams": 2}, "unknown parameter 'num_beams'"),
+        ({"temperature": "hot"}, "parameter 'temperature'"),
+    ],
+)
+def test_each_bad_parameter_is_refused_by_name(given: dict[str, Any], message: str) -> None:
+    with pytest.raises(BadParameter) as exc:
+        parse(given)
+    assert message in str(exc.value)
+
+
+def test_parameters_at_their_limits_are_accepted() -> None:
+    p = parse({"temperature": 0, "top_p": 1, "top_k": 0, "max_tokens": 1, "logprobs": 20})
+    assert p.temperature == 0 and p.logprobs == 20
+    assert parse({}, {"temperature": 0.3}).temperature == 0.3  # a model default
+    assert parse({"temperature": 0.9}, {"temperature": 0.3}).temperature == 0.9  # asked wins
+
+
+# ----------------------------------------------------------------- text and stops
+@pytest.fixture(scope="module")
+def text() -> Text:
+    return Text(TINY)
+
+
+def test_stream_deltas_add_up_to_the_text_and_never_split_a_character(text: Text) -> None:
+    ids = text.encode("héllo wörld ☃ déf")
+    detok = Detokenizer(text, [])
+    deltas = [detok.add(t)[0] for t in ids]
+    assert "".join(deltas) + detok.flush() == text.decode(ids) == "héllo wörld ☃ déf"
+    assert not any("\ufffd" in d for d in deltas)
+    assert "" in deltas  # a token that ends inside a character waited for the next
+
+
+def test_a_stop_string_across_tokens_ends_the_text_before_it(text: Text) -> None:
+    ids = text.encode("alpha beta STOP gamma")
+    detok = Detokenizer(text, ["STOP"])
+    sent, hit = [], False
+    for t in ids:
+        delta, hit = detok.add(t)
+        sent.append(delta)
+        if hit:
+            break
+    assert hit and "".join(sent) == "alpha beta "
+    assert "S" not in "".join(sent[:-1])  # held back while it might become the stop string
+
+
+def test_eos_stop_ids_and_stop_strings_end_a_generation_with_finish_stop(
+    gpt2_graph: Graph, text: Text
+) -> None:
+    # a repetition penalty keeps the random-weight model from repeating one token
+    prompt, vary = [5, 6, 7], {"temperature": 0, "repetition_penalty": 5.0, "max_tokens": 10}
+    free = Engine(gpt2_graph, limits(), text)
+    try:
+        run = tokens(collect(free, prompt, ignore_eos=True, **vary))
+    finally:
+        free.close()
+    assert len(set(run)) == len(run), run  # ten distinct tokens
+    engine = Engine(gpt2_graph, limits(eos_token_ids=[run[3]]), text)
+    try:
+        at_eos = collect(engine, prompt, **vary)
+        past_eos = collect(engine, prompt, ignore_eos=True, **vary)
+        at_id = collect(engine, prompt, ignore_eos=True, stop_token_ids=[run[1]], **vary)
+        whole = text.decode(run)
+        phrase = text.decode(run[:6])[-3:]
+        at_text = collect(engine, prompt, ignore_eos=True, stop=[phrase], **vary)
+        length = collect(engine, prompt, ignore_eos=True, **{**vary, "max_tokens": 4})
+    finally:
+        engine.close()
+    assert tokens(at_eos) == run[:4] and at_eos[-1].finish == "stop"
+    assert tokens(past_eos) == run and past_eos[-1].finish == "length"
+    assert tokens(at_id) == run[:2] and at_id[-1].finish == "stop"
+    assert at_text[-1].finish == "stop"
+    assert "".join(e.text for e in at_text) == whole[: whole.index(phrase)]
+    assert length[-1].finish == "length" and length[-1].completion_tokens == 4
+
+
+def test_logprobs_are_the_models_log_softmax(gpt2_graph: Graph) -> None:
+    engine = Engine(gpt2_graph, limits())
+    try:
+        (event,) = collect(engine, [5, 6, 7], max_tokens=1, temperature=0, logprobs=3)
+    finally:
+        engine.close()
+    assert event.top[0][0] == event.token and event.top[0][1] == pytest.approx(event.logprob)
+    assert [lp for _, lp in event.top] == sorted((lp for _, lp in event.top), reverse=True)
+    assert len(event.top) == 3 and event.logprob < 0
+
+
+# ----------------------------------------------------------------- scheduling
+class Counting:
+    """A KV-cache graph stand-in: next token = last id + 1 (mod 1000); records every batch."""
+
+    spec = [("past_key_values.0.key", 1, 1)]
+    presents = ["present.0.key"]
+    positions = True
+    dtype = np.dtype(np.float32)
+    vocab = 1000
+    bytes_per_token = 4
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.calls: list[tuple[int, int, int]] = []  # (rows, new tokens, past)
+        self.delay = delay
+
+    def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        ids, past = feeds["input_ids"], feeds["past_key_values.0.key"]
+        rows, n = ids.shape
+        self.calls.append((rows, n, past.shape[2]))
+        time.sleep(self.delay)
+        logits = np.zeros((rows, n, self.vocab), np.float32)
+        for r in range(rows):
+            logits[r, -1, (ids[r, -1] + 1) % self.vocab] = 1.0
+        new = ids[:, None, :, None].astype(np.float32)
+        return logits, {"past_key_values.0.key": np.concatenate([past, new], axis=2)}
+
+
+@pytest.fixture
+def counting() -> Iterator[tuple[Counting, list[Engine]]]:
+    made: list[Engine] = []
+    yield Counting(), made
+    for engine in made:
+        engine.close()
+
+
+def start(graph: Any, made: list[Engine], **changes: Any) -> Engine:
+    engine = Engine(graph, limits(**changes))
+    made.append(engine)
+    return engine
+
+
+def submit_all(engine: Engine, jobs: list[tuple[list[int], int]]) -> list[queue.Queue[Event]]:
+    queues = []
+    for prompt, n in jobs:
+        q: queue.Queue[Event] = queue.Queue()
+        engine.submit(prompt, parse({"max_tokens": n, "temperature": 0}), q.put)
+        queues.append(q)
+    return queues
+
+
+def drain(q: queue.Queue[Event]) -> list[Event]:
+    out: list[Event] = []
+    while not out or not (out[-1].finish or out[-1].error):
+        out.append(q.get(timeout=30))
+    return out
+
+
+def test_the_kv_budget_bounds_the_padded_batch_and_the_rest_wait(counting: Any) -> None:
+    graph, made = counting
+    graph.delay = 0.002
+    # each sequence needs 4 + 8 = 12 tokens: a budget of 24 holds two rows of 12, not three
+    engine = start(graph, made, kv_budget_tokens=24)
+    with engine._cv:  # all five waiting before the engine looks
+        queues = submit_all(engine, [([i * 10 + 1] * 4, 8) for i in range(5)])
+    outs = [drain(q) for q in queues]
+    assert all(tokens(o) == [i * 10 + 2 + k for k in range(8)] for i, o in enumerate(outs))
+    assert max(rows for rows, n, _ in graph.calls if n == 1) == 2
+
+
+def test_a_request_that_can_never_fit_the_budget_is_refused(counting: Any) -> None:
+    graph, made = counting
+    engine = start(graph, made, kv_budget_tokens=24)
+    with pytest.raises(BadParameter, match="needs 30 tokens of KV cache; the served budget is 24"):
+        engine.submit([1] * 10, parse({"max_tokens": 20}), lambda e: None)
+    engine.submit([1] * 10, parse({"max_tokens": 14}), lambda e: None)  # 24: exactly fits
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(counting: Any) -> None:
+    graph, made = counting
+    graph.delay = 0.01
+    engine = start(graph, made, chunk=8)
+    (short,) = submit_all(engine, [([1, 2], 30)])
+    time.sleep(0.05)  # the short one is decoding
+    (long,) = submit_all(engine, [(list(range(100, 140)), 2)])  # 40 tokens: five chunks
+    drain(long)
+    drain(short)
+    kinds = ["prefill" if n > 1 else "decode" for _, n, _ in graph.calls]
+    first = kinds.index("prefill", 1)
+    chunks = [i for i, k in enumerate(kinds) if k == "prefill" and i >= first][:5]
+    assert [graph.calls[i][1] for i in chunks] == [8, 8, 8, 8, 8]
+    assert all("decode" in kinds[a:b] for a, b in zip(chunks, chunks[1:], strict=False))
+
+
+def first_tokens_in_order(engine: Engine, max_wait: float) -> list[str]:
+    """Which request got its first token when: a long one (8 + 200) cannot join a running
+    one (4 + 150) within the budget (2 rows x 208 > 320); short ones (2 + 6) can."""
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def submit(name: str, prompt: list[int], n: int) -> queue.Queue[Event]:
+        q: queue.Queue[Event] = queue.Queue()
+
+        def emit(e: Event) -> None:
+            if e.completion_tokens == 1:
+                with lock:
+                    order.append(name)
+            q.put(e)
+
+        engine.submit(prompt, parse({"max_tokens": n, "temperature": 0}), emit)
+        return q
+
+    running = submit("running", [1] * 4, 150)
+    time.sleep(0.02)
+    blocked = submit("long", [2] * 8, 200)
+    young = submit("young", [3] * 2, 6)  # the long one is young: this one may pass it
+    time.sleep(0.3)  # the long one has now waited longer than max_wait_s (0.15)
+    old = submit("old", [4] * 2, 6)
+    for q in (running, blocked, young, old):
+        drain(q)
+    return order
+
+
+def test_ageing_lets_short_requests_pass_a_blocked_long_one_for_max_wait_only(
+    counting: Any,
+) -> None:
+    graph, made = counting
+    graph.delay = 0.004
+    wide = {"max_rows": 4, "max_context": 400, "max_past": 400, "kv_budget_tokens": 320}
+    aged = first_tokens_in_order(start(graph, made, max_wait_s=0.15, **wide), 0.15)
+    assert aged.index("young") < aged.index("long") < aged.index("old")
+    # without ageing the old one passes too: the rule is what kept it behind
+    free = first_tokens_in_order(start(graph, made, max_wait_s=60, **wide), 60)
+    assert free.index("old") < free.index("long")
+
+
+def test_a_full_queue_refuses_at_once_and_a_waiting_request_times_out(counting: Any) -> None:
+    graph, made = counting
+    graph.delay = 0.02
+    engine = start(graph, made, max_rows=1, max_queue=2, timeout_s=0.1)
+    (first,) = submit_all(engine, [([1], 30)])  # running: 30 steps of 20 ms
+    time.sleep(0.05)
+    waiting = submit_all(engine, [([2], 2), ([3], 2)])
+    with pytest.raises(QueueFull, match="queue full: 2 requests waiting"):
+        submit_all(engine, [([4], 2)])
+    for q in waiting:
+        (event,) = drain(q)
+        assert event.status == 504 and "not admitted within 0.1 s" in (event.error or "")
+    assert tokens(drain(first)) == list(range(2, 32))
+
+
+def test_request_level_batching_admits_nobody_until_the_batch_is_done(counting: Any) -> None:
+    graph, made = counting
+    graph.delay = 0.005
+    engine = start(graph, made, policy="request")
+    with engine._cv:  # both waiting before the engine looks: they form one batch
+        first = submit_all(engine, [([1], 20), ([2], 4)])
+    time.sleep(0.03)
+    (late,) = submit_all(engine, [([3], 4)])
+    outs = [drain(q) for q in [*first, late]]
+    assert [len(tokens(o)) for o in outs] == [20, 4, 4]
+    decode_rows = [rows for rows, n, _ in graph.calls if n == 1]
+    # the second row left early; the late one ran alone after the batch: never three rows
+    assert max(decode_rows) == 2 and decode_rows[-1] == 1
+
+
+def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(counting: Any) -> None:
+    graph, made = counting
+    graph.delay = 0.01
+    engine = start(graph, made)
+    events: queue.Queue[Event] = queue.Queue()
+    handle = engine.submit([1], parse({"max_tokens": 80, "temperature": 0}), events.put)
+    (other,) = submit_all(engine, [([5], 20)])
+    time.sleep(0.05)
+    handle.cancel()
+    assert len(tokens(drain(other))) == 20
+    seen = []
+    while not events.empty():
+        seen.append(events.get())
+    assert seen[-1].finish == "abort" and len(tokens(seen)) < 80
