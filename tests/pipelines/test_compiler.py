@@ -50,7 +50,7 @@ def test_each_stage_depends_on_a_file_of_only_its_own_spec_sections(tmp_path: Pa
             "quantization.method",
             "task",
         ],
-        "serve": ["bundle.ort_session", "bundle.serving", "task", "version"],
+        "serve": ["bundle.ort_session", "bundle.serving", "model", "task", "version"],
         "loadtest": ["capacity", "loadtest", "task"],
         "manifest": ["task", "version"],
         "bundle": ["bundle.model_card", "task", "version"],
@@ -222,7 +222,8 @@ def test_only_pin_depends_on_the_model_folder_the_others_on_its_lock() -> None:
     the model depend on that one file."""
     stages = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]
     loaders = {n for n, per in compiler.stage_ios(REPO)[1].items() if per["tiny-gpt2"].reads_model}
-    assert loaders == {"pin", "export", "evalcheck", "parity", "kvcheck", "evaluate"}
+    # serve copies the tokenizer files and reads generation_config.json from the folder
+    assert loaders == {"pin", "export", "evalcheck", "parity", "kvcheck", "evaluate", "serve"}
     assert "${item.model}" in stages["pin"]["do"]["deps"]
     for name in loaders - {"pin"}:
         deps = stages[name]["do"]["deps"]

@@ -133,7 +133,24 @@ def hostile_context(value: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         "instance_count": 1,
         "instance_kind": "KIND_CPU",
         "warmup": True,
+        "scheduling": "continuous",
+        "prefix_caching": True,
+        "max_wait_ms": 1000.0,
     }
+    from stages.serving.engine.settings import BatchingSettings, RuntimeSettings
+
+    runtime = RuntimeSettings(
+        task="generic",
+        serving="labels",
+        labels=[value, "plain"],  # from the checkpoint's config.id2label: anything
+        input_bounds={value: (0, 2), "plain": (-3, 7)},  # input names from the spec
+        ort_session="../../../ort_session.json",
+        text=value,
+        sampling_defaults={value: 1},
+        batching=BatchingSettings(
+            max_rows=4, enabled=True, delay_s=0.0, instances=1, max_queue=8, timeout_s=30.0
+        ),
+    )
     context = {
         **values,
         "release": "r",
@@ -148,17 +165,15 @@ def hostile_context(value: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
             "execution_mode": "sequential",
         },
         "triton": triton_values(info, ServingValues(**values)),
-        "serving_kind": "labels",
-        "labels": [value, "plain"],  # from the checkpoint's config.id2label: anything
-        "input_bounds": {value: [0, 2], "plain": [-3, 7]},  # input names from the spec
-        "max_prompt_tokens": 8,
-        "max_past_tokens": 0,
+        "runtime": runtime.model_dump(mode="json"),
     }
     return info, values, context
 
 
 @pytest.mark.parametrize("value", HOSTILE, ids=IDS)
 def test_every_serving_template_round_trips_hostile_values(tmp_path: Path, value: str) -> None:
+    from stages.serving.engine.settings import RuntimeSettings
+
     info, values, context = hostile_context(value)
     render(tmp_path, rendered("r"), context)
     serving = yaml.safe_load((tmp_path / "serving.yaml").read_text())
@@ -184,6 +199,9 @@ def test_every_serving_template_round_trips_hostile_values(tmp_path: Path, value
     assert settings["parameters"]["version"] == value
     assert settings["parameters"]["extra"]["labels"] == [value, "plain"]
     assert settings["parameters"]["extra"]["input_bounds"] == {value: [0, 2], "plain": [-3, 7]}
+    # and the runtime reads it back through the same typed model, hostile values intact
+    back = RuntimeSettings.model_validate(settings["parameters"]["extra"])
+    assert back.text == value and back.labels == [value, "plain"]
     assert settings["parameters"]["uri"] == f"../../../models/{value}"
 
 

@@ -12,7 +12,7 @@ from stages.bundling.hashing import hash_range, hash_shards, shard_ranges
 from stages.bundling.oms import load_manifest, verify_bundle
 from stages.engine import why_unavailable
 from stages.manifest import CHECKED
-from tests.conftest import Workspace, gpt2_spec, writable_copy
+from tests.conftest import REPO, Workspace, gpt2_spec, writable_copy
 
 
 @pytest.fixture
@@ -72,6 +72,11 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
         "serving/mlserver/settings.json",
         "serving/mlserver/tiny-gpt2/model-settings.json",
         "serving/mlserver/tiny-gpt2/shipyard_runtime.py",
+        *(
+            f"serving/mlserver/tiny-gpt2/shipyard_engine/{p.name}"
+            for p in (REPO / "stages" / "serving" / "engine").glob("*.py")
+        ),
+        "serving/text/tokenizer.json",  # tiny-gpt2 ships no tokenizer_config.json
         "MODEL_CARD.md",
     }
     onnx = "serving/triton/tiny-gpt2/1/model.onnx"  # stored once: Triton's folder

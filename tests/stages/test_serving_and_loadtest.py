@@ -80,7 +80,9 @@ def test_preferred_batch_sizes_beyond_the_served_batch_are_refused(
 
 
 async def _infer(url: str, ids: list[list[int]], tokens: int, stream: bool = False) -> list:
-    body = lg.v2_body({"input_ids": np.array(ids, dtype=np.int64)}, {"max_new_tokens": tokens})
+    # ignore_eos: every row decodes `tokens` (tiny-gpt2's EOS, id 1, would cut some short)
+    params = {"max_new_tokens": tokens, "ignore_eos": True}
+    body = lg.v2_body({"input_ids": np.array(ids, dtype=np.int64)}, params)
     async with aiohttp.ClientSession() as s:
         path = "infer_stream" if stream else "infer"
         headers = {"content-type": "application/json"}
@@ -95,8 +97,9 @@ async def _infer(url: str, ids: list[list[int]], tokens: int, stream: bool = Fal
 def test_server_batches_concurrent_requests_without_mixing_rows(
     built_gpt2: Workspace, tmp_path: Path
 ) -> None:
-    """Concurrent requests share a batch only when compatible; each gets its own tokens
-    back: the same as alone, the same as streamed, whatever arrived with it."""
+    """Concurrent requests decode in one batch (joining and leaving between steps, rows of
+    other lengths left-padded); each gets its own tokens back: the same as alone, the same
+    as streamed, whatever arrived with it."""
     prompts = [[5, 9, 2, 7], [100, 3, 3, 1], [42, 42, 8, 0], [7, 7], [1, 2, 3, 4, 5, 6]]
     tokens = [5, 5, 5, 5, 3]
     jobs = list(zip(prompts, tokens, strict=True))
@@ -180,12 +183,12 @@ def test_the_server_refuses_bad_generation_requests_with_400(
 
     with LocalServer(_tree(built_gpt2, tmp_path), "tiny-gpt2", tmp_path / "log", 60) as srv:
         too_long = asyncio.run(status([[1] * 20], 10))  # needs a past of 28 > 24
-        long_prompt = asyncio.run(status([[1] * 65], 1))  # sequence max is 64
+        long_prompt = asyncio.run(status([[1] * 26], 1))  # a past of 25: prefilled, too long
         too_many = asyncio.run(status([[1, 2]] * 4, 1))  # served max_batch_size is 3
         off_vocab = asyncio.run(status([[1, 512]], 1))  # vocabulary is 512
         fine = asyncio.run(status([[1, 511]], 2))
     assert too_long[0] == 400 and "needs a past of 28 tokens" in too_long[1]
-    assert long_prompt[0] == 400 and "exceeds the exported maximum 64" in long_prompt[1]
+    assert long_prompt[0] == 400 and "needs a past of 25 tokens" in long_prompt[1]
     assert too_many[0] == 400 and "exceeds the served max_batch_size 3" in too_many[1]
     assert off_vocab[0] == 400 and "[0, 512)" in off_vocab[1]
     assert fine[0] == 200

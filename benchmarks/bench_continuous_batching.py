@@ -1,0 +1,198 @@
+"""Continuous vs request-level batching, served; and served vs offline ONNX Runtime.
+
+On the gpt2-small example's shipped graph (build/gpt2-small: `make release` first), one run:
+1. the bundle's MLServer with the engine's `continuous` policy, then with `request`
+   (a batch admitted only when the previous one has finished), each driven by 16
+   concurrent streaming clients over the OpenAI endpoint (`/v1/completions`, SSE) with a
+   mixed workload: prompt and output lengths drawn from a seeded distribution;
+2. the same graph's offline batched decode in plain ONNX Runtime at batch 16 (prefill the
+   batch, feed the presents back, no server, no scheduler, no sampling beyond argmax).
+
+Prints output tokens/s, TTFT and inter-token percentiles, and the ratios: continuous /
+request (issue 25's goal: >= 2x, TTFT p95 no worse) and served / offline (goal: >= 0.8x).
+The export promises batch <= 8, so the engine's rows are raised to 16 in the served copy's
+settings for this measurement only (the graph's batch axis is symbolic).
+
+    python benchmarks/bench_continuous_batching.py [--requests 64] [--streams 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stages.serving.server import LocalServer, assemble  # noqa: E402
+
+RELEASE = "gpt2-small"
+
+
+def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, output tokens): prompts 8-96 tokens, outputs 8-96, log-uniform-ish."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        prompt = int(np.exp(rng.uniform(np.log(8), np.log(96))))
+        tokens = int(np.exp(rng.uniform(np.log(8), np.log(96))))
+        out.append((rng.integers(0, 50000, prompt).tolist(), tokens))
+    return out
+
+
+def served_tree(dest: Path, policy: str, rows: int) -> Path:
+    build = REPO / "build" / RELEASE
+    assemble(dest, sorted((build / "quantize").glob("model.onnx*")), build / "serve")
+    path = dest / "serving" / "mlserver" / RELEASE / "model-settings.json"
+    data = json.loads(path.read_text())
+    engine = data["parameters"]["extra"]["engine"]
+    per_row = engine["max_context"]
+    engine.update(
+        policy=policy, max_rows=rows, kv_budget_tokens=rows * per_row, prefix_cache_tokens=0
+    )
+    data["parameters"]["extra"]["batching"]["max_rows"] = rows
+    path.write_text(json.dumps(data))
+    return dest
+
+
+async def drive(url: str, jobs: list[tuple[list[int], int]], streams: int) -> dict[str, Any]:
+    import aiohttp
+
+    todo = list(enumerate(jobs))
+    ttft, itl, done_tokens = [], [], 0
+
+    async def client(session: Any) -> None:
+        nonlocal done_tokens
+        while todo:
+            _, (prompt, n) = todo.pop(0)
+            body = {
+                "model": RELEASE,
+                "prompt": prompt,
+                "max_tokens": n,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            start = time.perf_counter()
+            marks = []
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        marks.append(time.perf_counter())
+            assert len(marks) == n, (len(marks), n)
+            ttft.append(marks[0] - start)
+            itl.extend(np.diff(marks).tolist())
+            done_tokens += n
+
+    connector = aiohttp.TCPConnector(limit=streams)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(streams)))
+        seconds = time.perf_counter() - start
+    return {
+        "tokens_per_s": done_tokens / seconds,
+        "seconds": seconds,
+        "ttft_p50_ms": float(np.percentile(ttft, 50) * 1000),
+        "ttft_p95_ms": float(np.percentile(ttft, 95) * 1000),
+        "itl_p50_ms": float(np.percentile(itl, 50) * 1000),
+        "itl_p95_ms": float(np.percentile(itl, 95) * 1000),
+    }
+
+
+def served(policy: str, jobs: list[Any], streams: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-cb-") as tmp:
+        tree = served_tree(Path(tmp) / "tree", policy, streams)
+        with LocalServer(tree, RELEASE, Path(tmp) / "log", 300) as srv:
+            asyncio.run(drive(srv.url, jobs[:streams], streams))  # warm every shape path
+            return asyncio.run(drive(srv.url, jobs, streams))
+
+
+def offline(jobs: list[Any], batch: int) -> dict[str, Any]:
+    """Plain ONNX Runtime, `batch` rows at once: each group of jobs prefilled together
+    (prompts cut to the group's shortest, so no padding) and decoded for the group's
+    longest output, every row's token counted at every step: the graph's own batched
+    decode throughput, the ceiling a server approaches."""
+    import onnxruntime as ort
+
+    sys.path.insert(0, str(REPO / "stages" / "serving"))
+    from engine.kv import positions_from_mask  # the engine's own rule, nothing of its loop
+
+    config = json.loads((REPO / "build" / RELEASE / "serve" / "ort_session.json").read_text())
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = config.get("session_options", {}).get("intra_op_num_threads", 0)
+    session = ort.InferenceSession(
+        str(REPO / "build" / RELEASE / "quantize" / "model.onnx"),
+        options,
+        providers=["CPUExecutionProvider"],
+    )
+    past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    presents = [p.name.replace("past_key_values.", "present.") for p in past]
+    asked, start = 0, time.perf_counter()
+    for g in range(0, len(jobs), batch):
+        group = jobs[g : g + batch]
+        width = min(len(p) for p, _ in group)
+        steps = max(n for _, n in group)
+        ids = np.array([p[:width] for p, _ in group], np.int64)
+        feeds = {
+            p.name: np.zeros((len(group), p.shape[1], 0, p.shape[3]), np.float32) for p in past
+        }
+        mask = np.ones((len(group), width), np.int64)
+        for _ in range(steps):
+            feeds |= {"input_ids": ids, "attention_mask": mask}
+            feeds["position_ids"] = positions_from_mask(mask, ids.shape[1])
+            logits, *cache = session.run(["logits", *presents], feeds)
+            ids = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+            feeds = dict(zip((p.name for p in past), cache, strict=True))
+            mask = np.concatenate([mask, np.ones((len(group), 1), np.int64)], axis=1)
+        asked += len(group) * steps
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": asked / seconds, "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=16)
+    args = parser.parse_args()
+    jobs = workload(args.requests)
+    print(f"{args.requests} requests, {args.streams} concurrent streams, gpt2-small (INT8)")
+    print(
+        f"prompt tokens mean {np.mean([len(p) for p, _ in jobs]):.0f}, "
+        f"output tokens mean {np.mean([n for _, n in jobs]):.0f}"
+    )
+    results = {
+        "continuous": served("continuous", jobs, args.streams),
+        "request": served("request", jobs, args.streams),
+        "offline": offline(jobs, args.streams),
+    }
+    for name, r in results.items():
+        line = f"{name:>10}: {r['tokens_per_s']:7.1f} output tokens/s in {r['seconds']:.1f} s"
+        if "ttft_p95_ms" in r:
+            line += (
+                f"; TTFT p50/p95 {r['ttft_p50_ms']:.0f}/{r['ttft_p95_ms']:.0f} ms"
+                f"; ITL p50/p95 {r['itl_p50_ms']:.0f}/{r['itl_p95_ms']:.0f} ms"
+            )
+        print(line)
+    c, r, o = results["continuous"], results["request"], results["offline"]
+    print(
+        f"continuous / request tokens/s: {c['tokens_per_s'] / r['tokens_per_s']:.2f}x (goal >= 2)"
+    )
+    print(f"continuous / request TTFT p95: {c['ttft_p95_ms'] / r['ttft_p95_ms']:.2f}x (goal <= 1)")
+    print(
+        f"served / offline batch {args.streams}: {c['tokens_per_s'] / o['tokens_per_s']:.2f}x "
+        "(goal >= 0.8)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""The endpoints users' clients speak (issue 25), through the real `openai` Python client
+against a real MLServer serving a bundle built by the stages: completions and chat (whole
+and streamed, with usage and finish reasons), the same tokens as V2 `infer`, every
+unsupported or malformed field refused with a 400 (never ignored), and `/v1/embeddings` on
+a text-embedding bundle equal to the graph's own output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+
+from stages.serving.server import LocalServer, assemble
+from tests.conftest import TINY, Workspace, gpt2_spec
+from tests.fixtures import architectures as matrix
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def serve(ws: Workspace, name: str, spec: dict[str, Any]) -> Path:
+    for stage in ("pin", "export", "quantize", "plan", "serve"):
+        report = ws.run(stage, spec)
+        assert report.status.value == "passed", (stage, report.reasons)
+    tree = ws.root / f"tree-{name}"
+    assemble(tree, sorted(ws.out(name, "quantize").glob("model.onnx*")), ws.out(name, "serve"))
+    return tree
+
+
+@pytest.fixture(scope="module")
+def gpt2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    ws = Workspace(tmp_path_factory.mktemp("openai"))
+    (ws.root / "models" / "tiny-gpt2" / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    tree = serve(ws, "tiny-gpt2", gpt2_spec())
+    assert (tree / "serving" / "text" / "chat_template.jinja").is_file()
+    with LocalServer(tree, "tiny-gpt2", ws.root / "log", 60) as srv:
+        yield srv.url
+
+
+@pytest.fixture
+def client(gpt2_server: str) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{gpt2_server}/v1", api_key="unused", max_retries=0)
+
+
+def v2(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def go() -> dict[str, Any]:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{url}/v2/models/tiny-gpt2/infer", json=body) as resp,
+        ):
+            assert resp.status == 200, await resp.text()
+            return dict(await resp.json())
+
+    return asyncio.run(go())
+
+
+VARIED = {"repetition_penalty": 5.0}  # the random-weight model repeats one token otherwise
+
+
+def test_models_lists_the_served_model(client: Any) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny-gpt2"]
+
+
+def test_a_completion_returns_text_usage_and_the_tokens_v2_returns(
+    client: Any, gpt2_server: str
+) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    done = client.completions.create(
+        model="tiny-gpt2", prompt="def add(a, b):", max_tokens=8, temperature=0, extra_body=VARIED
+    )
+    (choice,) = done.choices
+    ids = tok.encode("def add(a, b):").ids
+    assert done.usage.prompt_tokens == len(ids) and done.usage.completion_tokens == 8
+    assert choice.finish_reason == "length" and done.object == "text_completion"
+    body = {
+        "inputs": [{"name": "input_ids", "shape": [1, len(ids)], "datatype": "INT64", "data": ids}],
+        "parameters": {"max_new_tokens": 8, **VARIED},
+    }
+    out = {o["name"]: o for o in v2(gpt2_server, body)["outputs"]}
+    assert choice.text == tok.decode(out["output_ids"]["data"]) == out["text"]["data"][0]
+
+
+def test_a_streamed_completion_adds_up_to_the_whole_one(client: Any) -> None:
+    ask = {"model": "tiny-gpt2", "prompt": "x = ", "max_tokens": 10, "temperature": 0}
+    whole = client.completions.create(**ask, extra_body=VARIED)
+    chunks = list(
+        client.completions.create(
+            **ask, stream=True, stream_options={"include_usage": True}, extra_body=VARIED
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+
+
+def test_a_chat_is_rendered_with_the_shipped_template_and_streams(client: Any) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(
+        model="tiny-gpt2", messages=messages, max_tokens=6, temperature=0, extra_body=VARIED
+    )
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.object == "chat.completion" and whole.usage.completion_tokens == 6
+    # the template's text, not the raw messages, was the prompt
+    from tokenizers import Tokenizer
+
+    prompt = "<|system|>be brief\n<|user|>hi\n<|assistant|>"
+    tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    assert whole.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False).ids)
+    stream = client.chat.completions.create(
+        model="tiny-gpt2",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body=VARIED,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == (
+        whole.choices[0].message.content
+    )
+
+
+def test_a_seeded_sampled_completion_repeats_and_a_stop_string_ends_it(client: Any) -> None:
+    ask = {"model": "tiny-gpt2", "prompt": "hello", "max_tokens": 12, "temperature": 1.0}
+    a = client.completions.create(**ask, seed=5)
+    b = client.completions.create(**ask, seed=5)
+    assert a.choices[0].text == b.choices[0].text
+    greedy = client.completions.create(
+        model="tiny-gpt2", prompt="hello", max_tokens=12, temperature=0, extra_body=VARIED
+    ).choices[0]
+    stop = greedy.text[4:7]
+    cut = client.completions.create(
+        model="tiny-gpt2", prompt="hello", max_tokens=12, temperature=0, stop=[stop],
+        extra_body=VARIED,
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == greedy.text[: greedy.text.index(stop)]
+
+
+def test_logprobs_come_back_per_token(client: Any) -> None:
+    done = client.completions.create(
+        model="tiny-gpt2", prompt="a", max_tokens=3, temperature=0, logprobs=2
+    )
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 3 and all(x < 0 for x in lp.token_logprobs)
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+
+
+REFUSED = [
+    ({"prompt": "a", "n": 2}, "n must be 1"),
+    ({"prompt": "a", "best_of": 2}, "unknown or unsupported field 'best_of'"),
+    ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty is not supported"),
+    ({"prompt": "a", "logit_bias": {"5": 1}}, "logit_bias is not supported"),
+    ({"prompt": "a", "echo": True}, "echo and suffix are not supported"),
+    ({"prompt": "a", "top_p": 0}, "parameter 'top_p'"),
+    ({"prompt": "a", "temperature": -1}, "parameter 'temperature'"),
+    ({"prompt": "a", "max_tokens": 0}, "parameter 'max_tokens'"),
+    ({"prompt": "a", "max_tokens": 500}, "exceeds the served context"),
+    ({"prompt": ""}, "the prompt is empty"),
+    ({"prompt": []}, "prompt must be"),
+    ({"prompt": [1, 512]}, "token ids must lie in [0, 512)"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs must be an integer in [0, 20]"),
+    ({"prompt": ["a", "b"], "stream": True}, "a streamed completion takes one prompt"),
+    ({"prompt": "a", "stream_options": {"x": 1}}, "stream_options takes only include_usage"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), REFUSED, ids=[m for _, m in REFUSED])
+def test_each_unsupported_or_malformed_completion_field_is_a_400(
+    gpt2_server: str, body: dict[str, Any], message: str
+) -> None:
+    status, answer = post(gpt2_server, "/v1/completions", {"model": "tiny-gpt2", **body})
+    assert status == 400, answer
+    assert message in answer["error"]["message"], answer
+    assert answer["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_refusals_and_an_unknown_model_is_a_404(gpt2_server: str) -> None:
+    ok = [{"role": "user", "content": "hi"}]
+    for body, message in (
+        ({"messages": []}, "messages must be a non-empty list"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content must be a string"),
+        ({"messages": ok, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+        ({"messages": ok, "max_tokens": 2, "max_completion_tokens": 2}, "not both"),
+        ({"messages": ok, "tools": []}, "unknown or unsupported field 'tools'"),
+    ):
+        status, answer = post(gpt2_server, "/v1/chat/completions", body)
+        assert status == 400 and message in answer["error"]["message"], (body, answer)
+    status, answer = post(gpt2_server, "/v1/completions", {"model": "gpt-4", "prompt": "a"})
+    assert status == 404 and "does not exist" in answer["error"]["message"]
+    status, answer = post(gpt2_server, "/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in answer["error"]["message"]
+    status, answer = post(gpt2_server, "/v1/embeddings", {"input": "a"})
+    assert status == 404 and "serves no embeddings" in answer["error"]["message"]
+
+
+def post(url: str, path: str, body: Any) -> tuple[int, Any]:
+    async def go() -> tuple[int, Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body)
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{url}{path}", data=data, headers={"content-type": "application/json"}) as r,
+        ):
+            return r.status, await r.json(content_type=None)
+
+    return asyncio.run(go())
+
+
+# ------------------------------------------------------------------- embeddings
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    root = matrix.workspace(tmp_path_factory.mktemp("embed") / "repo")
+    arch = next(a for a in matrix.ARCHITECTURES if a.name == "BERT" and a.task == "text-embedding")
+    slug = matrix.slug_of(arch)
+    matrix.build_model(arch, root / "models" / slug)
+    shutil.copy(TINY / "tokenizer.json", root / "models" / slug / "tokenizer.json")
+    ws = Workspace.__new__(Workspace)
+    ws.root = root
+    tree = serve(ws, slug, matrix.spec_for(arch, slug))
+    with LocalServer(tree, slug, root / "log", 60) as srv:
+        yield srv.url, ws.out(slug, "quantize") / "model.onnx"
+
+
+def test_embeddings_through_the_openai_client_equal_the_graphs_output(bert: Any) -> None:
+    import openai
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+
+    url, model = bert
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    texts = ["a short one", "and a somewhat longer sentence to embed"]
+    done = client.embeddings.create(model="bert-text-embedding", input=texts)
+    assert [d.index for d in done.data] == [0, 1]
+    tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    for text, item in zip(texts, done.data, strict=True):
+        ids = np.array([tok.encode(text).ids], np.int64)  # alone: no padding at all
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        if "token_type_ids" in names:
+            feeds["token_type_ids"] = np.zeros_like(ids)
+        want = session.run(["sentence_embedding"], feeds)[0][0]
+        # in a padded batch of two: the mask keeps the padding out of the mean
+        assert np.allclose(item.embedding, want, atol=1e-4), text
+    assert done.usage.prompt_tokens == sum(len(tok.encode(t).ids) for t in texts)
+    b64 = client.embeddings.create(model="bert-text-embedding", input="x", encoding_format="base64")
+    assert len(b64.data[0].embedding) == len(done.data[0].embedding)
+
+
+def test_embedding_refusals(bert: Any) -> None:
+    url, _ = bert
+    for body, message in (
+        ({"input": ""}, "an input string must not be empty"),
+        ({"input": "a", "dimensions": 8}, "dimensions is not supported"),
+        ({"input": ["a"] * 4}, "4 inputs exceed the served max_batch_size 3"),
+        ({"input": [1] * 65}, "an input of 65 tokens exceeds the exported maximum 64"),
+        ({"input": [[1, 600]]}, "values must lie in [0, 512)"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format must be float or base64"),
+    ):
+        status, answer = post(url, "/v1/embeddings", body)
+        assert status == 400 and message in answer["error"]["message"], (body, answer)
+    status, answer = post(url, "/v1/completions", {"prompt": "a"})
+    assert status == 404 and "does not generate" in answer["error"]["message"]
