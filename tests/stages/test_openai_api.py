@@ -40,7 +40,9 @@ def serve(ws: Workspace, name: str, spec: dict[str, Any]) -> Path:
 def gpt2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ws = Workspace(tmp_path_factory.mktemp("openai"))
     (ws.root / "models" / "tiny-gpt2" / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    tree = serve(ws, "tiny-gpt2", gpt2_spec())
+    spec = gpt2_spec()
+    spec["export"]["dims"]["past_sequence"]["max"] = 120  # room for a rendered chat
+    tree = serve(ws, "tiny-gpt2", spec)
     assert (tree / "serving" / "text" / "chat_template.jinja").is_file()
     with LocalServer(tree, "tiny-gpt2", ws.root / "log", 60) as srv:
         yield srv.url
@@ -248,17 +250,30 @@ def test_embeddings_through_the_openai_client_equal_the_graphs_output(bert: Any)
     tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     names = {i.name for i in session.get_inputs()}
-    for text, item in zip(texts, done.data, strict=True):
-        ids = np.array([tok.encode(text).ids], np.int64)  # alone: no padding at all
-        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+    def run(rows: list[list[int]]) -> np.ndarray:
+        width = max(len(r) for r in rows)
+        ids = np.array([r + [0] * (width - len(r)) for r in rows], np.int64)
+        mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], np.int64)
+        feeds = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in names:
             feeds["token_type_ids"] = np.zeros_like(ids)
-        want = session.run(["sentence_embedding"], feeds)[0][0]
-        # in a padded batch of two: the mask keeps the padding out of the mean
-        assert np.allclose(item.embedding, want, atol=1e-4), text
+        return np.asarray(session.run(["sentence_embedding"], feeds)[0])
+
+    rows = [tok.encode(t).ids for t in texts]
+    got = np.array([d.embedding for d in done.data])
+    assert np.allclose(got, run(rows), atol=1e-6)  # the graph on the same right-padded batch
+    for row, vector in zip(rows, got, strict=True):
+        alone = run([row])[0]  # INT8's per-call scales move it a little, padding does not
+        cosine = float(vector @ alone / np.linalg.norm(vector) / np.linalg.norm(alone))
+        assert cosine > 0.999, cosine
     assert done.usage.prompt_tokens == sum(len(tok.encode(t).ids) for t in texts)
+    import base64
+
     b64 = client.embeddings.create(model="bert-text-embedding", input="x", encoding_format="base64")
-    assert len(b64.data[0].embedding) == len(done.data[0].embedding)
+    floats = client.embeddings.create(model="bert-text-embedding", input="x").data[0].embedding
+    raw = np.frombuffer(base64.b64decode(b64.data[0].embedding), "<f4")  # type: ignore[arg-type]
+    assert np.array_equal(raw, np.array(floats, np.float32))
 
 
 def test_embedding_refusals(bert: Any) -> None:

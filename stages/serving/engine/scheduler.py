@@ -375,7 +375,7 @@ class Engine:
         elif stopped:
             event.finish = "stop"
         if event.finish and seq.detok is not None:
-            event.text += seq.detok.flush()
+            event.text += seq.detok.finish()
         event.completion_tokens = len(seq.generated)
         seq.emit(event)
         return event.finish is None

@@ -90,6 +90,7 @@ class Detokenizer:
         self.full = ""  # decoded so far (complete characters)
         self.sent = 0  # characters of `full` already emitted
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.stopped = False
 
     def add(self, token: int) -> tuple[str, bool]:
         """(new text to emit, hit a stop string?)."""
@@ -102,7 +103,7 @@ class Detokenizer:
         for stop in self.stops:
             at = self.full.find(stop, start)
             if at >= 0:
-                self.full = self.full[:at]
+                self.full, self.stopped = self.full[:at], True
                 return self.flush(), True
         ready = max(self.sent, len(self.full) - self.hold)
         out, self.sent = self.full[self.sent : ready], ready
@@ -111,6 +112,16 @@ class Detokenizer:
     def flush(self) -> str:
         out, self.sent = self.full[self.sent :], len(self.full)
         return out
+
+    def finish(self) -> str:
+        """The rest of the text when the sequence ends: all of it, as one decode of every
+        id gives it (a character cut off by the last token shows as U+FFFD), unless a stop
+        string ended it."""
+        if not self.stopped:
+            decoded = self.text.decode(self.ids)
+            if decoded.startswith(self.full[: self.sent]):
+                self.full = decoded
+        return self.flush()
 
 
 def _json(path: Path) -> dict[str, Any]:
