@@ -163,17 +163,31 @@ def test_the_prefix_cache_evicts_the_least_recently_used_within_its_budget() -> 
     from stages.serving.engine.scheduler import PrefixCache
 
     cache = PrefixCache(capacity=32, block=16)
-    past = {"k": np.zeros((1, 1, 40, 2), np.float32)}
-    cache.store(list(range(20)), past)  # 16 cached
-    cache.store(list(range(100, 120)), past)  # 16 more: full
+    past = {"k": np.zeros((1, 1, 60, 2), np.float32)}
+    cache.store(list(range(20)), past, room=100)  # 16 cached
+    cache.store(list(range(100, 120)), past, room=100)  # 16 more: full
     assert cache.lookup(list(range(20)))[0] == 16  # touched: now the most recent
-    cache.store(list(range(200, 220)), past)  # evicts range(100, ...)
+    cache.store(list(range(200, 220)), past, room=100)  # evicts range(100, ...)
     assert cache.held == 32
     assert cache.lookup(list(range(100, 120)))[0] == 0
     assert cache.lookup(list(range(20)))[0] == 16
     assert cache.lookup(list(range(16)))[0] == 0  # a prefix must leave one token to prefill
-    cache.store(list(range(500, 560)), past)  # 48 > capacity: never stored
+    cache.store(list(range(500, 560)), past, room=100)  # 48 > capacity: never stored
     assert cache.held == 32
+    cache.store(list(range(600, 620)), past, room=16)  # the batch leaves 16: one block fits
+    assert cache.held == 16 and cache.lookup(list(range(600, 620)))[0] == 16
+
+
+def test_cached_prefixes_give_way_to_a_request_that_needs_the_budget(counting: Any) -> None:
+    """Prefix cache and running batch share one KV budget: admission evicts prefixes."""
+    graph, made = counting
+    wide = {"max_context": 200, "max_past": 200, "kv_budget_tokens": 120}
+    engine = start(graph, made, prefix_cache_tokens=120, **wide)
+    drain(submit_all(engine, [(list(range(1, 50)), 4)])[0])  # 53 running: 48 of prefix fit
+    assert engine.prefix is not None and engine.prefix.held == 48
+    out = drain(submit_all(engine, [(list(range(200, 260)), 60)])[0])  # needs all 120
+    assert tokens(out) == list(range(260, 320))
+    assert engine.prefix.held == 0  # evicted to admit it; no room left to store its own
 
 
 # ----------------------------------------------------------------- sampling

@@ -238,8 +238,8 @@ def bert(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]
 
 
 def test_embeddings_through_the_openai_client_equal_the_graphs_output(bert: Any) -> None:
-    import openai
     import onnxruntime as ort
+    import openai
     from tokenizers import Tokenizer
 
     url, model = bert

@@ -122,14 +122,21 @@ class PrefixCache:
         self.misses += 1
         return 0, None
 
-    def store(self, prompt: list[int], past: dict[str, np.ndarray]) -> None:
+    def evict(self) -> None:
+        """Drop the least recently used prefix."""
+        old, _ = self.entries.popitem(last=False)
+        self.held -= len(old)
+
+    def store(self, prompt: list[int], past: dict[str, np.ndarray], room: int) -> None:
+        """Keep the prompt's longest block-aligned prefix, within `room` tokens (what the
+        running batch leaves of the KV budget) and the cache's own capacity."""
         n = (len(prompt) - 1) // self.block * self.block
         key = tuple(prompt[:n])
-        if n == 0 or n > self.capacity or key in self.entries:
+        limit = min(self.capacity, room)
+        if n == 0 or n > limit or key in self.entries:
             return
-        while self.held + n > self.capacity:
-            old, _ = self.entries.popitem(last=False)
-            self.held -= len(old)
+        while self.held + n > limit:
+            self.evict()
         self.entries[key] = {k: np.ascontiguousarray(v[:, :, :n]) for k, v in past.items()}
         self.held += n
 
@@ -306,8 +313,19 @@ class Engine:
             skipped += 1
 
     def _fits(self, seq: Sequence) -> bool:
-        active = [*self.rows.values(), *self.prefilling, seq]
-        return len(active) * max(q.total for q in active) <= self.settings.kv_budget_tokens
+        """The padded cache with `seq` in it, plus the cached prefixes, within the budget;
+        cached prefixes give way (least recently used first) to a request that needs room."""
+        need, budget = self._need(seq), self.settings.kv_budget_tokens
+        if need > budget:
+            return False
+        while self.prefix is not None and self.prefix.held and need + self.prefix.held > budget:
+            self.prefix.evict()
+        return True
+
+    def _need(self, seq: Sequence) -> int:
+        """Tokens the padded cache holds with `seq` among the running and prefilling."""
+        active = {q.key: q for q in [*self.rows.values(), *self.prefilling, seq]}.values()
+        return len(active) * max(q.total for q in active)
 
     def _start(self, seq: Sequence) -> None:
         if self.prefix is not None:
@@ -337,7 +355,9 @@ class Engine:
                 continue
             self.prefilling.remove(seq)
             if self.prefix is not None:
-                self.prefix.store(seq.prompt, seq.past)
+                self.prefix.store(
+                    seq.prompt, seq.past, self.settings.kv_budget_tokens - self._need(seq)
+                )
             if self._take(seq, logits[0, -1]):
                 self.batch.join(seq.key, seq.past)
                 self.rows[seq.key] = seq
