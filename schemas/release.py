@@ -275,9 +275,12 @@ class ReleaseSpec(Strict):
 
     def _check_loadtest(self) -> None:
         """Rule: causal-lm ramp input_length + output_tokens - 1 <= min(sequence.max,
-        past_sequence.max)."""
+        past_sequence.max); each loadtest.ramp.mix entry's input_length + output_tokens - 2
+        <= past_sequence.max (a long prompt is prefilled in chunks)."""
         r, dims = self.loadtest.ramp, self.export.dims
-        if TASKS[self.task].kv_cache and r.input_length + r.output_tokens - 1 > min(
+        if not TASKS[self.task].kv_cache:
+            return
+        if r.input_length + r.output_tokens - 1 > min(
             dims["sequence"].max, dims["past_sequence"].max
         ):
             raise ValueError(
@@ -285,6 +288,13 @@ class ReleaseSpec(Strict):
                 f"{r.input_length + r.output_tokens - 1} exceeds the export's sequence or "
                 "past_sequence max; lower them or widen export.dims"
             )
+        for i, m in enumerate(r.mix or []):
+            if m.input_length + m.output_tokens - 2 > dims["past_sequence"].max:
+                raise ValueError(
+                    f"loadtest.ramp.mix[{i}]: input_length + output_tokens - 2 = "
+                    f"{m.input_length + m.output_tokens - 2} exceeds export.dims."
+                    f"past_sequence.max = {dims['past_sequence'].max}; lower them or widen it"
+                )
 
     def _check_serving(self) -> None:
         """Rule: bundle.serving.max_batch_size <= export.dims.batch.max; each preferred batch size

@@ -106,6 +106,14 @@ def verdict(
     errors = sum(p["errors"] for p in results["ramp"]["points"])
     if errors:
         reasons.append(f"{errors} request(s) failed in the ramp: {_first_error(results)}")
+    for phase, points in (
+        ("streaming", results.get("streaming", {}).get("points", [])),
+        ("soak", [soak_result["load"]] if "load" in soak_result else []),
+    ):
+        failed = sum(p["errors"] for p in points)
+        if failed:
+            first = next((p["first_error"] for p in points if "first_error" in p), "")
+            reasons.append(f"{failed} request(s) failed in the {phase}: {first}")
     keys = ("concurrency", "throughput_rps", "p95_latency_ms", "stable", "window_throughput")
     points = _rows(results["ramp"]["points"], keys)
     head = _headline(results)

@@ -31,6 +31,14 @@ class LoadGrid(Strict):
     requests: int = Field(default=8, ge=1, le=10_000, description="Requests per grid point.")
 
 
+class LoadMix(Strict):
+    """One request shape of a causal-lm load mix, drawn with probability weight / total."""
+
+    input_length: int = Field(ge=1, description="Prompt tokens.")
+    output_tokens: int = Field(ge=1, description="Tokens generated (streamed).")
+    weight: float = Field(default=1.0, gt=0, description="Relative frequency in the mix.")
+
+
 class LoadRamp(Strict):
     max_concurrency: int = Field(default=32, ge=1, le=4096, description="Cap of the ramp.")
     window_seconds: float = Field(default=2.0, gt=0, description="One measurement window.")
@@ -47,6 +55,12 @@ class LoadRamp(Strict):
     input_length: int = Field(default=32, ge=1, description="Input tokens (or rows) per request.")
     output_tokens: int = Field(
         default=16, ge=1, description="causal-lm: tokens generated per request (streamed)."
+    )
+    mix: list[LoadMix] | None = Field(
+        default=None,
+        max_length=64,
+        description="causal-lm: the streaming ramp's prompt/output lengths, drawn by weight "
+        "(seeded); default: input_length and output_tokens alone.",
     )
 
 

@@ -72,17 +72,61 @@ def grid(base: str, release: Any, info: ModelInfo) -> list[dict[str, Any]]:
     return points
 
 
+def openai_mix(url: str, model: str, release: Any, info: ModelInfo) -> lg.Mix:
+    """Streamed /v1/completions requests as users' clients send them (token-id prompts, a
+    fixed output length: ignore_eos, as vLLM's and genai-perf's benchmarks ask it), one per
+    entry of loadtest.ramp.mix, drawn by weight."""
+    import json
+
+    r = release.loadtest.ramp
+    shapes = [(m.input_length, m.output_tokens, m.weight) for m in r.mix or []] or [
+        (r.input_length, r.output_tokens, 1.0)
+    ]
+    vocab = max(1, info.arch.vocab or 1)
+    rng = np.random.default_rng(0)
+    requests = []
+    for length, tokens, _ in shapes:
+        body = {
+            "model": model,
+            "prompt": rng.integers(0, vocab, length).tolist(),
+            "max_tokens": tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        requests.append(
+            lg.Request(
+                url=f"{url}/v1/completions",
+                body=json.dumps(body).encode(),
+                stream=True,
+                tokens=tokens,
+                marker=b"data: {",
+            )
+        )
+    return lg.Mix(requests, [w for _, _, w in shapes])
+
+
 def ramp(
-    base: str, release: Any, info: ModelInfo, stream: bool, upto: int | None = None
+    base: str,
+    release: Any,
+    info: ModelInfo,
+    stream: bool,
+    upto: int | None = None,
+    mix: lg.Mix | None = None,
 ) -> dict[str, Any]:
-    """Concurrency 1, 2, 4, ... until the knee (Model Analyzer's rule) or the SLO breaks."""
+    """Concurrency 1, 2, 4, ... until the knee (Model Analyzer's rule) or the SLO breaks;
+    with `mix`, those requests instead of one V2 request."""
     r, slo = release.loadtest.ramp, release.loadtest.slo
-    req = request(base, info, 1, r.input_length, r.output_tokens, stream)
+    req: lg.Request | lg.Mix = mix or request(
+        base, info, 1, r.input_length, r.output_tokens, stream
+    )
     points: list[dict[str, Any]] = []
     knee, c, timeout = 1, 1, release.loadtest.request_timeout_seconds
     while c <= min(r.max_concurrency, upto or r.max_concurrency):
         point = lg.run(lg.measure(req, c, r.window_seconds, r.max_windows, r.stability, timeout))
-        points.append(require_success(point, req))
+        points.append(
+            require_success(point, req if isinstance(req, lg.Request) else req.requests[0])
+        )
         knee, stop = find_knee(points, r.knee_gain, r.knee_patience, slo.p95_latency_ms)
         if stop:
             break

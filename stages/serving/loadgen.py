@@ -33,6 +33,7 @@ class Request:
     stream: bool = False
     rows: int = 1  # sequences per request (its batch)
     tokens: int = 0  # output tokens per request (causal-lm)
+    marker: bytes = b"data:"  # a streamed line that carries one token (OpenAI: b"data: {")
 
 
 @dataclass
@@ -43,6 +44,23 @@ class Sample:
     itl: list[float] = field(default_factory=list)
     ok: bool = True
     error: str = ""
+    tokens: int = 0  # output tokens this request yielded (all rows)
+
+
+class Mix:
+    """The requests of a load, drawn by weight from a seeded sequence: every worker takes
+    the next one, so a run's requests are the same whatever the timing."""
+
+    def __init__(self, requests: list[Request], weights: list[float] | None = None) -> None:
+        self.requests = requests
+        p = np.array(weights or [1.0] * len(requests), dtype=np.float64)
+        self.order = np.random.default_rng(0).choice(len(requests), size=4096, p=p / p.sum())
+        self.next = 0
+
+    def take(self) -> Request:
+        req = self.requests[int(self.order[self.next % len(self.order)])]
+        self.next += 1
+        return req
 
 
 def v2_body(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None = None) -> bytes:
@@ -98,7 +116,7 @@ async def _one(session: Any, req: Request, timeout: float) -> Sample:
         async with session.post(req.url, data=req.body, headers=HEADERS) as resp:
             if req.stream:
                 async for line in resp.content:
-                    if line.startswith(b"data:"):
+                    if line.startswith(req.marker):
                         marks.append(time.perf_counter())
             else:
                 await resp.read()
@@ -111,11 +129,13 @@ async def _one(session: Any, req: Request, timeout: float) -> Sample:
     if req.stream and len(marks) != req.tokens:
         return Sample(end, end - start, ok=False, error=f"{len(marks)} of {req.tokens} tokens")
     ttft = marks[0] - start if marks else None
-    return Sample(end, end - start, ttft, list(np.diff(marks)) if marks else [])
+    yielded = len(marks) if req.stream else req.rows * req.tokens
+    return Sample(end, end - start, ttft, list(np.diff(marks)) if marks else [], tokens=yielded)
 
 
 def summarize(samples: list[Sample], seconds: float, req: Request) -> dict[str, Any]:
-    """Throughput and latency percentiles (ms) of the successful samples."""
+    """Throughput and latency percentiles (ms) of the successful samples; tokens/s counts
+    what each request yielded (a mix has many lengths)."""
     good = [s for s in samples if s.ok]
     lat = np.array([s.latency for s in good]) * 1000
     out: dict[str, Any] = {
@@ -125,7 +145,7 @@ def summarize(samples: list[Sample], seconds: float, req: Request) -> dict[str, 
         "throughput_rps": len(good) / seconds if seconds > 0 else 0.0,
     }
     out["rows_per_s"] = out["throughput_rps"] * req.rows
-    out["tokens_per_s"] = out["throughput_rps"] * req.rows * req.tokens
+    out["tokens_per_s"] = sum(s.tokens for s in good) / seconds if seconds > 0 else 0.0
     for q in (50, 90, 95, 99):
         out[f"p{q}_latency_ms"] = float(np.percentile(lat, q)) if len(lat) else None
     ttft = [s.ttft * 1000 for s in good if s.ttft is not None]
@@ -155,22 +175,24 @@ def stable(windows: list[dict[str, Any]], within: float) -> bool:
 
 
 async def measure(
-    req: Request,
+    req: Request | Mix,
     concurrency: int,
     window: float,
     max_windows: int,
     within: float,
     timeout: float,
 ) -> dict[str, Any]:
-    """Closed loop at `concurrency` until three windows agree or max_windows pass."""
-
+    """Closed loop at `concurrency` until three windows agree or max_windows pass; with a
+    Mix, each request is the mix's next."""
+    mix = req if isinstance(req, Mix) else Mix([req])
+    req = mix.requests[0]  # what summarize needs: rows per request
     samples: list[Sample] = []
     stop = asyncio.Event()
     async with session_for(concurrency, timeout) as session:
 
         async def worker() -> None:
             while not stop.is_set():
-                samples.append(await _one(session, req, timeout))
+                samples.append(await _one(session, mix.take(), timeout))
 
         tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
         windows: list[dict[str, Any]] = []

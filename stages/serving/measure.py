@@ -12,7 +12,7 @@ from schemas.artifacts import ModelInfo
 from schemas.tasks import TASKS
 from stages._runtime import StageContext
 from stages.serving import loadgen as lg
-from stages.serving.load_phases import grid, ramp, request, soak
+from stages.serving.load_phases import grid, openai_mix, ramp, request, soak
 
 STAGE = "loadtest"
 
@@ -39,8 +39,10 @@ def measure_all(
         results["grid"] = grid(base, release, info)
         results["ramp"] = ramp(base, release, info, stream=False)
         knee = results["ramp"]["knee"]
-        if streams(release.task):
-            results["streaming"] = ramp(base, release, info, stream=True, upto=knee)
+        if streams(release.task):  # as users meet it: the OpenAI endpoint, streamed
+            mix = openai_mix(url, model, release, info)
+            results["streaming"] = ramp(base, release, info, stream=True, upto=knee, mix=mix)
+            results["streaming"]["endpoint"] = "/v1/completions"
         results["soak"] = soak(base, release, info, srv if local else None, knee)
         seen = srv.rss() if local else 0
         results["peak_rss_bytes"] = max(results["soak"].get("peak_rss_bytes", 0), seen)

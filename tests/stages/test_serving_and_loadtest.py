@@ -217,6 +217,78 @@ def test_a_server_that_cannot_start_fails_clearly_and_leaves_no_process(
         os.killpg(server.proc.pid, 0)
 
 
+def test_streaming_is_measured_on_the_openai_endpoint_with_the_specs_mix(
+    built_gpt2: Workspace,
+) -> None:
+    """Two shapes, 3:1: prompts of 4 and 12 tokens, outputs of 2 and 6. Every streamed
+    request yields its own token count, so tokens/s sits between the two shapes' rates."""
+    spec = gpt2_spec()
+    mix = [
+        {"input_length": 4, "output_tokens": 2, "weight": 3},
+        {"input_length": 12, "output_tokens": 6, "weight": 1},
+    ]
+    spec["loadtest"] = {**QUICK_LOADTEST, "ramp": {**QUICK_LOADTEST["ramp"], "mix": mix}}
+    report = built_gpt2.run("loadtest", spec)
+    assert report.status.value == "passed", report.reasons
+    data = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").read_text())
+    stream = data["streaming"]
+    assert stream["endpoint"] == "/v1/completions"
+    for p in stream["points"]:
+        assert p["errors"] == 0 and p["p95_itl_ms"] > 0
+        per_request = p["tokens_per_s"] / p["throughput_rps"]
+        assert 2 < per_request < 6  # a mix, mostly the short shape (3:1 gives 3.0 on average)
+    assert built_gpt2.run("loadtest", gpt2_spec()).status.value == "passed"
+
+
+def test_a_mix_entry_beyond_the_past_is_refused_at_validate_and_one_at_it_is_accepted(
+    tmp_path: Path,
+) -> None:
+    ws = Workspace(tmp_path)
+    for length, ok in ((20, True), (21, False)):  # 20 + 6 - 2 = 24 = past_sequence.max
+        spec = gpt2_spec()
+        mix = [
+            {"input_length": 4, "output_tokens": 2},
+            {"input_length": length, "output_tokens": 6},
+        ]
+        spec["loadtest"] = {**QUICK_LOADTEST, "ramp": {**QUICK_LOADTEST["ramp"], "mix": mix}}
+        if ok:
+            load_release(ws.write(spec))
+            continue
+        with pytest.raises(SpecError) as exc:
+            load_release(ws.write(spec))
+        assert "loadtest.ramp.mix[1]: input_length + output_tokens - 2 = 25" in str(exc.value)
+
+
+def test_errors_in_the_soak_or_the_streaming_ramp_fail_the_stage() -> None:
+    from stages.loadtest import verdict
+
+    point = {
+        "concurrency": 1,
+        "throughput_rps": 10.0,
+        "p95_latency_ms": 5.0,
+        "stable": True,
+        "window_throughput": [10.0],
+        "errors": 0,
+        "requests": 9,
+    }
+    bad = {**point, "errors": 2, "first_error": "HTTP 500"}
+    results = {
+        "ramp": {"points": [point], "knee": 1, "knee_point": point},
+        "streaming": {"points": [point]},
+        "soak": {"growth_ok": True, "load": bad},
+        "batching": {},
+    }
+    result, _ = verdict(results, [], [])
+    assert result.status.value == "failed"
+    assert result.reasons == ["2 request(s) failed in the soak: HTTP 500"]
+    results["soak"] = {"growth_ok": True, "load": point}
+    results["streaming"] = {"points": [bad]}
+    result, _ = verdict(results, [], [])
+    assert result.reasons == ["2 request(s) failed in the streaming: HTTP 500"]
+    results["streaming"] = {"points": [point]}
+    assert verdict(results, [], [])[0].status.value == "passed"
+
+
 def test_an_slo_that_cannot_be_met_fails_the_stage_and_turns_the_gate_red(
     built_gpt2: Workspace,
 ) -> None:
@@ -243,6 +315,7 @@ def test_load_test_measures_streaming_and_writes_plots(built_gpt2: Workspace) ->
         assert (built_gpt2.out("tiny-gpt2", "loadtest") / name).stat().st_size > 1000
     data = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").read_text())
     assert [p["concurrency"] for p in data["ramp"]["points"]] == [1, 2]
+    assert data["streaming"]["endpoint"] == "/v1/completions"
     for p in data["ramp"]["points"] + data["streaming"]["points"]:  # what an SLO is judged on
         assert all(len(v) == 3 for v in p["window_metrics"].values())
     assert all(v > 0 for v in data["streaming"]["points"][0]["window_metrics"]["p95_itl_ms"])

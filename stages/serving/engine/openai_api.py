@@ -74,7 +74,8 @@ class Call:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _check_common(body: Any, fields: set[str], served: str) -> dict[str, Any]:
+def _fields(body: Any, fields: set[str], served: str) -> dict[str, Any]:
+    """A JSON object of known fields only, for the served model (or no model named)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - fields)
@@ -86,6 +87,11 @@ def _check_common(body: Any, fields: set[str], served: str) -> dict[str, Any]:
             f"the model {body.get('model')!r} does not exist; this server serves {served!r}",
             "model",
         )
+    return body
+
+
+def _check_common(body: Any, fields: set[str], served: str) -> dict[str, Any]:
+    body = _fields(body, fields, served)
     if body.get("n", 1) != 1:
         raise ApiError(400, "n must be 1 (one choice per request)", "n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -189,13 +195,7 @@ def chat(body: Any, served: str, defaults: dict[str, Any]) -> tuple[Call, list[d
 
 def embeddings(body: Any, served: str) -> tuple[list[list[int] | str], bool]:
     """(inputs, base64?)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - EMBEDDING_FIELDS)
-    if unknown:
-        raise ApiError(400, f"unknown or unsupported field {unknown[0]!r}", unknown[0])
-    if body.get("model") not in (None, served):
-        raise ApiError(404, f"the model {body.get('model')!r} does not exist", "model")
+    body = _fields(body, EMBEDDING_FIELDS, served)
     if body.get("dimensions") is not None:
         raise ApiError(
             400, "dimensions is not supported: the model's size is returned", "dimensions"
