@@ -86,10 +86,13 @@ class Recorder:
         self.spec, self.presents, self.positions = graph.spec, graph.presents, graph.positions
         self.dtype, self.vocab = graph.dtype, graph.vocab
         self.rows: list[int] = []
+        self.prefill_rows: list[int] = []
         self.padded: list[set[int]] = []
 
     def run(self, feeds: dict[str, np.ndarray]) -> Any:
         self.rows.append(feeds["input_ids"].shape[0])
+        if feeds["input_ids"].shape[1] > 1:
+            self.prefill_rows.append(feeds["input_ids"].shape[0])
         self.padded.append(set(np.unique(feeds["attention_mask"]).tolist()))
         return self.graph.run(feeds)
 
@@ -116,6 +119,7 @@ def test_each_sequence_in_a_changing_batch_decodes_as_it_does_alone(gpt2_graph: 
     and leave between steps, left-padded against each other; each gets its solo tokens."""
     rng = np.random.default_rng(3)
     jobs = [(rng.integers(2, 500, int(rng.integers(1, 50))).tolist(), 3 + 4 * i) for i in range(8)]
+    jobs = jobs[:4] + [(p[:12], n) for p, n in jobs[4:]]  # short ones share a prefill pass
     alone = Engine(gpt2_graph, limits(max_rows=1))
     try:
         solo = [
@@ -140,6 +144,7 @@ def test_each_sequence_in_a_changing_batch_decodes_as_it_does_alone(gpt2_graph: 
         shared.close()
     assert got == solo
     assert max(recorder.rows) == 4  # decode steps really ran batched
+    assert max(recorder.prefill_rows) > 1  # prompts arriving together prefilled together
     assert any(0 in mask for mask in recorder.padded)  # rows were left-padded
 
 
@@ -188,6 +193,19 @@ def test_cached_prefixes_give_way_to_a_request_that_needs_the_budget(counting: A
     out = drain(submit_all(engine, [(list(range(200, 260)), 60)])[0])  # needs all 120
     assert tokens(out) == list(range(260, 320))
     assert engine.prefix.held == 0  # evicted to admit it; no room left to store its own
+
+
+def test_without_position_ids_sequences_decode_one_at_a_time(counting: Any) -> None:
+    """A left-padded row needs positions from the mask; a graph that takes none is never
+    fed padding: one sequence runs at a time, and each is still right."""
+    graph, made = counting
+    graph.positions = False
+    engine = start(graph, made)
+    with engine._cv:
+        queues = submit_all(engine, [([i * 100 + 1] * (i + 1), 5) for i in range(3)])
+    outs = [tokens(drain(q)) for q in queues]
+    assert outs == [[i * 100 + 2 + k for k in range(5)] for i in range(3)]
+    assert {rows for rows, _, _ in graph.calls} == {1}
 
 
 # ----------------------------------------------------------------- sampling

@@ -300,9 +300,11 @@ class Engine:
         if s.policy == "request" and (self.rows or self.prefilling):
             return
         now, skipped = time.monotonic(), 0
+        # without position_ids a left-padded row would be misplaced: one sequence at a time
+        rows = s.max_rows if self.graph.positions else 1
         while skipped < len(self.waiting):
             seq = self.waiting[skipped]
-            if len(self.rows) + len(self.prefilling) >= s.max_rows:
+            if len(self.rows) + len(self.prefilling) >= rows:
                 return
             if self._fits(seq):
                 del self.waiting[skipped]
@@ -334,11 +336,18 @@ class Engine:
         self.prefilling.append(seq)
 
     def _prefill(self) -> None:
+        """At most `chunk` prompt tokens this iteration: fresh prompts that fit together are
+        prefilled in one pass, left-padded to the longest (as the decode batch pads them);
+        the rest one chunk at a time, each on its own cache."""
         budget = self.settings.chunk
+        group = self._fresh_group(budget)
+        if len(group) > 1:
+            budget -= len(group) * max(len(q.prompt) for q in group)
+            self._prefill_together(group)
         for seq in list(self.prefilling):
             if budget <= 0:
                 break
-            n = min(budget, self.settings.chunk, len(seq.prompt) - seq.done)
+            n = min(budget, len(seq.prompt) - seq.done)
             ids = np.array([seq.prompt[seq.done : seq.done + n]], np.int64)
             past = (
                 seq.past
@@ -351,17 +360,53 @@ class Engine:
                 feeds["position_ids"] = positions_from_mask(mask, n)
             logits, seq.past = self.graph.run(feeds)
             seq.done, budget = seq.done + n, budget - n
-            if seq.done < len(seq.prompt):
+            if seq.done == len(seq.prompt):
+                self._prefilled(seq, logits[0, -1], seq.past, mask[0])
+
+    def _fresh_group(self, budget: int) -> list[Sequence]:
+        """Prompts not started (no cached prefix) that fit the budget padded together, in
+        arrival order; none without position_ids (a padded row would be misplaced)."""
+        group: list[Sequence] = []
+        if not self.graph.positions:
+            return group
+        for seq in self.prefilling:
+            if seq.done or seq.past is not None:
                 continue
-            self.prefilling.remove(seq)
-            if self.prefix is not None:
-                self.prefix.store(
-                    seq.prompt, seq.past, self.settings.kv_budget_tokens - self._need(seq)
-                )
-            if self._take(seq, logits[0, -1]):
-                self.batch.join(seq.key, seq.past)
-                self.rows[seq.key] = seq
-            seq.past = None
+            width = max([len(seq.prompt), *(len(q.prompt) for q in group)])
+            if (len(group) + 1) * width > budget:
+                break
+            group.append(seq)
+        return group
+
+    def _prefill_together(self, group: list[Sequence]) -> None:
+        width = max(len(q.prompt) for q in group)
+        ids = np.zeros((len(group), width), np.int64)
+        mask = np.zeros((len(group), width), np.int64)
+        for row, seq in enumerate(group):
+            ids[row, width - len(seq.prompt) :] = seq.prompt
+            mask[row, width - len(seq.prompt) :] = 1
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        feeds |= empty_past(self.graph.spec, len(group), self.graph.dtype)
+        feeds["position_ids"] = positions_from_mask(mask, width)
+        logits, presents = self.graph.run(feeds)
+        for row, seq in enumerate(group):
+            seq.done = len(seq.prompt)
+            past = {k: v[row : row + 1] for k, v in presents.items()}
+            self._prefilled(seq, logits[row, -1], past, mask[row])
+
+    def _prefilled(
+        self, seq: Sequence, logits: np.ndarray, past: dict[str, np.ndarray], mask: np.ndarray
+    ) -> None:
+        """Its prompt is in the cache: sample the first token; it joins the running batch."""
+        self.prefilling.remove(seq)
+        pad = int(mask.size - mask.sum())
+        real = {k: v[:, :, pad:] for k, v in past.items()}
+        if self.prefix is not None:
+            self.prefix.store(seq.prompt, real, self.settings.kv_budget_tokens - self._need(seq))
+        if self._take(seq, logits):
+            self.batch.join(seq.key, real)
+            self.rows[seq.key] = seq
+        seq.past = None
 
     def _decode(self) -> None:
         order = list(self.rows)
