@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -38,12 +39,13 @@ RELEASE = "gpt2-small"
 
 
 def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """(prompt ids, output tokens): prompts 8-96 tokens, outputs 8-96, log-uniform-ish."""
+    """(prompt ids, output tokens): prompts and outputs of 8-64 tokens, log-uniform (the
+    export's past_sequence.max, 128, bounds prompt + output)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        prompt = int(np.exp(rng.uniform(np.log(8), np.log(96))))
-        tokens = int(np.exp(rng.uniform(np.log(8), np.log(96))))
+        prompt = int(np.exp(rng.uniform(np.log(8), np.log(64))))
+        tokens = int(np.exp(rng.uniform(np.log(8), np.log(64))))
         out.append((rng.integers(0, 50000, prompt).tolist(), tokens))
     return out
 
@@ -51,7 +53,14 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 def served_tree(dest: Path, policy: str, rows: int) -> Path:
     build = REPO / "build" / RELEASE
     assemble(dest, sorted((build / "quantize").glob("model.onnx*")), build / "serve")
-    path = dest / "serving" / "mlserver" / RELEASE / "model-settings.json"
+    entry = dest / "serving" / "mlserver" / RELEASE
+    # this checkout's runtime and engine, whatever the last build shipped
+    shutil.copyfile(
+        REPO / "stages" / "serving" / "mlserver_runtime.py", entry / "shipyard_runtime.py"
+    )
+    for module in (REPO / "stages" / "serving" / "engine").glob("*.py"):
+        shutil.copyfile(module, entry / "shipyard_engine" / module.name)
+    path = entry / "model-settings.json"
     data = json.loads(path.read_text())
     engine = data["parameters"]["extra"]["engine"]
     per_row = engine["max_context"]

@@ -119,7 +119,7 @@ def test_each_sequence_in_a_changing_batch_decodes_as_it_does_alone(gpt2_graph: 
     and leave between steps, left-padded against each other; each gets its solo tokens."""
     rng = np.random.default_rng(3)
     jobs = [(rng.integers(2, 500, int(rng.integers(1, 50))).tolist(), 3 + 4 * i) for i in range(8)]
-    jobs = jobs[:4] + [(p[:12], n) for p, n in jobs[4:]]  # short ones share a prefill pass
+    jobs = [(p[:12], n) for p, n in jobs[:4]] + jobs[4:]  # the first four share a prefill
     alone = Engine(gpt2_graph, limits(max_rows=1))
     try:
         solo = [
@@ -128,18 +128,17 @@ def test_each_sequence_in_a_changing_batch_decodes_as_it_does_alone(gpt2_graph: 
     finally:
         alone.close()
     recorder = Recorder(gpt2_graph)
-    shared, got = Engine(recorder, limits()), [None] * len(jobs)  # type: ignore[arg-type]
-
-    def work(i: int) -> None:
-        p, n = jobs[i]
-        got[i] = tokens(collect(shared, p, max_tokens=n, temperature=0, ignore_eos=True))  # type: ignore[call-overload]
+    shared = Engine(recorder, limits())  # type: ignore[arg-type]
 
     try:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        queues = []
+        with shared._cv:  # all eight waiting at once: four run, the rest join as rows leave
+            for p, n in jobs:
+                q: queue.Queue[Event] = queue.Queue()
+                params = parse({"max_tokens": n, "temperature": 0, "ignore_eos": True})
+                shared.submit(p, params, q.put)
+                queues.append(q)
+        got = [tokens(drain(q)) for q in queues]
     finally:
         shared.close()
     assert got == solo
@@ -547,3 +546,40 @@ def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(counting: Any) -
     while not events.empty():
         seen.append(events.get())
     assert seen[-1].finish == "abort" and len(tokens(seen)) < 80
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12)), min_size=1, max_size=30))
+def test_the_batch_keeps_every_rows_cache_through_joins_leaves_and_steps(
+    ops: list[tuple[bool, int]],
+) -> None:
+    """Against a reference of each sequence's own cache: whatever joins (into a free slot,
+    a new row, or widening every row), leaves, compacts or steps, each live row holds its
+    own tokens right-aligned under a mask of exactly its length."""
+    from stages.serving.engine.kv import Batch
+
+    batch = Batch([("k", 1, 1)], np.dtype(np.float32))
+    own: dict[int, list[float]] = {}
+    for i, (join, n) in enumerate(ops):
+        if join or not own:
+            values = [float(i * 100 + t) for t in range(n)]
+            batch.join(i, {"k": np.array(values, np.float32).reshape(1, 1, n, 1)})
+            own[i] = values
+        else:
+            gone = sorted(own)[n % len(own)]
+            batch.leave(gone)
+            del own[gone]
+        if i % 3 == 2:  # a decode step: every row appends one value
+            step = {k: float(-i - k) for k in own}
+            new = np.array([[step.get(k, 0.0)] if k is not None else [0.0] for k in batch.keys])
+            batch.advance({"k": np.concatenate([batch.past["k"], new.reshape(-1, 1, 1, 1)], 2)})
+            for k in own:
+                own[k].append(step[k])
+        assert len(batch) == len(own) and batch.free <= max(len(own), 1)
+        for row, key in enumerate(batch.keys):
+            if key is None:
+                assert batch.mask[row].sum() == 0
+                continue
+            n = len(own[key])
+            assert batch.mask[row].sum() == n and batch.mask[row, -n:].all()
+            assert batch.past["k"][row, 0, -n:, 0].tolist() == own[key]

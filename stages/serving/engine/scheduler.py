@@ -292,8 +292,7 @@ class Engine:
         gone = [k for k, q in self.rows.items() if q.cancelled]
         for k in gone:
             self.rows.pop(k).emit(Event(finish="abort"))
-        if gone:
-            self.batch.keep(list(self.rows))
+            self.batch.leave(k)
 
     def _admit(self) -> None:
         s = self.settings
@@ -316,8 +315,12 @@ class Engine:
 
     def _fits(self, seq: Sequence) -> bool:
         """The padded cache with `seq` in it, plus the cached prefixes, within the budget;
-        cached prefixes give way (least recently used first) to a request that needs room."""
+        free slots are compacted away, and cached prefixes give way (least recently used
+        first), for a request that needs the room."""
         need, budget = self._need(seq), self.settings.kv_budget_tokens
+        if need > budget and self.batch.free:
+            self.batch.compact()
+            need = self._need(seq)
         if need > budget:
             return False
         while self.prefix is not None and self.prefix.held and need + self.prefix.held > budget:
@@ -325,9 +328,12 @@ class Engine:
         return True
 
     def _need(self, seq: Sequence) -> int:
-        """Tokens the padded cache holds with `seq` among the running and prefilling."""
+        """Tokens the padded cache may hold with `seq` among the running and prefilling:
+        its rows (free slots included, less those the newcomers take) x the longest total."""
         active = {q.key: q for q in [*self.rows.values(), *self.prefilling, seq]}.values()
-        return len(active) * max(q.total for q in active)
+        joining = len(active) - len(self.rows)
+        rows = len(self.batch.keys) + max(0, joining - self.batch.free)
+        return rows * max(q.total for q in active)
 
     def _start(self, seq: Sequence) -> None:
         if self.prefix is not None:
@@ -409,15 +415,17 @@ class Engine:
         seq.past = None
 
     def _decode(self) -> None:
-        order = list(self.rows)
-        tokens = np.array([self.rows[k].generated[-1] for k in order], np.int64)
+        order = list(self.batch.keys)
+        tokens = np.array(
+            [self.rows[k].generated[-1] if k is not None else 0 for k in order], np.int64
+        )
         logits, presents = self.graph.run(self.batch.feeds(tokens, self.graph.positions))
         self.batch.advance(presents)
         self.steps += 1
         for row, key in enumerate(order):
-            if not self._take(self.rows[key], logits[row, -1]):
+            if key is not None and not self._take(self.rows[key], logits[row, -1]):
                 del self.rows[key]
-        self.batch.keep(list(self.rows))
+                self.batch.leave(key)
 
     def _take(self, seq: Sequence, logits: np.ndarray) -> bool:
         """Sample, emit; whether the sequence goes on."""
