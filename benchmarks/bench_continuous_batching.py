@@ -6,7 +6,8 @@ On the gpt2-small example's shipped graph (build/gpt2-small: `make release` firs
    concurrent streaming clients over the OpenAI endpoint (`/v1/completions`, SSE) with a
    mixed workload: prompt and output lengths drawn from a seeded distribution;
 2. the same graph's offline batched decode in plain ONNX Runtime at batch 16 (prefill the
-   batch, feed the presents back, no server, no scheduler, no sampling beyond argmax).
+   batch, feed the presents back, no server, no scheduler, no sampling beyond argmax);
+3. prefix caching on vs off on a shared-prefix workload (a 96-token system prompt), TTFT.
 
 Prints output tokens/s, TTFT and inter-token percentiles, and the ratios: continuous /
 request (issue 25's goal: >= 2x, TTFT p95 no worse) and served / offline (goal: >= 0.8x).
@@ -50,7 +51,14 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return out
 
 
-def served_tree(dest: Path, policy: str, rows: int) -> Path:
+def shared_prefix(n: int, seed: int = 1) -> list[tuple[list[int], int]]:
+    """A fixed 96-token system prompt, then 8 tokens of each request's own; 16 out."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 50000, 96).tolist()
+    return [(system + rng.integers(0, 50000, 8).tolist(), 16) for _ in range(n)]
+
+
+def served_tree(dest: Path, policy: str, rows: int, prefix: bool = False) -> Path:
     build = REPO / "build" / RELEASE
     assemble(dest, sorted((build / "quantize").glob("model.onnx*")), build / "serve")
     entry = dest / "serving" / "mlserver" / RELEASE
@@ -65,7 +73,10 @@ def served_tree(dest: Path, policy: str, rows: int) -> Path:
     engine = data["parameters"]["extra"]["engine"]
     per_row = engine["max_context"]
     engine.update(
-        policy=policy, max_rows=rows, kv_budget_tokens=rows * per_row, prefix_cache_tokens=0
+        policy=policy,
+        max_rows=rows,
+        kv_budget_tokens=rows * per_row,
+        prefix_cache_tokens=rows * per_row if prefix else 0,
     )
     data["parameters"]["extra"]["batching"]["max_rows"] = rows
     path.write_text(json.dumps(data))
@@ -118,9 +129,9 @@ async def drive(url: str, jobs: list[tuple[list[int], int]], streams: int) -> di
     }
 
 
-def served(policy: str, jobs: list[Any], streams: int) -> dict[str, Any]:
+def served(policy: str, jobs: list[Any], streams: int, prefix: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-cb-") as tmp:
-        tree = served_tree(Path(tmp) / "tree", policy, streams)
+        tree = served_tree(Path(tmp) / "tree", policy, streams, prefix)
         with LocalServer(tree, RELEASE, Path(tmp) / "log", 300) as srv:
             asyncio.run(drive(srv.url, jobs[:streams], streams))  # warm every shape path
             return asyncio.run(drive(srv.url, jobs, streams))
@@ -192,6 +203,16 @@ def main() -> None:
                 f"; ITL p50/p95 {r['itl_p50_ms']:.0f}/{r['itl_p95_ms']:.0f} ms"
             )
         print(line)
+    shared = shared_prefix(args.requests)
+    on = served("continuous", shared, args.streams, prefix=True)
+    off = served("continuous", shared, args.streams, prefix=False)
+    print(f"shared 96-token prefix, {args.requests} requests of 8 own + 16 out:")
+    for name, r in (("prefix cache on", on), ("prefix cache off", off)):
+        print(
+            f"{name:>17}: TTFT p50/p95 {r['ttft_p50_ms']:.0f}/{r['ttft_p95_ms']:.0f} ms, "
+            f"{r['tokens_per_s']:.1f} output tokens/s"
+        )
+    print(f"prefix cache on / off TTFT p50: {on['ttft_p50_ms'] / off['ttft_p50_ms']:.2f}x")
     c, r, o = results["continuous"], results["request"], results["offline"]
     print(
         f"continuous / request tokens/s: {c['tokens_per_s'] / r['tokens_per_s']:.2f}x (goal >= 2)"

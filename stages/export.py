@@ -130,6 +130,7 @@ MODEL_FILES = (
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",  # transformers 5 keeps the chat template in a file of its own
     "special_tokens_map.json",
     "added_tokens.json",
     "vocab.txt",
