@@ -270,6 +270,7 @@ def test_errors_in_the_soak_or_the_streaming_ramp_fail_the_stage() -> None:
         "window_throughput": [10.0],
         "errors": 0,
         "requests": 9,
+        "tokens_per_s": 40.0,
     }
     bad = {**point, "errors": 2, "first_error": "HTTP 500"}
     results = {
@@ -277,6 +278,8 @@ def test_errors_in_the_soak_or_the_streaming_ramp_fail_the_stage() -> None:
         "streaming": {"points": [point]},
         "soak": {"growth_ok": True, "load": bad},
         "batching": {},
+        "target": "local MLServer",
+        "peak_rss_bytes": 0,
     }
     result, _ = verdict(results, [], [])
     assert result.status.value == "failed"
