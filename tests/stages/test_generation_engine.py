@@ -280,6 +280,7 @@ def test_the_nucleus_is_the_smallest_set_reaching_top_p(values: list[float], top
         ({"seed": -1}, "parameter 'seed'"),
         ({"stop": [""]}, "a stop string must not be empty"),
         ({"stop": ["a"] * 17}, "parameter 'stop'"),
+        ({"stop": ["x" * 257]}, "parameter 'stop.0'"),
         ({"logprobs": 21}, "parameter 'logprobs'"),
         ({"num_beams": 2}, "unknown parameter 'num_beams'"),
         ({"temperature": "hot"}, "parameter 'temperature'"),

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOPS = 16
+MAX_STOP_CHARS = 256  # a stop string's tail is held back from the stream: keep it short
 MAX_LOGPROBS = 20
 
 
@@ -28,7 +29,9 @@ class GenerationParams(BaseModel):
     )
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="Same seed, same tokens.")
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOPS)
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
+    stop: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOPS
+    )
     ignore_eos: bool = Field(default=False, description="Generate past the model's EOS.")
     logprobs: int | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, description="Top alternatives to return per token."
