@@ -52,10 +52,6 @@ class Batch:
     def free(self) -> int:
         return len(self.keys) - len(self)
 
-    def tokens(self) -> int:
-        """Padded size of the cache in tokens (rows x length): what it holds in memory."""
-        return len(self.keys) * self.length
-
     def join(self, key: int, past: dict[str, np.ndarray]) -> None:
         """A prefilled sequence (its own past, one row, no padding) takes a free slot, or a
         new last row."""
