@@ -21,6 +21,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# A CPU Triton server with the python backend (from the nvidia-pytriton wheel), for the
+# tests that serve a bundle's Triton entries.
+TRITON := .triton/ready
+$(TRITON): scripts/install_triton.py | $(STAMP)
+	$(BIN)/python scripts/install_triton.py .triton
+
 models/%/model.safetensors: scripts/make_checkpoint.py | $(STAMP)
 	$(BIN)/python scripts/make_checkpoint.py $* models/$*
 
@@ -38,7 +44,7 @@ lint: $(STAMP)
 # builds) run where CI is set, as .ci/run does; `make test CI=1` runs them locally too.
 CI ?=
 # tests/runtime runs in its own process: mlserver's protobufs clash with tritonclient's.
-test: lint
+test: lint $(TRITON)
 	$(BIN)/python -m pytest -q $(if $(CI),,-m "not slow")
 	SHIPYARD_RUNTIME_TESTS=1 $(BIN)/python -m pytest -q tests/runtime
 

@@ -4,6 +4,9 @@ Outputs, laid out as they sit in the bundle:
 - `serving.yaml` and `ort_session.json`: the generic server config;
 - `serving/triton/<release>/config.pbtxt`: a Triton model repository entry (onnxruntime
   backend; the bundle adds `1/model.onnx`), parsed back with Triton's own protobuf;
+- for a generating task, `serving/triton/<release>-generate/`: a decoupled python-backend
+  entry (`1/model.py` with `1/shipyard_engine/`) that generates with the same engine and
+  reads the onnxruntime entry's model;
 - `serving/mlserver/`: `settings.json` and `<release>/model-settings.json` plus the
   `shipyard_runtime.py` that serves the model (Open Inference Protocol, and the OpenAI API
   for generating and embedding tasks) and the generation engine it drives, `shipyard_engine/`;
@@ -31,20 +34,31 @@ from stages.serving.render import render
 
 NAME = "serve"
 RUNTIME = Path(__file__).parent / "serving" / "mlserver_runtime.py"  # ships as shipyard_runtime.py
+TRITON_MODEL = Path(__file__).parent / "serving" / "triton_model.py"  # ships as 1/model.py
 ENGINE = Path(__file__).parent / "serving" / "engine"  # ships as shipyard_engine/
 TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TEXT_DIR = "serving/text"
 
 
-def rendered(release: str) -> dict[str, str]:
+def rendered(release: str, generating: bool = False) -> dict[str, str]:
     """Output path -> template."""
-    return {
+    out = {
         "serving.yaml": "serving.yaml.j2",
         "ort_session.json": "ort_session.json.j2",
         f"serving/triton/{release}/config.pbtxt": "triton_config.pbtxt.j2",
         "serving/mlserver/settings.json": "mlserver_settings.json.j2",
         f"serving/mlserver/{release}/model-settings.json": "model-settings.json.j2",
     }
+    if generating:
+        out[f"serving/triton/{generate_entry(release)}/config.pbtxt"] = (
+            "triton_generate_config.pbtxt.j2"
+        )
+    return out
+
+
+def generate_entry(release: str) -> str:
+    """The Triton model that generates (python backend), beside the one-step onnxruntime one."""
+    return f"{release}-generate"
 
 
 def io(release: ReleaseSpec) -> StageIO:
@@ -55,8 +69,9 @@ def io(release: ReleaseSpec) -> StageIO:
         reads_model=True,
         # the templates it renders (named once, in rendered()) and the runtime it ships
         code=(
-            *sorted({f"stages/templates/{t}" for t in rendered(release.name).values()}),
+            *sorted({f"stages/templates/{t}" for t in rendered(release.name, True).values()}),
             "stages/serving/mlserver_runtime.py",
+            "stages/serving/triton_model.py",
             *sorted(f"stages/serving/engine/{p.name}" for p in ENGINE.glob("*.py")),
         ),
     )
@@ -83,8 +98,17 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         "serving_kind": TASKS[release.task].serving,
         # everything the shipped runtime reads, typed (stages/serving/engine/settings.py)
         "runtime": settings.model_dump(mode="json"),
+        # the same, for the Triton generate entry: paths from its version folder
+        "generate_name": generate_entry(ctx.release),
+        "triton_runtime": settings.model_copy(
+            update={
+                "ort_session": "../../../../ort_session.json",
+                "text": "../../../text" if text else None,
+            }
+        ).model_dump(mode="json"),
     }
-    files = render(ctx.work, rendered(ctx.release), context)
+    generating = settings.engine is not None
+    files = render(ctx.work, rendered(ctx.release, generating), context)
     for path in files:
         configs.parse_back(path, info, values)
     entry = ctx.work / "serving" / "mlserver" / ctx.release
@@ -92,11 +116,18 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     (entry / "shipyard_engine").mkdir()
     for module in sorted(ENGINE.glob("*.py")):
         shutil.copyfile(module, entry / "shipyard_engine" / module.name)
+    if generating:
+        version = ctx.work / "serving" / "triton" / generate_entry(ctx.release) / "1"
+        shutil.copytree(entry / "shipyard_engine", version / "shipyard_engine")
+        shutil.copyfile(TRITON_MODEL, version / "model.py")
     return StageResult.passed(
         f"{len(files)} configs rendered and parsed back; max_batch_size "
         f"{values.max_batch_size}, context {values.max_context_length}",
         metrics={"max_batch_size": values.max_batch_size},
-        details={"serving": values.model_dump(), "files": sorted(rendered(ctx.release))},
+        details={
+            "serving": values.model_dump(),
+            "files": sorted(rendered(ctx.release, generating)),
+        },
     )
 
 

@@ -196,13 +196,29 @@ def parse_back(path: Path, info: ModelInfo, values: ServingValues) -> None:
             if wrong or extra:
                 raise ValueError(f"values do not read back as rendered: {wrong or extra}")
         elif path.suffix == ".pbtxt":
-            check_triton(parse_triton(text), info, values)
+            config = parse_triton(text)
+            if config.backend == "python":
+                check_generate(config)
+            else:
+                check_triton(config, info, values)
     except (ValueError, yaml.YAMLError) as exc:
         raise StageError(
             STAGE,
             f"rendered {path.name} is not valid: {exc}",
             "fix the template in stages/templates/ that produced it",
         ) from None
+
+
+def check_generate(config: Any) -> None:
+    """The generate entry is decoupled and its parameters read back as the engine's."""
+    if not config.model_transaction_policy.decoupled:
+        raise ValueError("the generate entry must be decoupled (one response per token)")
+    parameters = {k: v.string_value for k, v in config.parameters.items()}
+    if not parameters.get("model", "").endswith("/1/model.onnx"):
+        raise ValueError(f"parameters.model {parameters.get('model')!r} names no model.onnx")
+    settings = RuntimeSettings.model_validate_json(parameters.get("runtime", ""))
+    if settings.engine is None:
+        raise ValueError("parameters.runtime has no engine settings")
 
 
 def check_triton(config: Any, info: ModelInfo, values: ServingValues) -> None:

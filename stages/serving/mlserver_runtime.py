@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from mlserver import MLModel
@@ -43,13 +42,6 @@ from mlserver.errors import MLServerError
 from mlserver.handlers import custom_handler
 from mlserver.types import InferenceRequest, InferenceResponse, Parameters, ResponseOutput
 from mlserver.utils import get_model_uri
-
-_LEVELS = {
-    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-}
 
 
 class BadRequest(MLServerError):
@@ -148,19 +140,6 @@ def _flat(data: Any) -> list[Any]:
         if len(out) > MAX_ELEMENTS:
             break
     return out
-
-
-def session_from(model_path: Path, config: dict[str, Any]) -> ort.InferenceSession:
-    """An ORT session with the bundle's `ort_session.json` options."""
-    options = ort.SessionOptions()
-    opts = config.get("session_options", {})
-    options.graph_optimization_level = _LEVELS[opts.get("graph_optimization_level", "all")]
-    options.intra_op_num_threads = opts.get("intra_op_num_threads", 0)
-    options.inter_op_num_threads = opts.get("inter_op_num_threads", 0)
-    if opts.get("execution_mode") == "parallel":
-        options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
-    providers = config.get("providers", ["CPUExecutionProvider"])
-    return ort.InferenceSession(str(model_path), options, providers=providers)
 
 
 class Batcher:
@@ -308,8 +287,6 @@ try:  # in a bundle: the engine ships beside this file as shipyard_engine/
 except ModuleNotFoundError:  # in the repository
     from stages.serving import engine as eng
 
-GREEDY = {"temperature": 0.0}  # V2 requests decode greedily unless they ask otherwise
-
 
 class ShipyardOnnxRuntime(MLModel):
     """Loads the bundle's ONNX model; parameters.extra is the typed RuntimeSettings."""
@@ -326,7 +303,7 @@ class ShipyardOnnxRuntime(MLModel):
         session_config = json.loads((folder / c.ort_session).read_text())
         self.task, self.serving, self.labels = c.task, c.serving, list(c.labels)
         self.bounds = {k: (int(v[0]), int(v[1])) for k, v in c.input_bounds.items()}
-        self.session = session_from(model_path, session_config)
+        self.session = eng.session.session_from(model_path, session_config)
         self.text = eng.text.Text(folder / c.text) if c.text else None
         self.max_request_rows = c.batching.max_rows
         self.engine = None
@@ -510,20 +487,8 @@ class ShipyardOnnxRuntime(MLModel):
 
     def _v2_params(self, payload: InferenceRequest) -> Any:
         given = dict((payload.parameters.model_extra if payload.parameters else None) or {})
-        if "max_new_tokens" in given:
-            if "max_tokens" in given:
-                raise BadRequest("give max_new_tokens or max_tokens, not both")
-            new_tokens = given.pop("max_new_tokens")
-            if isinstance(new_tokens, bool) or not isinstance(new_tokens, int):
-                raise BadRequest(f"max_new_tokens must be an integer; got {new_tokens!r:.40}")
-            if new_tokens < 1:
-                raise BadRequest("max_new_tokens must be at least 1")
-            given["max_tokens"] = new_tokens
-        given.setdefault("max_tokens", 1)
-        if isinstance(given.get("stop"), str):
-            given["stop"] = [given["stop"]]
         try:
-            return eng.params.parse(given, GREEDY)
+            return eng.params.parse_tensor_request(given, dict(self.config.sampling_defaults))
         except eng.params.BadParameter as exc:
             raise BadRequest(str(exc)) from None
 

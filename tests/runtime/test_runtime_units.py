@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from mlserver.types import InferenceRequest
 from onnx import TensorProto, helper
@@ -108,7 +109,7 @@ def graph(path: Path) -> Path:
 def runtime(tmp_path: Path) -> Any:
     """The runtime as load() leaves it for a tensors model, on a real session."""
     model = rt.ShipyardOnnxRuntime.__new__(rt.ShipyardOnnxRuntime)
-    model.session = rt.session_from(graph(tmp_path / "g.onnx"), {})
+    model.session = rt.eng.session.session_from(graph(tmp_path / "g.onnx"), {})
     model.serving, model.task, model.labels = "tensors", "generic", []
     model.max_request_rows = 3
     model.bounds = {}
@@ -225,11 +226,21 @@ def generator(runtime: Any, tmp_path: Path) -> Any:
     """The runtime as load() leaves it for a causal LM: an engine over next_token_lm (vocab
     50), the export's limits past 10 and context 12, served batch 2."""
     from stages.serving.engine.scheduler import Engine, EngineSettings, Graph
+    from stages.serving.engine.settings import BatchingSettings, RuntimeSettings
 
-    session = rt.session_from(next_token_lm(tmp_path / "lm.onnx", vocab=50), {})
+    session = rt.eng.session.session_from(next_token_lm(tmp_path / "lm.onnx", vocab=50), {})
     settings = EngineSettings(max_rows=2, max_context=12, chunk=8, max_past=10, kv_budget_tokens=48)
     runtime.serving, runtime.task, runtime.text = "generate", "causal-lm", None
     runtime.max_request_rows = 2
+    runtime.config = RuntimeSettings(
+        task="causal-lm",
+        serving="generate",
+        ort_session="ort_session.json",
+        batching=BatchingSettings(
+            max_rows=2, enabled=True, delay_s=0, instances=1, max_queue=0, timeout_s=0
+        ),
+        engine=settings,
+    )
     runtime.engine = Engine(Graph(session), settings)
     yield runtime
     runtime.engine.close()
@@ -418,11 +429,11 @@ def test_a_failed_run_answers_every_request_of_its_batch_at_once() -> None:
 # --------------------------------------------------------------------------- sessions
 def test_the_session_takes_every_option_of_ort_session_json(tmp_path: Path) -> None:
     path = graph(tmp_path / "g.onnx")
-    default = rt.session_from(path, {}).get_session_options()
-    assert default.graph_optimization_level == rt.ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    default = rt.eng.session.session_from(path, {}).get_session_options()
+    assert default.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     assert (default.intra_op_num_threads, default.inter_op_num_threads) == (0, 0)
-    assert default.execution_mode == rt.ort.ExecutionMode.ORT_SEQUENTIAL
-    for level, want in rt._LEVELS.items():
+    assert default.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
+    for level, want in rt.eng.session.LEVELS.items():
         config = {
             "session_options": {
                 "graph_optimization_level": level,
@@ -432,11 +443,11 @@ def test_the_session_takes_every_option_of_ort_session_json(tmp_path: Path) -> N
             },
             "providers": ["CPUExecutionProvider"],
         }
-        session = rt.session_from(path, config)
+        session = rt.eng.session.session_from(path, config)
         options = session.get_session_options()
         assert options.graph_optimization_level == want, level
         assert (options.intra_op_num_threads, options.inter_op_num_threads) == (2, 3)
-        assert options.execution_mode == rt.ort.ExecutionMode.ORT_PARALLEL
+        assert options.execution_mode == ort.ExecutionMode.ORT_PARALLEL
         assert session.get_providers() == ["CPUExecutionProvider"]
 
 
@@ -469,7 +480,7 @@ def test_label_scores_are_stable_softmax_per_row_and_per_token() -> None:
 def test_a_labels_model_answers_names_and_scores(runtime: Any, tmp_path: Path) -> None:
     runtime.serving, runtime.labels = "labels", ["low", "high"]
     feeds = {"x": np.ones((2, 4, 8), np.float32), "m": np.ones((2, 4, 8), np.int64)}
-    runtime.session = rt.session_from(two_scores(tmp_path / "labels.onnx"), {})
+    runtime.session = rt.eng.session.session_from(two_scores(tmp_path / "labels.onnx"), {})
     out = runtime._run_batch(None, feeds)
     assert sorted(out) == ["label", "score", "y"]
     assert out["label"].tolist() == ["high", "high"]
@@ -579,18 +590,18 @@ def test_a_float16_cache_is_fed_in_float16(tmp_path: Path) -> None:
     from stages.serving.engine.scheduler import Graph
 
     path = next_token_lm(tmp_path / "lm16.onnx", cache=TensorProto.FLOAT16, named_vocab=True)
-    graph = Graph(rt.session_from(path, {}))
+    graph = Graph(rt.eng.session.session_from(path, {}))
     # a declared symbolic vocabulary that ONNX Runtime cannot infer stays unknown (0); here
     # it infers 16 from the table, so the declared name does not hide the size
     assert graph.dtype == np.float16 and graph.vocab == 16
     assert graph.bytes_per_token == 2 * 1 * 2 * 2  # key + value, 1 head, dim 2, 2 bytes
-    assert greedy(rt.session_from(path, {}), [1], 2) == [2, 3]
+    assert greedy(rt.eng.session.session_from(path, {}), [1], 2) == [2, 3]
 
 
 def test_greedy_decoding_feeds_the_cache_and_generates_each_step(tmp_path: Path) -> None:
     from stages.serving.engine.scheduler import Graph
 
-    session = rt.session_from(next_token_lm(tmp_path / "lm.onnx"), {})
+    session = rt.eng.session.session_from(next_token_lm(tmp_path / "lm.onnx"), {})
     graph = Graph(session)
     assert graph.vocab == 16 and graph.dtype == np.float32
     assert graph.spec == [("past_key_values.0.key", 1, 2), ("past_key_values.0.value", 1, 2)]

@@ -12,6 +12,6 @@ It imports only numpy, onnxruntime, pydantic, tokenizers and jinja2: the front e
 MLServer runtime, the Triton python model) are thin adapters over `scheduler.Engine`.
 """
 
-from . import kv, openai_api, params, sampler, scheduler, settings, text
+from . import kv, openai_api, params, sampler, scheduler, session, settings, text
 
-__all__ = ["kv", "openai_api", "params", "sampler", "scheduler", "settings", "text"]
+__all__ = ["kv", "openai_api", "params", "sampler", "scheduler", "session", "settings", "text"]

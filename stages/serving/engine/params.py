@@ -57,3 +57,29 @@ def parse(given: dict[str, Any], defaults: dict[str, Any] | None = None) -> Gene
             known = ", ".join(GenerationParams.model_fields)
             raise BadParameter(f"unknown parameter {where!r}; known: {known}") from None
         raise BadParameter(f"parameter {where!r}: {first['msg']}") from None
+
+
+GREEDY = {"temperature": 0.0}  # a tensor-protocol request decodes greedily unless it asks
+
+
+def parse_tensor_request(
+    given: dict[str, Any], sampling_defaults: dict[str, Any] | None = None
+) -> GenerationParams:
+    """The parameters of a tensor-protocol request (V2 `infer` parameters, Triton's
+    `sampling_parameters`): `max_new_tokens` is an alias of `max_tokens` (default 1), one
+    `stop` string may be given bare, and decoding is greedy unless `temperature` is set,
+    whatever the model's generation config samples with."""
+    given = dict(given)
+    if "max_new_tokens" in given:
+        if "max_tokens" in given:
+            raise BadParameter("give max_new_tokens or max_tokens, not both")
+        new_tokens = given.pop("max_new_tokens")
+        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int):
+            raise BadParameter(f"max_new_tokens must be an integer; got {new_tokens!r:.40}")
+        if new_tokens < 1:
+            raise BadParameter("max_new_tokens must be at least 1")
+        given["max_tokens"] = new_tokens
+    given.setdefault("max_tokens", 1)
+    if isinstance(given.get("stop"), str):
+        given["stop"] = [given["stop"]]
+    return parse(given, {**(sampling_defaults or {}), **GREEDY})

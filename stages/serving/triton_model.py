@@ -1,0 +1,202 @@
+"""Triton python-backend entry of a generating bundle: a decoupled model that generates with
+the same engine as the MLServer runtime (`shipyard_engine`, shipped beside this file).
+
+The bundle ships it as `serving/triton/<release>-generate/1/model.py`; `config.pbtxt`
+carries the typed RuntimeSettings (`parameters.runtime`, JSON, paths relative to the version
+folder) and the ONNX model's path (`parameters.model`: the onnxruntime entry's copy, so the
+model is stored once). Triton runs this file in its python-backend stub, which uses the
+system Python and ignores PYTHONPATH: `SHIPYARD_SITE_PACKAGES` (os.pathsep-separated, first
+wins) names the folders holding numpy, onnxruntime, pydantic, tokenizers and jinja2.
+
+One request is one sequence. Inputs (all optional but one prompt):
+- `text_input` BYTES [1] (needs the shipped tokenizer) or `input_ids` INT64 [n];
+- `sampling_parameters` BYTES [1]: a JSON object of the engine's parameters (`max_tokens`
+  or `max_new_tokens`, `temperature` (default 0: greedy), `top_k`, `top_p`,
+  `repetition_penalty`, `seed`, `stop`, `stop_token_ids`, `ignore_eos`); unknown ones are
+  refused;
+- `stream` BOOL [1] (default true): one response per token; false: one response at the end.
+Outputs: `output_ids` INT64 [n], `text_output` BYTES [1] (with a tokenizer),
+`finish_reason` BYTES [1] (on the last response: stop, length, abort).
+A bad request gets an INVALID_ARG error, a full queue UNAVAILABLE; a cancelled request
+leaves the running batch at the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+
+def _environment() -> None:
+    sys.dont_write_bytecode = True  # a bundle stays as signed: no __pycache__ beside this
+    here = str(Path(__file__).resolve().parent)
+    extra = [p for p in os.environ.get("SHIPYARD_SITE_PACKAGES", "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in (here, *extra) if p not in sys.path]
+
+
+_environment()
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]  # noqa: E402
+
+try:  # in a bundle: the engine ships beside this file as shipyard_engine/
+    import shipyard_engine as eng  # type: ignore[import-not-found]  # noqa: E402
+except ModuleNotFoundError:  # in the repository
+    from stages.serving import engine as eng  # noqa: E402
+
+INPUTS = ("text_input", "input_ids", "sampling_parameters", "stream")
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, Any]) -> None:
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(
+                "this model streams one response per token: config.pbtxt needs "
+                "model_transaction_policy { decoupled: true }"
+            )
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        try:
+            settings = eng.settings.RuntimeSettings.model_validate_json(parameters["runtime"])
+        except (KeyError, ValueError) as exc:
+            raise pb_utils.TritonModelException(
+                f"config.pbtxt parameters.runtime is not the engine's settings: {exc}"
+            ) from None
+        if settings.engine is None:
+            raise pb_utils.TritonModelException("parameters.runtime has no engine settings")
+        here = Path(args["model_repository"]) / args["model_version"]
+        session_config = json.loads((here / settings.ort_session).read_text(encoding="utf-8"))
+        session = eng.session.session_from(here / parameters["model"], session_config)
+        self.settings = settings
+        self.text = eng.text.Text(here / settings.text) if settings.text else None
+        self.engine = eng.scheduler.Engine(eng.scheduler.Graph(session), settings.engine, self.text)
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            self._start(request)
+        return None  # decoupled: every response goes through the request's sender
+
+    def finalize(self) -> None:
+        self.engine.close()
+
+    # ------------------------------------------------------------------ one request
+    def _start(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        try:
+            prompt, params, stream = self._arguments(request)
+            call = _Call(sender, stream, self.text is not None)
+            call.handle = self.engine.submit(prompt, params, call.emit)
+        except eng.params.BadParameter as exc:
+            _fail(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+        except eng.scheduler.QueueFull as exc:
+            _fail(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+        else:
+            call.started.set()
+
+    def _arguments(self, request: Any) -> tuple[list[int], Any, bool]:
+        tensors = {
+            name: t.as_numpy()
+            for name in INPUTS
+            if (t := pb_utils.get_input_tensor_by_name(request, name)) is not None
+        }
+        if ("text_input" in tensors) == ("input_ids" in tensors):
+            raise eng.params.BadParameter("send exactly one of text_input (BYTES) or input_ids")
+        if "input_ids" in tensors:
+            ids = tensors["input_ids"]
+            if ids.dtype.kind not in "iu" or ids.ndim != 1:
+                raise eng.params.BadParameter(
+                    f"input_ids must be INT64 [n]; got {ids.dtype} {list(ids.shape)}"
+                )
+            prompt = [int(i) for i in ids]
+        else:
+            if self.text is None:
+                raise eng.params.BadParameter("this bundle ships no tokenizer.json: send input_ids")
+            prompt = self.text.encode(_one_string(tensors["text_input"], "text_input"))
+        given: Any = {}
+        if "sampling_parameters" in tensors:
+            raw = _one_string(tensors["sampling_parameters"], "sampling_parameters")
+            try:
+                given = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise eng.params.BadParameter(f"sampling_parameters is not JSON: {exc}") from None
+            if not isinstance(given, dict):
+                raise eng.params.BadParameter("sampling_parameters must be a JSON object")
+        params = eng.params.parse_tensor_request(given, dict(self.settings.sampling_defaults))
+        self.engine.check(prompt, params)
+        stream = True
+        if "stream" in tensors:
+            flag = tensors["stream"]
+            if flag.dtype != np.bool_ or flag.size != 1:
+                raise eng.params.BadParameter("stream must be BOOL [1]")
+            stream = bool(flag.reshape(-1)[0])
+        return prompt, params, stream
+
+
+class _Call:
+    """One sequence's responses: sent from the engine's thread as its events come."""
+
+    def __init__(self, sender: Any, stream: bool, with_text: bool) -> None:
+        self.sender, self.stream, self.with_text = sender, stream, with_text
+        self.handle: Any = None
+        self.started = threading.Event()  # submit() returned: the handle is set
+        self.ids: list[int] = []
+        self.text: list[str] = []
+
+    def emit(self, event: Any) -> None:
+        if event.error:
+            _fail(self.sender, event.error, _code(event.status))
+            return
+        if self.sender.is_cancelled() and not event.finish:
+            self.started.wait()
+            self.handle.cancel()  # the engine answers with finish "abort", sent as final
+            pb_utils.Logger.log_info("a request was cancelled: it leaves the batch")
+            return
+        if event.token is not None:
+            self.ids.append(event.token)
+        self.text.append(event.text)
+        if self.stream:
+            tokens = [event.token] if event.token is not None else []
+            self._send(tokens, event.text, event.finish)
+        elif event.finish:
+            self._send(self.ids, "".join(self.text), event.finish)
+
+    def _send(self, ids: list[int], text: str, finish: str | None) -> None:
+        outputs = [pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int64))]
+        if self.with_text:
+            outputs.append(pb_utils.Tensor("text_output", np.array([text.encode()], object)))
+        if finish:
+            outputs.append(pb_utils.Tensor("finish_reason", np.array([finish.encode()], object)))
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finish else 0
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+
+
+def _one_string(array: Any, name: str) -> str:
+    if array.dtype != np.object_ or array.size != 1:
+        raise eng.params.BadParameter(f"{name} must be BYTES [1]")
+    value = array.reshape(-1)[0]
+    try:
+        text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError:
+        raise eng.params.BadParameter(f"{name} must be UTF-8") from None
+    if not text:
+        raise eng.params.BadParameter(f"{name} is empty")
+    return text
+
+
+def _code(status: int) -> Any:
+    return {
+        400: pb_utils.TritonError.INVALID_ARG,
+        503: pb_utils.TritonError.UNAVAILABLE,
+        504: pb_utils.TritonError.UNAVAILABLE,
+    }.get(status, pb_utils.TritonError.INTERNAL)
+
+
+def _fail(sender: Any, message: str, code: Any) -> None:
+    sender.send(
+        pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
+        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+    )

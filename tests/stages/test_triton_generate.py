@@ -1,0 +1,324 @@
+"""The Triton entry that generates (issue 25): the serve stage's decoupled python-backend
+model, loaded by a real Triton server (the CPU build `scripts/install_triton.py` installs)
+and driven by `tritonclient` gRPC streaming. It must produce the tokens the engine produces
+in-process on the same graph (the engine is itself checked against transformers), stream
+one response per token with the finish reason on the last, refuse bad requests with
+INVALID_ARG naming the problem, batch concurrent streams, and survive a cancelled one."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from stages.serving.configs import check_generate
+from stages.serving.engine.params import parse_tensor_request
+from stages.serving.engine.scheduler import Engine, Graph
+from stages.serving.engine.session import session_from
+from stages.serving.engine.settings import RuntimeSettings
+from stages.serving.render import parse_triton
+from stages.serving.server import assemble
+from stages.serving.triton_server import TritonServer
+from tests.conftest import Workspace, gpt2_spec
+
+MODEL = "tiny-gpt2-generate"
+VARIED = {"repetition_penalty": 5.0}  # the random-weight model repeats one token otherwise
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ws = Workspace(tmp_path_factory.mktemp("triton"))
+    spec = gpt2_spec()
+    spec["export"]["dims"]["past_sequence"]["max"] = 120
+    for stage in ("pin", "export", "quantize", "plan", "serve"):
+        report = ws.run(stage, spec)
+        assert report.status.value == "passed", (stage, report.reasons)
+    tree = ws.root / "tree"
+    assemble(
+        tree,
+        sorted(ws.out("tiny-gpt2", "quantize").glob("model.onnx*")),
+        ws.out("tiny-gpt2", "serve"),
+    )
+    return tree
+
+
+@pytest.fixture(scope="module")
+def server(tree: Path) -> Iterator[TritonServer]:
+    with TritonServer(tree, [MODEL], tree.parent / "triton.log", 90) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(tree: Path) -> Iterator[Any]:
+    """The same graph and settings, in-process: what Triton must reproduce."""
+    settings = settings_of(tree)
+    assert settings.engine is not None
+    session = session_from(tree / "serving/triton/tiny-gpt2/1/model.onnx", {})
+    engine = Engine(Graph(session), settings.engine)
+
+    def generate(prompt: list[int], **given: Any) -> list[int]:
+        events: queue.Queue[Any] = queue.Queue()
+        engine.submit(prompt, parse_tensor_request(given), events.put)
+        out = []
+        while True:
+            event = events.get(timeout=30)
+            assert not event.error, event.error
+            out.append(event.token)
+            if event.finish:
+                return out
+
+    yield generate
+    engine.close()
+
+
+def settings_of(tree: Path) -> RuntimeSettings:
+    config = parse_triton((tree / f"serving/triton/{MODEL}/config.pbtxt").read_text())
+    return RuntimeSettings.model_validate_json(config.parameters["runtime"].string_value)
+
+
+def tensor(name: str, value: Any) -> Any:
+    import tritonclient.grpc as grpcclient
+
+    if isinstance(value, bool):
+        array = np.array([value], dtype=bool)
+        kind = "BOOL"
+    elif isinstance(value, list):
+        array, kind = np.array(value, dtype=np.int64), "INT64"
+    else:
+        raw = value if isinstance(value, bytes) else str(value).encode()
+        array, kind = np.array([raw], dtype=np.object_), "BYTES"
+    t = grpcclient.InferInput(name, list(array.shape), kind)
+    t.set_data_from_numpy(array)
+    return t
+
+
+class Stream:
+    """One gRPC stream; requests sent on it, responses collected by request id."""
+
+    def __init__(self, server: TritonServer) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(server.grpc)
+        self.responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+
+    def send(self, rid: str, prompt: list[int] | str, stream: bool | None = None, **p: Any) -> None:
+        inputs = [tensor("input_ids" if isinstance(prompt, list) else "text_input", prompt)]
+        if p:
+            inputs.append(tensor("sampling_parameters", json.dumps(p)))
+        if stream is not None:
+            inputs.append(tensor("stream", stream))
+        self.client.async_stream_infer(MODEL, inputs, request_id=rid)
+
+    def collect(self, ids: set[str]) -> dict[str, list[dict[str, Any]]]:
+        """Every response of these requests, until each has its finish reason or error."""
+        out: dict[str, list[dict[str, Any]]] = {i: [] for i in ids}
+        open_ = set(ids)
+        while open_:
+            result, error = self.responses.get(timeout=60)
+            if error is not None:  # errors carry no id here: one request per error test
+                rid = next(iter(open_))
+                out[rid].append({"error": error.message()})
+                open_.discard(rid)
+                continue
+            rid = result.get_response().id
+            finish = result.as_numpy("finish_reason")
+            text = result.as_numpy("text_output")
+            out[rid].append(
+                {
+                    "ids": result.as_numpy("output_ids").tolist(),
+                    "text": text[0].decode() if text is not None else None,
+                    "finish": finish[0].decode() if finish is not None else None,
+                }
+            )
+            if finish is not None:
+                open_.discard(rid)
+        return out
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+@pytest.fixture
+def stream(server: TritonServer) -> Iterator[Stream]:
+    s = Stream(server)
+    yield s
+    s.close()
+
+
+def one(stream: Stream, prompt: list[int] | str, stream_flag: bool | None = None, **p: Any) -> Any:
+    stream.send("r", prompt, stream_flag, **p)
+    return stream.collect({"r"})["r"]
+
+
+# ------------------------------------------------------------------ the served model
+def test_the_entry_is_a_decoupled_python_model_with_its_inputs(server: TritonServer) -> None:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc)
+    meta = client.get_model_metadata(MODEL)
+    config = client.get_model_config(MODEL).config
+    client.close()
+    assert meta.platform == "python" and config.model_transaction_policy.decoupled
+    assert {i.name: i.datatype for i in meta.inputs} == {
+        "text_input": "BYTES",
+        "input_ids": "INT64",
+        "sampling_parameters": "BYTES",
+        "stream": "BOOL",
+    }
+    assert {o.name for o in meta.outputs} == {"output_ids", "text_output", "finish_reason"}
+
+
+def test_a_stream_gives_one_response_per_token_and_the_engines_tokens(
+    stream: Stream, reference: Any
+) -> None:
+    prompt = [5, 9, 11, 40, 2]
+    got = one(stream, prompt, max_tokens=12, ignore_eos=True, **VARIED)
+    assert [len(r["ids"]) for r in got] == [1] * 12
+    assert [r["finish"] for r in got] == [None] * 11 + ["length"]
+    assert [r["ids"][0] for r in got] == reference(prompt, max_tokens=12, ignore_eos=True, **VARIED)
+
+
+def test_without_streaming_one_response_carries_every_token(stream: Stream, reference: Any) -> None:
+    prompt = list(range(60, 80))
+    (got,) = one(stream, prompt, False, max_new_tokens=7, ignore_eos=True, **VARIED)
+    assert got["finish"] == "length"
+    assert got["ids"] == reference(prompt, max_tokens=7, ignore_eos=True, **VARIED)
+
+
+def test_text_in_and_out_with_the_shipped_tokenizer(stream: Stream, tree: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tree / "serving/text/tokenizer.json"))
+    got = one(stream, "def add(a, b):", max_tokens=10, ignore_eos=True, **VARIED)
+    ids = [r["ids"][0] for r in got]
+    assert "".join(r["text"] for r in got) == tok.decode(ids)
+
+
+def test_a_seed_repeats_its_sample_and_stops_end_with_finish_stop(stream: Stream) -> None:
+    ask = {"max_tokens": 10, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    first = [r["ids"][0] for r in one(stream, [3, 4, 5], **ask)]
+    assert [r["ids"][0] for r in one(stream, [3, 4, 5], **ask)] == first
+    # a stop token id taken from the sample ends it there, finish "stop"
+    stopped = one(stream, [3, 4, 5], **ask, stop_token_ids=[first[3]])
+    assert stopped[-1]["finish"] == "stop" and len(stopped) == first.index(first[3]) + 1
+
+
+@pytest.mark.parametrize(
+    ("ask", "message"),
+    [
+        ({"max_tokens": 4, "best_of": 2}, "unknown parameter 'best_of'"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 4, "temperature": -1}, "temperature"),
+        ({"max_tokens": 4, "max_new_tokens": 4}, "not both"),
+        ({"max_tokens": 500}, "exceeds the served context"),
+    ],
+)
+def test_each_bad_parameter_is_an_invalid_argument(
+    stream: Stream, server: TritonServer, ask: dict[str, Any], message: str
+) -> None:
+    (got,) = one(stream, [1, 2, 3], **ask)  # a gRPC stream carries the message only
+    assert "error" in got and message in got["error"], got
+    # Triton's HTTP generate extension maps INVALID_ARG to 400
+    status, body = generate(
+        server, {"input_ids": [1, 2, 3], "sampling_parameters": json.dumps(ask)}
+    )
+    assert status == 400 and message in body["error"], (status, body)
+
+
+def generate(server: TritonServer, body: dict[str, Any]) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{server.url}/v2/models/{MODEL}/generate",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_http_generate_extension_answers_with_text(server: TritonServer) -> None:
+    ask = {"max_tokens": 5, "ignore_eos": True, **VARIED}
+    status, body = generate(
+        server, {"text_input": "def add", "sampling_parameters": json.dumps(ask), "stream": False}
+    )
+    assert status == 200, body
+    assert body["finish_reason"] == "length" and len(body["output_ids"]) == 5
+    assert isinstance(body["text_output"], str) and body["text_output"]
+
+
+def test_malformed_requests_are_refused_by_name(stream: Stream) -> None:
+    cases: list[tuple[list[Any], str]] = [
+        ([tensor("input_ids", [1, 2]), tensor("text_input", "hi")], "exactly one of"),
+        ([tensor("sampling_parameters", "{}")], "exactly one of"),
+        ([tensor("input_ids", [1, 10**6])], "token ids must lie in"),
+        ([tensor("input_ids", [1]), tensor("sampling_parameters", "{max")], "not JSON"),
+        ([tensor("input_ids", [1]), tensor("sampling_parameters", "[1]")], "a JSON object"),
+        ([tensor("text_input", b"\xff\xfe")], "UTF-8"),
+    ]
+    for inputs, message in cases:
+        stream.client.async_stream_infer(MODEL, inputs, request_id="bad")
+        (got,) = stream.collect({"bad"})["bad"]
+        assert message in got.get("error", ""), (message, got)
+    # the server still generates after every refusal
+    assert one(stream, [1, 2, 3], max_tokens=2)[-1]["finish"] == "length"
+
+
+def test_concurrent_streams_each_get_their_own_tokens(stream: Stream, reference: Any) -> None:
+    prompts = {f"s{i}": list(range(10 + 7 * i, 14 + 9 * i)) for i in range(5)}
+    for rid, prompt in prompts.items():
+        stream.send(rid, prompt, max_tokens=6 + len(rid), ignore_eos=True, **VARIED)
+    got = stream.collect(set(prompts))
+    for rid, prompt in prompts.items():
+        want = reference(prompt, max_tokens=6 + len(rid), ignore_eos=True, **VARIED)
+        assert [r["ids"][0] for r in got[rid]] == want, rid
+
+
+def test_a_cancelled_stream_leaves_and_the_server_goes_on(server: TritonServer) -> None:
+    first = Stream(server)
+    first.send("long", list(range(1, 9)), max_tokens=100, ignore_eos=True)
+    first.responses.get(timeout=30)  # it is running
+    first.close(cancel=True)
+    deadline = time.monotonic() + 30
+    while "a request was cancelled" not in server.log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the engine never saw the cancellation"
+        time.sleep(0.1)
+    after = Stream(server)
+    try:
+        assert one(after, [1, 2, 3], max_tokens=3)[-1]["finish"] == "length"
+    finally:
+        after.close()
+
+
+# ------------------------------------------------------------------ the rendered config
+def test_the_serve_stage_refuses_a_generate_config_that_is_not_decoupled(tree: Path) -> None:
+    path = tree / f"serving/triton/{MODEL}/config.pbtxt"
+    config = parse_triton(path.read_text())
+    check_generate(config)
+    config.model_transaction_policy.decoupled = False
+    with pytest.raises(ValueError, match="must be decoupled"):
+        check_generate(config)
+    config = parse_triton(path.read_text())
+    config.parameters["runtime"].string_value = '{"task": "causal-lm"}'
+    with pytest.raises(ValueError):
+        check_generate(config)
+
+
+def test_the_generate_entry_ships_the_engine_and_reads_the_one_model_copy(tree: Path) -> None:
+    version = tree / f"serving/triton/{MODEL}/1"
+    mlserver = tree / "serving/mlserver/tiny-gpt2/shipyard_engine"
+    for module in sorted(mlserver.glob("*.py")):
+        assert (version / "shipyard_engine" / module.name).read_bytes() == module.read_bytes()
+    assert not list(version.glob("*.onnx"))  # the model is stored once, in tiny-gpt2/1/
