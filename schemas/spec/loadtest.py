@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from schemas.spec.base import Strict
 
@@ -64,12 +64,32 @@ class LoadRamp(Strict):
     )
 
 
+# What a preset sets, unless the spec sets it itself: `release-candidate` is the long soak a
+# release candidate runs before it ships (30 minutes, a growth limit a leak of a few KB per
+# request would break).
+SOAK_PRESETS: dict[str, dict[str, float]] = {
+    "release-candidate": {"seconds": 1800.0, "max_growth_mb_per_min": 5.0},
+}
+
+
 class LoadSoak(Strict):
+    preset: Literal["release-candidate"] | None = Field(
+        default=None,
+        description="release-candidate: a 30-minute soak with a 5 MB/min growth limit "
+        "(seconds and max_growth_mb_per_min, when given, win).",
+    )
     seconds: float = Field(default=10.0, ge=0, description="Soak length; 0 skips the soak.")
     concurrency: int | None = Field(default=None, ge=1, description="Default: the knee.")
     max_growth_mb_per_min: float = Field(
         default=50.0, gt=0, description="Steady RSS growth of the server above this fails."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in SOAK_PRESETS:
+            data = {**SOAK_PRESETS[data["preset"]], **data}
+        return data
 
 
 class LoadSlo(Strict):

@@ -172,14 +172,24 @@ def _at(points: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
     return next(p for p in points if p["concurrency"] == concurrency)
 
 
-def soak(base: str, release: Any, info: ModelInfo, server: Any, knee: int) -> dict[str, Any]:
-    """Load at the knee for `soak.seconds` while sampling the server's RSS."""
+def soak(
+    base: str,
+    release: Any,
+    info: ModelInfo,
+    server: Any,
+    knee: int,
+    mix: lg.Mix | None = None,
+) -> dict[str, Any]:
+    """Load at the knee for `soak.seconds` while sampling the server's RSS; with `mix` (a
+    generating task), the streamed OpenAI requests the streaming ramp sends."""
     s, r = release.loadtest.soak, release.loadtest.ramp
     if server is None:
         return {"skipped": "external target: the server's memory is not observable from here"}
     if s.seconds == 0:
         return {"skipped": "loadtest.soak.seconds is 0"}
-    req = request(base, info, 1, r.input_length, r.output_tokens, stream=False)
+    req: lg.Request | lg.Mix = mix or request(
+        base, info, 1, r.input_length, r.output_tokens, stream=False
+    )
     concurrency = s.concurrency or knee
     samples: list[tuple[float, int]] = []
 
@@ -204,7 +214,13 @@ def soak(base: str, release: Any, info: ModelInfo, server: Any, knee: int) -> di
         return point
 
     point = lg.run(go())
-    return {**growth(samples, s.max_growth_mb_per_min), "load": point}
+    return {
+        **growth(samples, s.max_growth_mb_per_min),
+        "seconds": s.seconds,
+        "preset": s.preset,
+        "endpoint": "/v1/completions" if mix else "infer",
+        "load": point,
+    }
 
 
 def growth(samples: list[tuple[float, int]], limit_mb_per_min: float) -> dict[str, Any]:

@@ -39,11 +39,12 @@ def measure_all(
         results["grid"] = grid(base, release, info)
         results["ramp"] = ramp(base, release, info, stream=False)
         knee = results["ramp"]["knee"]
+        mix = None
         if streams(release.task):  # as users meet it: the OpenAI endpoint, streamed
             mix = openai_mix(url, model, release, info)
             results["streaming"] = ramp(base, release, info, stream=True, upto=knee, mix=mix)
             results["streaming"]["endpoint"] = "/v1/completions"
-        results["soak"] = soak(base, release, info, srv if local else None, knee)
+        results["soak"] = soak(base, release, info, srv if local else None, knee, mix)
         seen = srv.rss() if local else 0
         results["peak_rss_bytes"] = max(results["soak"].get("peak_rss_bytes", 0), seen)
     results["batching"] = batching(ctx, release, info, model, tree, knee, results["ramp"])

@@ -147,7 +147,11 @@ def test_a_seeded_sampled_completion_repeats_and_a_stop_string_ends_it(client: A
     ).choices[0]
     stop = greedy.text[4:7]
     cut = client.completions.create(
-        model="tiny-gpt2", prompt="hello", max_tokens=12, temperature=0, stop=[stop],
+        model="tiny-gpt2",
+        prompt="hello",
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
         extra_body=VARIED,
     ).choices[0]
     assert cut.finish_reason == "stop" and cut.text == greedy.text[: greedy.text.index(stop)]

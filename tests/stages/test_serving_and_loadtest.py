@@ -227,12 +227,20 @@ def test_streaming_is_measured_on_the_openai_endpoint_with_the_specs_mix(
         {"input_length": 4, "output_tokens": 2, "weight": 3},
         {"input_length": 12, "output_tokens": 6, "weight": 1},
     ]
-    spec["loadtest"] = {**QUICK_LOADTEST, "ramp": {**QUICK_LOADTEST["ramp"], "mix": mix}}
+    spec["loadtest"] = {
+        **QUICK_LOADTEST,
+        "ramp": {**QUICK_LOADTEST["ramp"], "mix": mix},
+        "soak": {"seconds": 1.5, "concurrency": 2},
+    }
     report = built_gpt2.run("loadtest", spec)
     assert report.status.value == "passed", report.reasons
     data = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").read_text())
     stream = data["streaming"]
     assert stream["endpoint"] == "/v1/completions"
+    # the soak streams the same mix through the same endpoint
+    soaked = data["soak"]["load"]
+    assert data["soak"]["endpoint"] == "/v1/completions" and soaked["errors"] == 0
+    assert 2 < soaked["tokens_per_s"] / soaked["throughput_rps"] < 6
     for p in stream["points"]:
         assert p["errors"] == 0 and p["p95_itl_ms"] > 0
         per_request = p["tokens_per_s"] / p["throughput_rps"]
@@ -395,6 +403,18 @@ def test_an_unstable_point_is_judged_only_when_every_window_lies_on_one_side_of_
     bare = _slo_at(2.0, [], stable=False)
     assert not bare["ok"] and bare["why"].startswith("inconclusive")
     assert _slo_at(2.0, [1.0, 2.0, 30.0], stable=True)["ok"]  # stable: the merged value rules
+
+
+def test_the_release_candidate_soak_is_long_and_strict_unless_the_spec_says_otherwise() -> None:
+    from schemas.spec.loadtest import LoadSoak
+
+    rc = LoadSoak.model_validate({"preset": "release-candidate"})
+    assert (rc.seconds, rc.max_growth_mb_per_min) == (1800.0, 5.0)
+    own = LoadSoak.model_validate({"preset": "release-candidate", "seconds": 3600})
+    assert (own.seconds, own.max_growth_mb_per_min) == (3600.0, 5.0)
+    assert LoadSoak.model_validate({}).seconds == 10.0
+    with pytest.raises(ValueError, match="release-candidate"):
+        LoadSoak.model_validate({"preset": "rc"})
 
 
 def test_soak_growth_flags_a_steady_climb_not_a_warm_up() -> None:
