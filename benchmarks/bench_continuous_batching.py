@@ -179,6 +179,74 @@ def offline(jobs: list[Any], batch: int) -> dict[str, Any]:
     return {"tokens_per_s": asked / seconds, "seconds": seconds}
 
 
+def machine_bound(jobs: list[Any], batch: int) -> dict[str, Any]:
+    """What this machine allows any engine on this graph: the decode step's cost at each
+    row count and the prefill rate, measured here, then (a) an ideal continuous engine
+    (every step at `batch` rows, no overhead, every prompt prefilled once) and (b) an ideal
+    request-level one (batches of `batch` in arrival order, each running to its longest
+    output while its finished rows drop out), both with the same prefill. Their ratio is
+    the most continuous batching can gain here: on a CPU the step cost grows with the rows
+    (compute-bound), unlike the flat cost on a GPU that the 2x goal assumes."""
+    import onnxruntime as ort
+
+    sys.path.insert(0, str(REPO / "stages" / "serving"))
+    from engine.kv import empty_past
+    from engine.scheduler import Graph
+
+    graph = Graph(
+        ort.InferenceSession(
+            str(REPO / "build" / RELEASE / "quantize" / "model.onnx"),
+            providers=["CPUExecutionProvider"],
+        )
+    )
+    past_len = int(np.mean([len(p) + n / 2 for p, n in jobs]))
+
+    def timed(feeds: dict[str, np.ndarray], repeat: int = 5) -> float:
+        graph.run(feeds)
+        start = time.perf_counter()
+        for _ in range(repeat):
+            graph.run(feeds)
+        return (time.perf_counter() - start) / repeat
+
+    counts = sorted({1, 2, 4, 8, batch})
+    step = {}
+    for rows in counts:
+        feeds = {
+            "input_ids": np.ones((rows, 1), np.int64),
+            "attention_mask": np.ones((rows, past_len + 1), np.int64),
+            "position_ids": np.full((rows, 1), past_len, np.int64),
+        }
+        for name, heads, dim in graph.spec:
+            feeds[name] = np.zeros((rows, heads, past_len, dim), graph.dtype)
+        step[rows] = timed(feeds)
+    width = int(np.mean([len(p) for p, _ in jobs]))
+    feeds = {
+        "input_ids": np.ones((1, width), np.int64),
+        "attention_mask": np.ones((1, width), np.int64),
+        "position_ids": np.arange(width, dtype=np.int64)[None],
+        **empty_past(graph.spec, 1, graph.dtype),
+    }
+    prefill_rate = width / timed(feeds)
+
+    def cost(rows: int) -> float:
+        return float(np.interp(rows, counts, [step[c] for c in counts]))
+
+    out = sum(n for _, n in jobs)
+    prefill = sum(len(p) for p, _ in jobs) / prefill_rate
+    continuous = int(np.ceil(out / batch)) * cost(batch) + prefill
+    request = prefill
+    for g in range(0, len(jobs), batch):
+        outputs = [n for _, n in jobs[g : g + batch]]
+        request += sum(cost(sum(n > s for n in outputs)) for s in range(max(outputs)))
+    return {
+        "step_ms": {r: round(t * 1000, 1) for r, t in step.items()},
+        "prefill_tokens_per_s": prefill_rate,
+        "continuous_tokens_per_s": out / continuous,
+        "request_tokens_per_s": out / request,
+        "decode_tokens_per_s": batch / step[batch],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
@@ -195,6 +263,7 @@ def main() -> None:
         "request": served("request", jobs, args.streams),
         "offline": offline(jobs, args.streams),
     }
+    bound = machine_bound(jobs, args.streams)
     for name, r in results.items():
         line = f"{name:>10}: {r['tokens_per_s']:7.1f} output tokens/s in {r['seconds']:.1f} s"
         if "ttft_p95_ms" in r:
@@ -221,6 +290,21 @@ def main() -> None:
     print(
         f"served / offline batch {args.streams}: {c['tokens_per_s'] / o['tokens_per_s']:.2f}x "
         "(goal >= 0.8)"
+    )
+    steps = ", ".join(f"{r} rows {ms} ms" for r, ms in bound["step_ms"].items())
+    print(f"this machine: decode step {steps}; prefill {bound['prefill_tokens_per_s']:.0f} tok/s")
+    ideal_c, ideal_r = bound["continuous_tokens_per_s"], bound["request_tokens_per_s"]
+    print(
+        f"ideal engines here (no overhead): continuous {ideal_c:.1f}, request {ideal_r:.1f} "
+        f"tokens/s: continuous batching can gain at most {ideal_c / ideal_r:.2f}x"
+    )
+    print(
+        f"served continuous / ideal continuous: {c['tokens_per_s'] / ideal_c:.2f}x; "
+        f"served request / ideal request: {r['tokens_per_s'] / ideal_r:.2f}x"
+    )
+    print(
+        f"ideal continuous (prefill included) / decode-only batch {args.streams} "
+        f"({bound['decode_tokens_per_s']:.0f} tok/s): {ideal_c / bound['decode_tokens_per_s']:.2f}x"
     )
 
 

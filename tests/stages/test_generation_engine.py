@@ -78,6 +78,17 @@ def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def hf_logprobs(model: Any, prompt: list[int], generated: list[int]) -> list[float]:
+    """transformers' log-probability of each generated token after what precedes it."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated])).logits[0].double()
+    logp = torch.log_softmax(logits, -1)
+    start = len(prompt) - 1
+    return [float(logp[start + i, t]) for i, t in enumerate(generated)]
+
+
 class Recorder:
     """The graph, recording each pass's rows and whether its mask had padding."""
 
@@ -122,8 +133,9 @@ def test_each_sequence_in_a_changing_batch_decodes_as_it_does_alone(gpt2_graph: 
     jobs = [(p[:12], n) for p, n in jobs[:4]] + jobs[4:]  # the first four share a prefill
     alone = Engine(gpt2_graph, limits(max_rows=1))
     try:
-        solo = [
-            tokens(collect(alone, p, max_tokens=n, temperature=0, ignore_eos=True)) for p, n in jobs
+        solo_events = [
+            collect(alone, p, max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
+            for p, n in jobs
         ]
     finally:
         alone.close()
@@ -135,13 +147,17 @@ def test_each_sequence_in_a_changing_batch_decodes_as_it_does_alone(gpt2_graph: 
         with shared._cv:  # all eight waiting at once: four run, the rest join as rows leave
             for p, n in jobs:
                 q: queue.Queue[Event] = queue.Queue()
-                params = parse({"max_tokens": n, "temperature": 0, "ignore_eos": True})
+                params = parse(
+                    {"max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+                )
                 shared.submit(p, params, q.put)
                 queues.append(q)
-        got = [tokens(drain(q)) for q in queues]
+        got = [drain(q) for q in queues]
     finally:
         shared.close()
-    assert got == solo
+    assert [tokens(e) for e in got] == [tokens(e) for e in solo_events]
+    for batched, solo in zip(got, solo_events, strict=True):  # numbers, not only the argmax
+        assert [e.logprob for e in batched] == pytest.approx([e.logprob for e in solo], abs=1e-4)
     assert max(recorder.rows) == 4  # decode steps really ran batched
     assert max(recorder.prefill_rows) > 1  # prompts arriving together prefilled together
     assert any(0 in mask for mask in recorder.padded)  # rows were left-padded
@@ -161,6 +177,41 @@ def test_a_shared_prefix_is_reused_and_decodes_the_same(gpt2_graph: Graph) -> No
     assert [tokens(e) for e in events] == want
     assert [e[-1].cached_tokens for e in events] == [0, 48, 48]  # the first one filled it
     assert cached.prefix is not None and cached.prefix.hits == 2
+
+
+def test_prompts_on_one_cached_prefix_are_prefilled_together_and_decode_as_alone(
+    gpt2_graph: Graph, judge: Any
+) -> None:
+    """A system prompt cached, then five requests on it at once, their own parts 1 to 9
+    tokens long: one pass prefills them all (the cached prefix, masked padding, then each
+    own part), and each decodes as transformers does on the whole prompt."""
+    system = list(range(10, 42))  # 32 tokens: two blocks of 16
+    own = [[200], [201, 202, 203], [210 + i for i in range(9)], [220, 221], [230] * 5]
+    recorder = Recorder(gpt2_graph)
+    cached = Engine(recorder, limits(max_rows=6, prefix_cache_tokens=200))  # type: ignore[arg-type]
+    try:
+        tokens(collect(cached, system + [199], max_tokens=1, temperature=0))  # fills the cache
+        recorder.prefill_rows.clear()
+        queues = []
+        with cached._cv:
+            for tail in own:
+                q: queue.Queue[Event] = queue.Queue()
+                params = parse(
+                    {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+                )
+                cached.submit(system + tail, params, q.put)
+                queues.append(q)
+        events = [drain(q) for q in queues]
+    finally:
+        cached.close()
+    assert recorder.prefill_rows == [5]  # one pass for all five
+    assert [e[-1].cached_tokens for e in events] == [32] * 5
+    for tail, got in zip(own, events, strict=True):
+        assert tokens(got) == hf_greedy(judge, system + tail, 5), tail
+        # the same numbers, not only the same argmax (a random-weight model's argmax
+        # hardly depends on the context)
+        want = hf_logprobs(judge, system + tail, tokens(got))
+        assert [e.logprob for e in got] == pytest.approx(want, abs=1e-4), tail
 
 
 def test_the_prefix_cache_evicts_the_least_recently_used_within_its_budget() -> None:
@@ -550,19 +601,25 @@ def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(counting: Any) -
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12)), min_size=1, max_size=30))
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12)), min_size=1, max_size=30))
 def test_the_batch_keeps_every_rows_cache_through_joins_leaves_and_steps(
-    ops: list[tuple[bool, int]],
+    ops: list[tuple[int, int]],
 ) -> None:
     """Against a reference of each sequence's own cache: whatever joins (into a free slot,
-    a new row, or widening every row), leaves, compacts or steps, each live row holds its
-    own tokens right-aligned under a mask of exactly its length."""
+    a new row, or widening every row), makes room for a group in one copy, leaves, compacts
+    or steps, each live row holds its own tokens right-aligned under a mask of exactly its
+    length."""
     from stages.serving.engine.kv import Batch
 
     batch = Batch([("k", 1, 1)], np.dtype(np.float32))
     own: dict[int, list[float]] = {}
-    for i, (join, n) in enumerate(ops):
-        if join or not own:
+    room = 0
+    for i, (kind, n) in enumerate(ops):
+        if kind == 2:  # room for a group: n % 4 rows of up to n tokens
+            batch.reserve(n % 4, n)
+            assert batch.free >= n % 4 and batch.length >= n
+            room = n % 4
+        if kind or not own:
             values = [float(i * 100 + t) for t in range(n)]
             batch.join(i, {"k": np.array(values, np.float32).reshape(1, 1, n, 1)})
             own[i] = values
@@ -576,7 +633,7 @@ def test_the_batch_keeps_every_rows_cache_through_joins_leaves_and_steps(
             batch.advance({"k": np.concatenate([batch.past["k"], new.reshape(-1, 1, 1, 1)], 2)})
             for k in own:
                 own[k].append(step[k])
-        assert len(batch) == len(own) and batch.free <= max(len(own), 1)
+        assert len(batch) == len(own) and batch.free <= max(len(own), 1) + room
         for row, key in enumerate(batch.keys):
             if key is None:
                 assert batch.mask[row].sum() == 0

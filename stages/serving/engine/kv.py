@@ -6,9 +6,10 @@ A decode step feeds these arrays and takes the presents back as the next step's 
 cache is not rebuilt when membership changes: a row that leaves stays as a free slot (its
 mask zeroed; it rides along in the decode steps, a small cost at these batch sizes, since a
 decode step reads the weights once for every row), and a sequence that joins is written
-into a free slot, one row's copy. Only growing the batch (a new slot, or a prompt longer
-than every row) copies it whole, and so does compacting it, once free slots outnumber the
-sequences or a quarter of the columns are padding nobody needs. Measured on gpt2-small at
+into a free slot, one row's copy. Only growing the batch (new slots, or a prompt longer
+than every row) copies it whole, once for all the sequences prefilled together, and so
+does compacting it, once free slots outnumber the sequences or a quarter of the columns
+are padding nobody needs. Measured on gpt2-small at
 16 streams, rebuilding on every join and leave spent 3.6 s of a 9.6 s run copying caches;
 with free slots, 0.5 s (benchmarks/bench_continuous_batching.py).
 """
@@ -52,14 +53,30 @@ class Batch:
     def free(self) -> int:
         return len(self.keys) - len(self)
 
+    def reserve(self, rows: int, length: int) -> None:
+        """Room for `rows` more sequences of up to `length` cached tokens, made in one copy
+        of the cache (sequences prefilled together join together)."""
+        more = max(0, rows - self.free)
+        grow = max(0, length - self.length)
+        if not (more or grow):
+            return
+        old = len(self.keys)
+        shape = (old + more, self.length + grow)
+        past = {}
+        for name, array in self.past.items():
+            fresh = np.zeros((shape[0], array.shape[1], shape[1], array.shape[3]), self.dtype)
+            fresh[:old, :, grow:] = array
+            past[name] = fresh
+        mask = np.zeros(shape, np.int64)
+        mask[:old, grow:] = self.mask
+        self.past, self.mask = past, mask
+        self.keys.extend([None] * more)
+
     def join(self, key: int, past: dict[str, np.ndarray]) -> None:
         """A prefilled sequence (its own past, one row, no padding) takes a free slot, or a
         new last row."""
         held = next(iter(past.values())).shape[2]
-        if held > self.length:
-            self._widen(held)
-        if None not in self.keys:
-            self._grow()
+        self.reserve(1, held)
         row = self.keys.index(None)
         start = self.length - held
         for name, array in self.past.items():
@@ -90,21 +107,6 @@ class Batch:
         self.mask = np.ascontiguousarray(mask[:, start:])
         self.past = {n: np.ascontiguousarray(v[rows, :, start:]) for n, v in self.past.items()}
         self.keys = [self.keys[i] for i in rows]
-
-    def _widen(self, length: int) -> None:
-        grow = length - self.length
-        self.past = {
-            n: np.pad(v, ((0, 0), (0, 0), (grow, 0), (0, 0))) for n, v in self.past.items()
-        }
-        self.mask = np.pad(self.mask, ((0, 0), (grow, 0)))
-
-    def _grow(self) -> None:
-        self.past = {
-            n: np.concatenate([v, np.zeros((1, *v.shape[1:]), self.dtype)])
-            for n, v in self.past.items()
-        }
-        self.mask = np.concatenate([self.mask, np.zeros((1, self.length), np.int64)])
-        self.keys.append(None)
 
     def feeds(self, tokens: np.ndarray, positions: bool) -> dict[str, np.ndarray]:
         """One decode step: each row's next token [rows, 1] on the cache (free slots: 0)."""

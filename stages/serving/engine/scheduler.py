@@ -342,13 +342,14 @@ class Engine:
         self.prefilling.append(seq)
 
     def _prefill(self) -> None:
-        """At most `chunk` prompt tokens this iteration: fresh prompts that fit together are
-        prefilled in one pass, left-padded to the longest (as the decode batch pads them);
-        the rest one chunk at a time, each on its own cache."""
+        """At most `chunk` prompt tokens this iteration: prompts that fit together are
+        prefilled in one pass (the same number of tokens already cached: none, or a cached
+        prefix; the rest left-padded to the longest, as the decode batch pads them); the
+        rest one chunk at a time, each on its own cache."""
         budget = self.settings.chunk
-        group = self._fresh_group(budget)
+        group = self._group(budget)
         if len(group) > 1:
-            budget -= len(group) * max(len(q.prompt) for q in group)
+            budget -= len(group) * max(len(q.prompt) - q.done for q in group)
             self._prefill_together(group)
         for seq in list(self.prefilling):
             if budget <= 0:
@@ -369,32 +370,46 @@ class Engine:
             if seq.done == len(seq.prompt):
                 self._prefilled(seq, logits[0, -1], seq.past, mask[0])
 
-    def _fresh_group(self, budget: int) -> list[Sequence]:
-        """Prompts not started (no cached prefix) that fit the budget padded together, in
-        arrival order; none without position_ids (a padded row would be misplaced)."""
+    def _group(self, budget: int) -> list[Sequence]:
+        """Prompts that can be prefilled in one pass, in arrival order: the same number of
+        tokens already in their caches as the first (0, or a cached prefix of that length),
+        and the rest of every prompt within the budget, padded to the longest. None without
+        position_ids (a padded row would be misplaced)."""
         group: list[Sequence] = []
         if not self.graph.positions:
             return group
         for seq in self.prefilling:
-            if seq.done or seq.past is not None:
+            if group and seq.done != group[0].done:
                 continue
-            width = max([len(seq.prompt), *(len(q.prompt) for q in group)])
+            width = max([len(seq.prompt) - seq.done, *(len(q.prompt) - q.done for q in group)])
             if (len(group) + 1) * width > budget:
                 break
             group.append(seq)
         return group
 
     def _prefill_together(self, group: list[Sequence]) -> None:
-        width = max(len(q.prompt) for q in group)
+        """One pass for the group: each row's cached tokens, padding, then the rest of its
+        prompt (the padding between is masked; positions count only real tokens)."""
+        done = group[0].done
+        width = max(len(q.prompt) - done for q in group)
         ids = np.zeros((len(group), width), np.int64)
-        mask = np.zeros((len(group), width), np.int64)
+        mask = np.zeros((len(group), done + width), np.int64)
+        mask[:, :done] = 1
         for row, seq in enumerate(group):
-            ids[row, width - len(seq.prompt) :] = seq.prompt
-            mask[row, width - len(seq.prompt) :] = 1
+            rest = seq.prompt[done:]
+            ids[row, width - len(rest) :] = rest
+            mask[row, done + width - len(rest) :] = 1
         feeds = {"input_ids": ids, "attention_mask": mask}
-        feeds |= empty_past(self.graph.spec, len(group), self.graph.dtype)
+        if done:
+            feeds |= {
+                name: np.concatenate([q.past[name] for q in group if q.past is not None])
+                for name, _, _ in self.graph.spec
+            }
+        else:
+            feeds |= empty_past(self.graph.spec, len(group), self.graph.dtype)
         feeds["position_ids"] = positions_from_mask(mask, width)
         logits, presents = self.graph.run(feeds)
+        self.batch.reserve(len(group), max(len(q.prompt) for q in group))
         for row, seq in enumerate(group):
             seq.done = len(seq.prompt)
             past = {k: v[row : row + 1] for k, v in presents.items()}
@@ -405,8 +420,8 @@ class Engine:
     ) -> None:
         """Its prompt is in the cache: sample the first token; it joins the running batch."""
         self.prefilling.remove(seq)
-        pad = int(mask.size - mask.sum())
-        real = {k: v[:, :, pad:] for k, v in past.items()}
+        keep = mask.astype(bool)  # the row's own tokens: padding left of or inside it goes
+        real = past if keep.all() else {k: v[:, :, keep] for k, v in past.items()}
         if self.prefix is not None:
             self.prefix.store(seq.prompt, real, self.settings.kv_budget_tokens - self._need(seq))
         if self._take(seq, logits):
