@@ -76,6 +76,13 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
             f"serving/mlserver/tiny-gpt2/shipyard_engine/{p.name}"
             for p in (REPO / "stages" / "serving" / "engine").glob("*.py")
         ),
+        # the Triton entry that generates: the same engine, the model read from tiny-gpt2/1/
+        "serving/triton/tiny-gpt2-generate/config.pbtxt",
+        "serving/triton/tiny-gpt2-generate/1/model.py",
+        *(
+            f"serving/triton/tiny-gpt2-generate/1/shipyard_engine/{p.name}"
+            for p in (REPO / "stages" / "serving" / "engine").glob("*.py")
+        ),
         "serving/text/tokenizer.json",  # tiny-gpt2 ships no tokenizer_config.json
         "MODEL_CARD.md",
     }
