@@ -115,7 +115,7 @@ def build_spec(
         "pins": {"checkpoints": digests},  # hash_files returns them sorted
         "export": export,
         "parity": {},
-        "quantization": {"method": "int8-dynamic", "calibration": calibration},
+        "quantization": {"method": "auto", "calibration": calibration},
         "evaluation": evaluation,
         "capacity": {"device_memory": device_memory},
         "bundle": {

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from schemas.artifacts import CapacityPlan, EngineProfiles, ModelInfo
+from schemas.artifacts import CapacityPlan, EngineProfiles, ModelInfo, QuantInfo
 from stages._runtime import StageContext, StageIO, StageResult
 from stages.onnx import shapes as sh
 from stages.tensorrt.triton import (  # noqa: F401 (re-exported)
@@ -34,7 +34,7 @@ NAME = "engine"
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("task", "export", "parity", "quantization.method", "engine", "bundle.serving"),
-        reads=(ModelInfo, CapacityPlan),
+        reads=(ModelInfo, CapacityPlan, QuantInfo),
         upstream=("export/model.onnx", "quantize/model.onnx"),
         code=(f"stages/templates/{TRT_TEMPLATE}",),  # the only template it renders
     )
@@ -44,7 +44,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     cfg = release.engine
     info = ctx.read(ModelInfo)
     profiles = derive_profiles(cfg, info)
-    source, why = engine_source(release.quantization.method)
+    source, why = engine_source(ctx.read(QuantInfo).method)  # auto: the recipe it chose
     details: dict[str, Any] = {
         "optional": not cfg.required,
         "profiles": profiles,

@@ -13,7 +13,7 @@ from stages._runtime import Plot, StageContext, StageIO, StageResult, link_or_co
 from stages.onnx import model as m
 from stages.quant import accuracy as acc
 from stages.quant import calibration as calib
-from stages.quant import search
+from stages.quant import recipes, search
 from stages.quant.methods import Quantizer
 
 NAME = "quantize"
@@ -66,6 +66,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     if fallback:
         ctx.log(fallback)
     budget = q.budget or AccuracyBudget(**TASKS[release.task].default_budget)
+    if q.method == "auto":
+        return _auto(ctx, release, q, pre, fallback, samples, budget, export)
     quantizer = Quantizer(pre, q, samples.calibration, ctx.work / "_variants")
     probe = samples.calibration[: q.calibration.sensitivity_samples]
     evaluate = search.Evaluator(release.task, pre, probe)
@@ -130,6 +132,93 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         + (" (pre-processed without symbolic shape inference)" if fallback else ""),
         details={**details, "size": sizes},
         metrics={**metrics, "size_ratio": sizes["ratio"]},
+    )
+
+
+def _auto(
+    ctx: StageContext,
+    release: ReleaseSpec,
+    q: Any,
+    pre: Any,
+    fallback: str,
+    samples: Any,
+    budget: AccuracyBudget,
+    export: Any,
+) -> StageResult:
+    """method auto: the recipe search (stages/quant/recipes.py); its table is the report."""
+    probe = samples.calibration[: q.calibration.sensitivity_samples]
+    outcome = recipes.Search(
+        ctx,
+        pre,
+        q,
+        samples,
+        budget,
+        search.Evaluator(release.task, pre, probe),
+        search.Evaluator(release.task, pre, samples.holdout),
+        sum(f.stat().st_size for f in export.glob("model.onnx*")),
+    ).run()
+    details: dict[str, Any] = {
+        "calibration": {
+            "path": samples.source,
+            "sha256": samples.sha256,
+            "samples": len(samples.calibration),
+            "holdout": len(samples.holdout),
+        },
+        "recipes": outcome.table,
+        "fp32": outcome.fp32,
+        "budget": budget.model_dump(exclude_none=True),
+        "budget_with_margin": recipes.tightened(budget, q.margin).model_dump(exclude_none=True),
+        "preprocess": fallback or "quant_pre_process with symbolic shape inference",
+    }
+    if not outcome.ok or outcome.path is None:
+        tried = ", ".join(dict.fromkeys(r["recipe"] for r in outcome.table))
+        return StageResult.failed(
+            f"no recipe meets the accuracy budget with its margin ({tried} tried)",
+            [
+                f"{'; '.join(outcome.broken)}. Relax quantization.budget or "
+                "quantization.margin, lower quantization.min_speedup (0: ship INT8 even when "
+                "slower), add recipes, or add calibration data that covers the held-out "
+                "inputs; method none ships FP32"
+            ],
+            details=details,
+        )
+    details["layerwise"] = search.layerwise(pre, outcome.path, samples.holdout[0])
+    write_json(ctx.work / LAYER_PLOT.file, _layer_rows(details["layerwise"]))
+    sizes = search.publish(ctx, outcome.path, export)
+    metrics = {f"holdout_{k}": v for k, v in outcome.holdout.items()}
+    metrics["size_ratio"] = sizes["ratio"]
+    if sizes["ratio"] > q.max_size_ratio:  # measured in the search; checked on what ships
+        return StageResult.failed(
+            f"recipe {outcome.recipe} gains nothing worth shipping",
+            [
+                f"the quantized file is {sizes['ratio']:.2f}x the FP32 file, above "
+                f"quantization.max_size_ratio {q.max_size_ratio:g}. {search.REMEDIES}"
+            ],
+            details={**details, "size": sizes},
+            metrics=metrics,
+        )
+    why = ", ".join(outcome.float_classes)
+    ctx.write(
+        QuantInfo(
+            method=outcome.method,
+            dtype=DTYPE[outcome.method],
+            float_nodes=[
+                FloatNode(node=n, why=f"its layer class ({why}) kept in float by the recipe search")
+                for n in outcome.excluded
+            ],
+        )
+    )
+    ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))
+    shutil.rmtree(ctx.work / "_variants")
+    shutil.rmtree(pre.parent)
+    chosen = next(r for r in outcome.table if r["chosen"])
+    return StageResult.passed(
+        f"recipe {outcome.recipe} ({DTYPE[outcome.method]})"
+        + (f" with {why} in float" if why else "")
+        + f"; held-out {search.brief(outcome.holdout)}; size {sizes['ratio']:.2f}x FP32, "
+        f"{chosen['speedup']:.2f}x FP32 speed",
+        details={**details, "size": sizes, "chosen": outcome.recipe},
+        metrics=metrics,
     )
 
 

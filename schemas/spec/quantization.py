@@ -126,6 +126,51 @@ class Int4WeightOnly(QuantizedBase):
         return self
 
 
+Recipe = Literal["int8-dynamic-per-channel", "int8-dynamic", "int8-static", "int4-weight-only"]
+RECIPE_ORDER: list[Recipe] = [
+    "int8-dynamic-per-channel",
+    "int8-dynamic",
+    "int8-static",
+    "int4-weight-only",
+]
+
+
+class AutoQuantization(QuantizedBase):
+    method: Literal["auto"] = Field(
+        description="Try recipes in order; ship the first that meets the budget with a margin "
+        "on calibration and held-out data and is fast enough; else keep the most damaging "
+        "class of layers in float."
+    )
+    recipes: list[Recipe] = Field(
+        default_factory=lambda: list(RECIPE_ORDER),
+        min_length=1,
+        description="Recipes to try, in order (expected gain first).",
+    )
+    margin: float = Field(
+        default=0.2,
+        ge=0,
+        lt=1,
+        description="Share of each bound's room a recipe must keep: agreement >= bound + "
+        "margin x (1 - bound); perplexity increase <= bound x (1 - margin).",
+    )
+    min_speedup: float = Field(
+        default=1.0,
+        ge=0,
+        description="A recipe must run at least this x FP32's speed (0: any speed).",
+    )
+    block_size: int = Field(default=32, ge=16, description="int4-weight-only block size.")
+
+    @model_validator(mode="after")
+    def _recipes(self) -> AutoQuantization:
+        """Rule: auto recipes are distinct; the int4 block_size is a power of 2."""
+        if len(set(self.recipes)) != len(self.recipes):
+            raise ValueError(f"recipes {self.recipes} name one recipe twice")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size {self.block_size} must be a power of 2 (16, 32, 64…)")
+        return self
+
+
 Quantization = Annotated[
-    NoQuantization | Int8Dynamic | Int8Static | Int4WeightOnly, Field(discriminator="method")
+    NoQuantization | Int8Dynamic | Int8Static | Int4WeightOnly | AutoQuantization,
+    Field(discriminator="method"),
 ]

@@ -226,3 +226,120 @@ def test_the_calibration_count_is_samples_plus_holdout_at_its_boundary(ws: Works
         "quantize", ws.root, cfg, spec.task, lay, spec.export.dims, info.arch.vocab
     )
     assert (len(samples.calibration), len(samples.holdout)) == (24, 8)
+
+
+# ----------------------------------------------------------------- method auto: recipes
+def auto_spec(**quantization: object) -> dict:
+    return quant_spec(method="auto", **quantization)
+
+
+def test_auto_ships_the_first_recipe_that_meets_the_budget_with_its_margin(
+    built_gpt2: Workspace,
+) -> None:
+    """int4 meets top-1 0.975 bare but not with the margin (0.975 + 0.2 x 0.025 = 0.98); the
+    next recipe does, and ships; the report has a row for each with size, speed and why."""
+    import onnx
+
+    spec = auto_spec(
+        recipes=["int4-weight-only", "int8-dynamic"],
+        budget={"top1_agreement_min": 0.975},
+        min_speedup=0,
+    )
+    report = built_gpt2.run("quantize", spec)
+    assert report.status.value == "passed", report.reasons
+    rows = report.details["recipes"]
+    assert [(r["recipe"], r["chosen"]) for r in rows] == [
+        ("int4-weight-only", False),
+        ("int8-dynamic", True),
+    ]
+    assert 0.975 <= rows[0]["holdout"]["top1_agreement"] < 0.98, rows[0]  # the margin decided
+    assert "held-out (with margin): top1_agreement" in rows[0]["why"]
+    assert all(r["size_ratio"] < 0.9 and r["speedup"] > 0 for r in rows)
+    assert report.details["budget_with_margin"]["top1_agreement_min"] == pytest.approx(0.98)
+    assert info(built_gpt2) == {"method": "int8-dynamic", "dtype": "int8", "float_nodes": []}
+    model = built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
+    assert "MatMulInteger" in {n.op_type for n in onnx.load(model).graph.node}
+    # no margin: the first recipe is good enough
+    report = built_gpt2.run(
+        "quantize", {**spec, "quantization": {**spec["quantization"], "margin": 0}}
+    )
+    assert report.status.value == "passed" and report.details["chosen"] == "int4-weight-only"
+    assert info(built_gpt2)["dtype"] == "int4"
+
+
+def test_auto_never_ships_a_recipe_slower_than_fp32_and_says_so(built_gpt2: Workspace) -> None:
+    """At 64 channels INT8's quantize/dequantize costs more than the matmuls it speeds up:
+    every recipe is slower than FP32 on tiny-gpt2, so with min_speedup 1 none ships."""
+    report = built_gpt2.run("quantize", auto_spec(min_speedup=1.0))
+    rows = report.details["recipes"]
+    slow = [r for r in rows if r["speedup"] < 1]
+    if len(slow) < len(rows):  # a recipe ran faster here: then it must be the one shipped
+        assert report.status.value == "passed" and report.details["chosen"] in {
+            r["recipe"] for r in rows if r["speedup"] >= 1
+        }
+        return
+    assert report.status.value == "failed"
+    assert "below quantization.min_speedup 1" in report.reasons[0]
+    assert "min_speedup (0: ship INT8 even when slower)" in report.reasons[0]
+
+
+def test_auto_keeps_whole_layer_classes_in_float_when_no_recipe_is_enough(
+    built_gpt2: Workspace,
+) -> None:
+    """int4 alone cannot hold top-1 0.99: the search keeps the most damaging class of
+    layers in float, every layer of it, ranked by one variant per class."""
+    import onnx
+
+    from stages.quant.recipes import class_of
+
+    # lm_head is tied to the embedding: kept in float it is a second copy (size > FP32)
+    spec = auto_spec(
+        recipes=["int4-weight-only"],
+        budget={"top1_agreement_min": 0.99},
+        min_speedup=0,
+        max_size_ratio=1.5,
+    )
+    report = built_gpt2.run("quantize", spec)
+    rows = report.details["recipes"]
+    assert rows[0]["float_classes"] == [] and not rows[0]["chosen"]
+    assert len(rows) >= 2 and all(r["float_classes"] for r in rows[1:])
+    assert all(
+        len(b["float_classes"]) == len(a["float_classes"]) + 1
+        for a, b in zip(rows[1:], rows[2:], strict=False)
+    )
+    assert report.status.value == "passed", report.reasons
+    floats = {n["node"] for n in info(built_gpt2)["float_nodes"]}
+    classes = set(next(r for r in rows if r["chosen"])["float_classes"])
+    graph = onnx.load(built_gpt2.out("tiny-gpt2", "export") / "model.onnx").graph
+    members = {
+        n.name for n in graph.node if n.op_type in ("MatMul", "Gemm") and class_of(n) in classes
+    }
+    assert floats and floats <= members  # whole classes, nothing else
+    assert len({class_of(n) for n in graph.node if n.name in floats}) == len(classes)
+
+
+def test_the_margin_moves_each_bound_toward_its_ideal() -> None:
+    from schemas.spec.quantization import AccuracyBudget
+    from stages.quant.recipes import tightened
+
+    budget = AccuracyBudget(
+        top1_agreement_min=0.98, logit_cosine_min=0.99, snr_db_min=20, perplexity_increase_max=0.01
+    )
+    tight = tightened(budget, 0.5)
+    assert tight.top1_agreement_min == pytest.approx(0.99)
+    assert tight.logit_cosine_min == pytest.approx(0.995)
+    assert tight.snr_db_min == pytest.approx(30)
+    assert tight.perplexity_increase_max == pytest.approx(0.005)
+    assert tightened(budget, 0) == budget
+
+
+def test_auto_recipes_are_checked_by_the_spec(tmp_path: Path) -> None:
+    from schemas import SpecError
+    from schemas.loader import load_release
+
+    ws = Workspace(tmp_path)
+    with pytest.raises(SpecError, match="name one recipe twice"):
+        load_release(ws.write(auto_spec(recipes=["int8-dynamic", "int8-dynamic"])))
+    with pytest.raises(SpecError, match="recipes"):
+        load_release(ws.write(auto_spec(recipes=["int3"])))
+    assert load_release(ws.write(auto_spec())).quantization.method == "auto"

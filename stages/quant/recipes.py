@@ -1,0 +1,241 @@
+"""`quantization.method: auto`: a recipe search instead of one method.
+
+Recipes are tried in the spec's order (expected gain first: per-channel dynamic INT8,
+per-tensor dynamic INT8, static QDQ INT8, weight-only block-wise INT4). Each is built on
+the whole model and measured: the budget's metrics on the calibration probe and on the
+held-out samples, the file size and the forward-pass latency against FP32 on this machine.
+The first recipe that meets the budget *with a margin* on both sample sets, is small enough
+and at least `min_speedup` x FP32's speed ships. When none does, the best fast-enough recipe
+keeps whole classes of layers in float (every `mlp.c_proj`, every `down_proj`: where an
+activation outlier lives, it lives in every layer), most damaging class first, ranked by
+quantizing all but one class at a time: one variant per class, not per node, so the cost
+does not grow with depth. Every variant tried is a row of the report, with why it was or
+was not chosen.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stages.onnx.graph import node_scope
+from stages.quant import accuracy as acc
+from stages.quant.methods import Quantizer
+
+# recipe -> (method, its settings)
+RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "int8-dynamic-per-channel": ("int8-dynamic", {"per_channel": True}),
+    "int8-dynamic": ("int8-dynamic", {"per_channel": False}),
+    "int8-static": ("int8-static", {}),
+    "int4-weight-only": ("int4-weight-only", {"op_types": ["MatMul"]}),
+}
+IDEAL = {"top1_agreement_min": 1.0, "logit_cosine_min": 1.0}  # the best a metric can be
+LATENCY_RUNS = 5
+
+
+def concrete(q: Any, recipe: str) -> Any:
+    """The explicit method spec a recipe stands for, with auto's shared settings."""
+    from schemas.spec.quantization import Int4WeightOnly, Int8Dynamic, Int8Static
+
+    method, settings = RECIPES[recipe]
+    base = q.model_dump(
+        include={"calibration", "budget", "max_size_ratio", "max_float_nodes", "op_types"}
+    )
+    if method == "int4-weight-only":
+        settings = {**settings, "block_size": q.block_size}
+    kinds: dict[str, type[Int8Dynamic | Int8Static | Int4WeightOnly]] = {
+        "int8-dynamic": Int8Dynamic,
+        "int8-static": Int8Static,
+        "int4-weight-only": Int4WeightOnly,
+    }
+    return kinds[method].model_validate({**base, "method": method, **settings})
+
+
+def tightened(budget: Any, margin: float) -> Any:
+    """The budget with a margin: a min bound moves `margin` of the way to its ideal (1 for
+    agreement and cosine; SNR by margin x its own size), a max bound shrinks by `margin`."""
+    changes: dict[str, float] = {}
+    for name, (_, kind) in acc.BOUNDS.items():
+        bound = getattr(budget, name)
+        if bound is None:
+            continue
+        if kind == "max":
+            changes[name] = bound * (1 - margin)
+        elif name in IDEAL:
+            changes[name] = bound + margin * (IDEAL[name] - bound)
+        else:
+            changes[name] = bound + margin * abs(bound)
+    return budget.model_copy(update=changes)
+
+
+def latency(path: Path, feeds: list[dict[str, np.ndarray]]) -> float:
+    """Median seconds of one forward pass over the samples, after a warm-up pass."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    for sample in feeds:
+        session.run(None, sample)
+    runs = []
+    for _ in range(LATENCY_RUNS):
+        start = time.perf_counter()
+        for sample in feeds:
+            session.run(None, sample)
+        runs.append(time.perf_counter() - start)
+    return float(np.median(runs))
+
+
+def class_of(node: Any) -> str:
+    """A node's layer class: its module path with the layer index wildcarded."""
+    scope = node_scope(node) or node.name
+    return re.sub(r"(^|[./_])\d+(?=[./_]|$)", r"\1*", scope)
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.parent.glob(path.name + "*"))
+
+
+@dataclass
+class Outcome:
+    """The variant the search ships (or the best it found), and every row it measured."""
+
+    path: Path | None = None
+    method: str = ""
+    recipe: str = ""
+    excluded: list[str] = field(default_factory=list)
+    float_classes: list[str] = field(default_factory=list)
+    ok: bool = False
+    broken: list[str] = field(default_factory=list)
+    holdout: dict[str, float] = field(default_factory=dict)
+    table: list[dict[str, Any]] = field(default_factory=list)
+    fp32: dict[str, float] = field(default_factory=dict)
+
+
+class Search:
+    def __init__(
+        self,
+        ctx: Any,
+        pre: Path,
+        q: Any,
+        samples: Any,
+        budget: Any,
+        calibration: Any,
+        holdout: Any,
+        fp32_bytes: int,
+    ) -> None:
+        self.ctx, self.pre, self.q, self.samples = ctx, pre, q, samples
+        self.budget, self.tight = budget, tightened(budget, q.margin)
+        self.calibration, self.holdout = calibration, holdout
+        self.feeds = samples.calibration[: min(4, len(samples.calibration))]
+        self.fp32_s = latency(pre, self.feeds)
+        self.fp32_bytes = fp32_bytes  # the export's files, as the published ratio counts them
+
+    def run(self) -> Outcome:
+        out = Outcome(fp32={"latency_ms": self.fp32_s * 1000, "bytes": self.fp32_bytes})
+        fallback: tuple[float, str, Quantizer] | None = None
+        for recipe in self.q.recipes:
+            cfg = concrete(self.q, recipe)
+            quantizer = Quantizer(
+                self.pre, cfg, self.samples.calibration, self.ctx.work / "_variants" / recipe
+            )
+            path = quantizer.quantize()
+            row, why, cal = self._measure(recipe, cfg.method, path, [])
+            out.table.append(row)
+            if not why:
+                return self._chosen(out, row, path, cfg.method, recipe, [], [])
+            fast = not any(w.startswith(("speed", "size")) for w in why)
+            if fast and (fallback is None or acc.score(cal) > fallback[0]):
+                fallback = (acc.score(cal), recipe, quantizer)
+            _remove(path)
+        if fallback is None:
+            out.broken = [
+                "no recipe is fast and small enough to fall back on: "
+                + "; ".join(f"{r['recipe']}: {r['why']}" for r in out.table)
+            ]
+            return out
+        return self._by_class(out, fallback[1], fallback[2])
+
+    def _measure(
+        self, recipe: str, method: str, path: Path, float_classes: list[str]
+    ) -> tuple[dict[str, Any], list[str], dict[str, float]]:
+        cal, held = self.calibration(path), self.holdout(path)
+        speedup = self.fp32_s / latency(path, self.feeds)
+        ratio = _size(path) / self.fp32_bytes
+        why = [f"calibration (with margin): {b}" for b in acc.violations(self.tight, cal)]
+        why += [f"held-out (with margin): {b}" for b in acc.violations(self.tight, held)]
+        if self.q.min_speedup and speedup < self.q.min_speedup:
+            why.append(
+                f"speed {speedup:.2f}x FP32, below quantization.min_speedup {self.q.min_speedup:g}"
+            )
+        if ratio > self.q.max_size_ratio:
+            why.append(f"size {ratio:.2f}x FP32, above max_size_ratio {self.q.max_size_ratio:g}")
+        row = {
+            "recipe": recipe,
+            "method": method,
+            "float_classes": float_classes,
+            "size_ratio": round(ratio, 4),
+            "speedup": round(speedup, 3),
+            "latency_ms": round(self.fp32_s / speedup * 1000, 3),
+            "calibration": cal,
+            "holdout": held,
+            "chosen": False,
+            "why": "; ".join(why) or "meets the budget with its margin, fast and small enough",
+        }
+        label = recipe + (f" + float {', '.join(float_classes)}" if float_classes else "")
+        self.ctx.log(f"recipe {label}: {row['why']}")
+        return row, why, cal
+
+    def _chosen(
+        self,
+        out: Outcome,
+        row: dict[str, Any],
+        path: Path,
+        method: str,
+        recipe: str,
+        excluded: list[str],
+        classes: list[str],
+    ) -> Outcome:
+        row["chosen"] = True
+        out.path, out.method, out.recipe, out.ok = path, method, recipe, True
+        out.excluded, out.float_classes, out.holdout = excluded, classes, row["holdout"]
+        return out
+
+    def _by_class(self, out: Outcome, recipe: str, quantizer: Quantizer) -> Outcome:
+        """Keep whole layer classes in float, most damaging first, until the budget holds."""
+        graph = quantizer.skeleton().graph
+        candidates = set(quantizer.candidates())
+        classes: dict[str, list[str]] = {}
+        for node in graph.node:
+            if node.name in candidates:
+                classes.setdefault(class_of(node), []).append(node.name)
+        damage = []
+        for name, nodes in classes.items():  # all but this class quantized
+            path = quantizer.quantize(exclude=nodes)
+            damage.append((acc.score(self.calibration(path)), name))
+            _remove(path)
+        order = [name for _, name in sorted(damage, reverse=True)]
+        excluded: list[str] = []
+        for i, name in enumerate(order[:-1]):  # at least one class stays quantized
+            excluded += classes[name]
+            path = quantizer.quantize(exclude=excluded)
+            row, why, _ = self._measure(recipe, quantizer.cfg.method, path, order[: i + 1])
+            out.table.append(row)
+            if not why:
+                return self._chosen(
+                    out, row, path, quantizer.cfg.method, recipe, list(excluded), order[: i + 1]
+                )
+            out.broken = why
+            _remove(path)
+        out.broken = out.broken or ["one class of layers only: nothing to keep in float"]
+        return out
+
+
+def _remove(path: Path) -> None:
+    for f in path.parent.glob(path.name + "*"):
+        f.unlink()
