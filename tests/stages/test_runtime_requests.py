@@ -237,13 +237,18 @@ def test_two_concurrent_streams_decode_together_not_one_after_the_other(
     async def both() -> list[list[float]]:
         return await asyncio.gather(stream(), stream())
 
+    def interleaved(first: list[float], second: list[float]) -> bool:
+        """The later stream's first token comes before the earlier one's last."""
+        assert len(first) == len(second) == 20
+        return max(first[0], second[0]) < min(first[-1], second[-1])
+
     with LocalServer(tree, "tiny-gpt2", tmp_path / "log", 60) as srv:
         asyncio.run(both())  # warm
-        first, second = asyncio.run(both())
-    assert len(first) == len(second) == 20
-    # interleaved: the later stream's first token comes before the earlier one's last
-    assert min(second[0], first[0]) < max(first[-1], second[-1])
-    assert max(first[0], second[0]) < min(first[-1], second[-1])
+        # 20 tiny-model steps take a few ms: on a busy machine the second request can reach
+        # the server after the first is done. Serialized decoding never interleaves; batched
+        # decoding does whenever the two really overlap, so one of three tries must.
+        runs = [asyncio.run(both()) for _ in range(3)]
+    assert any(interleaved(*run) for run in runs), runs
 
 
 def test_a_failed_merge_answers_every_request_of_the_batch_at_once() -> None:

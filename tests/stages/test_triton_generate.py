@@ -36,6 +36,10 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ws = Workspace(tmp_path_factory.mktemp("triton"))
     spec = gpt2_spec()
     spec["export"]["dims"]["past_sequence"]["max"] = 120
+    # FP32: dynamic INT8 takes one activation scale over the whole batch, so a sequence's
+    # tokens would depend on what it is batched with, and "the tokens it gets alone" would
+    # not be a fixed answer to compare with
+    spec["quantization"] = {"method": "none"}
     for stage in ("pin", "export", "quantize", "plan", "serve"):
         report = ws.run(stage, spec)
         assert report.status.value == "passed", (stage, report.reasons)
