@@ -20,7 +20,14 @@ SECTIONS_WITH_DEFAULTS = {
     "bundle": "{}",
     "quantization": "{method: none}",
 }
-QUANT_METHODS = ("none", "int8-dynamic", "int8-static", "int4-weight-only", "auto")
+QUANT_METHODS = (
+    "none",
+    "int8-dynamic",
+    "int8-static",
+    "int4-weight-only",
+    "int8-weight-only",
+    "auto",
+)
 # How pydantic names validator wrappers in error locations (never a user's key).
 _VALIDATOR_TAG = re.compile(
     r"^(function-(after|before|wrap|plain)|tagged-union|union|lax-or-strict|constrained-\w+|"

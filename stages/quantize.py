@@ -31,6 +31,7 @@ DTYPE = {
     "int8-dynamic": "int8",
     "int8-static": "int8",
     "int4-weight-only": "int4",
+    "int8-weight-only": "int8",
 }
 
 
@@ -38,7 +39,9 @@ def io(release: ReleaseSpec) -> StageIO:
     q = release.quantization
     cal = getattr(q, "calibration", None)
     return StageIO(
-        params=("task", "export", "quantization"),
+        # auto times a decode step at the served batch
+        params=("task", "export", "quantization")
+        + (("bundle.serving.max_batch_size",) if q.method == "auto" else ()),
         reads=(ModelInfo,),
         upstream=("export/model.onnx",),
         data=(
@@ -156,6 +159,7 @@ def _auto(
         search.Evaluator(release.task, pre, probe),
         search.Evaluator(release.task, pre, samples.holdout),
         sum(f.stat().st_size for f in export.glob("model.onnx*")),
+        _served_rows(release),
     ).run()
     details: dict[str, Any] = {
         "calibration": {
@@ -216,10 +220,18 @@ def _auto(
         f"recipe {outcome.recipe} ({DTYPE[outcome.method]})"
         + (f" with {why} in float" if why else "")
         + f"; held-out {search.brief(outcome.holdout)}; size {sizes['ratio']:.2f}x FP32, "
-        f"{chosen['speedup']:.2f}x FP32 speed",
+        f"{chosen['speedup']:.2f}x FP32 speed ("
+        + ", ".join(f"{k} {v:.2f}x" for k, v in chosen["speedups"].items())
+        + ")",
         details={**details, "size": sizes, "chosen": outcome.recipe},
         metrics=metrics,
     )
+
+
+def _served_rows(release: ReleaseSpec) -> int:
+    """The batch the bundle serves: bundle.serving.max_batch_size, else the export's max."""
+    batch = release.export.dims.get("batch")
+    return release.bundle.serving.max_batch_size or (batch.max if batch else 1)
 
 
 def _layer_rows(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -126,11 +126,36 @@ class Int4WeightOnly(QuantizedBase):
         return self
 
 
-Recipe = Literal["int8-dynamic-per-channel", "int8-dynamic", "int8-static", "int4-weight-only"]
+class Int8WeightOnly(QuantizedBase):
+    method: Literal["int8-weight-only"] = Field(
+        description="Block-wise 8-bit MatMul weights (MatMulNBits), activations in float."
+    )
+    block_size: int = Field(default=32, ge=16, description="Weights per scale (power of 2).")
+    symmetric: bool = Field(default=True, description="Symmetric (no zero point) blocks.")
+    op_types: list[str] = Field(
+        default_factory=lambda: ["MatMul"], description="Only MatMul (MatMulNBits)."
+    )
+
+    @model_validator(mode="after")
+    def _power_of_two(self) -> Int8WeightOnly:
+        """Rule: int8-weight-only block_size is a power of 2."""
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size {self.block_size} must be a power of 2 (16, 32, 64…)")
+        return self
+
+
+Recipe = Literal[
+    "int8-dynamic-per-channel",
+    "int8-dynamic",
+    "int8-static",
+    "int8-weight-only",
+    "int4-weight-only",
+]
 RECIPE_ORDER: list[Recipe] = [
     "int8-dynamic-per-channel",
     "int8-dynamic",
     "int8-static",
+    "int8-weight-only",
     "int4-weight-only",
 ]
 
@@ -171,6 +196,6 @@ class AutoQuantization(QuantizedBase):
 
 
 Quantization = Annotated[
-    NoQuantization | Int8Dynamic | Int8Static | Int4WeightOnly | AutoQuantization,
+    NoQuantization | Int8Dynamic | Int8Static | Int4WeightOnly | Int8WeightOnly | AutoQuantization,
     Field(discriminator="method"),
 ]

@@ -163,6 +163,7 @@ def _int4(
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     quantizer = MatMulNBitsQuantizer(
         onnx.load(str(src)),
+        bits=8 if q.cfg.method == "int8-weight-only" else 4,
         block_size=q.cfg.block_size,
         is_symmetric=q.cfg.symmetric,
         nodes_to_exclude=exclude,
@@ -173,7 +174,12 @@ def _int4(
     quantizer.model.save_model_to_file(str(out), use_external_data_format=large)
 
 
-_METHODS = {"int8-dynamic": _dynamic, "int8-static": _static, "int4-weight-only": _int4}
+_METHODS = {
+    "int8-dynamic": _dynamic,
+    "int8-static": _static,
+    "int4-weight-only": _int4,
+    "int8-weight-only": _int4,  # the same MatMulNBits quantizer at 8 bits
+}
 
 
 def _one_node_model(skel: Any, node: Any, base: Path) -> Any:

@@ -39,6 +39,7 @@ def info(ws: Workspace, release: str = "tiny-gpt2") -> dict:
         ("int8-static", {"calibrate_method": "minmax"}, "int8", "QuantizeLinear"),
         ("int8-static", {"calibrate_method": "percentile"}, "int8", "QuantizeLinear"),
         ("int4-weight-only", {"block_size": 32}, "int4", "MatMulNBits"),
+        ("int8-weight-only", {"block_size": 32}, "int8", "MatMulNBits"),
     ],
 )
 def test_each_method_quantizes_tiny_gpt2_within_budget(
@@ -255,6 +256,11 @@ def test_auto_ships_the_first_recipe_that_meets_the_budget_with_its_margin(
     assert 0.975 <= rows[0]["holdout"]["top1_agreement"] < 0.98, rows[0]  # the margin decided
     assert "held-out (with margin): top1_agreement" in rows[0]["why"]
     assert all(r["size_ratio"] < 0.9 and r["speedup"] > 0 for r in rows)
+    # timed as it is served: forward passes, and decode steps at batch 1 and the served 3,
+    # the slowest of which decides
+    for r in rows:
+        assert set(r["speedups"]) == {"forward", "decode_batch_1", "decode_batch_3"}
+        assert r["speedup"] == min(r["speedups"]["decode_batch_1"], r["speedups"]["decode_batch_3"])
     assert report.details["budget_with_margin"]["top1_agreement_min"] == pytest.approx(0.98)
     assert info(built_gpt2) == {"method": "int8-dynamic", "dtype": "int8", "float_nodes": []}
     model = built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
