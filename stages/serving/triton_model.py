@@ -94,6 +94,8 @@ class TritonPythonModel:
             _fail(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
         except eng.scheduler.QueueFull as exc:
             _fail(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+        except Exception as exc:  # never leave a request without its final response
+            _fail(sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
         else:
             call.started.set()
 
