@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml
 # tests that serve a bundle's Triton entries.
 TRITON := .triton/ready
 $(TRITON): scripts/install_triton.py | $(STAMP)
+	rm -f $(TRITON)  # a changed script installs again
 	$(BIN)/python scripts/install_triton.py .triton
 
 models/%/model.safetensors: scripts/make_checkpoint.py | $(STAMP)

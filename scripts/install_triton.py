@@ -17,6 +17,7 @@ complete install; a half-done one is removed and redone.
 from __future__ import annotations
 
 import ctypes.util
+import os
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,12 @@ def main(target: Path) -> int:
     if (target / "ready").is_file():
         return 0
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if (
+        not ctypes.util.find_library(f"python{version}")
+        and shutil.which("apt-get")
+        and (os.geteuid() == 0)
+    ):
+        subprocess.run(["apt-get", "install", "-y", "-q", f"libpython{version}"], check=False)
     if not ctypes.util.find_library(f"python{version}"):
         print(
             f"install_triton: the python backend's stub links libpython{version}.so, which "
