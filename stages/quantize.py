@@ -1,4 +1,5 @@
-"""quantize: PTQ on real calibration data, per-node sensitivity, automatic mixed precision."""
+"""quantize: PTQ on real calibration data: one method with per-node sensitivity and mixed
+precision, or (method auto) a recipe search (stages/quant/recipes.py)."""
 
 from __future__ import annotations
 
