@@ -16,6 +16,7 @@ was not chosen.
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,9 +196,13 @@ class Search:
             if not why:
                 return self._chosen(out, row, path, cfg.method, recipe, [], [])
             fast = not any(w.startswith(("speed", "size")) for w in why)
-            if fast and (fallback is None or acc.score(cal) > fallback[0]):
-                fallback = (acc.score(cal), recipe, quantizer)
             _remove(path)
+            if fast and (fallback is None or acc.score(cal) > fallback[0]):
+                if fallback is not None:  # each recipe's folder holds a copy of the weights
+                    shutil.rmtree(fallback[2].folder, ignore_errors=True)
+                fallback = (acc.score(cal), recipe, quantizer)
+            else:
+                shutil.rmtree(quantizer.folder, ignore_errors=True)
         if fallback is None:
             out.broken = [
                 "no recipe is fast and small enough to fall back on: "
