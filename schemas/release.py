@@ -49,13 +49,16 @@ from schemas.spec.parity import ParityConfig, Tolerance
 from schemas.spec.pins import PinsConfig
 from schemas.spec.quantization import (
     AccuracyBudget,
+    AutoQuantization,
     CalibrationData,
     Int4WeightOnly,
     Int8Dynamic,
     Int8Static,
+    Int8WeightOnly,
     NoQuantization,
     Quantization,
     QuantizedBase,
+    WeightOnly,
 )
 from schemas.tasks import TASKS, Task
 
@@ -90,7 +93,10 @@ __all__ = [
     "NoQuantization",
     "Int8Dynamic",
     "Int8Static",
+    "WeightOnly",
     "Int4WeightOnly",
+    "Int8WeightOnly",
+    "AutoQuantization",
     "Quantization",
     "EvalData",
     "DecodeConfig",

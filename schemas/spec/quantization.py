@@ -110,8 +110,14 @@ class Int8Static(QuantizedBase):
     )
 
 
-class Int4WeightOnly(QuantizedBase):
-    method: Literal["int4-weight-only"] = Field(description="Block-wise 4-bit MatMul weights.")
+def _power_of_two(block_size: int) -> None:
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size} must be a power of 2 (16, 32, 64…)")
+
+
+class WeightOnly(QuantizedBase):
+    """Block-wise MatMul weights (MatMulNBits), activations left in float."""
+
     block_size: int = Field(default=32, ge=16, description="Weights per scale (power of 2).")
     symmetric: bool = Field(default=True, description="Symmetric (no zero point) blocks.")
     op_types: list[str] = Field(
@@ -119,29 +125,20 @@ class Int4WeightOnly(QuantizedBase):
     )
 
     @model_validator(mode="after")
-    def _power_of_two(self) -> Int4WeightOnly:
-        """Rule: int4 block_size is a power of 2."""
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size {self.block_size} must be a power of 2 (16, 32, 64…)")
+    def _block(self) -> WeightOnly:
+        """Rule: a weight-only block_size is a power of 2."""
+        _power_of_two(self.block_size)
         return self
 
 
-class Int8WeightOnly(QuantizedBase):
+class Int4WeightOnly(WeightOnly):
+    method: Literal["int4-weight-only"] = Field(description="Block-wise 4-bit MatMul weights.")
+
+
+class Int8WeightOnly(WeightOnly):
     method: Literal["int8-weight-only"] = Field(
         description="Block-wise 8-bit MatMul weights (MatMulNBits), activations in float."
     )
-    block_size: int = Field(default=32, ge=16, description="Weights per scale (power of 2).")
-    symmetric: bool = Field(default=True, description="Symmetric (no zero point) blocks.")
-    op_types: list[str] = Field(
-        default_factory=lambda: ["MatMul"], description="Only MatMul (MatMulNBits)."
-    )
-
-    @model_validator(mode="after")
-    def _power_of_two(self) -> Int8WeightOnly:
-        """Rule: int8-weight-only block_size is a power of 2."""
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size {self.block_size} must be a power of 2 (16, 32, 64…)")
-        return self
 
 
 Recipe = Literal[
@@ -187,11 +184,10 @@ class AutoQuantization(QuantizedBase):
 
     @model_validator(mode="after")
     def _recipes(self) -> AutoQuantization:
-        """Rule: auto recipes are distinct; the int4 block_size is a power of 2."""
+        """Rule: auto recipes are distinct; the weight-only block_size is a power of 2."""
         if len(set(self.recipes)) != len(self.recipes):
             raise ValueError(f"recipes {self.recipes} name one recipe twice")
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size {self.block_size} must be a power of 2 (16, 32, 64…)")
+        _power_of_two(self.block_size)
         return self
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from stages.onnx.graph import node_scope
 from stages.quant import accuracy as acc
 from stages.quant.methods import Quantizer
+from stages.quant.search import session_for
 
 # recipe -> (method, its settings)
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -76,17 +77,9 @@ def tightened(budget: Any, margin: float) -> Any:
     return budget.model_copy(update=changes)
 
 
-def _open(path: Path) -> Any:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
 def latency(path: Path, feeds: list[dict[str, np.ndarray]], runs: int = LATENCY_RUNS) -> float:
     """Median seconds of one pass over the feeds, after a warm-up pass."""
-    session = _open(path)
+    session = session_for(path)
     for sample in feeds:
         session.run(None, sample)
     times = []
@@ -105,7 +98,7 @@ def decode_feeds(path: Path, sample: dict[str, np.ndarray], rows: int) -> dict[s
     """One decode step of `rows` sequences after the sample's prompt (its own KV cache from
     the FP32 graph, repeated): what a served causal LM spends its time on. None for a graph
     without a KV cache."""
-    session = _open(path)
+    session = session_for(path)
     names = [i.name for i in session.get_inputs()]
     pasts = [n for n in names if n.startswith(PAST)]
     if not pasts or "input_ids" not in sample:

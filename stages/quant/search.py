@@ -104,14 +104,14 @@ class Evaluator:
 
     def __init__(self, task: str, fp32: Path, samples: list[dict]) -> None:
         self.task, self.samples = task, samples
-        self.reference = acc.outputs(_session(fp32), samples)
+        self.reference = acc.outputs(session_for(fp32), samples)
 
     def __call__(self, path: Path) -> dict[str, float]:
-        got = acc.outputs(_session(path), self.samples)
+        got = acc.outputs(session_for(path), self.samples)
         return acc.agreement(self.task, self.reference, got, self.samples)
 
 
-def _session(path: Path) -> Any:
+def session_for(path: Path) -> Any:
     import onnxruntime as ort
 
     options = ort.SessionOptions()

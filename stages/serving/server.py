@@ -136,18 +136,27 @@ class LocalServer:
     ) -> None:
         self.stop()
 
+    # what _wait_ready and _fail say; a subclass for another server changes these
+    WHO, PRODUCT, STAGE = "the server", "MLServer", "loadtest"
+    HINT = "read the log above; raise loadtest.startup_seconds if the model is just slow"
+
+    def _ready_url(self) -> str:
+        return f"{self.url}/v2/models/{self.model}/ready"
+
+    def _load_failed(self) -> bool:
+        tail = log_tail(self.log, 200)
+        return "Couldn't load model" in tail or "Traceback" in tail
+
     def _wait_ready(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.startup
-        ready = f"{self.url}/v2/models/{self.model}/ready"
+        ready = self._ready_url()
         while time.monotonic() < deadline:
             code = self.proc.poll()
             if code is not None:
-                self._fail(f"the server exited with code {code} before it was ready")
-            if "Couldn't load model" in log_tail(self.log, 200) or (
-                "Traceback" in log_tail(self.log, 200)
-            ):
-                self._fail("the server could not load the model")
+                self._fail(f"{self.WHO} exited with code {code} before it was ready")
+            if self._load_failed():
+                self._fail(f"{self.WHO} could not load the model")
             try:
                 with urllib.request.urlopen(ready, timeout=2) as resp:
                     if resp.status == 200:
@@ -155,14 +164,15 @@ class LocalServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(POLL)
-        self._fail(f"the server was not ready within {self.startup:g} s")
+        self._fail(f"{self.WHO} was not ready within {self.startup:g} s")
 
     def _fail(self, why: str) -> None:
         self.stop()
         raise StageError(
-            "loadtest",
-            f"{why} (MLServer from {self.tree.name}, log {self.log.name}):\n{log_tail(self.log)}",
-            "read the log above; raise loadtest.startup_seconds if the model is just slow",
+            self.STAGE,
+            f"{why} ({self.PRODUCT} from {self.tree.name}, log {self.log.name}):\n"
+            f"{log_tail(self.log)}",
+            self.HINT,
         )
 
     def stop(self) -> None:

@@ -13,12 +13,10 @@ import os
 import subprocess
 import sys
 import sysconfig
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from schemas import StageError
-from stages.serving.server import POLL, LocalServer, free_ports, log_tail
+from stages.serving.server import LocalServer, free_ports
 
 HOME = Path(__file__).resolve().parents[2] / ".triton"
 
@@ -67,6 +65,8 @@ def environment(root: Path) -> dict[str, str]:
 class TritonServer(LocalServer):
     """`with TritonServer(tree, [model], log, startup) as s:` -> s.grpc is ready."""
 
+    WHO, PRODUCT, STAGE, HINT = "Triton", "Triton", "serve", "read the log above"
+
     def __init__(self, tree: Path, models: list[str], log: Path, startup: float) -> None:
         super().__init__(tree, models[0], log, startup)
         self.models = models
@@ -94,31 +94,11 @@ class TritonServer(LocalServer):
             raise
         return self
 
-    def _wait_ready(self) -> None:
-        import time
+    def _ready_url(self) -> str:
+        return f"{self.url}/v2/health/ready"
 
-        assert self.proc is not None
-        deadline = time.monotonic() + self.startup
-        while time.monotonic() < deadline:
-            code = self.proc.poll()
-            if code is not None:
-                self._fail(f"Triton exited with code {code} before it was ready")
-            try:
-                with urllib.request.urlopen(f"{self.url}/v2/health/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(POLL)
-        self._fail(f"Triton was not ready within {self.startup:g} s")
-
-    def _fail(self, why: str) -> None:
-        self.stop()
-        raise StageError(
-            "serve",
-            f"{why} (Triton from {self.tree.name}, log {self.log.name}):\n{log_tail(self.log)}",
-            "read the log above",
-        )
+    def _load_failed(self) -> bool:
+        return False  # no log marker to watch: its exit code and readiness tell
 
 
 def main(argv: list[str]) -> int:
