@@ -97,6 +97,14 @@ class NoQuantization(Strict):
 class Int8Dynamic(QuantizedBase):
     method: Literal["int8-dynamic"] = Field(description="Weights INT8, activations at run time.")
     per_channel: bool = Field(default=False, description="Per-output-channel weight scales.")
+    smooth_alpha: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description="SmoothQuant before quantizing: move activation outliers into the weights "
+        "with per-channel factors max|X|^alpha / max|W|^(1-alpha) (0.5 is the paper's default; "
+        "higher moves more). None: no smoothing.",
+    )
 
 
 class Int8Static(QuantizedBase):
@@ -107,6 +115,14 @@ class Int8Static(QuantizedBase):
     )
     percentile: float = Field(
         default=99.999, gt=90, le=100, description="Percentile for `percentile` calibration."
+    )
+    smooth_alpha: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description="SmoothQuant before quantizing: move activation outliers into the weights "
+        "with per-channel factors max|X|^alpha / max|W|^(1-alpha) (0.5 is the paper's default; "
+        "higher moves more). None: no smoothing.",
     )
 
 
@@ -143,6 +159,7 @@ class Int8WeightOnly(WeightOnly):
 
 Recipe = Literal[
     "int8-dynamic-per-channel",
+    "int8-dynamic-smoothquant",
     "int8-dynamic",
     "int8-static",
     "int8-weight-only",
@@ -150,6 +167,7 @@ Recipe = Literal[
 ]
 RECIPE_ORDER: list[Recipe] = [
     "int8-dynamic-per-channel",
+    "int8-dynamic-smoothquant",
     "int8-dynamic",
     "int8-static",
     "int8-weight-only",
@@ -181,6 +199,12 @@ class AutoQuantization(QuantizedBase):
         description="A recipe must run at least this x FP32's speed (0: any speed).",
     )
     block_size: int = Field(default=32, ge=16, description="int4-weight-only block size.")
+    smooth_alpha: float = Field(
+        default=0.5,
+        gt=0,
+        lt=1,
+        description="SmoothQuant migration strength for the int8-dynamic-smoothquant recipe.",
+    )
 
     @model_validator(mode="after")
     def _recipes(self) -> AutoQuantization:

@@ -20,6 +20,7 @@ from stages.onnx import shapes as sh
 
 TWO_GB = 2 << 30
 WEIGHTS = "weights.data"
+SMOOTHED = "smoothed.data"
 
 
 class Quantizer:
@@ -37,6 +38,15 @@ class Quantizer:
         # Gemm nodes (`<name>_MatMul`), which would silently defeat nodes_to_exclude, and
         # MatMulNBits only takes MatMul.
         self.model = _gemm_as_matmul(model, folder / "fp32.onnx") if self.splice else model
+        self.smoothing: dict[str, Any] = {}
+        alpha = getattr(cfg, "smooth_alpha", None)
+        if alpha is not None:  # SmoothQuant: same function in float, evened-out activations
+            from stages.quant.smooth import smooth
+
+            self.smoothing = smooth(
+                self.model, folder / "smoothed.onnx", calibration, alpha, SMOOTHED, cfg.op_types
+            )
+            self.model = folder / "smoothed.onnx"
         self._skeleton: Any = None
 
     def candidates(self) -> list[str]:

@@ -32,6 +32,7 @@ from stages.quant.search import session_for
 # recipe -> (method, its settings)
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "int8-dynamic-per-channel": ("int8-dynamic", {"per_channel": True}),
+    "int8-dynamic-smoothquant": ("int8-dynamic", {"per_channel": True, "smooth": True}),
     "int8-dynamic": ("int8-dynamic", {"per_channel": False}),
     "int8-static": ("int8-static", {}),
     "int8-weight-only": ("int8-weight-only", {"op_types": ["MatMul"]}),
@@ -45,12 +46,15 @@ def concrete(q: Any, recipe: str) -> Any:
     """The explicit method spec a recipe stands for, with auto's shared settings."""
     from schemas.spec.quantization import Int4WeightOnly, Int8Dynamic, Int8Static, Int8WeightOnly
 
-    method, settings = RECIPES[recipe]
+    method, preset = RECIPES[recipe]
+    settings = dict(preset)  # RECIPES stays as written
     base = q.model_dump(
         include={"calibration", "budget", "max_size_ratio", "max_float_nodes", "op_types"}
     )
     if method.endswith("weight-only"):
         settings = {**settings, "block_size": q.block_size}
+    if settings.pop("smooth", False):
+        settings = {**settings, "smooth_alpha": q.smooth_alpha}
     kinds: dict[str, type[Int8Dynamic | Int8Static | Int4WeightOnly | Int8WeightOnly]] = {
         "int8-dynamic": Int8Dynamic,
         "int8-static": Int8Static,

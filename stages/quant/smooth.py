@@ -1,0 +1,228 @@
+"""SmoothQuant (Xiao et al. 2023) on an ONNX graph: move activation outliers into the weights.
+
+A per-tensor activation scale is set by the largest value in the tensor; Llama-family
+`down_proj` inputs carry channels 1000x the median, so INT8 activations keep ~1 bit for every
+other channel. For `Y = X W`, any per-input-channel s gives `Y = (X / s) (s W)`: with
+`s_c = max|X_c|^alpha / max|W_c|^(1 - alpha)` the activation's channels are evened out and
+the weight, quantized per output channel, absorbs the rest. The graph computes the same
+function in float; only what INT8 sees changes.
+
+`1/s` is folded into the op that produces X where that op is per-channel linear and feeds
+only the smoothed MatMuls: a Mul by a constant vector (RMSNorm's weight), LayerNormalization
+(scale and bias), or `a * (x W_up)` (SwiGLU's up projection, whose weight columns take it).
+Anywhere else a `Mul(X, 1/s)` node is inserted (an elementwise op, cheap beside the MatMul).
+ONNX Runtime's own SmoothQuant needs neural_compressor, which is not a dependency here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LIMIT = 1e4  # s is clipped to [1/LIMIT, LIMIT]: a dead channel must not blow up its weight row
+
+
+def smooth(
+    src: Path,
+    dst: Path,
+    samples: list[dict[str, np.ndarray]],
+    alpha: float,
+    data: str,
+    op_types: Sequence[str] = ("MatMul",),
+) -> dict[str, Any]:
+    """Write the smoothed model to dst (weights in the external file `data` beside it);
+    returns what was done: tensors smoothed, folded vs inserted, the largest channel ratio
+    before and after."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(src))
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    groups: dict[str, list[Any]] = {}  # activation tensor -> the MatMuls that read it
+    for node in graph.node:
+        if (
+            node.op_type in op_types
+            and node.op_type == "MatMul"
+            and node.input[1] in inits
+            and numpy_helper.to_array(inits[node.input[1]]).ndim == 2
+        ):
+            groups.setdefault(node.input[0], []).append(node)
+    absmax = _channel_absmax(model, list(groups), samples, src.parent)
+    consumers = _consumers(graph)
+    producers = {o: n for n in graph.node for o in n.output}
+    outputs = {o.name for o in graph.output}
+    report = {"tensors": 0, "folded": 0, "inserted": 0, "max_ratio_before": 0.0}
+    after = 0.0
+    new_nodes: dict[str, Any] = {}  # activation -> Mul node to insert after its producer
+    for x, matmuls in groups.items():
+        act = absmax.get(x)
+        if act is None or not np.any(act > 0):
+            continue
+        weights = [numpy_helper.to_array(inits[n.input[1]]) for n in matmuls]
+        wmax = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)
+        scale = np.where(
+            (act > 0) & (wmax > 0),
+            act**alpha / np.maximum(wmax, 1e-12) ** (1 - alpha),
+            1.0,
+        )
+        scale = np.clip(scale, 1 / LIMIT, LIMIT).astype(np.float32)
+        median = float(np.median(act)) or 1.0
+        report["max_ratio_before"] = max(report["max_ratio_before"], float(act.max()) / median)
+        smoothed = act / scale
+        after = max(after, float(smoothed.max()) / (float(np.median(smoothed)) or 1.0))
+        for node, w in zip(matmuls, weights, strict=True):
+            name = _fresh(inits, node.input[1] + "_smoothed")
+            _add(graph, inits, numpy_helper.from_array(w * scale[:, None], name))
+            node.input[1] = name
+        readers = consumers.get(x, [])
+        only_ours = x not in outputs and len(readers) == len(matmuls)
+        if only_ours and _fold(graph, inits, producers.get(x), consumers, 1 / scale):
+            report["folded"] += 1
+        else:
+            inv = _fresh(inits, x + "_smooth_inv")
+            _add(graph, inits, numpy_helper.from_array((1 / scale).astype(np.float32), inv))
+            out = x + "_smoothed"
+            new_nodes[x] = onnx.helper.make_node("Mul", [x, inv], [out], name=f"{x}_SmoothQuant")
+            for node in matmuls:
+                node.input[0] = out
+            report["inserted"] += 1
+        report["tensors"] += 1
+    _insert(graph, new_nodes)
+    _drop_unused(graph)
+    report["max_ratio_after"] = after
+    onnx.save_model(
+        model,
+        str(dst),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=data,
+        size_threshold=1024,
+    )
+    return report
+
+
+def _channel_absmax(
+    model: Any, tensors: list[str], samples: list[dict[str, np.ndarray]], base: Path
+) -> dict[str, np.ndarray]:
+    """max |x| per last-axis channel of each tensor over the samples (one ORT run each)."""
+    import onnx
+    import onnxruntime as ort
+
+    marked = onnx.ModelProto()
+    marked.CopyFrom(model)
+    have = {o.name for o in marked.graph.output}
+    for name in tensors:
+        if name not in have:
+            marked.graph.output.append(onnx.ValueInfoProto(name=name))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # names kept
+    session = ort.InferenceSession(
+        marked.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    names = [o.name for o in session.get_outputs()]
+    wanted = [n for n in names if n in set(tensors)]
+    out: dict[str, np.ndarray] = {}
+    for feeds in samples:
+        for name, value in zip(wanted, session.run(wanted, feeds), strict=True):
+            channels = np.abs(value.reshape(-1, value.shape[-1])).max(axis=0)
+            out[name] = channels if name not in out else np.maximum(out[name], channels)
+    return out
+
+
+def _fold(graph: Any, inits: dict, producer: Any, consumers: dict, inv: np.ndarray) -> bool:
+    """Multiply the producer's per-channel factor by inv; False when it has none we can use."""
+    from onnx import numpy_helper
+
+    if producer is None:
+        return False
+    if producer.op_type == "LayerNormalization":
+        given = [i for i in (1, 2) if len(producer.input) > i and producer.input[i]]
+        if any(producer.input[i] not in inits for i in given):
+            return False
+        for i in given:
+            _scaled_input(graph, inits, producer, i, inv, axis=-1)
+        return True
+    if producer.op_type != "Mul":
+        return False
+    for i in (0, 1):
+        name = producer.input[i]
+        if name in inits:
+            value = numpy_helper.to_array(inits[name])
+            if value.ndim >= 1 and value.shape[-1] == inv.size and value.size == inv.size:
+                _scaled_input(graph, inits, producer, i, inv, axis=-1)
+                return True
+            return False
+    producers = {o: n for n in graph.node for o in n.output}
+    for i in (1, 0):  # a * (x W): the MatMul's weight columns take the factor
+        up = producers.get(producer.input[i])
+        if (
+            up is not None
+            and up.op_type == "MatMul"
+            and up.input[1] in inits
+            and len(consumers.get(up.output[0], [])) == 1
+        ):
+            w = numpy_helper.to_array(inits[up.input[1]])
+            if w.ndim == 2 and w.shape[1] == inv.size:
+                _scaled_input(graph, inits, up, 1, inv, axis=-1)
+                return True
+    return False
+
+
+def _scaled_input(graph: Any, inits: dict, node: Any, i: int, inv: np.ndarray, axis: int) -> None:
+    """node.input[i] (a constant) times inv along `axis`, as a new initializer (the old one
+    may feed other nodes)."""
+    from onnx import numpy_helper
+
+    value = numpy_helper.to_array(inits[node.input[i]])
+    shape = [1] * value.ndim
+    shape[axis] = inv.size
+    name = _fresh(inits, node.input[i] + "_smoothed")
+    scaled = (value * inv.reshape(shape)).astype(value.dtype)
+    _add(graph, inits, numpy_helper.from_array(scaled, name))
+    node.input[i] = name
+
+
+def _consumers(graph: Any) -> dict[str, list[Any]]:
+    readers: dict[str, list[Any]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    return readers
+
+
+def _fresh(inits: dict, name: str) -> str:
+    candidate, n = name, 0
+    while candidate in inits:
+        n += 1
+        candidate = f"{name}_{n}"
+    return candidate
+
+
+def _add(graph: Any, inits: dict, tensor: Any) -> None:
+    graph.initializer.append(tensor)
+    inits[tensor.name] = tensor
+
+
+def _insert(graph: Any, new: dict[str, Any]) -> None:
+    """Each new Mul right after the node producing its input (a graph input: first)."""
+    if not new:
+        return
+    nodes = list(graph.node)
+    order = [n for x, n in new.items() if x not in {o for m in nodes for o in m.output}]
+    for node in nodes:
+        order.append(node)
+        order.extend(new[o] for o in node.output if o in new)
+    del graph.node[:]
+    graph.node.extend(order)
+
+
+def _drop_unused(graph: Any) -> None:
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    keep = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
