@@ -93,7 +93,11 @@ def build_spec(
     export: dict[str, Any] = {"exporter": "legacy", "opset": 18, "dims": dims}
     if spec_task.pooled and not (folder / "modules.json").is_file():
         export["pooling"] = "mean"  # a bare encoder: say how it pools (edit if not mean)
-    dataset: dict[str, Any] = {"path": data, "samples": 64}
+    rows = _count_rows(root / data, data)
+    # sized from the data: a quarter held out (at most 64), the rest calibrates (at most 128)
+    holdout = max(1, min(64, rows // 4))
+    calibrate = min(128, rows - holdout)
+    dataset: dict[str, Any] = {"path": data, "samples": min(64, rows)}
     if tokenizer:
         dataset["tokenizer"] = tokenizer
     metric = spec_task.metrics[0]
@@ -105,7 +109,12 @@ def build_spec(
     evaluation: dict[str, Any] = {"dataset": dataset, "thresholds": [threshold]}
     if spec_task.kv_cache:
         evaluation["decode"] = {"prompts": 8, "prompt_tokens": 8, "tokens": 16}
-    calibration = {**dataset, "samples": 128, "holdout": 64}
+    calibration = {
+        **dataset,
+        "samples": calibrate,
+        "holdout": holdout,
+        "sensitivity_samples": min(16, calibrate),
+    }
     return {
         "schema_version": 1,
         "name": name,
@@ -126,6 +135,34 @@ def build_spec(
         "engine": {"required": False},
         "loadtest": {},
     }
+
+
+def _count_rows(path: Path, shown: str) -> int:
+    """Samples in a JSONL (non-empty lines) or NPZ (first axis) file; at least 2 (one to
+    calibrate on, one to hold out)."""
+    if path.suffix == ".npz":
+        import numpy as np
+
+        try:
+            with np.load(path) as arrays:
+                rows = min((arrays[k].shape[0] for k in arrays.files), default=0)
+        except (OSError, ValueError, IndexError) as exc:
+            raise SpecError(shown, [f"--data {shown}: not a readable NPZ file ({exc})"]) from None
+    else:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise SpecError(shown, [f"--data {shown}: not UTF-8 text"]) from None
+        rows = sum(1 for line in text.splitlines() if line.strip())
+    if rows < 2:
+        raise SpecError(
+            shown,
+            [
+                f"--data {shown} has {rows} sample(s); quantization needs at least 2 (one to "
+                "calibrate on, one held out) and real use needs hundreds"
+            ],
+        )
+    return rows
 
 
 def init(

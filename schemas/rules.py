@@ -62,7 +62,7 @@ def _tasks() -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     serving = {
-        "generate": "generated token ids (greedy; streaming)",
+        "generate": "generated text and ids (sampling, stops; streaming; OpenAI endpoints)",
         "labels": "the outputs plus `label` and `score` (top class of id2label)",
         "tensors": "every graph output",
     }
@@ -76,6 +76,8 @@ def _tasks() -> list[str]:
             f"`{task.auto_class}` | {outputs or '`export.outputs`'} | "
             f"{', '.join(f'`{m}`' for m in task.metrics)} | {budget} | {serving[task.serving]} |"
         )
+    lines += ["", "### Why each default quantization budget is what it is", ""]
+    lines += [f"- `{name}`: {task.budget_why}" for name, task in TASKS.items()]
     return lines
 
 

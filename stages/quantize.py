@@ -74,10 +74,11 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         return _auto(ctx, release, q, pre, fallback, samples, budget, export)
     quantizer = Quantizer(pre, q, samples.calibration, ctx.work / "_variants")
     probe = samples.calibration[: q.calibration.sensitivity_samples]
-    evaluate = search.Evaluator(release.task, pre, probe)
+    greedy = budget.greedy_agreement_min is not None  # costs generation: only when asked
+    evaluate = search.Evaluator(release.task, pre, probe, greedy)
     ranked = search.sensitivity(ctx, quantizer, evaluate)
     chosen, trace = search.mixed_precision(ctx, quantizer, evaluate, ranked, q, budget)
-    held = search.Evaluator(release.task, pre, samples.holdout)(chosen["path"])
+    held = search.Evaluator(release.task, pre, samples.holdout, greedy=True)(chosen["path"])
     details = {
         "calibration": {
             "path": samples.source,
@@ -157,8 +158,8 @@ def _auto(
         q,
         samples,
         budget,
-        search.Evaluator(release.task, pre, probe),
-        search.Evaluator(release.task, pre, samples.holdout),
+        search.Evaluator(release.task, pre, probe, greedy=True),
+        search.Evaluator(release.task, pre, samples.holdout, greedy=True),
         sum(f.stat().st_size for f in export.glob("model.onnx*")),
         _served_rows(release),
     ).run()

@@ -51,6 +51,13 @@ class AccuracyBudget(Strict):
     top1_agreement_min: float | None = Field(
         default=None, ge=0, le=1, description="Share of positions with the same argmax."
     )
+    greedy_agreement_min: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="causal-lm: share of the tokens FP32 generates greedily (16 after each "
+        "of up to 16 prompts) that the quantized model also picks, fed the same text.",
+    )
     logit_cosine_min: float | None = Field(
         default=None, ge=-1, le=1, description="Mean cosine similarity of output vectors."
     )

@@ -37,9 +37,10 @@ class Quantizer:
         # Gemm -> MatMul ourselves, keeping node names: onnxruntime's dynamic mode renames
         # Gemm nodes (`<name>_MatMul`), which would silently defeat nodes_to_exclude, and
         # MatMulNBits only takes MatMul.
-        self.model = _gemm_as_matmul(model, folder / "fp32.onnx") if self.splice else model
+        alpha = getattr(cfg, "smooth_alpha", None)  # SmoothQuant smooths MatMul inputs too
+        convert = self.splice or alpha is not None
+        self.model = _gemm_as_matmul(model, folder / "fp32.onnx") if convert else model
         self.smoothing: dict[str, Any] = {}
-        alpha = getattr(cfg, "smooth_alpha", None)
         if alpha is not None:  # SmoothQuant: same function in float, evened-out activations
             from stages.quant.smooth import smooth
 

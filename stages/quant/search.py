@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import StageError
+from schemas.tasks import TASKS
 from stages._runtime import StageContext
 from stages.onnx.graph import all_tensors, node_scope
 from stages.quant import accuracy as acc
@@ -44,7 +45,7 @@ def gains_nothing(q: Any, excluded: list[str], ranked: list[dict], ratio: float)
 
 
 def brief(metrics: dict[str, float]) -> str:
-    keys = ("top1_agreement", "logit_cosine", "perplexity_increase")
+    keys = ("top1_agreement", "greedy_agreement", "logit_cosine", "perplexity_increase")
     return ", ".join(f"{k} {metrics[k]:.4g}" for k in keys if k in metrics)
 
 
@@ -100,15 +101,26 @@ def preprocess(ctx: StageContext, model: Path) -> tuple[Path, str]:
 
 
 class Evaluator:
-    """Compares a quantized variant with the FP32 graph on fixed samples."""
+    """Compares a quantized variant with the FP32 graph on fixed samples; with `greedy`, also
+    on text FP32 generated from them (greedy agreement, language models only)."""
 
-    def __init__(self, task: str, fp32: Path, samples: list[dict]) -> None:
+    def __init__(self, task: str, fp32: Path, samples: list[dict], greedy: bool = False) -> None:
         self.task, self.samples = task, samples
-        self.reference = acc.outputs(session_for(fp32), samples)
+        session = session_for(fp32)
+        self.reference = acc.outputs(session, samples)
+        self.generated = (
+            acc.greedy_continuations(session, samples)
+            if greedy and TASKS[task].language_model
+            else []
+        )
 
     def __call__(self, path: Path) -> dict[str, float]:
-        got = acc.outputs(session_for(path), self.samples)
-        return acc.agreement(self.task, self.reference, got, self.samples)
+        session = session_for(path)
+        got = acc.outputs(session, self.samples)
+        out = acc.agreement(self.task, self.reference, got, self.samples)
+        if self.generated:
+            out["greedy_agreement"] = acc.greedy_agreement(session, self.generated)
+        return out
 
 
 def session_for(path: Path) -> Any:

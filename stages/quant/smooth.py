@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+SHAPE_ONLY = {"Shape", "Size"}
 LIMIT = 1e4  # s is clipped to [1/LIMIT, LIMIT]: a dead channel must not blow up its weight row
 
 
@@ -79,7 +80,9 @@ def smooth(
             _add(graph, inits, numpy_helper.from_array(w * scale[:, None], name))
             node.input[1] = name
         readers = consumers.get(x, [])
-        only_ours = x not in outputs and len(readers) == len(matmuls)
+        # a Shape reader does not see the values: folding cannot change what it computes
+        others = [r for r in readers if r not in matmuls and r.op_type not in SHAPE_ONLY]
+        only_ours = x not in outputs and not others
         if only_ours and _fold(graph, inits, producers.get(x), consumers, 1 / scale):
             report["folded"] += 1
         else:
@@ -112,6 +115,8 @@ def _channel_absmax(
     import onnx
     import onnxruntime as ort
 
+    if not tensors:  # (ORT runs every output when asked for none)
+        return {}
     marked = onnx.ModelProto()
     marked.CopyFrom(model)
     have = {o.name for o in marked.graph.output}
@@ -164,7 +169,8 @@ def _fold(graph: Any, inits: dict, producer: Any, consumers: dict, inv: np.ndarr
             up is not None
             and up.op_type == "MatMul"
             and up.input[1] in inits
-            and len(consumers.get(up.output[0], [])) == 1
+            and [r for r in consumers.get(up.output[0], []) if r.op_type not in SHAPE_ONLY]
+            == [producer]
         ):
             w = numpy_helper.to_array(inits[up.input[1]])
             if w.ndim == 2 and w.shape[1] == inv.size:

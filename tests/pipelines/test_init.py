@@ -100,3 +100,26 @@ def test_init_refuses_bad_input_without_writing_anything(ws: Workspace) -> None:
     assert bad_task.returncode != 0 and "init writes one of" in bad_task.stderr
     assert not list((ws.root / "releases").glob("*.yaml"))
     assert not list((ws.root / "releases").glob(".*"))  # no temp file left behind
+
+
+def test_init_sizes_calibration_from_the_data_it_is_given(ws: Workspace) -> None:
+    folder = ws.root / "models" / "llama"
+    matrix.build_model(arch("Llama", "causal-lm"), folder)
+    tok = ("--tokenizer", "models/tiny-gpt2")
+    done = shipyard(ws, "init", "models/llama", "--data", DATA, *tok)  # 64 texts
+    assert done.returncode == 0, done.stderr
+    cal = load_release(ws.root / "releases" / "llama.yaml").quantization.calibration
+    assert (cal.samples, cal.holdout, cal.sensitivity_samples) == (48, 16, 16)
+    big = "data/calibration/docstrings.jsonl"  # 480 texts: the caps hold
+    done = shipyard(ws, "init", "models/llama", "--data", big, *tok, "--force")
+    cal = load_release(ws.root / "releases" / "llama.yaml").quantization.calibration
+    assert (cal.samples, cal.holdout) == (128, 64)
+    (ws.root / "data" / "one.jsonl").write_text('{"text": "only one"}\n\n')
+    one = shipyard(ws, "init", "models/llama", "--data", "data/one.jsonl", *tok, "--force")
+    assert one.returncode != 0 and "has 1 sample(s)" in one.stderr, one.stderr
+    assert "Traceback" not in one.stderr
+    (ws.root / "data" / "two.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    two = shipyard(ws, "init", "models/llama", "--data", "data/two.jsonl", *tok, "--force")
+    assert two.returncode == 0, two.stderr
+    cal = load_release(ws.root / "releases" / "llama.yaml").quantization.calibration
+    assert (cal.samples, cal.holdout, cal.sensitivity_samples) == (1, 1, 1)

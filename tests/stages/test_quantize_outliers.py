@@ -1,0 +1,186 @@
+"""PTQ on models that behave like real ones: planted activation outliers (Llama-style
+massive down_proj inputs, per-channel attention outliers) in a briefly trained Llama.
+
+Per-tensor dynamic INT8 must fail there and `auto` must ship a recipe that handles the
+outliers (SmoothQuant) within the task's default budget; SmoothQuant must compute the same
+function in float, fold its factors where it can, and even out the channels it smooths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines.init import build_spec
+from schemas.artifacts import QuantInfo
+from stages.quant import accuracy as acc
+from stages.quant.methods import _gemm_as_matmul
+from stages.quant.search import session_for
+from stages.quant.smooth import smooth
+from tests.conftest import Workspace
+from tests.fixtures import outliers
+
+DOCS = "data/calibration/docstrings.jsonl"
+NAME = "llama-outliers"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Workspace, dict]:
+    """A trained Llama with planted outliers, `init`'s spec for it (smaller dims), exported."""
+    ws = Workspace(tmp_path_factory.mktemp("outliers"))
+    lines = (ws.root / DOCS).read_text().splitlines()
+    (ws.root / "data" / "cal.jsonl").write_text("\n".join(lines[:240]) + "\n")
+    texts = [json.loads(line)["text"] for line in lines[240:]]  # trained on other texts
+    folder = ws.root / "models" / NAME
+    outliers.build_llama_with_outliers(folder, texts, steps=200)
+    spec = build_spec(ws.root, folder, NAME, "data/cal.jsonl")
+    spec["export"]["dims"] = {
+        "batch": {"min": 1, "opt": 1, "max": 4},
+        "past_sequence": {"min": 0, "opt": 16, "max": 64},
+        "sequence": {"min": 1, "opt": 16, "max": 64},
+    }
+    spec["quantization"]["calibration"].update(samples=48, holdout=32)
+    for stage in ("pin", "export"):
+        report = ws.run(stage, spec)
+        assert report.status.value == "passed", (stage, report.reasons)
+    return ws, spec
+
+
+def test_the_planted_outliers_are_there_and_change_nothing_in_float(tmp_path: Path) -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    torch.set_grad_enabled(False)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**outliers.LLAMA)).eval()
+    ids = torch.randint(0, outliers.VOCAB, (2, 24))
+    before = model(ids).logits
+    seen: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.down_proj.register_forward_hook(
+            lambda _m, inp, _o, i=i: seen.__setitem__(f"down{i}", inp[0].abs())
+        )
+    model(ids)
+    plain = min(float(a.max() / a.median()) for a in seen.values())
+    outliers.plant_mlp_outliers(model, channels=2, low=100.0, high=400.0, seed=1)
+    outliers.plant_attention_outliers(model, channels=2, low=10.0, high=40.0, seed=2)
+    after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+    planted = min(float(a.max() / a.median()) for a in seen.values())
+    assert planted > 20 * plain  # every layer's down_proj input now has massive channels
+    torch.set_grad_enabled(True)
+
+
+def test_smoothquant_keeps_the_function_folds_where_it_can_and_evens_the_channels(
+    llama: tuple[Workspace, dict], tmp_path: Path
+) -> None:
+    ws, _ = llama
+    src = ws.out(NAME, "export") / "model.onnx"
+    ids = np.array([[5, 17, 42, 99, 3, 250, 7, 8, 300, 11]], dtype=np.int64)
+    fp32 = session_for(src)
+    feeds = _feeds(fp32, ids)
+    report = smooth(src, tmp_path / "s.onnx", [feeds], 0.5, "s.data")
+    got = session_for(tmp_path / "s.onnx").run(None, feeds)
+    ref = fp32.run(None, feeds)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-3, atol=1e-4)
+    # per layer: q/k/v and gate/up share RMSNorm outputs (folded into its weight), down_proj's
+    # input is SwiGLU's product (folded into up_proj), o_proj's input is a reshape (a Mul)
+    layers = outliers.LLAMA["num_hidden_layers"]
+    assert report["tensors"] == 4 * layers + 1  # + lm_head after the final norm
+    assert report["folded"] == 3 * layers + 1 and report["inserted"] == layers
+    assert report["max_ratio_before"] > 500
+    assert report["max_ratio_after"] < report["max_ratio_before"] / 10
+
+
+def test_smoothquant_on_gpt2_keeps_the_function_where_it_cannot_fold(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    export = built_gpt2.out("tiny-gpt2", "export") / "model.onnx"
+    src = _gemm_as_matmul(export, tmp_path / "m.onnx")  # as the quantizer hands it over
+    fp32 = session_for(export)
+    feeds = _feeds(fp32, np.arange(3, 40, dtype=np.int64)[None, :])
+    report = smooth(src, tmp_path / "s.onnx", [feeds], 0.8, "s.data")
+    # GPT-2's Conv1D reads a Reshape of each LayerNorm: nothing to fold, a Mul per input
+    assert report["tensors"] == 4 * 2 and report["inserted"] == 4 * 2
+    got = session_for(tmp_path / "s.onnx").run(None, feeds)
+    np.testing.assert_allclose(got[0], fp32.run(None, feeds)[0], rtol=1e-3, atol=1e-4)
+
+
+def test_per_tensor_int8_fails_and_auto_ships_smoothquant_within_the_default_budget(
+    llama: tuple[Workspace, dict],
+) -> None:
+    ws, spec = llama
+    assert spec["quantization"]["method"] == "auto" and "budget" not in spec["quantization"]
+    # per-tensor INT8 of every MatMul (4 layers: a few float nodes could patch them all)
+    plain = {**spec["quantization"], "method": "int8-dynamic", "max_float_nodes": 0}
+    plain.pop("recipes", None)
+    report = ws.run("quantize", {**spec, "quantization": plain})
+    assert report.status.value == "failed"
+    assert "greedy_agreement" in report.reasons[0] and "perplexity_increase" in report.reasons[0]
+    assert report.details["selection"][0]["perplexity_increase"] > 0.2  # outliers crush it
+    # auto, with min_speedup 0: a 1.6M-parameter model is too small to time INT8 against
+    # FP32 reliably (the slow end-to-end test keeps the default on a bigger model)
+    auto = {**spec["quantization"], "min_speedup": 0}
+    report = ws.run("quantize", {**spec, "quantization": auto})
+    assert report.status.value == "passed", report.reasons
+    rows = {r["recipe"]: r for r in report.details["recipes"]}
+    assert rows["int8-dynamic-per-channel"]["chosen"] is False
+    assert "perplexity_increase" in rows["int8-dynamic-per-channel"]["why"]
+    chosen = rows["int8-dynamic-smoothquant"]
+    assert chosen["chosen"] and chosen["float_classes"] == []
+    assert chosen["holdout"]["greedy_agreement"] >= 0.92  # the default 0.9 with its margin
+    assert chosen["holdout"]["perplexity_increase"] <= 0.016
+    assert chosen["size_ratio"] < 0.35
+    model = ws.out(NAME, "quantize") / "model.onnx"
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(model), load_external_data=False).graph.node}
+    assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
+    quant = QuantInfo.model_validate_json((ws.out(NAME, "quantize") / QuantInfo.FILE).read_text())
+    assert (quant.method, quant.dtype, quant.float_nodes) == ("int8-dynamic", "int8", [])
+
+
+def test_greedy_agreement_is_one_for_the_same_model_and_falls_with_noise(
+    llama: tuple[Workspace, dict], tmp_path: Path
+) -> None:
+    ws, _ = llama
+    src = ws.out(NAME, "export") / "model.onnx"
+    fp32 = session_for(src)
+    samples = [_feeds(fp32, np.array([[5, 17, 42, 99, 3 + i]], dtype=np.int64)) for i in range(4)]
+    generated = acc.greedy_continuations(fp32, samples)
+    assert all(f["input_ids"].shape[1] == 5 + acc.GREEDY_TOKENS for f, _ in generated)
+    assert acc.greedy_agreement(fp32, generated) == 1.0
+    report = smooth(src, tmp_path / "s.onnx", samples, 0.5, "s.data")  # exact in float
+    assert (
+        report["tensors"]
+        and acc.greedy_agreement(session_for(tmp_path / "s.onnx"), generated) > 0.99
+    )
+
+    class Shuffled:  # a model that answers with another position's logits
+        def get_outputs(self) -> list:
+            return fp32.get_outputs()
+
+        def run(self, names: list, feeds: dict) -> list:
+            logits = fp32.run(names, feeds)[0]
+            return [np.roll(logits, 1, axis=1)]
+
+    assert acc.greedy_agreement(Shuffled(), generated) < 0.5
+
+
+def _feeds(session: object, ids: np.ndarray) -> dict[str, np.ndarray]:
+    feeds: dict[str, np.ndarray] = {}
+    for i in session.get_inputs():  # type: ignore[attr-defined]
+        if i.name == "input_ids":
+            feeds[i.name] = ids
+        elif i.name == "attention_mask":
+            feeds[i.name] = np.ones_like(ids)
+        elif i.name == "position_ids":
+            feeds[i.name] = np.arange(ids.shape[1], dtype=np.int64)[None, :]
+        else:  # an empty KV cache: [batch, kv_heads, 0, head_dim]
+            shape = [
+                ids.shape[0] if d == "batch" else 0 if isinstance(d, str) else d for d in i.shape
+            ]
+            feeds[i.name] = np.zeros(shape, np.float32)
+    return feeds
