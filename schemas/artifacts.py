@@ -128,14 +128,29 @@ class FloatNode(_Model):
     why: str
 
 
+class RecipeRow(_Model):
+    """One variant the `auto` recipe search measured (the model card prints the table)."""
+
+    recipe: str
+    method: str
+    float_classes: list[str] = Field(description="Layer classes kept in float.")
+    size_ratio: float = Field(description="Quantized / FP32 file size.")
+    speedup: float = Field(description="FP32 time / quantized time, slowest decisive pass.")
+    holdout: dict[str, float] = Field(description="Budget metrics on held-out samples.")
+    chosen: bool
+    why: str
+
+
 class QuantInfo(Artifact):
-    """What the quantize stage shipped: method, served dtype, nodes kept in float."""
+    """What the quantize stage shipped: method, served dtype, nodes kept in float, and (method
+    auto) every recipe the search measured."""
 
     STAGE: ClassVar[str] = "quantize"
     FILE: ClassVar[str] = "quant_info.json"
     method: str
     dtype: str
     float_nodes: list[FloatNode]
+    recipes: list[RecipeRow] | None = None
 
 
 class CalibrationUsed(Artifact):

@@ -90,7 +90,7 @@ def facts(ctx: StageContext, release: Any, reports: dict[str, Any]) -> dict[str,
         "pins": lock.model_dump(),
         "provenance": ctx.read(Provenance).model_dump(),
         "stages": {s: {"status": r.status.value, "summary": r.summary} for s, r in reports.items()},
-        "quantization": ctx.read(QuantInfo).model_dump(),
+        "quantization": ctx.read(QuantInfo).model_dump(exclude_none=True),
         # The gate compares later candidates with these when this release is in production.
         "evaluation": ctx.read(Evaluation).metrics,
         "engine": {

@@ -7,7 +7,7 @@ import shutil
 from typing import Any
 
 from schemas import ReleaseSpec
-from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo
+from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo, RecipeRow
 from schemas.spec.quantization import AccuracyBudget
 from schemas.tasks import TASKS
 from stages._runtime import Plot, StageContext, StageIO, StageResult, link_or_copy, write_json
@@ -212,6 +212,7 @@ def _auto(
                 FloatNode(node=n, why=f"its layer class ({why}) kept in float by the recipe search")
                 for n in outcome.excluded
             ],
+            recipes=[RecipeRow(**{k: r[k] for k in RecipeRow.model_fields}) for r in outcome.table],
         )
     )
     ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))

@@ -262,7 +262,17 @@ def test_auto_ships_the_first_recipe_that_meets_the_budget_with_its_margin(
         assert set(r["speedups"]) == {"forward", "decode_batch_1", "decode_batch_3"}
         assert r["speedup"] == min(r["speedups"]["decode_batch_1"], r["speedups"]["decode_batch_3"])
     assert report.details["budget_with_margin"]["top1_agreement_min"] == pytest.approx(0.98)
-    assert info(built_gpt2) == {"method": "int8-dynamic", "dtype": "int8", "float_nodes": []}
+    shipped = info(built_gpt2)
+    assert {k: shipped[k] for k in ("method", "dtype", "float_nodes")} == {
+        "method": "int8-dynamic",
+        "dtype": "int8",
+        "float_nodes": [],
+    }
+    # the table ships with it (the model card prints it): one row per variant measured
+    assert [(r["recipe"], r["chosen"]) for r in shipped["recipes"]] == [
+        ("int4-weight-only", False),
+        ("int8-dynamic", True),
+    ]
     model = built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
     assert "MatMulInteger" in {n.op_type for n in onnx.load(model).graph.node}
     # no margin: the first recipe is good enough

@@ -140,6 +140,9 @@ def test_per_tensor_int8_fails_and_auto_ships_smoothquant_within_the_default_bud
     assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
     quant = QuantInfo.model_validate_json((ws.out(NAME, "quantize") / QuantInfo.FILE).read_text())
     assert (quant.method, quant.dtype, quant.float_nodes) == ("int8-dynamic", "int8", [])
+    assert quant.recipes and [r.recipe for r in quant.recipes if r.chosen] == [
+        "int8-dynamic-smoothquant"
+    ]
 
 
 def test_greedy_agreement_is_one_for_the_same_model_and_falls_with_noise(
