@@ -40,9 +40,9 @@ def io(release: ReleaseSpec) -> StageIO:
     q = release.quantization
     cal = getattr(q, "calibration", None)
     return StageIO(
-        # auto times a decode step at the served batch
-        params=("task", "export", "quantization")
-        + (("bundle.serving.max_batch_size",) if q.method == "auto" else ()),
+        # auto times a decode step at the served batch; declared for every method, since
+        # one dvc.yaml template serves every release (an auto release beside an explicit one)
+        params=("task", "export", "quantization", "bundle.serving.max_batch_size"),
         reads=(ModelInfo,),
         upstream=("export/model.onnx",),
         data=(

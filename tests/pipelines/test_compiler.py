@@ -167,6 +167,17 @@ def test_two_releases_become_foreach_items(tmp_path: Path) -> None:
     assert stages["export"]["foreach"]["small"] == {"spec": "releases/small.yaml"}
 
 
+def test_releases_with_different_quantization_methods_share_one_template(tmp_path: Path) -> None:
+    """`shipyard init` writes method auto; the examples use int8-dynamic: one dvc.yaml."""
+    ws = Workspace(tmp_path)
+    source = yaml.safe_load((REPO / "releases" / "tiny-gpt2.yaml").read_text())
+    for name, method in (("a-auto", "auto"), ("b-explicit", "int8-dynamic"), ("c-none", "none")):
+        q = {**source["quantization"], "method": method} if method != "none" else {"method": method}
+        ws.write({**source, "name": name, "quantization": q})
+    stages = yaml.safe_load(compiler.compile_dvc(tmp_path))["stages"]
+    assert list(stages["quantize"]["foreach"]) == ["a-auto", "b-explicit", "c-none"]
+
+
 def test_model_weights_get_their_own_dependency_slot_when_apart(tmp_path: Path) -> None:
     ws = Workspace(tmp_path)
     shutil.copy(REPO / "releases" / "tiny-gpt2.yaml", tmp_path / "releases")
