@@ -39,7 +39,7 @@ def test_each_stage_depends_on_a_file_of_only_its_own_spec_sections(tmp_path: Pa
         "evalcheck": ["export", "model", "task"],
         "kvcheck": ["export", "model", "parity", "task"],
         "parity": ["export", "model", "parity", "task"],
-        "quantize": ["export", "quantization", "task"],
+        "quantize": ["bundle.serving.max_batch_size", "export", "quantization", "task"],
         "evaluate": ["evaluation", "export", "model", "task"],
         "plan": ["capacity", "export", "task"],
         "engine": [
