@@ -76,7 +76,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     probe = samples.calibration[: q.calibration.sensitivity_samples]
     greedy = budget.greedy_agreement_min is not None  # costs generation: only when asked
     evaluate = search.Evaluator(release.task, pre, probe, greedy)
-    ranked = search.sensitivity(ctx, quantizer, evaluate)
+    refine = max(2 * q.max_float_nodes, search.REFINE_MIN)
+    ranked = search.sensitivity(ctx, quantizer, evaluate, refine)
     chosen, trace = search.mixed_precision(ctx, quantizer, evaluate, ranked, q, budget)
     held = search.Evaluator(release.task, pre, samples.holdout, greedy=True)(chosen["path"])
     details = {
@@ -248,6 +249,7 @@ def _info(q: Any, float_nodes: list[str], ranked: list[dict] | None) -> QuantInf
         r["node"]: f"rank {i + 1} of {len(ranked or [])} by sensitivity, SNR {r['snr_db']:.1f} dB "
         "when quantized alone"
         for i, r in enumerate(ranked or [])
+        if "snr_db" in r  # only nodes measured alone can be kept in float
     }
     return QuantInfo(
         method=q.method,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,35 @@ def all_tensors(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarra
         session = ort.InferenceSession(str(view), providers=["CPUExecutionProvider"])
         names = [o.name for o in session.get_outputs()]
         return dict(zip(names, session.run(names, feeds), strict=True))
+
+
+def marked_runs(
+    path: Path, names: list[str], samples: list[dict[str, np.ndarray]]
+) -> Iterator[dict[str, np.ndarray]]:
+    """The named intermediate tensors for each sample, one ONNX Runtime run per sample, on an
+    external view of the file (weights neither parsed nor held twice). Graph optimization is
+    off so every named tensor still exists."""
+    import onnx
+    import onnxruntime as ort
+
+    from stages.onnx import stream
+
+    if not names:  # ONNX Runtime runs every output when asked for none
+        return
+
+    def mark(model: Any) -> None:
+        known = {o.name for o in model.graph.output}
+        model.graph.output.extend(
+            onnx.helper.make_empty_tensor_value_info(n) for n in names if n not in known
+        )
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    with stream.external_view(path, edit=mark) as view:
+        session = ort.InferenceSession(str(view), options, providers=["CPUExecutionProvider"])
+    for feeds in samples:
+        yield dict(zip(names, session.run(names, feeds), strict=True))
 
 
 def scoped_outputs(path: Path) -> list[tuple[str, str]]:

@@ -58,6 +58,23 @@ def worst_channel_snr_db(ref: np.ndarray, got: np.ndarray) -> float:
     return float(min(np.min(per), 200.0))
 
 
+def mean_channel_snr_db(ref: np.ndarray, got: np.ndarray) -> float:
+    """The mean over last-axis channels of each channel's SNR (dB, capped at 200).
+
+    Unlike one SNR over the tensor, a few huge channels cannot hide the others: a weight
+    scale set by outlier rows keeps those rows exact and crushes the rest, which the next
+    layer (that divides the outliers back down) then sees."""
+    r = ref.reshape(-1, ref.shape[-1]).astype(np.float64)
+    g = got.reshape(-1, got.shape[-1]).astype(np.float64)
+    signal, noise = np.sum(r**2, axis=0), np.sum((r - g) ** 2, axis=0)
+    live = signal > 0
+    if not live.any():
+        return 200.0
+    with np.errstate(divide="ignore"):
+        per = np.minimum(10 * np.log10(signal[live] / noise[live]), 200.0)
+    return float(np.mean(per))
+
+
 def perplexity(logits: list[np.ndarray], samples: list[dict[str, np.ndarray]]) -> float:
     """exp(mean next-token NLL) over every sample, targets = the sample's own next tokens."""
     nll, count = 0.0, 0

@@ -111,33 +111,12 @@ def smooth(
 def _channel_absmax(
     src: Path, tensors: list[str], samples: list[dict[str, np.ndarray]]
 ) -> dict[str, np.ndarray]:
-    """max |x| per last-axis channel of each tensor over the samples (one ORT run each).
+    """max |x| per last-axis channel of each tensor over the samples."""
+    from stages.onnx.graph import marked_runs
 
-    The tensors become graph outputs of a copy of src's graph saved beside it without its
-    weights, which it reads from src's own external-data file: nothing is serialized
-    whole (protobuf stops at 2 GB) and the weights are not held twice."""
-    import onnx
-    import onnxruntime as ort
-
-    if not tensors:  # (ORT runs every output when asked for none)
-        return {}
-    marked = onnx.load(str(src), load_external_data=False)
-    have = {o.name for o in marked.graph.output}
-    for name in tensors:
-        if name not in have:
-            marked.graph.output.append(onnx.ValueInfoProto(name=name))
-    view = src.with_name(f"_absmax_{src.name}")
-    onnx.save_model(marked, str(view))
-    try:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        session = ort.InferenceSession(str(view), options, providers=["CPUExecutionProvider"])
-    finally:
-        view.unlink()
     out: dict[str, np.ndarray] = {}
-    for feeds in samples:
-        for name, value in zip(tensors, session.run(tensors, feeds), strict=True):
+    for values in marked_runs(src, tensors, samples):
+        for name, value in values.items():
             channels = np.abs(value.reshape(-1, value.shape[-1])).max(axis=0)
             out[name] = channels if name not in out else np.maximum(out[name], channels)
     return out

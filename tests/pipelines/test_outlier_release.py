@@ -73,7 +73,11 @@ def test_init_and_repro_ship_int8_on_a_model_with_outliers(repo: Path) -> None:
     if "int8-dynamic" in rows:  # tried only if no earlier recipe shipped
         assert not rows["int8-dynamic"]["chosen"]
     sh(["shipyard", "verify", f"build/{NAME}/bundle"], repo)
-    card = next((build / "bundle").rglob("README.md")).read_text()
-    assert pick["recipe"] in card and "recipe" in card.lower()
-    quant = json.loads(next((build / "bundle").rglob("shipyard.json")).read_text())
-    assert "int8" in json.dumps(quant)
+    card = (build / "bundle" / "MODEL_CARD.md").read_text()
+    table = card[card.index("## Quantization recipes tried") :]
+    assert f"| {pick['recipe']} |" in table and "| yes |" in table
+    facts = json.loads((build / "bundle" / "shipyard.json").read_text())
+    assert facts["quantization"]["dtype"] == "int8"
+    assert [r["recipe"] for r in facts["quantization"]["recipes"] if r["chosen"]] == [
+        pick["recipe"]
+    ]

@@ -187,3 +187,61 @@ def _feeds(session: object, ids: np.ndarray) -> dict[str, np.ndarray]:
             ]
             feeds[i.name] = np.zeros(shape, np.float32)
     return feeds
+
+
+def test_one_pass_sensitivity_refines_only_the_worst_and_finds_the_same_culprits(
+    llama: tuple[Workspace, dict], tmp_path: Path
+) -> None:
+    """29 candidates, refine 8: one instrumented pass ranks them all by local SNR and only 8
+    are quantized alone, yet the nodes a full per-node sweep ranks most damaging are there."""
+    from schemas.loader import load_release
+    from stages.quant.methods import Quantizer
+    from stages.quant.search import Evaluator, sensitivity
+
+    ws, spec = llama
+    cfg = {**spec["quantization"], "method": "int8-dynamic"}
+    cfg.pop("recipes", None)
+    release = load_release(ws.write({**spec, "quantization": cfg}))
+    export = ws.out(NAME, "export") / "model.onnx"
+    samples = _samples(ws, release)
+    quantizer = Quantizer(export, release.quantization, samples, tmp_path / "q")
+    evaluate = Evaluator("causal-lm", export, samples[:4])
+    ctx = _Ctx()
+    full = sensitivity(ctx, quantizer, evaluate, refine=len(quantizer.candidates()))
+    fast = sensitivity(ctx, quantizer, evaluate, refine=8)
+    assert len(fast) == len(full) == 29
+    assert [r["measured"] for r in fast] == ["alone"] * 8 + ["one pass"] * 21
+    alone = {r["node"] for r in fast[:8]}
+    assert {r["node"] for r in full[:4]} <= alone  # the four worst were refined
+    # the planted layers do the most damage: down_proj's massive inputs and up_proj's
+    # outlier rows (which crush a per-tensor weight scale; one SNR over its output hid that)
+    assert fast[0]["module"].endswith(("mlp.down_proj", "mlp.up_proj"))
+    assert all("snr_db" not in r for r in fast[8:])
+
+
+class _Ctx:
+    def log(self, _msg: str) -> None:
+        pass
+
+    def progress(self, _label: str, _total: int):  # type: ignore[no-untyped-def]
+        import contextlib
+
+        return contextlib.nullcontext(lambda: None)
+
+
+def _samples(ws: Workspace, release) -> list[dict[str, np.ndarray]]:  # type: ignore[no-untyped-def]
+    from schemas.artifacts import ModelInfo
+    from stages.onnx import model as m
+    from stages.quant import calibration as calib
+
+    info = ModelInfo.model_validate_json((ws.out(NAME, "export") / ModelInfo.FILE).read_text())
+    loaded = calib.load(
+        "quantize",
+        ws.root,
+        release.quantization.calibration,
+        release.task,
+        m.layout_from_info(info),
+        release.export.dims,
+        info.arch.vocab,
+    )
+    return loaded.calibration[:16]
