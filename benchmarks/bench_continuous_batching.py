@@ -94,10 +94,11 @@ async def drive(
     streams: int,
     model: str = RELEASE,
     is_token: Any = one_per_chunk,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`streams` closed-loop clients over /v1/completions (SSE), each a job at a time: the
     output tokens/s over the run, TTFT and inter-token latency per percentile. `is_token`
-    tells a token's chunk from the stream's other lines."""
+    tells a token's chunk from the stream's other lines (or says how many tokens it holds)."""
     import aiohttp
 
     todo = list(enumerate(jobs))
@@ -114,14 +115,15 @@ async def drive(
                 "temperature": 0,
                 "ignore_eos": True,
                 "stream": True,
+                **(extra or {}),  # a peer's own request fields
             }
             start = time.perf_counter()
             marks = []
             async with session.post(f"{url}/v1/completions", json=body) as resp:
                 assert resp.status == 200, await resp.text()
                 async for line in resp.content:
-                    if is_token(line):
-                        marks.append(time.perf_counter())
+                    tokens = int(is_token(line))  # a peer may send several in one chunk
+                    marks.extend([time.perf_counter()] * tokens)
             assert len(marks) == n, (len(marks), n)
             ttft.append(marks[0] - start)
             itl.extend(np.diff(marks).tolist())
