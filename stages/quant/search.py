@@ -164,7 +164,11 @@ def sensitivity(
     with ctx.progress(f"sensitivity of {len(chosen)} nodes", len(chosen)) as advance:
         for node in chosen:
             path = quantizer.alone(node)
-            row = {"node": node, "module": scopes.get(node, ""), "measured": "alone"}
+            row: dict[str, Any] = {
+                "node": node,
+                "module": scopes.get(node, ""),
+                "measured": "alone",
+            }
             row |= evaluate(path) | ({"local_snr_db": local[node]} if local else {})
             rows.append(row)
             _remove(path)
