@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from schemas import StageError
 from stages.onnx import shapes as sh
 
 TWO_GB = 2 << 30
@@ -71,7 +72,16 @@ class Quantizer:
     def quantize(self, exclude: list[str] = (), only: list[str] | None = None) -> Path:  # type: ignore[assignment]
         """The whole model through onnxruntime, minus `exclude` (or just `only`)."""
         out = self._next()
-        _METHODS[self.cfg.method](self, self.model, out, list(exclude), only, self.large)
+        try:
+            _METHODS[self.cfg.method](self, self.model, out, list(exclude), only, self.large)
+        except Exception as exc:  # onnxruntime's quantizers raise bare asserts and ValueErrors
+            raise StageError(
+                "quantize",
+                f"onnxruntime's {self.cfg.method} quantizer failed: "
+                f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+                "check that the FP32 export is finite and runs (evalcheck, parity); try "
+                "another method",
+            ) from None
         return out
 
     def alone(self, node: str) -> Path:

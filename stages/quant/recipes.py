@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from schemas import StageError
 from stages.onnx.graph import node_scope
 from stages.quant import accuracy as acc
 from stages.quant.methods import Quantizer
@@ -198,10 +199,15 @@ class Search:
         fallback: tuple[float, str, Quantizer] | None = None
         for recipe in self.q.recipes:
             cfg = concrete(self.q, recipe)
-            quantizer = Quantizer(
-                self.pre, cfg, self.samples.calibration, self.ctx.work / "_variants" / recipe
-            )
-            path = quantizer.quantize()
+            folder = self.ctx.work / "_variants" / recipe
+            try:
+                quantizer = Quantizer(self.pre, cfg, self.samples.calibration, folder)
+                path = quantizer.quantize()
+            except StageError as exc:  # one recipe onnxruntime cannot build: the next may
+                shutil.rmtree(folder, ignore_errors=True)
+                out.table.append(_unbuilt(recipe, cfg.method, exc.message))
+                self.ctx.log(f"recipe {recipe}: {exc.message}")
+                continue
             row, why, cal = self._measure(recipe, cfg.method, path, [])
             out.table.append(row)
             if not why:
@@ -303,6 +309,22 @@ class Search:
             _remove(path)
         out.broken = out.broken or ["one class of layers only: nothing to keep in float"]
         return out
+
+
+def _unbuilt(recipe: str, method: str, why: str) -> dict[str, Any]:
+    """The table row of a recipe that could not be built."""
+    return {
+        "recipe": recipe,
+        "method": method,
+        "float_classes": [],
+        "size_ratio": 0.0,
+        "speedup": 0.0,
+        "speedups": {},
+        "calibration": {},
+        "holdout": {},
+        "chosen": False,
+        "why": f"could not be built: {why}",
+    }
 
 
 def _remove(path: Path) -> None:

@@ -11,6 +11,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from schemas import StageError
 from schemas.tasks import TASKS
 from stages._runtime import StageContext
@@ -109,6 +111,14 @@ class Evaluator:
         self.task, self.samples = task, samples
         session = session_for(fp32)
         self.reference = acc.outputs(session, samples)
+        for i, out in enumerate(self.reference):
+            if not np.all(np.isfinite(out)):
+                raise StageError(
+                    STAGE,
+                    f"the FP32 model's output on calibration sample {i + 1} is not finite "
+                    "(NaN or inf): there is nothing to quantize against",
+                    "fix the checkpoint (NaN weights?); evalcheck and parity should fail too",
+                )
         self.generated = (
             acc.greedy_continuations(session, samples)
             if greedy and TASKS[task].language_model

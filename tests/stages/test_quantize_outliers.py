@@ -245,3 +245,54 @@ def _samples(ws: Workspace, release) -> list[dict[str, np.ndarray]]:  # type: ig
         info.arch.vocab,
     )
     return loaded.calibration[:16]
+
+
+def test_a_recipe_onnxruntime_cannot_build_is_a_row_and_the_search_goes_on(
+    llama: tuple[Workspace, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages.quant import methods
+
+    def broken(*_args: object) -> None:
+        raise AssertionError("scale issue")  # what quantize_data raises on a NaN weight
+
+    monkeypatch.setitem(methods._METHODS, "int4-weight-only", broken)
+    ws, spec = llama
+    q = {**spec["quantization"], "recipes": ["int4-weight-only", "int8-dynamic-smoothquant"]}
+    report = ws.run("quantize", {**spec, "quantization": {**q, "min_speedup": 0}})
+    assert report.status.value == "passed", report.reasons
+    first, second = report.details["recipes"]
+    assert first["why"] == (
+        "could not be built: onnxruntime's int4-weight-only quantizer failed: "
+        "AssertionError: scale issue"
+    )
+    assert not first["chosen"] and second["chosen"]
+    # an explicit method: the same failure is a clear stage failure, not a traceback
+    plain = {k: v for k, v in spec["quantization"].items() if k != "recipes"}
+    report = ws.run("quantize", {**spec, "quantization": {**plain, "method": "int4-weight-only"}})
+    assert report.status.value == "failed"
+    assert "int4-weight-only quantizer failed: AssertionError" in report.reasons[0]
+
+
+def test_a_model_with_nan_outputs_is_refused_before_any_recipe(
+    llama: tuple[Workspace, dict], tmp_path: Path
+) -> None:
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    from schemas import StageError
+    from stages.quant.search import Evaluator
+
+    ws, _ = llama
+    export = ws.out(NAME, "export")
+    copy = tmp_path / "export"
+    shutil.copytree(export, copy)
+    model = onnx.load(str(copy / "model.onnx"))
+    norm = next(t for t in model.graph.initializer if t.name.endswith("model.norm.weight"))
+    norm.CopyFrom(numpy_helper.from_array(np.full(norm.dims, np.nan, np.float32), norm.name))
+    onnx.save(model, str(tmp_path / "nan.onnx"))
+    fp32 = session_for(export / "model.onnx")
+    sample = _feeds(fp32, np.array([[5, 17, 42]], dtype=np.int64))
+    with pytest.raises(StageError, match="calibration sample 1 is not finite"):
+        Evaluator("causal-lm", tmp_path / "nan.onnx", [sample])
