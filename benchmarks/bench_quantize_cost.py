@@ -7,7 +7,7 @@ For each model, in a scratch workspace and in one run:
               winner published), init's recipes and margin
 and prints auto / fp32 pass, the recipe chosen and how many variants were measured.
 Models: gpt2-small (124M; its export from `make release`) and a synthetic 24-layer Llama
-(GQA, trained briefly, planted outliers: tests/fixtures/outliers.py), exported here.
+(GQA, random weights, planted outliers: tests/fixtures/outliers.py), exported here.
 
 Usage: python benchmarks/bench_quantize_cost.py [--only gpt2-small|llama-24]
 Goal (issue 26): auto <= 15x one FP32 evaluation pass.
@@ -104,7 +104,9 @@ def llama_24(root: Path) -> dict:
     (root / "data" / "support.jsonl").write_text("\n".join(lines[:240]) + "\n")
     texts = [json.loads(line)["text"] for line in lines[240:]]
     folder = root / "models" / "llama-24"
-    outliers.build_llama_with_outliers(folder, texts, steps=100, num_hidden_layers=24)
+    # not trained: a 24-layer fit on this data diverges (NaN gradients at step 4); the cost
+    # does not depend on the fit
+    outliers.build_llama_with_outliers(folder, texts, steps=0, num_hidden_layers=24)
     spec = build_spec(root, folder, "llama-24", "data/support.jsonl")
     spec["export"]["dims"]["sequence"]["max"] = 64  # the texts fit; a quicker export check
     spec["export"]["dims"]["past_sequence"]["max"] = 64
