@@ -135,7 +135,10 @@ class RecipeRow(_Model):
     method: str
     float_classes: list[str] = Field(description="Layer classes kept in float.")
     size_ratio: float = Field(description="Quantized / FP32 file size.")
-    speedup: float = Field(description="FP32 time / quantized time, slowest decisive pass.")
+    speedup: float | None = Field(
+        description="FP32 time / quantized time, slowest decisive pass; None: not timed (it "
+        "failed its accuracy budget and could not become the fallback)."
+    )
     holdout: dict[str, float] = Field(description="Budget metrics on held-out samples.")
     chosen: bool
     why: str

@@ -208,7 +208,15 @@ class Search:
                 out.table.append(_unbuilt(recipe, cfg.method, exc.message))
                 self.ctx.log(f"recipe {recipe}: {exc.message}")
                 continue
-            row, why, cal = self._measure(recipe, cfg.method, path, [])
+
+            # timed when it could ship or become the fallback: timing is a third of a
+            # recipe's cost, and a recipe that can be neither needs no speed
+            best = fallback[0] if fallback else None
+
+            def worth_timing(accurate: bool, cal: dict[str, float], best: Any = best) -> bool:
+                return accurate or best is None or acc.score(cal) > best
+
+            row, why, cal = self._measure(recipe, cfg.method, path, [], worth_timing)
             out.table.append(row)
             if not why:
                 return self._chosen(out, row, path, cfg.method, recipe, [], [])
@@ -229,25 +237,34 @@ class Search:
         return self._by_class(out, fallback[1], fallback[2])
 
     def _measure(
-        self, recipe: str, method: str, path: Path, float_classes: list[str]
+        self,
+        recipe: str,
+        method: str,
+        path: Path,
+        float_classes: list[str],
+        worth_timing: Any = None,
     ) -> tuple[dict[str, Any], list[str], dict[str, float]]:
+        """Accuracy and size, then speed when `worth_timing(accurate, calibration metrics)`
+        says so (default: only when accurate); an untimed row has speedup None."""
         cal, held = self.calibration(path), self.holdout(path)
-        session = session_for(path)
-        speeds = {}
-        for k, (feeds, runs) in self.timed.items():
-            speeds[k], self.fp32_s[k] = paired_speedup(self.fp32_session, session, feeds, runs)
-        # a causal LM is served by decode steps: those decide; otherwise the forward pass
-        decisive = [k for k in speeds if k.startswith("decode")] or ["forward"]
-        slowest = min(decisive, key=lambda k: speeds[k])
-        speedup = speeds[slowest]
-        ratio = _size(path) / self.fp32_bytes
         why = [f"calibration (with margin): {b}" for b in acc.violations(self.tight, cal)]
         why += [f"held-out (with margin): {b}" for b in acc.violations(self.tight, held)]
-        if self.q.min_speedup and speedup < self.q.min_speedup:
-            why.append(
-                f"speed {speedup:.2f}x FP32 ({slowest}), below quantization.min_speedup "
-                f"{self.q.min_speedup:g}"
-            )
+        speeds: dict[str, float] = {}
+        speedup: float | None = None
+        if (worth_timing or (lambda ok, _cal: ok))(not why, cal):
+            session = session_for(path)
+            for k, (feeds, runs) in self.timed.items():
+                speeds[k], self.fp32_s[k] = paired_speedup(self.fp32_session, session, feeds, runs)
+            # a causal LM is served by decode steps: those decide; otherwise the forward pass
+            decisive = [k for k in speeds if k.startswith("decode")] or ["forward"]
+            slowest = min(decisive, key=lambda k: speeds[k])
+            speedup = round(speeds[slowest], 3)
+            if self.q.min_speedup and speedup < self.q.min_speedup:
+                why.append(
+                    f"speed {speedup:.2f}x FP32 ({slowest}), below quantization.min_speedup "
+                    f"{self.q.min_speedup:g}"
+                )
+        ratio = _size(path) / self.fp32_bytes
         if ratio > self.q.max_size_ratio:
             why.append(f"size {ratio:.2f}x FP32, above max_size_ratio {self.q.max_size_ratio:g}")
         row = {
@@ -255,7 +272,7 @@ class Search:
             "method": method,
             "float_classes": float_classes,
             "size_ratio": round(ratio, 4),
-            "speedup": round(speedup, 3),
+            "speedup": speedup,
             "speedups": {k: round(v, 3) for k, v in speeds.items()},
             "calibration": cal,
             "holdout": held,
@@ -318,7 +335,7 @@ def _unbuilt(recipe: str, method: str, why: str) -> dict[str, Any]:
         "method": method,
         "float_classes": [],
         "size_ratio": 0.0,
-        "speedup": 0.0,
+        "speedup": None,
         "speedups": {},
         "calibration": {},
         "holdout": {},
