@@ -136,8 +136,9 @@ class RecipeRow(_Model):
     float_classes: list[str] = Field(description="Layer classes kept in float.")
     size_ratio: float = Field(description="Quantized / FP32 file size.")
     speedup: float | None = Field(
+        default=None,
         description="FP32 time / quantized time, slowest decisive pass; None: not timed (it "
-        "failed its accuracy budget and could not become the fallback)."
+        "failed its accuracy budget and could not become the fallback).",
     )
     holdout: dict[str, float] = Field(description="Budget metrics on held-out samples.")
     chosen: bool
