@@ -304,3 +304,32 @@ def test_a_model_with_nan_outputs_is_refused_before_any_recipe(
     sample = _feeds(fp32, np.array([[5, 17, 42]], dtype=np.int64))
     with pytest.raises(StageError, match="calibration sample 1 is not finite"):
         Evaluator("causal-lm", tmp_path / "nan.onnx", [sample])
+
+
+def test_bert_outliers_are_planted_without_changing_the_function() -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=outliers.VOCAB,
+        max_position_embeddings=128,
+    )
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, outliers.VOCAB, (2, 16))
+    seen: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.encoder.layer):
+        layer.attention.output.dense.register_forward_hook(
+            lambda _m, inp, _o, i=i: seen.__setitem__(i, inp[0].detach().abs())
+        )
+    with torch.no_grad():
+        before = model(ids).last_hidden_state
+        plain = min(float(a.max() / a.median()) for a in seen.values())
+        outliers.plant_bert_outliers(model, channels=2, low=10.0, high=40.0, seed=3)
+        after = model(ids).last_hidden_state
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+    assert min(float(a.max() / a.median()) for a in seen.values()) > 2 * plain
