@@ -45,9 +45,17 @@ class Quantizer:
         if alpha is not None:  # SmoothQuant: same function in float, evened-out activations
             from stages.quant.smooth import smooth
 
-            self.smoothing = smooth(
-                self.model, folder / "smoothed.onnx", calibration, alpha, SMOOTHED, cfg.op_types
-            )
+            try:
+                self.smoothing = smooth(
+                    self.model, folder / "smoothed.onnx", calibration, alpha, SMOOTHED, cfg.op_types
+                )
+            except Exception as exc:  # an unforeseen graph: a clear failure, not a traceback
+                raise StageError(
+                    "quantize",
+                    f"SmoothQuant could not rewrite the graph: {type(exc).__name__}: "
+                    f"{' '.join(str(exc).split())[:300]}",
+                    "quantize without smooth_alpha (or drop the int8-dynamic-smoothquant recipe)",
+                ) from None
             self.model = folder / "smoothed.onnx"
         self._skeleton: Any = None
 

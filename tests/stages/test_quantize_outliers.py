@@ -281,6 +281,27 @@ def test_a_recipe_onnxruntime_cannot_build_is_a_row_and_the_search_goes_on(
     assert "int4-weight-only quantizer failed: AssertionError" in report.reasons[0]
 
 
+def test_a_graph_smoothquant_cannot_rewrite_is_a_row_too(
+    llama: tuple[Workspace, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages.quant import smooth
+
+    def broken(*_args: object) -> None:
+        raise ValueError("unexpected producer")
+
+    monkeypatch.setattr(smooth, "smooth", broken)
+    ws, spec = llama
+    q = {**spec["quantization"], "recipes": ["int8-dynamic-smoothquant"], "min_speedup": 0}
+    report = ws.run("quantize", {**spec, "quantization": q})
+    assert report.status.value == "failed"  # the only recipe could not be built
+    (row,) = report.details["recipes"]
+    assert row["why"] == (
+        "could not be built: SmoothQuant could not rewrite the graph: "
+        "ValueError: unexpected producer"
+    )
+    assert "Traceback" not in " ".join(report.reasons)
+
+
 def test_a_model_with_nan_outputs_is_refused_before_any_recipe(
     llama: tuple[Workspace, dict], tmp_path: Path
 ) -> None:
