@@ -22,13 +22,13 @@ STAGES = list(load_stages())  # the order itself is pinned in tests/stages/test_
 
 
 def sh(
-    cmd: list[str], cwd: Path, extra: dict[str, str] | None = None
+    cmd: list[str], cwd: Path, extra: dict[str, str] | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PATH": f"{VENV / 'bin'}:{os.environ['PATH']}", "SHIPYARD_ROOT": ""}
     env["SHIPYARD_STAGE_CHILD"] = "1"  # as a user's build runs: PyTorch in a child
     env.pop("SHIPYARD_ROOT")
     env.update(extra or {})
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{cmd} failed:\n{done.stdout}\n{done.stderr}"
     return done
 

@@ -57,7 +57,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_init_and_repro_ship_int8_on_a_model_with_outliers(repo: Path) -> None:
     sh(["shipyard", "init", f"models/{NAME}", "--data", "data/support.jsonl"], repo)
     sh(["shipyard", "compile"], repo)
-    done = sh(["dvc", "repro", f"bundle@{NAME}"], repo)
+    done = sh(["dvc", "repro", f"bundle@{NAME}"], repo, timeout=1800)  # ~6 min here
     assert "quantize" in ran(done.stdout)
     build = repo / "build" / NAME
     report = json.loads((build / "quantize" / "report.json").read_text())
