@@ -98,30 +98,34 @@ def llama_token(line: bytes) -> bool:
     return choices[0].get("finish_reason") is None
 
 
-class LlamaServer:
-    def __init__(self, llama: Path, model: Path, slots: int, context: int, log: Path) -> None:
+class PeerServer:
+    """A peer's server process: started in its own session, ready when /health answers 200,
+    stopped with its whole process group. Subclasses set args (and env)."""
+
+    name = "peer"
+    ready_s = 120
+
+    def __init__(self, log: Path) -> None:
         (port,) = free_ports(1)
-        self.url = f"http://127.0.0.1:{port}"
-        threads = str(len(os.sched_getaffinity(0)))
-        self.args = [
-            str(llama / "bin" / "llama-server"),
-            *("-m", str(model), "--host", "127.0.0.1", "--port", str(port)),
-            *("-np", str(slots), "-c", str(slots * context), "-t", threads, "-tb", threads),
-            *("--threads-http", str(2 * slots)),  # one per open stream, or it drops some
-            "--cont-batching",
-        ]
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.args: list[str] = []
+        self.env: dict[str, str] | None = None
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> LlamaServer:
+    def __enter__(self) -> Any:
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
             )
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + self.ready_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {self.log.read_text()[-2000:]}")
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
                     if resp.status == 200:
@@ -129,12 +133,27 @@ class LlamaServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
-        raise RuntimeError("llama-server was not ready within 120 s")
+        raise RuntimeError(f"{self.name} was not ready within {self.ready_s} s")
 
     def __exit__(self, *exc: Any) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(30)
+            os.killpg(self.proc.pid, 15)
+            self.proc.wait(60)
+
+
+class LlamaServer(PeerServer):
+    name = "llama-server"
+
+    def __init__(self, llama: Path, model: Path, slots: int, context: int, log: Path) -> None:
+        super().__init__(log)
+        threads = str(len(os.sched_getaffinity(0)))
+        self.args = [
+            str(llama / "bin" / "llama-server"),
+            *("-m", str(model), "--host", "127.0.0.1", "--port", str(self.port)),
+            *("-np", str(slots), "-c", str(slots * context), "-t", threads, "-tb", threads),
+            *("--threads-http", str(2 * slots)),  # one per open stream, or it drops some
+            "--cont-batching",
+        ]
 
 
 def main() -> None:

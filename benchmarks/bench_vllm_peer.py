@@ -22,22 +22,16 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_continuous_batching import drive, served, workload  # noqa: E402
-
-from stages.serving.server import free_ports  # noqa: E402
+from bench_llamacpp_peer import PeerServer  # noqa: E402
 
 CHECKPOINT = REPO / "models" / "gpt2-small"
 START_S = 900  # the first start compiles kernels
@@ -51,48 +45,21 @@ def vllm_tokens(line: bytes) -> int:
     return sum(len(c.get("token_ids") or []) for c in choices)
 
 
-class VllmServer:
+class VllmServer(PeerServer):
+    name = "vLLM"
+    ready_s = START_S
+
     def __init__(self, venv: Path, seqs: int, context: int, dtype: str, log: Path) -> None:
-        (port,) = free_ports(1)
-        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(log)
         self.args = [
             str(venv / "bin" / "python"),
             *("-m", "vllm.entrypoints.openai.api_server"),
             *("--model", str(CHECKPOINT), "--served-model-name", "gpt2"),
-            *("--host", "127.0.0.1", "--port", str(port), "--dtype", dtype),
+            *("--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype),
             *("--max-num-seqs", str(seqs), "--max-model-len", str(context)),
             "--skip-tokenizer-init",
         ]
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"}
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> VllmServer:
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                self.args,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited: {self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"vLLM was not ready within {START_S} s")
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.proc is not None:
-            os.killpg(self.proc.pid, 15)
-            self.proc.wait(60)
 
 
 def main() -> None:

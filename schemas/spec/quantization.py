@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -101,10 +101,9 @@ class NoQuantization(Strict):
     method: Literal["none"] = Field(description="Ship the FP32 model.")
 
 
-class Int8Dynamic(QuantizedBase):
-    method: Literal["int8-dynamic"] = Field(description="Weights INT8, activations at run time.")
-    per_channel: bool = Field(default=False, description="Per-output-channel weight scales.")
-    smooth_alpha: float | None = Field(
+def _smooth_alpha() -> Any:
+    """The INT8 methods' SmoothQuant setting (one definition, a field on each)."""
+    return Field(
         default=None,
         gt=0,
         lt=1,
@@ -112,6 +111,12 @@ class Int8Dynamic(QuantizedBase):
         "with per-channel factors max|X|^alpha / max|W|^(1-alpha) (0.5 is the paper's default; "
         "higher moves more). None: no smoothing.",
     )
+
+
+class Int8Dynamic(QuantizedBase):
+    method: Literal["int8-dynamic"] = Field(description="Weights INT8, activations at run time.")
+    per_channel: bool = Field(default=False, description="Per-output-channel weight scales.")
+    smooth_alpha: float | None = _smooth_alpha()
 
 
 class Int8Static(QuantizedBase):
@@ -123,14 +128,7 @@ class Int8Static(QuantizedBase):
     percentile: float = Field(
         default=99.999, gt=90, le=100, description="Percentile for `percentile` calibration."
     )
-    smooth_alpha: float | None = Field(
-        default=None,
-        gt=0,
-        lt=1,
-        description="SmoothQuant before quantizing: move activation outliers into the weights "
-        "with per-channel factors max|X|^alpha / max|W|^(1-alpha) (0.5 is the paper's default; "
-        "higher moves more). None: no smoothing.",
-    )
+    smooth_alpha: float | None = _smooth_alpha()
 
 
 def _power_of_two(block_size: int) -> None:

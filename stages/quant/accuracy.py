@@ -45,17 +45,22 @@ def snr_db(ref: np.ndarray, got: np.ndarray) -> float:
     return 10 * float(np.log10(np.sum(ref64**2) / noise)) if noise else 200.0
 
 
-def worst_channel_snr_db(ref: np.ndarray, got: np.ndarray) -> float:
-    """The lowest per-channel (last axis) SNR among channels that carry signal."""
+def _channel_snrs(ref: np.ndarray, got: np.ndarray) -> np.ndarray | None:
+    """Per-channel (last axis) SNR in dB of the channels that carry signal (None: none do)."""
     r = ref.reshape(-1, ref.shape[-1]).astype(np.float64)
     g = got.reshape(-1, got.shape[-1]).astype(np.float64)
     signal, noise = np.sum(r**2, axis=0), np.sum((r - g) ** 2, axis=0)
     live = signal > 0
     if not live.any():
-        return 200.0
+        return None
     with np.errstate(divide="ignore"):
-        per = 10 * np.log10(signal[live] / noise[live])
-    return float(min(np.min(per), 200.0))
+        return np.minimum(10 * np.log10(signal[live] / noise[live]), 200.0)
+
+
+def worst_channel_snr_db(ref: np.ndarray, got: np.ndarray) -> float:
+    """The lowest per-channel (last axis) SNR among channels that carry signal."""
+    per = _channel_snrs(ref, got)
+    return 200.0 if per is None else float(np.min(per))
 
 
 def mean_channel_snr_db(ref: np.ndarray, got: np.ndarray) -> float:
@@ -64,15 +69,8 @@ def mean_channel_snr_db(ref: np.ndarray, got: np.ndarray) -> float:
     Unlike one SNR over the tensor, a few huge channels cannot hide the others: a weight
     scale set by outlier rows keeps those rows exact and crushes the rest, which the next
     layer (that divides the outliers back down) then sees."""
-    r = ref.reshape(-1, ref.shape[-1]).astype(np.float64)
-    g = got.reshape(-1, got.shape[-1]).astype(np.float64)
-    signal, noise = np.sum(r**2, axis=0), np.sum((r - g) ** 2, axis=0)
-    live = signal > 0
-    if not live.any():
-        return 200.0
-    with np.errstate(divide="ignore"):
-        per = np.minimum(10 * np.log10(signal[live] / noise[live]), 200.0)
-    return float(np.mean(per))
+    per = _channel_snrs(ref, got)
+    return 200.0 if per is None else float(np.mean(per))
 
 
 def perplexity(logits: list[np.ndarray], samples: list[dict[str, np.ndarray]]) -> float:

@@ -83,7 +83,7 @@ def smooth(
         # a Shape reader does not see the values: folding cannot change what it computes
         others = [r for r in readers if r not in matmuls and r.op_type not in SHAPE_ONLY]
         only_ours = x not in outputs and not others
-        if only_ours and _fold(graph, inits, producers.get(x), consumers, 1 / scale):
+        if only_ours and _fold(graph, inits, producers.get(x), producers, consumers, 1 / scale):
             report["folded"] += 1
         else:
             inv = _fresh(inits, x + "_smooth_inv")
@@ -122,7 +122,9 @@ def _channel_absmax(
     return out
 
 
-def _fold(graph: Any, inits: dict, producer: Any, consumers: dict, inv: np.ndarray) -> bool:
+def _fold(
+    graph: Any, inits: dict, producer: Any, producers: dict, consumers: dict, inv: np.ndarray
+) -> bool:
     """Multiply the producer's per-channel factor by inv; False when it has none we can use."""
     from onnx import numpy_helper
 
@@ -145,7 +147,6 @@ def _fold(graph: Any, inits: dict, producer: Any, consumers: dict, inv: np.ndarr
                 _scaled_input(graph, inits, producer, i, inv, axis=-1)
                 return True
             return False
-    producers = {o: n for n in graph.node for o in n.output}
     for i in (1, 0):  # a * (x W): the MatMul's weight columns take the factor
         up = producers.get(producer.input[i])
         if (

@@ -37,10 +37,8 @@ def ran(output: str) -> list[str]:
     return re.findall(r"Running stage '([\w-]+)@", output)
 
 
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A git clone of the committed tree plus uncommitted work, without build outputs."""
-    root = tmp_path_factory.mktemp("clone") / "repo"
+def copy_worktree(root: Path) -> Path:
+    """The committed tree plus uncommitted work, without build outputs, copied to root."""
     files = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard"],
         cwd=REPO,
@@ -52,10 +50,21 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if (REPO / name).is_file():
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, root / name)
+    return root
+
+
+def commit_all(root: Path) -> Path:
+    """root as a new git repository with everything in it committed."""
     sh(["git", "init", "-q"], root)
     sh(["git", "add", "-A"], root)
     sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], root)
     return root
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A git clone of the committed tree plus uncommitted work, without build outputs."""
+    return commit_all(copy_worktree(tmp_path_factory.mktemp("clone") / "repo"))
 
 
 def test_make_release_builds_a_verified_bundle(clone: Path) -> None:

@@ -8,15 +8,12 @@ model is big enough, ~20M parameters, that INT8 runs faster than FP32 on these C
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
 from tests.fixtures import outliers
-from tests.pipelines.test_end_to_end import ran, sh
+from tests.pipelines.test_end_to_end import commit_all, copy_worktree, ran, sh
 
 pytestmark = pytest.mark.slow
 NAME = "llama-outliers"
@@ -25,18 +22,7 @@ DOCS = "data/calibration/docstrings.jsonl"
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("outlier-release") / "repo"
-    files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    for name in files:
-        if (REPO / name).is_file():
-            (root / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, root / name)
+    root = copy_worktree(tmp_path_factory.mktemp("outlier-release") / "repo")
     lines = (root / DOCS).read_text().splitlines()
     (root / "data" / "support.jsonl").write_text("\n".join(lines[:240]) + "\n")
     texts = [json.loads(line)["text"] for line in lines[240:]]  # trained on other texts
@@ -48,10 +34,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         intermediate_size=1536,
         num_hidden_layers=6,
     )
-    sh(["git", "init", "-q"], root)
-    sh(["git", "add", "-A"], root)
-    sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"], root)
-    return root
+    return commit_all(root)
 
 
 def test_init_and_repro_ship_int8_on_a_model_with_outliers(repo: Path) -> None:
