@@ -157,10 +157,14 @@ def served(policy: str, jobs: list[Any], streams: int, prefix: bool = False) -> 
 
 
 def offline(jobs: list[Any], batch: int) -> dict[str, Any]:
-    """Plain ONNX Runtime, `batch` rows at once: each group of jobs prefilled together
-    (prompts cut to the group's shortest, so no padding) and decoded for the group's
-    longest output, every row's token counted at every step: the graph's own batched
-    decode throughput, the ceiling a server approaches."""
+    """Plain ONNX Runtime, `batch` rows at once, two ways over the same groups of jobs:
+    - `ceiling` (the issue's baseline): prompts cut to the group's shortest (no padding,
+      little prefill) and decoded for the group's longest output, every row's token counted
+      at every step: the graph's own batched decode throughput, the ceiling a server
+      approaches;
+    - `same work`: each group's real prompts left-padded and prefilled in one pass, decoded
+      for the group's longest output, counting only the tokens each job asked for (a plain
+      offline generate loop over these requests, static batches)."""
     import onnxruntime as ort
 
     sys.path.insert(0, str(REPO / "stages" / "serving"))
@@ -176,26 +180,43 @@ def offline(jobs: list[Any], batch: int) -> dict[str, Any]:
     )
     past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     presents = [p.name.replace("past_key_values.", "present.") for p in past]
-    asked, start = 0, time.perf_counter()
-    for g in range(0, len(jobs), batch):
-        group = jobs[g : g + batch]
-        width = min(len(p) for p, _ in group)
-        steps = max(n for _, n in group)
-        ids = np.array([p[:width] for p, _ in group], np.int64)
-        feeds = {
-            p.name: np.zeros((len(group), p.shape[1], 0, p.shape[3]), np.float32) for p in past
-        }
-        mask = np.ones((len(group), width), np.int64)
-        for _ in range(steps):
-            feeds |= {"input_ids": ids, "attention_mask": mask}
-            feeds["position_ids"] = positions_from_mask(mask, ids.shape[1])
-            logits, *cache = session.run(["logits", *presents], feeds)
-            ids = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
-            feeds = dict(zip((p.name for p in past), cache, strict=True))
-            mask = np.concatenate([mask, np.ones((len(group), 1), np.int64)], axis=1)
-        asked += len(group) * steps
-    seconds = time.perf_counter() - start
-    return {"tokens_per_s": asked / seconds, "seconds": seconds}
+
+    def run(same_work: bool) -> dict[str, float]:
+        counted, start = 0, time.perf_counter()
+        for g in range(0, len(jobs), batch):
+            group = jobs[g : g + batch]
+            steps = max(n for _, n in group)
+            if same_work:
+                width = max(len(p) for p, _ in group)
+                ids = np.zeros((len(group), width), np.int64)
+                mask = np.zeros((len(group), width), np.int64)
+                for row, (p, _) in enumerate(group):
+                    ids[row, width - len(p) :], mask[row, width - len(p) :] = p, 1
+                counted += sum(n for _, n in group)
+            else:
+                width = min(len(p) for p, _ in group)
+                ids = np.array([p[:width] for p, _ in group], np.int64)
+                mask = np.ones((len(group), width), np.int64)
+                counted += len(group) * steps
+            feeds = {
+                p.name: np.zeros((len(group), p.shape[1], 0, p.shape[3]), np.float32) for p in past
+            }
+            for _ in range(steps):
+                feeds |= {"input_ids": ids, "attention_mask": mask}
+                feeds["position_ids"] = positions_from_mask(mask, ids.shape[1])
+                logits, *cache = session.run(["logits", *presents], feeds)
+                ids = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+                feeds = dict(zip((p.name for p in past), cache, strict=True))
+                mask = np.concatenate([mask, np.ones((len(group), 1), np.int64)], axis=1)
+        seconds = time.perf_counter() - start
+        return {"tokens_per_s": counted / seconds, "seconds": seconds}
+
+    ceiling = run(same_work=False)
+    same = run(same_work=True)
+    return ceiling | {
+        "same_work_tokens_per_s": same["tokens_per_s"],
+        "same_work_s": same["seconds"],
+    }
 
 
 def machine_bound(jobs: list[Any], batch: int) -> dict[str, Any]:
@@ -235,8 +256,11 @@ def machine_bound(jobs: list[Any], batch: int) -> dict[str, Any]:
             "attention_mask": np.ones((rows, past_len + 1), np.int64),
             "position_ids": np.full((rows, 1), past_len, np.int64),
         }
+        # a cache of real values: np.zeros is calloc'd, every page the one zero page, so a
+        # step over it reads from cache and looked 40 % cheaper than over a real cache
+        rng = np.random.default_rng(0)
         for name, heads, dim in graph.spec:
-            feeds[name] = np.zeros((rows, heads, past_len, dim), graph.dtype)
+            feeds[name] = rng.standard_normal((rows, heads, past_len, dim)).astype(graph.dtype)
         step[rows] = timed(feeds)
     width = int(np.mean([len(p) for p, _ in jobs]))
     feeds = {
@@ -313,7 +337,12 @@ def main() -> None:
     print(f"continuous / request TTFT p95: {c['ttft_p95_ms'] / r['ttft_p95_ms']:.2f}x (goal <= 1)")
     print(
         f"served / offline batch {args.streams}: {c['tokens_per_s'] / o['tokens_per_s']:.2f}x "
-        "(goal >= 0.8)"
+        "(goal >= 0.8; the decode ceiling)"
+    )
+    print(
+        f"served / offline same work (static batches of {args.streams}, real prompts, only the "
+        f"tokens asked for: {o['same_work_tokens_per_s']:.1f} tokens/s): "
+        f"{c['tokens_per_s'] / o['same_work_tokens_per_s']:.2f}x"
     )
     steps = ", ".join(f"{r} rows {ms} ms" for r, ms in bound["step_ms"].items())
     print(f"this machine: decode step {steps}; prefill {bound['prefill_tokens_per_s']:.0f} tok/s")
