@@ -50,13 +50,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     )
     reference: Run = lambda feeds: m.torch_outputs(flat, lay, feeds)  # noqa: E731
     candidate: Run = lambda feeds: session.run([t.name for t in lay.outputs], feeds)  # noqa: E731
+    agree = acc.Agreement(task)  # one sample at a time: no logits kept
     with ctx.progress(f"{len(samples)} samples", len(samples)) as advance:
-        ref, got = [], []
         for feeds in samples:
-            ref.append(reference(feeds)[0])
-            got.append(candidate(feeds)[0])
+            agree.add(reference(feeds)[0], candidate(feeds)[0], feeds)
             advance()
-    metrics = task_metrics(task, ref, got, samples)
+    metrics = task_metrics(task, agree.result())
     if TASKS[task].kv_cache:
         metrics |= decode_metrics(reference, candidate, lay, samples, cfg.decode)
     # Absolute bounds hold whatever the baseline; changes vs production are the gate's job.
@@ -77,12 +76,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     return StageResult.passed(summary, details=details, metrics=metrics)
 
 
-def task_metrics(
-    task: str, ref: list[np.ndarray], got: list[np.ndarray], samples: list[dict[str, np.ndarray]]
-) -> dict[str, float]:
-    """The task's metrics (TASKS) from the comparison with the reference; the decode metrics
-    of a KV-cache task come from generation (decode_metrics)."""
-    agree = acc.agreement(task, ref, got, samples)
+def task_metrics(task: str, agree: dict[str, float]) -> dict[str, float]:
+    """The task's metrics (TASKS) from the comparison with the reference (acc.Agreement's
+    result); the decode metrics of a KV-cache task come from generation (decode_metrics)."""
     return {m: agree[METRIC_SOURCES[m]] for m in TASKS[task].metrics if m in METRIC_SOURCES}
 
 

@@ -62,6 +62,13 @@ def array(tensor: Any, base: Path) -> np.ndarray:
     return np.memmap(where.path, dtype=dtype, mode="r", offset=where.offset, shape=shape)
 
 
+def nbytes(tensor: Any) -> int:
+    """The bytes of an initializer's raw data, inline or external (0: typed fields)."""
+    if tensor.HasField("raw_data"):
+        return len(tensor.raw_data)
+    return int({e.key: e.value for e in tensor.external_data}.get("length", 0))
+
+
 def save(model: Any, base: Path, path: Path, external: set[str], location: str) -> None:
     """Write `model` to `path`. Its external initializers (bytes under `base`) named in
     `external` go to `location` beside `path`, one after another as `onnx.save_model` lays

@@ -15,27 +15,62 @@ def outputs(session: Any, samples: list[dict[str, np.ndarray]]) -> list[np.ndarr
     return [session.run([name], feeds)[0] for feeds in samples]
 
 
+class Agreement:
+    """top-1 agreement, mean cosine, SNR (dB) and, for a language model, perplexity change,
+    accumulated one sample at a time: no logits are kept, and float64 copies exist only for
+    ROWS rows at once (a vocabulary-wide model's logits over a dataset are gigabytes)."""
+
+    ROWS = 64
+
+    def __init__(self, task: str) -> None:
+        self.language_model = TASKS[task].language_model
+        self.rows = self.same = 0
+        self.cosine = self.signal = self.noise = 0.0
+        self.nll_r = self.nll_g = 0.0
+        self.tokens = 0
+
+    def add(self, ref: np.ndarray, got: np.ndarray, feeds: dict[str, np.ndarray]) -> None:
+        r_all, g_all = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])
+        for start in range(0, len(r_all), self.ROWS):
+            r = r_all[start : start + self.ROWS].astype(np.float64)
+            g = g_all[start : start + self.ROWS].astype(np.float64)
+            norms = np.linalg.norm(r, axis=1) * np.linalg.norm(g, axis=1)
+            self.cosine += float(np.sum(np.sum(r * g, axis=1) / np.where(norms == 0, 1, norms)))
+            self.same += int(np.sum(r.argmax(1) == g.argmax(1)))
+            self.signal += float(np.sum(r**2))
+            self.noise += float(np.sum((r - g) ** 2))
+            self.rows += len(r)
+        if self.language_model:
+            nll, count = _nll(ref, feeds)
+            self.nll_r, self.tokens = self.nll_r + nll, self.tokens + count
+            self.nll_g += _nll(got, feeds)[0]
+
+    def result(self) -> dict[str, float]:
+        snr = 10 * float(np.log10(self.signal / self.noise)) if self.noise else 200.0
+        out = {
+            "top1_agreement": self.same / max(self.rows, 1),
+            "logit_cosine": self.cosine / max(self.rows, 1),
+            "snr_db": snr,
+        }
+        if self.language_model:
+            ppl_r = float(np.exp(self.nll_r / max(self.tokens, 1)))
+            ppl_g = float(np.exp(self.nll_g / max(self.tokens, 1)))
+            out |= {
+                "perplexity_fp32": ppl_r,
+                "perplexity": ppl_g,
+                "perplexity_increase": ppl_g / ppl_r - 1,
+            }
+        return out
+
+
 def agreement(
     task: str, ref: list[np.ndarray], got: list[np.ndarray], samples: list[dict[str, np.ndarray]]
 ) -> dict[str, float]:
-    """top-1 agreement, mean cosine, SNR (dB) and, for a language model, perplexity change."""
-    vec_r = np.concatenate([r.reshape(-1, r.shape[-1]) for r in ref]).astype(np.float64)
-    vec_g = np.concatenate([g.reshape(-1, g.shape[-1]) for g in got]).astype(np.float64)
-    norms = np.linalg.norm(vec_r, axis=1) * np.linalg.norm(vec_g, axis=1)
-    cosine = np.sum(vec_r * vec_g, axis=1) / np.where(norms == 0, 1, norms)
-    out = {
-        "top1_agreement": float(np.mean(vec_r.argmax(1) == vec_g.argmax(1))),
-        "logit_cosine": float(np.mean(cosine)),
-        "snr_db": snr_db(vec_r, vec_g),
-    }
-    if TASKS[task].language_model:
-        ppl_r, ppl_g = perplexity(ref, samples), perplexity(got, samples)
-        out |= {
-            "perplexity_fp32": ppl_r,
-            "perplexity": ppl_g,
-            "perplexity_increase": ppl_g / ppl_r - 1,
-        }
-    return out
+    """Agreement over lists of outputs held in memory (small models, benchmarks)."""
+    acc = Agreement(task)
+    for r, g, feeds in zip(ref, got, samples, strict=True):
+        acc.add(r, g, feeds)
+    return acc.result()
 
 
 def snr_db(ref: np.ndarray, got: np.ndarray) -> float:
@@ -73,19 +108,15 @@ def mean_channel_snr_db(ref: np.ndarray, got: np.ndarray) -> float:
     return 200.0 if per is None else float(np.mean(per))
 
 
-def perplexity(logits: list[np.ndarray], samples: list[dict[str, np.ndarray]]) -> float:
-    """exp(mean next-token NLL) over every sample, targets = the sample's own next tokens."""
-    nll, count = 0.0, 0
-    for lg, feeds in zip(logits, samples, strict=True):
-        ids = feeds["input_ids"][0]
-        if ids.size < 2:
-            continue
-        x = lg[0, :-1].astype(np.float64)
-        x -= x.max(axis=1, keepdims=True)
-        logp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
-        nll -= float(logp[np.arange(ids.size - 1), ids[1:]].sum())
-        count += ids.size - 1
-    return float(np.exp(nll / max(count, 1)))
+def _nll(logits: np.ndarray, feeds: dict[str, np.ndarray]) -> tuple[float, int]:
+    """One sample's summed next-token NLL and the number of tokens it predicts."""
+    ids = feeds["input_ids"][0]
+    if ids.size < 2:
+        return 0.0, 0
+    x = logits[0, :-1].astype(np.float64)
+    x -= x.max(axis=1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    return -float(logp[np.arange(ids.size - 1), ids[1:]].sum()), ids.size - 1
 
 
 GREEDY_PROMPTS, GREEDY_PROMPT_TOKENS, GREEDY_TOKENS = 16, 32, 16

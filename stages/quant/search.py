@@ -53,41 +53,36 @@ def brief(metrics: dict[str, float]) -> str:
 
 
 def preprocess(ctx: StageContext, model: Path) -> tuple[Path, str]:
-    """onnxruntime's quant_pre_process (shape inference + graph optimization).
+    """onnxruntime's quantization pre-processing (symbolic shape inference, ONNX Runtime's
+    basic graph optimization, ONNX shape inference), done the way `quant_pre_process` does
+    it but without the weights in Python: the shape passes see the graph's `skeleton`
+    (weights as byte ranges of the export file) and ONNX Runtime writes the optimized graph
+    with its weights in one external file (`model.onnx.data`). `quant_pre_process` parses
+    and copies the whole model several times: 4.4 GB peak on gpt2-small's 0.5 GB.
 
-    Its symbolic shape inference fails on BERT-family graphs ("unsupported broadcast between
+    Symbolic shape inference fails on BERT-family graphs ("unsupported broadcast between
     Min(512, sequence) sequence"); ONNX's own shape inference handles them, and the
     quantizers only need the shapes of the nodes they touch. So on that failure it runs
-    again with skip_symbolic_shape and says so (the second string; "" when not needed).
+    again without it and says so (the second string; "" when not needed).
     """
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
     out = ctx.work / "_pre" / "model.onnx"
-    large = sum(f.stat().st_size for f in model.parent.glob("model.onnx*")) > (2 << 30)
-    options = {
-        "save_as_external_data": large,
-        "all_tensors_to_one_file": True,
-        "external_data_location": "model.onnx.data",
-    }
     first = ""
     for skip in (False, True):
         shutil.rmtree(out.parent, ignore_errors=True)
         out.parent.mkdir()
         scratch = ctx.work / "_pre_scratch"
-        scratch.mkdir(exist_ok=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir()
         try:
-            # a failed symbolic pass leaves sym_shape_infer_temp.onnx (and its external data)
-            # in the working directory: keep that inside this stage's temp folder
+            # anything the passes write or read by relative path stays in the scratch folder
             with contextlib.chdir(scratch):
-                quant_pre_process(
-                    model.resolve(), out.resolve(), skip_symbolic_shape=skip, **options
-                )
+                _preprocess(model.resolve(), scratch.resolve(), out.resolve(), skip)
         except Exception as exc:  # symbolic shape inference raises assorted types
             if skip:
                 raise StageError(
                     STAGE,
-                    f"quant_pre_process failed with symbolic shape inference ({first}) and "
-                    f"without it ({' '.join(str(exc).split())[:200]})",
+                    f"quantization pre-processing failed with symbolic shape inference "
+                    f"({first}) and without it ({' '.join(str(exc).split())[:200]})",
                     "the exported graph needs shapes ONNX or ONNX Runtime can infer",
                 ) from None
             first = " ".join(str(exc).split())[:200]
@@ -103,15 +98,80 @@ def preprocess(ctx: StageContext, model: Path) -> tuple[Path, str]:
     raise AssertionError("unreachable")
 
 
+PRE_DATA = "model.onnx.data"
+
+
+def _preprocess(model: Path, scratch: Path, out: Path, skip_symbolic: bool) -> None:
+    """The three passes of quant_pre_process on `model`, written to `out` + PRE_DATA."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto
+    from onnxruntime.quantization.quant_utils import add_pre_process_metadata
+
+    from stages.onnx import stream
+
+    skel = stream.skeleton(model)  # weights: byte ranges of the export's files
+    files = {model.name} | {
+        e.value
+        for t in skel.graph.initializer
+        if t.data_location == TensorProto.EXTERNAL
+        for e in t.external_data
+        if e.key == "location"
+    }
+    for name in files:  # beside the skeleton, by the names its tensors point to
+        try:
+            os.link(model.parent / name, scratch / name)
+        except OSError:
+            shutil.copyfile(model.parent / name, scratch / name)
+    if not skip_symbolic:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        skel = SymbolicShapeInference.infer_shapes(skel, 2**31 - 1, False, False, 0)
+    shaped = scratch / "shaped.onnx"
+    shaped.write_bytes(skel.SerializeToString())
+    del skel
+    optimized = scratch / "optimized.onnx"
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.optimized_model_filepath = str(optimized)
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.add_session_config_entry(
+        "session.optimized_model_external_initializers_file_name", PRE_DATA
+    )
+    options.add_session_config_entry(
+        "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
+    )
+    ort.InferenceSession(str(shaped), options, providers=["CPUExecutionProvider"])
+    inferred = scratch / "inferred.onnx"
+    onnx.shape_inference.infer_shapes_path(str(optimized), str(inferred))
+    result = onnx.load(str(inferred), load_external_data=False)
+    for tensor in result.graph.initializer:  # ORT's external writer sets an empty doc_string
+        if tensor.HasField("doc_string") and not tensor.doc_string:
+            tensor.ClearField("doc_string")
+    add_pre_process_metadata(result)
+    onnx.save(result, str(out))
+    if (scratch / PRE_DATA).exists():  # absent when every weight is small enough to inline
+        os.replace(scratch / PRE_DATA, out.parent / PRE_DATA)
+
+
 class Evaluator:
     """Compares a quantized variant with the FP32 graph on fixed samples; with `greedy`, also
-    on text FP32 generated from them (greedy agreement, language models only)."""
+    on text FP32 generated from them (greedy agreement, language models only).
+
+    The FP32 outputs are kept on disk, one file a sample, and compared one sample at a time
+    (acc.Agreement): a model's logits over its samples are vocabulary x tokens x samples
+    floats (0.4 GB for GPT-2 on 32 samples of 64 tokens), which held in memory, and copied
+    to float64 for the comparison, were most of the stage's peak."""
 
     def __init__(self, task: str, fp32: Path, samples: list[dict], greedy: bool = False) -> None:
+        import tempfile
+
         self.task, self.samples = task, samples
+        self._store = tempfile.TemporaryDirectory(prefix="shipyard-reference-")
         session = session_for(fp32)
-        self.reference = acc.outputs(session, samples)
-        for i, out in enumerate(self.reference):
+        name = session.get_outputs()[0].name
+        for i, feeds in enumerate(samples):
+            out = session.run([name], feeds)[0]
             if not np.all(np.isfinite(out)):
                 raise StageError(
                     STAGE,
@@ -119,16 +179,23 @@ class Evaluator:
                     "(NaN or inf): there is nothing to quantize against",
                     "fix the checkpoint (NaN weights?); evalcheck and parity should fail too",
                 )
+            np.save(self._reference(i), out)
         self.generated = (
             acc.greedy_continuations(session, samples)
             if greedy and TASKS[task].language_model
             else []
         )
 
+    def _reference(self, i: int) -> Path:
+        return Path(self._store.name) / f"{i}.npy"
+
     def __call__(self, path: Path) -> dict[str, float]:
         session = session_for(path)
-        got = acc.outputs(session, self.samples)
-        out = acc.agreement(self.task, self.reference, got, self.samples)
+        name = session.get_outputs()[0].name
+        agree = acc.Agreement(self.task)
+        for i, feeds in enumerate(self.samples):
+            agree.add(np.load(self._reference(i)), session.run([name], feeds)[0], feeds)
+        out = agree.result()
         if self.generated:
             out["greedy_agreement"] = acc.greedy_agreement(session, self.generated)
         return out

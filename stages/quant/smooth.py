@@ -36,11 +36,14 @@ def smooth(
 ) -> dict[str, Any]:
     """Write the smoothed model to dst (weights in the external file `data` beside it);
     returns what was done: tensors smoothed, folded vs inserted, the largest channel ratio
-    before and after."""
+    before and after. The source's weights are read memory-mapped, and only the smoothed
+    ones are held, until they are written (stages/onnx/stream.py)."""
     import onnx
-    from onnx import numpy_helper
 
-    model = onnx.load(str(src))
+    from stages.onnx import stream
+
+    model = onnx.load(str(src), load_external_data=False)
+    base = src.parent
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     groups: dict[str, list[Any]] = {}  # activation tensor -> the MatMuls that read it
@@ -49,7 +52,7 @@ def smooth(
             node.op_type in op_types
             and node.op_type == "MatMul"
             and node.input[1] in inits
-            and numpy_helper.to_array(inits[node.input[1]]).ndim == 2
+            and len(inits[node.input[1]].dims) == 2
         ):
             groups.setdefault(node.input[0], []).append(node)
     absmax = _channel_absmax(src, list(groups), samples)
@@ -63,7 +66,7 @@ def smooth(
         act = absmax.get(x)
         if act is None or not np.any(act > 0):
             continue
-        weights = [numpy_helper.to_array(inits[n.input[1]]) for n in matmuls]
+        weights = [stream.array(inits[n.input[1]], base) for n in matmuls]
         wmax = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)
         scale = np.where(
             (act > 0) & (wmax > 0),
@@ -77,17 +80,19 @@ def smooth(
         after = max(after, float(smoothed.max()) / (float(np.median(smoothed)) or 1.0))
         for node, w in zip(matmuls, weights, strict=True):
             name = _fresh(inits, node.input[1] + "_smoothed")
-            _add(graph, inits, numpy_helper.from_array(w * scale[:, None], name))
+            _add(graph, inits, onnx.numpy_helper.from_array(w * scale[:, None], name))
             node.input[1] = name
         readers = consumers.get(x, [])
         # a Shape reader does not see the values: folding cannot change what it computes
         others = [r for r in readers if r not in matmuls and r.op_type not in SHAPE_ONLY]
         only_ours = x not in outputs and not others
-        if only_ours and _fold(graph, inits, producers.get(x), producers, consumers, 1 / scale):
+        if only_ours and _fold(
+            graph, inits, producers.get(x), producers, consumers, 1 / scale, base
+        ):
             report["folded"] += 1
         else:
             inv = _fresh(inits, x + "_smooth_inv")
-            _add(graph, inits, numpy_helper.from_array((1 / scale).astype(np.float32), inv))
+            _add(graph, inits, onnx.numpy_helper.from_array((1 / scale).astype(np.float32), inv))
             out = x + "_smoothed"
             new_nodes[x] = onnx.helper.make_node("Mul", [x, inv], [out], name=f"{x}_SmoothQuant")
             for node in matmuls:
@@ -97,14 +102,8 @@ def smooth(
     _insert(graph, new_nodes)
     _drop_unused(graph)
     report["max_ratio_after"] = after
-    onnx.save_model(
-        model,
-        str(dst),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=data,
-        size_threshold=1024,
-    )
+    big = {t.name for t in graph.initializer if stream.nbytes(t) > 1024}
+    stream.save(model, base, dst, big, data)
     return report
 
 
@@ -123,10 +122,16 @@ def _channel_absmax(
 
 
 def _fold(
-    graph: Any, inits: dict, producer: Any, producers: dict, consumers: dict, inv: np.ndarray
+    graph: Any,
+    inits: dict,
+    producer: Any,
+    producers: dict,
+    consumers: dict,
+    inv: np.ndarray,
+    base: Path,
 ) -> bool:
     """Multiply the producer's per-channel factor by inv; False when it has none we can use."""
-    from onnx import numpy_helper
+    from stages.onnx import stream
 
     if producer is None:
         return False
@@ -135,16 +140,16 @@ def _fold(
         if any(producer.input[i] not in inits for i in given):
             return False
         for i in given:
-            _scaled_input(graph, inits, producer, i, inv, axis=-1)
+            _scaled_input(graph, inits, producer, i, inv, -1, base)
         return True
     if producer.op_type != "Mul":
         return False
     for i in (0, 1):
         name = producer.input[i]
         if name in inits:
-            value = numpy_helper.to_array(inits[name])
+            value = stream.array(inits[name], base)
             if value.ndim >= 1 and value.shape[-1] == inv.size and value.size == inv.size:
-                _scaled_input(graph, inits, producer, i, inv, axis=-1)
+                _scaled_input(graph, inits, producer, i, inv, -1, base)
                 return True
             return False
     for i in (1, 0):  # a * (x W): the MatMul's weight columns take the factor
@@ -156,19 +161,23 @@ def _fold(
             and [r for r in consumers.get(up.output[0], []) if r.op_type not in SHAPE_ONLY]
             == [producer]
         ):
-            w = numpy_helper.to_array(inits[up.input[1]])
+            w = stream.array(inits[up.input[1]], base)
             if w.ndim == 2 and w.shape[1] == inv.size:
-                _scaled_input(graph, inits, up, 1, inv, axis=-1)
+                _scaled_input(graph, inits, up, 1, inv, -1, base)
                 return True
     return False
 
 
-def _scaled_input(graph: Any, inits: dict, node: Any, i: int, inv: np.ndarray, axis: int) -> None:
+def _scaled_input(
+    graph: Any, inits: dict, node: Any, i: int, inv: np.ndarray, axis: int, base: Path
+) -> None:
     """node.input[i] (a constant) times inv along `axis`, as a new initializer (the old one
     may feed other nodes)."""
     from onnx import numpy_helper
 
-    value = numpy_helper.to_array(inits[node.input[i]])
+    from stages.onnx import stream
+
+    value = stream.array(inits[node.input[i]], base)
     shape = [1] * value.ndim
     shape[axis] = inv.size
     name = _fresh(inits, node.input[i] + "_smoothed")

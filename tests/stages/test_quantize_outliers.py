@@ -354,3 +354,47 @@ def test_bert_outliers_are_planted_without_changing_the_function() -> None:
         after = model(ids).last_hidden_state
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
     assert min(float(a.max() / a.median()) for a in seen.values()) > 2 * plain
+
+
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("int8-dynamic", {"per_channel": False}),
+        ("int8-dynamic", {"per_channel": True}),
+        ("int4-weight-only", {}),
+    ],
+)
+def test_spliced_variants_equal_onnxruntimes_whole_model_quantization(
+    llama: tuple[Workspace, dict], tmp_path: Path, method: str, extra: dict
+) -> None:
+    """A variant built from per-node pieces computes exactly what onnxruntime's quantizer
+    makes of the whole model (all nodes, and all but some), with one dynamic quantization
+    per shared input (q/k/v and gate/up read the same tensor), and ships as one file."""
+    import shutil
+
+    import onnx
+
+    from schemas.loader import load_release
+    from stages.quant import methods
+    from stages.quant.methods import Quantizer
+
+    ws, spec = llama
+    cfg = {k: v for k, v in spec["quantization"].items() if k in ("calibration", "budget")}
+    release = load_release(ws.write({**spec, "quantization": {**cfg, "method": method, **extra}}))
+    export = ws.out(NAME, "export") / "model.onnx"
+    quantizer = Quantizer(export, release.quantization, [], tmp_path / "q")
+    some = quantizer.candidates()[1::3]
+    feeds = _feeds(session_for(export), np.arange(3, 40, dtype=np.int64)[None, :])
+    for exclude in ([], some):
+        spliced = quantizer.quantize(exclude=exclude)
+        whole = tmp_path / f"whole{len(exclude)}.onnx"
+        methods._METHODS[method](quantizer, quantizer.model, whole, exclude, None, False)
+        alone = tmp_path / "alone" / "model.onnx"  # no side file: nothing points elsewhere
+        alone.parent.mkdir(exist_ok=True)
+        shutil.copyfile(spliced, alone)
+        got = session_for(alone).run(None, feeds)
+        want = session_for(whole).run(None, feeds)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+        ops = [[n.op_type for n in onnx.load(str(p)).graph.node] for p in (spliced, whole)]
+        assert sorted(ops[0]) == sorted(ops[1])
