@@ -5,7 +5,6 @@ worth shipping."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import shutil
 from pathlib import Path
@@ -269,26 +268,48 @@ def local_snr(
     per-channel SNR of its output against x @ W_fp32, x being the input it saw there (one
     SNR over the tensor let outlier channels hide the crushed ones: an up_proj with
     outlier rows ranked 22 dB locally and did the most damage end to end)."""
-    from onnx import external_data_helper, numpy_helper
-
+    from stages.onnx import stream
     from stages.onnx.graph import marked_runs
 
     graph = quantizer.skeleton().graph
     by_name = {n.name: n for n in graph.node}
     weights = {t.name: t for t in graph.initializer}
+    # a static-QDQ candidate may multiply two activations (attention's Q K^T): both marked
     names = list(
-        dict.fromkeys(t for n in nodes for t in (by_name[n].input[0], by_name[n].output[0]))
+        dict.fromkeys(
+            t
+            for n in nodes
+            for t in (*by_name[n].input[:3], by_name[n].output[0])
+            if t and t not in weights
+        )
     )
     values = next(marked_runs(quantized, names, [feeds]))
     out = {}
     for name in nodes:
         node = by_name[name]
-        tensor = weights[node.input[1]]
-        if external_data_helper.uses_external_data(tensor):
-            tensor = copy.deepcopy(tensor)
-            external_data_helper.load_external_data_for_tensor(tensor, str(quantizer.model.parent))
-        reference = values[node.input[0]] @ numpy_helper.to_array(tensor)
+
+        def value(t: str) -> np.ndarray:
+            return stream.array(weights[t], quantizer.model.parent) if t in weights else values[t]
+
+        reference = _product(node, value)
         out[name] = acc.mean_channel_snr_db(reference, values[node.output[0]])
+    return out
+
+
+def _product(node: Any, value: Any) -> np.ndarray:
+    """What the FP32 node computes from its inputs' values (MatMul, or Gemm with its
+    transposes, alpha, beta and bias: static QDQ keeps Gemm as it is)."""
+    from onnx import helper
+
+    a, b = value(node.input[0]), value(node.input[1])
+    if node.op_type != "Gemm":
+        return a @ b
+    attrs = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    a = a.T if attrs.get("transA", 0) else a
+    b = b.T if attrs.get("transB", 0) else b
+    out = attrs.get("alpha", 1.0) * (a @ b)
+    if len(node.input) > 2 and node.input[2]:
+        out = out + attrs.get("beta", 1.0) * value(node.input[2])
     return out
 
 

@@ -398,3 +398,34 @@ def test_spliced_variants_equal_onnxruntimes_whole_model_quantization(
             np.testing.assert_array_equal(g, w)
         ops = [[n.op_type for n in onnx.load(str(p)).graph.node] for p in (spliced, whole)]
         assert sorted(ops[0]) == sorted(ops[1])
+
+
+def test_one_pass_sensitivity_ranks_static_qdq_nodes_that_multiply_two_activations(
+    llama: tuple[Workspace, dict], tmp_path: Path
+) -> None:
+    """Static QDQ also quantizes attention's activation x activation MatMuls (no weight):
+    the one-pass ranking measures them against the product of their two FP32-valued
+    inputs (it raised KeyError on the missing weight, failing any static run with more
+    candidates than it refines)."""
+    from schemas.loader import load_release
+    from stages.quant.methods import Quantizer
+    from stages.quant.search import local_snr
+
+    ws, spec = llama
+    cfg = {k: v for k, v in spec["quantization"].items() if k in ("calibration", "budget")}
+    release = load_release(ws.write({**spec, "quantization": {**cfg, "method": "int8-static"}}))
+    export = ws.out(NAME, "export") / "model.onnx"
+    samples = _samples(ws, release)[:4]
+    quantizer = Quantizer(export, release.quantization, samples, tmp_path / "q")
+    nodes = quantizer.candidates()
+    weights = {t.name for t in quantizer.skeleton().graph.initializer}
+    by_name = {n.name: n for n in quantizer.skeleton().graph.node}
+    two = [n for n in nodes if by_name[n].input[1] not in weights]
+    assert two, "the graph has activation x activation MatMuls to rank"
+    local = local_snr(quantizer, quantizer.quantize(), nodes, samples[0])
+    assert set(local) == set(nodes)
+    assert all(np.isfinite(v) for v in local.values()), local
+    # against the right reference a quantized Q K^T is close (a wrong operand reads ~0 dB);
+    # the planted down_proj layers may be far worse, which is what the ranking is for
+    low = {n: local[n] for n in two if local[n] < 15}
+    assert not low, low
