@@ -118,10 +118,15 @@ def _preprocess(model: Path, scratch: Path, out: Path, skip_symbolic: bool) -> N
         if e.key == "location"
     }
     for name in files:  # beside the skeleton, by the names its tensors point to
-        try:
-            os.link(model.parent / name, scratch / name)
-        except OSError:
-            shutil.copyfile(model.parent / name, scratch / name)
+        source, target = model.parent / name, scratch / name
+        if skip_symbolic:  # ONNX Runtime and infer_shapes_path read it: a link will do
+            with contextlib.suppress(OSError):
+                os.link(source, target)
+        if not target.exists():
+            # symbolic shape inference reads some constants through onnx, which refuses
+            # external data in a file with several hard links ("potential hardlink
+            # attack"): a copy (on disk, not in memory)
+            shutil.copyfile(source, target)
     if not skip_symbolic:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
