@@ -294,7 +294,10 @@ def _one_node_model(skel: Any, node: Any, base: Path) -> Any:
         node.output[0], TensorProto.FLOAT, None
     )
     graph = helper.make_graph([node], "one_node", [x], [y], inits)
-    return helper.make_model(graph, opset_imports=skel.opset_import, ir_version=skel.ir_version)
+    model = helper.make_model(graph, opset_imports=skel.opset_import, ir_version=skel.ir_version)
+    # cut from the pre-processed graph: say so, or onnxruntime warns once per node
+    helper.set_model_props(model, {p.key: p.value for p in skel.metadata_props})
+    return model
 
 
 class _Reader:

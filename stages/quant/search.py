@@ -98,6 +98,7 @@ def preprocess(ctx: StageContext, model: Path) -> tuple[Path, str]:
 
 
 PRE_DATA = "model.onnx.data"
+SHAPED = "shipyard-shaped.onnx"  # the skeleton with its shapes, beside the export's files
 
 
 def _preprocess(model: Path, scratch: Path, out: Path, skip_symbolic: bool) -> None:
@@ -117,8 +118,16 @@ def _preprocess(model: Path, scratch: Path, out: Path, skip_symbolic: bool) -> N
         for e in t.external_data
         if e.key == "location"
     }
-    for name in files:  # beside the skeleton, by the names its tensors point to
-        source, target = model.parent / name, scratch / name
+    # the export's files (linked or copied) in a folder of their own, beside the skeleton;
+    # what ONNX Runtime writes goes to another, so it can never write through a link into
+    # the export (whose data file may well be named model.onnx.data too)
+    src, opt = scratch / "src", scratch / "opt"
+    src.mkdir()
+    opt.mkdir()
+    for name in files:
+        if Path(name).name != name or name in ("", ".", "..", SHAPED):
+            raise ValueError(f"{model}: external data location {name!r} is not a file name")
+        source, target = model.parent / name, src / name
         if skip_symbolic:  # ONNX Runtime and infer_shapes_path read it: a link will do
             with contextlib.suppress(OSError):
                 os.link(source, target)
@@ -131,10 +140,10 @@ def _preprocess(model: Path, scratch: Path, out: Path, skip_symbolic: bool) -> N
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
         skel = SymbolicShapeInference.infer_shapes(skel, 2**31 - 1, False, False, 0)
-    shaped = scratch / "shaped.onnx"
+    shaped = src / SHAPED
     shaped.write_bytes(skel.SerializeToString())
     del skel
-    optimized = scratch / "optimized.onnx"
+    optimized = opt / "optimized.onnx"
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.optimized_model_filepath = str(optimized)
@@ -146,7 +155,7 @@ def _preprocess(model: Path, scratch: Path, out: Path, skip_symbolic: bool) -> N
         "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
     )
     ort.InferenceSession(str(shaped), options, providers=["CPUExecutionProvider"])
-    inferred = scratch / "inferred.onnx"
+    inferred = opt / "inferred.onnx"
     onnx.shape_inference.infer_shapes_path(str(optimized), str(inferred))
     result = onnx.load(str(inferred), load_external_data=False)
     for tensor in result.graph.initializer:  # ORT's external writer sets an empty doc_string
@@ -154,8 +163,8 @@ def _preprocess(model: Path, scratch: Path, out: Path, skip_symbolic: bool) -> N
             tensor.ClearField("doc_string")
     add_pre_process_metadata(result)
     onnx.save(result, str(out))
-    if (scratch / PRE_DATA).exists():  # absent when every weight is small enough to inline
-        os.replace(scratch / PRE_DATA, out.parent / PRE_DATA)
+    if (opt / PRE_DATA).exists():  # absent when every weight is small enough to inline
+        os.replace(opt / PRE_DATA, out.parent / PRE_DATA)
 
 
 class Evaluator:

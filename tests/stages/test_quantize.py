@@ -362,3 +362,28 @@ def test_auto_recipes_are_checked_by_the_spec(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="recipes"):
         load_release(ws.write(auto_spec(recipes=["int3"])))
     assert load_release(ws.write(auto_spec())).quantization.method == "auto"
+
+
+def test_pre_processing_never_writes_into_the_exports_own_data_file(ws: Workspace) -> None:
+    """An export with external data ships model.onnx.data, the name ONNX Runtime's
+    optimizer also writes the pre-processed weights to: the export's files are read (linked
+    or copied) but must come out byte-identical, and the quantized graph must still run."""
+    import hashlib
+
+    spec = gpt2_spec()
+    spec["export"]["external_data"] = "always"
+    for stage in ("pin", "export"):
+        assert ws.run(stage, spec).status.value == "passed"
+    export = ws.out(spec["name"], "export")
+    assert (export / "model.onnx.data").is_file()
+
+    def digests() -> dict[str, str]:
+        return {
+            f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in export.glob("model.onnx*")
+        }
+
+    before = digests()
+    report = ws.run("quantize", spec)
+    assert report.status.value == "passed", report.reasons
+    assert digests() == before
+    assert (ws.out(spec["name"], "quantize") / "model.onnx").is_file()
