@@ -139,7 +139,8 @@ def _preprocess(model: Path, scratch: Path, out: Path, skip_symbolic: bool) -> N
     if not skip_symbolic:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-        skel = SymbolicShapeInference.infer_shapes(skel, 2**31 - 1, False, False, 0)
+        with contextlib.chdir(src):  # onnx resolves the constants it reads from here
+            skel = SymbolicShapeInference.infer_shapes(skel, 2**31 - 1, False, False, 0)
     shaped = src / SHAPED
     shaped.write_bytes(skel.SerializeToString())
     del skel
