@@ -322,6 +322,20 @@ def skeleton(path: Path) -> Any:
 VIEW = "view.onnx"
 
 
+def data_files(model: Any, path: Path) -> set[str]:
+    """The names of the files the model at `path` (its skeleton: `model`) reads: its own and
+    every external data location its initializers name."""
+    from onnx import TensorProto
+
+    return {path.name} | {
+        entry.value
+        for t in model.graph.initializer
+        if t.data_location == TensorProto.EXTERNAL
+        for entry in t.external_data
+        if entry.key == "location"
+    }
+
+
 @contextlib.contextmanager
 def external_view(path: Path, edit: Any = None) -> Iterator[Path]:
     """A graph ONNX Runtime loads `path` from without a second copy of its weights: its
@@ -329,16 +343,8 @@ def external_view(path: Path, edit: Any = None) -> Iterator[Path]:
     `path` and to the external data files it names (copies where links fail). ONNX Runtime
     then reads the weights from the file instead of parsing them into a protobuf and
     copying them out of it (gpt2-small: 0.25 GB less at its peak)."""
-    from onnx import TensorProto
-
     model = skeleton(path)
-    files = {path.name} | {
-        entry.value
-        for t in model.graph.initializer
-        if t.data_location == TensorProto.EXTERNAL
-        for entry in t.external_data
-        if entry.key == "location"
-    }
+    files = data_files(model, path)
     if edit is not None:
         edit(model)
     # beside the model's folder (same file system, so the files are linked, not copied)

@@ -105,19 +105,12 @@ def _preprocess(model: Path, scratch: Path, out: Path, skip_symbolic: bool) -> N
     """The three passes of quant_pre_process on `model`, written to `out` + PRE_DATA."""
     import onnx
     import onnxruntime as ort
-    from onnx import TensorProto
     from onnxruntime.quantization.quant_utils import add_pre_process_metadata
 
     from stages.onnx import stream
 
     skel = stream.skeleton(model)  # weights: byte ranges of the export's files
-    files = {model.name} | {
-        e.value
-        for t in skel.graph.initializer
-        if t.data_location == TensorProto.EXTERNAL
-        for e in t.external_data
-        if e.key == "location"
-    }
+    files = stream.data_files(skel, model)
     # the export's files (linked or copied) in a folder of their own, beside the skeleton;
     # what ONNX Runtime writes goes to another, so it can never write through a link into
     # the export (whose data file may well be named model.onnx.data too)
@@ -299,13 +292,13 @@ def local_snr(
         )
     )
     values = next(marked_runs(quantized, names, [feeds]))
+
+    def value(t: str) -> np.ndarray:
+        return stream.array(weights[t], quantizer.model.parent) if t in weights else values[t]
+
     out = {}
     for name in nodes:
         node = by_name[name]
-
-        def value(t: str) -> np.ndarray:
-            return stream.array(weights[t], quantizer.model.parent) if t in weights else values[t]
-
         reference = _product(node, value)
         out[name] = acc.mean_channel_snr_db(reference, values[node.output[0]])
     return out
