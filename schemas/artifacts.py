@@ -140,7 +140,13 @@ class RecipeRow(_Model):
         description="FP32 time / quantized time, slowest decisive pass; None: not timed (it "
         "failed its accuracy budget and could not become the fallback).",
     )
-    holdout: dict[str, float] = Field(description="Budget metrics on held-out samples.")
+    calibration: dict[str, float] = Field(
+        default_factory=dict, description="Budget metrics on the calibration probe."
+    )
+    holdout: dict[str, float] = Field(
+        description="Budget metrics on held-out samples; empty when the calibration probe "
+        "already broke the budget (the variant could not ship: held-out was not measured)."
+    )
     chosen: bool
     why: str
 

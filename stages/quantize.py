@@ -153,17 +153,20 @@ def _auto(
 ) -> StageResult:
     """method auto: the recipe search (stages/quant/recipes.py); its table is the report."""
     probe = samples.calibration[: q.calibration.sensitivity_samples]
+    fp32 = search.session_for(pre)  # one session: references, decode feeds, timing
     outcome = recipes.Search(
         ctx,
         pre,
         q,
         samples,
         budget,
-        search.Evaluator(release.task, pre, probe, greedy=True),
-        search.Evaluator(release.task, pre, samples.holdout, greedy=True),
+        search.Evaluator(release.task, fp32, probe, greedy=True),
+        search.Evaluator(release.task, fp32, samples.holdout, greedy=True),
         sum(f.stat().st_size for f in export.glob("model.onnx*")),
         _served_rows(release),
+        fp32,
     ).run()
+    del fp32
     details: dict[str, Any] = {
         "calibration": {
             "path": samples.source,

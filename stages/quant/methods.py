@@ -1,8 +1,8 @@
 """One interface over onnxruntime.quantization's methods: quantize all but / only some nodes.
 
-For the weight-carrying methods (dynamic INT8, MatMulNBits) every variant is spliced: each
-node is quantized once, alone, in a one-node model by the same onnxruntime call, and a
-variant is the FP32 graph's skeleton with the chosen nodes' quantized pieces put in place.
+Every variant is spliced (dynamic INT8, MatMulNBits, static QDQ): each node is quantized
+once, alone, in a one-node model by the same onnxruntime call, and a variant is the FP32
+graph's skeleton with the chosen nodes' quantized pieces put in place.
 The FP32 weights stay in one external-data file (WEIGHTS) that the skeleton points to, and
 the variant is written one tensor at a time (stages/onnx/stream.py), so no step holds the
 model: onnxruntime's quantize_dynamic parses, copies and re-serializes the whole model
@@ -10,7 +10,11 @@ model: onnxruntime's quantize_dynamic parses, copies and re-serializes the whole
 the full graph for every variant (~7 s at 124M parameters). A variant's output is the same
 as quantize_dynamic's on the whole model: each node's quantization depends only on its own
 weight, and nodes that share an input share its one dynamic quantization, as there.
-Static QDQ calibrates the whole graph and goes through onnxruntime whole.
+Static QDQ's ranges are calibrated first, on the skeleton (stages/quant/static.py), and
+every piece is quantized from them; the variant computes what quantize_static's does, with
+one difference: a tensor read by a quantized node and by one kept in float reaches the
+float one unquantized (quantize_static feeds every reader the Q/DQ'd tensor, so a node
+"kept in float" could still see INT8 input).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 from schemas import StageError
 from stages.onnx import shapes as sh
 from stages.onnx import stream
+from stages.quant import static
 
 TWO_GB = 2 << 30
 WEIGHTS = "weights.data"
@@ -41,13 +46,12 @@ class Quantizer:
         self.counter = itertools.count()
         self.large = model.stat().st_size + _data_size(model) > TWO_GB
         folder.mkdir(parents=True, exist_ok=True)
-        self.splice = cfg.method != "int8-static"
+        self.static = cfg.method == "int8-static"
         # Gemm -> MatMul ourselves, keeping node names: onnxruntime's dynamic mode renames
-        # Gemm nodes (`<name>_MatMul`), which would silently defeat nodes_to_exclude, and
-        # MatMulNBits only takes MatMul.
+        # Gemm nodes (`<name>_MatMul`), which would silently defeat nodes_to_exclude,
+        # MatMulNBits only takes MatMul, and a spliced piece is a MatMul's.
         alpha = getattr(cfg, "smooth_alpha", None)  # SmoothQuant smooths MatMul inputs too
-        convert = self.splice or alpha is not None
-        self.model = _gemm_as_matmul(model, folder / "fp32.onnx") if convert else model
+        self.model = _gemm_as_matmul(model, folder / "fp32.onnx")
         self.smoothing: dict[str, Any] = {}
         if alpha is not None:  # SmoothQuant: same function in float, evened-out activations
             from stages.quant.smooth import smooth
@@ -65,17 +69,19 @@ class Quantizer:
                 ) from None
             self.model = folder / "smoothed.onnx"
         self._skeleton: Any = None
+        self._by_name: Any = None
         self._pieces: dict[str, Path] = {}  # node -> its one-node quantized model, on disk
 
     def candidates(self) -> list[str]:
-        """Nodes this method can quantize (weight-carrying ones unless static QDQ)."""
+        """Nodes this method can quantize (weight-carrying ones unless static QDQ, which
+        also quantizes a product of two activations: attention's Q K^T)."""
         graph = self.skeleton().graph
         weights = {t.name for t in graph.initializer}
         return [
             n.name
             for n in graph.node
             if n.op_type in self.cfg.op_types
-            and (not self.splice or any(i in weights for i in n.input[1:2]))
+            and (self.static or any(i in weights for i in n.input[1:2]))
         ]
 
     def skeleton(self) -> Any:
@@ -87,7 +93,7 @@ class Quantizer:
 
     def quantize(self, exclude: list[str] = (), only: list[str] | None = None) -> Path:  # type: ignore[assignment]
         """The whole model minus `exclude` (or just `only`) quantized."""
-        if self.splice and set(self.cfg.op_types) <= SPLICED:
+        if self.splices:
             chosen = set(exclude)
             names = [n for n in (only or self.candidates()) if n not in chosen]
             return self._spliced(names)
@@ -100,7 +106,13 @@ class Quantizer:
 
     def alone(self, node: str) -> Path:
         """A variant with only `node` quantized."""
-        return self._spliced([node], shared=True) if self.splice else self.quantize(only=[node])
+        return self._spliced([node], shared=True) if self.splices else self.quantize(only=[node])
+
+    @property
+    def splices(self) -> bool:
+        """Whether variants are spliced from per-node pieces (every op type quantized is a
+        MatMul by now); other op types go through onnxruntime on the whole model."""
+        return set(self.cfg.op_types) <= SPLICED
 
     def _next(self) -> Path:
         return self.folder / f"q{next(self.counter)}.onnx"
@@ -110,8 +122,17 @@ class Quantizer:
         import onnx
 
         if name not in self._pieces:
+            if self.static and not (self.folder / static.CACHE).is_file():
+                static.calibrate(
+                    self.model,
+                    static.tensors(self.skeleton(), self.candidates()),
+                    _packed(self.calibration),
+                    self.cfg.calibrate_method,
+                    self.cfg.percentile,
+                    self.folder / static.CACHE,
+                )
             sub, qsub = self._next(), self._next()
-            onnx.save(_one_node_model(self.skeleton(), node, self.model.parent), sub)
+            onnx.save(_one_node_model(self._index(), node, self.model.parent), sub)
             try:
                 _METHODS[self.cfg.method](self, sub, qsub, [], None, False)
             except Exception as exc:
@@ -120,6 +141,15 @@ class Quantizer:
                 sub.unlink()
             self._pieces[name] = qsub
         return onnx.load(str(self._pieces[name]))
+
+    def _index(self) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """The skeleton with its value infos and initializers by name, built once (per
+        piece, on a 24-layer model, rebuilding them was a fifth of the piece's cost)."""
+        if self._by_name is None:
+            g = self.skeleton().graph
+            infos = {v.name: v for v in (*g.value_info, *g.input, *g.output)}
+            self._by_name = (self.skeleton(), infos, {t.name: t for t in g.initializer})
+        return self._by_name
 
     def _spliced(self, names: list[str], shared: bool = False) -> Path:
         """The skeleton with the named nodes replaced by their quantized pieces. A piece node
@@ -134,6 +164,7 @@ class Quantizer:
         chosen = set(names)
         nodes: list[Any] = []
         produced: set[str] = set()
+        named = {n.name for n in skel.graph.node if n.name not in chosen}
         inits: dict[str, Any] = {}
         for node in skel.graph.node:
             if node.name not in chosen:
@@ -144,6 +175,9 @@ class Quantizer:
                 if q.output and all(o in produced for o in q.output):
                     continue  # the shared input's quantization, already in the graph
                 produced.update(q.output)
+                if q.name in named:  # static QDQ: a quantized output read by another
+                    q.name = f"{q.name}_{len(nodes)}"  # piece's input: both name a DQ
+                named.add(q.name)
                 nodes.append(q)
             for t in piece.graph.initializer:
                 inits.setdefault(t.name, t)
@@ -233,7 +267,7 @@ def _static(
         nodes_to_exclude=exclude,
         use_external_data_format=large,
         calibrate_method=method,
-        calibration_cache_path=q.folder / "calibration-cache.json",
+        calibration_cache_path=q.folder / static.CACHE,
         extra_options={
             "CalibPercentile": q.cfg.percentile,
             "ActivationSymmetric": True,
@@ -272,14 +306,16 @@ _METHODS = {
 }
 
 
-def _one_node_model(skel: Any, node: Any, base: Path) -> Any:
-    """A model holding one weight-carrying node, its activation input and its weight."""
+def _one_node_model(
+    index: tuple[Any, dict[str, Any], dict[str, Any]], node: Any, base: Path
+) -> Any:
+    """A model holding one node, its activation input(s) and its weight; `index` is the
+    skeleton, its value infos and its initializers by name."""
     from onnx import TensorProto, external_data_helper, helper
 
-    infos = {v.name: v for v in (*skel.graph.value_info, *skel.graph.input, *skel.graph.output)}
-    weights = {t.name: t for t in skel.graph.initializer}
+    skel, infos, weights = index
     inits = []
-    for name in node.input[1:]:
+    for name in dict.fromkeys(node.input):
         if name in weights:
             tensor = copy.deepcopy(weights[name])
             if external_data_helper.uses_external_data(tensor):
@@ -287,13 +323,14 @@ def _one_node_model(skel: Any, node: Any, base: Path) -> Any:
                 tensor.data_location = TensorProto.DEFAULT
                 del tensor.external_data[:]
             inits.append(tensor)
-    x = infos.get(node.input[0]) or helper.make_tensor_value_info(
-        node.input[0], TensorProto.FLOAT, None
-    )
-    y = infos.get(node.output[0]) or helper.make_tensor_value_info(
-        node.output[0], TensorProto.FLOAT, None
-    )
-    graph = helper.make_graph([node], "one_node", [x], [y], inits)
+
+    def info(name: str) -> Any:
+        return infos.get(name) or helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+
+    # every input that is not a weight is fed: the activation, and for static QDQ's
+    # activation x activation MatMul (Q K^T) the second one too
+    xs = [info(i) for i in dict.fromkeys(node.input) if i and i not in weights]
+    graph = helper.make_graph([node], "one_node", xs, [info(node.output[0])], inits)
     model = helper.make_model(graph, opset_imports=skel.opset_import, ir_version=skel.ir_version)
     # cut from the pre-processed graph: say so, or onnxruntime warns once per node
     helper.set_model_props(model, {p.key: p.value for p in skel.metadata_props})

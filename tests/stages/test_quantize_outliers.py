@@ -168,6 +168,9 @@ def test_greedy_agreement_is_one_for_the_same_model_and_falls_with_noise(
     )
 
     class Shuffled:  # a model that answers with another position's logits
+        def get_inputs(self) -> list:
+            return fp32.get_inputs()
+
         def get_outputs(self) -> list:
             return fp32.get_outputs()
 
@@ -176,6 +179,50 @@ def test_greedy_agreement_is_one_for_the_same_model_and_falls_with_noise(
             return [np.roll(logits, 1, axis=1)]
 
     assert acc.greedy_agreement(Shuffled(), generated) < 0.5
+
+
+def test_batched_greedy_text_equals_one_prompt_at_a_time(
+    llama: tuple[Workspace, dict], tmp_path: Path
+) -> None:
+    """FP32's greedy text is generated for prompts of one length as one batch: the text and
+    its order must be what one prompt at a time gives, with prompts of several lengths mixed
+    and longer samples cut to the prompt. A quantized model is scored one text at a time:
+    its agreement must not depend on which texts share a batch."""
+    ws, spec = llama
+    src = ws.out(NAME, "export") / "model.onnx"
+    fp32 = session_for(src)
+    rng = np.random.default_rng(3)
+    lengths = [40, 7, 40, 12, 7, 40, 33]  # 40 and 33 are cut to the 32-token prompt
+    samples = [_feeds(fp32, rng.integers(3, 200, (1, n))) for n in lengths]
+    together = acc.greedy_continuations(fp32, samples)
+    alone = [acc.greedy_continuations(fp32, [s])[0] for s in samples]
+    assert [p for _, p in together] == [min(n, acc.GREEDY_PROMPT_TOKENS) for n in lengths]
+    for (a, pa), (b, pb) in zip(together, alone, strict=True):
+        assert pa == pb and np.array_equal(a["input_ids"], b["input_ids"])
+        assert a["input_ids"].shape == (1, pa + acc.GREEDY_TOKENS)
+    prompts = [min(n, acc.GREEDY_PROMPT_TOKENS) for n in lengths]
+    assert len(acc.batches(fp32, prompts, 48)) == 3  # 3 prompt lengths: 3 runs a token
+
+    from schemas.loader import load_release
+    from stages.quant.methods import Quantizer
+
+    cfg = {**spec["quantization"], "method": "int8-dynamic"}
+    cfg.pop("recipes", None)
+    release = load_release(ws.write({**spec, "quantization": cfg}))
+    q = Quantizer(src, release.quantization, samples[:1], tmp_path / "v")
+    noisy = session_for(q.quantize())  # per-tensor INT8: not every token agrees
+    one_by_one = [acc.greedy_agreement(noisy, [g]) for g in together]
+    assert len(set(one_by_one)) > 1  # samples differ: a mean of equal values proves little
+    assert acc.greedy_agreement(noisy, together) == pytest.approx(np.mean(one_by_one))
+
+    class FixedBatch:  # a graph exported with batch 1: nothing is stacked
+        def get_inputs(self) -> list:
+            return [type("I", (), {"shape": [1, "sequence"]})()]
+
+        def get_outputs(self) -> list:
+            return fp32.get_outputs()
+
+    assert acc.batches(FixedBatch(), [(7,)] * 5, 48) == [[0], [1], [2], [3], [4]]
 
 
 def _feeds(session: object, ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -398,6 +445,91 @@ def test_spliced_variants_equal_onnxruntimes_whole_model_quantization(
             np.testing.assert_array_equal(g, w)
         ops = [[n.op_type for n in onnx.load(str(p)).graph.node] for p in (spliced, whole)]
         assert sorted(ops[0]) == sorted(ops[1])
+
+
+def test_spliced_static_qdq_equals_quantize_static_and_keeps_float_nodes_float(
+    llama: tuple[Workspace, dict], tmp_path: Path
+) -> None:
+    """Static QDQ is calibrated on the skeleton and spliced from per-node pieces: the
+    ranges are onnxruntime's own calibrator's (minmax), the variant computes exactly what
+    quantize_static makes of the whole model (all nodes; all but every down_proj), and a
+    node kept in float whose input a quantized node shares reads that input unquantized."""
+    import onnx
+
+    from schemas.loader import load_release
+    from stages.quant import methods, static
+    from stages.quant.methods import Quantizer
+
+    ws, spec = llama
+    cfg = {k: v for k, v in spec["quantization"].items() if k in ("calibration", "budget")}
+    release = load_release(ws.write({**spec, "quantization": {**cfg, "method": "int8-static"}}))
+    export = ws.out(NAME, "export") / "model.onnx"
+    samples = _samples(ws, release)[:6]
+    ours = Quantizer(export, release.quantization, samples, tmp_path / "ours")
+    theirs = Quantizer(export, release.quantization, samples, tmp_path / "theirs")
+    feeds = _feeds(session_for(export), np.arange(3, 40, dtype=np.int64)[None, :])
+    graph = ours.skeleton().graph
+    down = [n.name for n in graph.node if "down_proj" in n.name]
+    assert down and len(ours.candidates()) > 7 * len(down)  # Q K^T and attn V are in
+    for exclude in ([], down):
+        spliced = ours.quantize(exclude=exclude)
+        whole = tmp_path / f"whole{len(exclude)}.onnx"  # onnxruntime calibrates itself
+        methods._METHODS["int8-static"](theirs, theirs.model, whole, exclude, None, False)
+        got = session_for(spliced).run(["logits"], feeds)[0]
+        want = session_for(whole).run(["logits"], feeds)[0]
+        np.testing.assert_array_equal(got, want)
+        ops = [[n.op_type for n in onnx.load(str(p)).graph.node] for p in (spliced, whole)]
+        assert sorted(ops[0]) == sorted(ops[1])
+    from onnxruntime.quantization.calibrate import load_tensors_data
+
+    mine, ort = (load_tensors_data(q.folder / static.CACHE) for q in (ours, theirs))
+    assert mine.calibration_method == ort.calibration_method
+    assert mine.keys() == ort.keys()
+    for name in ort:
+        assert mine[name].range_value == ort[name].range_value
+
+    v = [n.name for n in graph.node if "v_proj" in n.name]
+    variant = onnx.load(str(ours.quantize(exclude=v)), load_external_data=False).graph
+    dq = {o for n in variant.node if n.op_type == "DequantizeLinear" for o in n.output}
+    reads = {n.name: n.input[0] for n in variant.node if n.input}
+    assert all(reads[n] not in dq for n in v)  # float: the RMSNorm output itself
+    q_proj = [n.name for n in graph.node if "q_proj" in n.name]
+    assert all(reads[n] in dq for n in q_proj)  # its neighbour reads the same tensor Q/DQ'd
+
+
+def test_static_histogram_ranges_are_collected_one_window_at_a_time(
+    llama: tuple[Workspace, dict], tmp_path: Path
+) -> None:
+    """entropy and percentile ranges come from onnxruntime's HistogramCollector fed one
+    calibration window at a time: every tensor minmax calibrates gets a finite range inside
+    minmax's, and the variant runs."""
+    from onnxruntime.quantization.calibrate import load_tensors_data
+
+    from schemas.loader import load_release
+    from stages.quant import static
+    from stages.quant.methods import Quantizer
+
+    ws, spec = llama
+    cfg = {k: v for k, v in spec["quantization"].items() if k in ("calibration", "budget")}
+    caches = {}
+    for how in ("minmax", "entropy", "percentile"):
+        q = {**cfg, "method": "int8-static", "calibrate_method": how}
+        release = load_release(ws.write({**spec, "quantization": q}))
+        export = ws.out(NAME, "export") / "model.onnx"
+        quantizer = Quantizer(
+            export, release.quantization, _samples(ws, release)[:4], tmp_path / how
+        )
+        path = quantizer.alone(quantizer.candidates()[0])
+        session_for(path).run(None, _feeds(session_for(export), np.arange(3, 20)[None, :]))
+        caches[how] = load_tensors_data(quantizer.folder / static.CACHE)
+    for how in ("entropy", "percentile"):
+        assert caches[how].keys() == caches["minmax"].keys()
+        for name in caches[how]:
+            lo, hi = (float(np.ravel(v)[0]) for v in caches[how][name].range_value)
+            m = [float(np.ravel(v)[0]) for v in caches["minmax"][name].range_value]
+            bound = max(abs(m[0]), abs(m[1]))
+            assert np.isfinite([lo, hi]).all() and lo <= hi
+            assert max(abs(lo), abs(hi)) <= bound * 1.01, (how, name, lo, hi, m)
 
 
 def test_one_pass_sensitivity_ranks_static_qdq_nodes_that_multiply_two_activations(
