@@ -177,7 +177,7 @@ class Evaluator:
 
         self.task, self.samples = task, samples
         self._store = tempfile.TemporaryDirectory(prefix="shipyard-reference-")
-        session = fp32 if hasattr(fp32, "run") else session_for(fp32)
+        session: Any = session_for(fp32) if isinstance(fp32, Path) else fp32
         name = session.get_outputs()[0].name
         for i, feeds in enumerate(samples):
             out = session.run([name], feeds)[0]
@@ -201,7 +201,7 @@ class Evaluator:
     def __call__(self, model: Path | Any) -> dict[str, float]:
         """The metrics of a variant: its file, or a session already open on it (creating a
         session is 0.4 s on a 24-layer model; a search measures one variant three ways)."""
-        session = model if hasattr(model, "run") else session_for(model)
+        session: Any = session_for(model) if isinstance(model, Path) else model
         name = session.get_outputs()[0].name
         agree = acc.Agreement(self.task)
         for i, feeds in enumerate(self.samples):
