@@ -70,6 +70,7 @@ class Quantizer:
             self.model = folder / "smoothed.onnx"
         self._skeleton: Any = None
         self._by_name: Any = None
+        self._group_of: dict[str, list[str]] | None = None
         self._pieces: dict[str, Path] = {}  # node -> its one-node quantized model, on disk
 
     def candidates(self) -> list[str]:
@@ -118,7 +119,9 @@ class Quantizer:
         return self.folder / f"q{next(self.counter)}.onnx"
 
     def _piece(self, name: str, node: Any) -> Any:
-        """`node` quantized alone by onnxruntime (its nodes and initializers), once."""
+        """`node` quantized by onnxruntime apart from the graph (its nodes and initializers),
+        once: with the other nodes of its group (`_groups`), in one model of disconnected
+        nodes, and cut out of the result."""
         import onnx
 
         if name not in self._pieces:
@@ -131,16 +134,54 @@ class Quantizer:
                     self.cfg.percentile,
                     self.folder / static.CACHE,
                 )
+            group = self._groups().get(name, [name])
+            skel, _, _ = self._index()
+            by_name = {n.name: n for n in skel.graph.node}
             sub, qsub = self._next(), self._next()
-            onnx.save(_one_node_model(self._index(), node, self.model.parent), sub)
+            onnx.save(
+                _group_model(
+                    self._index(), [by_name.get(n, node) for n in group], self.model.parent
+                ),
+                sub,
+            )
             try:
                 _METHODS[self.cfg.method](self, sub, qsub, [], None, False)
+                quantized = onnx.load(str(qsub))
             except Exception as exc:
                 raise _failed(self.cfg.method, exc) from None
             finally:
                 sub.unlink()
-            self._pieces[name] = qsub
+                qsub.unlink(missing_ok=True)
+            for member in group:
+                out = self._next()
+                onnx.save(_cut(quantized, by_name.get(member, node).output[0]), out)
+                self._pieces[member] = out
         return onnx.load(str(self._pieces[name]))
+
+    def _groups(self) -> dict[str, list[str]]:
+        """Candidates quantized together, in graph order: up to GROUP_BYTES of weights, and
+        never a node reading another member's output (each member is cut from the result
+        as if alone). onnxruntime's per-model work (parse, shape inference, save) was most
+        of a piece's cost on a small model: 724 one-node models for a 24-layer search."""
+        if self._group_of is None:
+            skel, _, weights = self._index()
+            by_name = {n.name: n for n in skel.graph.node}
+            groups: list[list[str]] = [[]]
+            produced: set[str] = set()
+            size = 0
+            for name in self.candidates():
+                node = by_name[name]
+                nbytes = sum(stream.nbytes(weights[i]) for i in set(node.input) if i in weights)
+                if groups[-1] and (
+                    size + nbytes > GROUP_BYTES or any(i in produced for i in node.input)
+                ):
+                    groups.append([])
+                    produced, size = set(), 0
+                groups[-1].append(name)
+                produced.update(node.output)
+                size += nbytes
+            self._group_of = {n: g for g in groups for n in g}
+        return self._group_of
 
     def _index(self) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """The skeleton with its value infos and initializers by name, built once (per
@@ -201,6 +242,7 @@ class Quantizer:
 
 
 SPLICED = {"MatMul", "Gemm"}  # Gemm is a MatMul by now (_gemm_as_matmul)
+GROUP_BYTES = 16 << 20  # weights quantized in one onnxruntime call (a few of gpt2's)
 
 
 def _failed(method: str, exc: Exception) -> StageError:
@@ -306,16 +348,22 @@ _METHODS = {
 }
 
 
-def _one_node_model(
-    index: tuple[Any, dict[str, Any], dict[str, Any]], node: Any, base: Path
+def _group_model(
+    index: tuple[Any, dict[str, Any], dict[str, Any]], nodes: list[Any], base: Path
 ) -> Any:
-    """A model holding one node, its activation input(s) and its weight; `index` is the
-    skeleton, its value infos and its initializers by name."""
+    """A model holding the nodes, their activation inputs and their weights, apart (no
+    node reads another's output); `index` is the skeleton, its value infos and its
+    initializers by name."""
     from onnx import TensorProto, external_data_helper, helper
 
     skel, infos, weights = index
+
+    def info(name: str) -> Any:
+        return infos.get(name) or helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+
+    names = list(dict.fromkeys(i for n in nodes for i in n.input if i))
     inits = []
-    for name in dict.fromkeys(node.input):
+    for name in names:
         if name in weights:
             tensor = copy.deepcopy(weights[name])
             if external_data_helper.uses_external_data(tensor):
@@ -323,18 +371,34 @@ def _one_node_model(
                 tensor.data_location = TensorProto.DEFAULT
                 del tensor.external_data[:]
             inits.append(tensor)
-
-    def info(name: str) -> Any:
-        return infos.get(name) or helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
-
     # every input that is not a weight is fed: the activation, and for static QDQ's
     # activation x activation MatMul (Q K^T) the second one too
-    xs = [info(i) for i in dict.fromkeys(node.input) if i and i not in weights]
-    graph = helper.make_graph([node], "one_node", xs, [info(node.output[0])], inits)
+    xs = [info(i) for i in names if i not in weights]
+    ys = [info(n.output[0]) for n in nodes]
+    graph = helper.make_graph(list(nodes), "pieces", xs, ys, inits)
     model = helper.make_model(graph, opset_imports=skel.opset_import, ir_version=skel.ir_version)
     # cut from the pre-processed graph: say so, or onnxruntime warns once per node
     helper.set_model_props(model, {p.key: p.value for p in skel.metadata_props})
     return model
+
+
+def _cut(quantized: Any, output: str) -> Any:
+    """The nodes (in order) and initializers of a quantized group model that compute
+    `output`: one member's piece, with the quantization of an input it shares."""
+    from onnx import helper
+
+    producer = {o: i for i, n in enumerate(quantized.graph.node) for o in n.output}
+    keep: set[int] = set()
+    todo = [output]
+    while todo:
+        i = producer.get(todo.pop())
+        if i is not None and i not in keep:
+            keep.add(i)
+            todo.extend(quantized.graph.node[i].input)
+    nodes = [quantized.graph.node[i] for i in sorted(keep)]
+    used = {t for n in nodes for t in n.input}
+    inits = [t for t in quantized.graph.initializer if t.name in used]
+    return helper.make_model(helper.make_graph(nodes, "piece", [], [], inits))
 
 
 class _Reader:
