@@ -92,12 +92,18 @@ class Quantizer:
             self._skeleton = onnx.load(str(self.model), load_external_data=False)
         return self._skeleton
 
-    def quantize(self, exclude: list[str] = (), only: list[str] | None = None) -> Path:  # type: ignore[assignment]
-        """The whole model minus `exclude` (or just `only`) quantized."""
+    def quantize(
+        self,
+        exclude: list[str] = (),  # type: ignore[assignment]
+        only: list[str] | None = None,
+        shared: bool = False,
+    ) -> Path:
+        """The whole model minus `exclude` (or just `only`) quantized; with `shared`, a
+        probe that reads its float weights from the FP32 file (when spliced)."""
         if self.splices:
             chosen = set(exclude)
             names = [n for n in (only or self.candidates()) if n not in chosen]
-            return self._spliced(names)
+            return self._spliced(names, shared)
         out = self._next()
         try:
             _METHODS[self.cfg.method](self, self.model, out, list(exclude), only, self.large)
