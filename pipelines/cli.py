@@ -278,7 +278,10 @@ def cmd_promote(args: argparse.Namespace) -> int:
     name, version = args.target.rsplit("@", 1)
     registry = _registry(args)
     entry = registry.promote(name, version, args.to, args.reason)
-    print(f"{args.to}: {entry['from'] or '(empty)'} -> {entry['to']} (#{entry['seq']})")
+    if entry.get("noop"):
+        print(f"{args.to}: {entry['to']} is already live there; nothing moved or recorded")
+    else:
+        print(f"{args.to}: {entry['from'] or '(empty)'} -> {entry['to']} (#{entry['seq']})")
     _warn(registry)
     return 0
 

@@ -284,6 +284,16 @@ class Registry:
         check_name(name), check_version(version), check_channel(channel)
         with self.lock():
             target = self._checked(name, version, channel)
+            current = self.channel(name, channel)
+            if current and (current["version"], current["digest"]) == (version, target["digest"]):
+                # a retried deploy: nothing moves and nothing is recorded (a duplicate on
+                # the rollback stack made the next rollback a move from 0.2.0 to 0.2.0)
+                return {
+                    "noop": True,
+                    "channel": channel,
+                    "from": _label(current),
+                    "to": _label(target),
+                }
             return self._move(channel, target, "promote", reason)
 
     def rollback(self, name: str, channel: str, reason: str) -> dict[str, Any]:
@@ -383,16 +393,19 @@ class Registry:
         return entry
 
     def _stack(self, name: str, channel: str) -> list[str]:
-        """Versions the channel moved through: a promotion pushes, a rollback pops."""
+        """Versions the channel moved through: a promotion pushes, a rollback pops. A
+        promotion of the version already on top (a history written before re-promotions
+        became no-ops) is not a move and pushes nothing."""
         stack: list[str] = []
         for entry in self.history():
             if entry["channel"] != channel or entry["to"].rsplit("@", 1)[0] != name:
                 continue
+            version = entry["to"].rsplit("@", 1)[1]
             if entry["action"] == "rollback":
                 if stack:
                     stack.pop()
-            else:
-                stack.append(entry["to"].rsplit("@", 1)[1])
+            elif not stack or stack[-1] != version:
+                stack.append(version)
         return stack
 
     def _write(self, path: str, data: dict[str, Any]) -> None:

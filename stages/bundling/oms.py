@@ -82,20 +82,41 @@ def load_manifest(path: Path) -> Manifest:
 
 def walk(folder: Path) -> tuple[dict[str, Path], list[str]]:
     """Every regular file under `folder` (posix relative name -> path), never following a
-    link, plus a problem for each symlink or special file found."""
+    link, plus a problem for each symlink, special file, and each folder or file this user
+    cannot list or read: a folder os.walk cannot open is otherwise skipped in silence, and
+    whatever hides in it (a package the server imports by name) would pass verify."""
     files: dict[str, Path] = {}
     problems: list[str] = []
-    for top, dirs, names in os.walk(folder, followlinks=False):
+
+    def rel(path: str | Path) -> str:
+        return Path(path).relative_to(folder).as_posix() if Path(path) != folder else "."
+
+    def unlisted(exc: OSError) -> None:
+        problems.append(
+            f"{rel(exc.filename)}: cannot be listed ({exc.strerror}); verify must see every "
+            "entry: fix its permissions or verify as its owner"
+        )
+
+    for top, dirs, names in os.walk(folder, onerror=unlisted, followlinks=False):
         for name in sorted(dirs + names):
             path = Path(top) / name
-            rel = path.relative_to(folder).as_posix()
-            mode = os.lstat(path).st_mode
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError as exc:
+                problems.append(f"{rel(path)}: cannot be read ({exc.strerror})")
+                continue
             if stat.S_ISLNK(mode):
-                problems.append(f"{rel}: is a symlink; bundles hold plain files only")
+                problems.append(f"{rel(path)}: is a symlink; bundles hold plain files only")
             elif stat.S_ISREG(mode):
-                files[rel] = path
+                if os.access(path, os.R_OK):
+                    files[rel(path)] = path
+                else:
+                    problems.append(
+                        f"{rel(path)}: cannot be read (permission denied); verify must hash "
+                        "every file: fix its permissions or verify as its owner"
+                    )
             elif not stat.S_ISDIR(mode):
-                problems.append(f"{rel}: is not a regular file")
+                problems.append(f"{rel(path)}: is not a regular file")
     return files, problems
 
 

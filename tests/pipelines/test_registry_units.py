@@ -334,6 +334,35 @@ def test_a_rollback_follows_pushes_and_pops_not_the_last_entry(
         registry.rollback("demo", "production", "c")
 
 
+def test_a_retried_promotion_moves_nothing_and_rollback_leaves_the_live_version(
+    registry: Registry, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Re-promoting the live version (a retried deploy) printed `0.2.0 -> 0.2.0` on the
+    next rollback, exited 0 and stayed: the rollback stack held the duplicate. Through the
+    CLI, and on a history written before re-promotions became no-ops."""
+    from pipelines.cli import main
+
+    published(registry, tmp_path, "0.1.0", "0.2.0")
+    url = ["--registry", registry.url]
+    for v in ("0.1.0", "0.2.0", "0.2.0"):
+        assert main(["promote", f"demo@{v}", "--to", "prod", "--reason", "deploy", *url]) == 0
+    out = capsys.readouterr().out
+    assert "prod: demo@0.2.0 is already live there; nothing moved or recorded" in out
+    assert [e["to"] for e in registry.history()] == ["demo@0.1.0", "demo@0.2.0"]
+    assert main(["rollback", "prod", "--reason", "bad", *url]) == 0
+    assert "prod: demo@0.2.0 -> demo@0.1.0 (#3, rollback)" in capsys.readouterr().out
+    assert registry.channel("demo", "prod")["version"] == "0.1.0"  # type: ignore[index]
+
+    # an older registry recorded the retried promotion: its duplicate is not a step back
+    with registry.lock():
+        target = registry._checked("demo", "0.2.0", "canary")
+        registry._move("canary", registry._checked("demo", "0.1.0", "canary"), "promote", "a")
+        registry._move("canary", target, "promote", "b")
+        registry._move("canary", target, "promote", "b, retried")
+    assert main(["rollback", "canary", "--reason", "bad", *url]) == 0
+    assert "canary: demo@0.2.0 -> demo@0.1.0" in capsys.readouterr().out
+
+
 def test_promote_refuses_unpublished_missing_and_replaced_bundles(
     registry: Registry, tmp_path: Path, bundle: Path
 ) -> None:

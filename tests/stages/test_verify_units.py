@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -269,3 +270,83 @@ def test_empty_files_are_named_and_only_they(tmp_path: Path) -> None:
     (tmp_path / "one").write_bytes(b"x")
     files = {"empty": tmp_path / "empty", "one": tmp_path / "one"}
     assert oms.empty_files(files) == ["empty"]
+
+
+# --------------------------------------------------------------------------- permissions
+def _as_other_user(fn: Any) -> Any:
+    """fn() in a process that is not root (forked, then uid/gid nobody when this runs as
+    root, which reads every file whatever its mode), its return value sent back."""
+    import pickle
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 0
+        try:
+            os.close(read)
+            if os.getuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            with os.fdopen(write, "wb") as out:
+                pickle.dump(fn(), out)
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            code = 1
+            print(f"child failed: {type(exc).__name__}: {exc}", flush=True)
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as inp:
+        data = inp.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and data
+    return pickle.loads(data)
+
+
+@pytest.fixture
+def shared_bundle() -> Iterator[Path]:
+    """A bundle in a folder another user can reach (pytest's tmp root is 0700)."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="shipyard-verify-"))
+    root.chmod(0o755)
+    folder = root / "bundle"
+    (folder / "serving" / "runtime").mkdir(parents=True)
+    (folder / "model.onnx").write_bytes(bytes(range(256)) * 40)
+    (folder / "serving" / "runtime" / "model.py").write_text("print('hi')\n")
+    (folder / "shipyard.json").write_text('{"release": "demo"}')
+    manifest_for(folder)
+    for p in [folder, *folder.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    yield folder
+    for p in [folder, *folder.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    shutil.rmtree(root)
+
+
+def test_verify_refuses_a_folder_or_file_it_cannot_read_as_a_user_who_is_not_root(
+    shared_bundle: Path,
+) -> None:
+    """A package planted in a mode-0311 folder (listable by nobody, importable by name) and
+    an unreadable file: os.walk skipped the folder in silence and the bundle verified."""
+    from pipelines.cli import main
+
+    # run once here first: the child cannot import what lives in root's home (pyenv)
+    assert main(["verify", str(shared_bundle)]) == 0
+    assert _as_other_user(lambda: verify_bundle(shared_bundle)) == []
+    hidden = shared_bundle / "serving" / "runtime" / "vault"
+    (hidden / "numpy").mkdir(parents=True)
+    (hidden / "numpy" / "__init__.py").write_text("import os  # runs on import\n")
+    (hidden / "numpy" / "__init__.py").chmod(0o644)
+    (hidden / "numpy").chmod(0o755)
+    hidden.chmod(0o311)  # enter, but not list
+    assert _as_other_user(lambda: verify_bundle(shared_bundle)) == [
+        "serving/runtime/vault: cannot be listed (Permission denied); verify must see every "
+        "entry: fix its permissions or verify as its owner"
+    ]
+    assert _as_other_user(lambda: main(["verify", str(shared_bundle)])) != 0  # the CLI too
+    hidden.chmod(0o755)
+    (shared_bundle / "shipyard.json").chmod(0o200)
+    problems = _as_other_user(lambda: verify_bundle(shared_bundle))
+    assert "serving/runtime/vault/numpy/__init__.py: added (not in the manifest)" in problems
+    assert any(p.startswith("shipyard.json: cannot be read (permission denied)") for p in problems)
