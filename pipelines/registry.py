@@ -123,7 +123,7 @@ class Registry:
             done = self._recover(name)
             record = self.record(name, version)
             if record is not None:
-                digest = _verified_digest(bundle, f"build bundle {bundle}")
+                digest = _verified_digest(bundle, f"build bundle {bundle}", (name, version))
                 if record["digest"] == digest:
                     return {**record, "already": True, "recovered": done}
                 raise RegistryError(
@@ -134,7 +134,7 @@ class Registry:
             if self.local:
                 digest = self._publish_local(bundle, name, version, target)
             else:
-                digest = self._publish_remote(bundle, target)
+                digest = self._publish_remote(bundle, target, (name, version))
             record = {
                 "release": name,
                 "version": version,
@@ -150,7 +150,7 @@ class Registry:
         os.makedirs(os.path.dirname(staging), exist_ok=True)
         try:
             shutil.copytree(bundle, staging, symlinks=True)
-            digest = _verified_digest(Path(staging), f"copied bundle {bundle}")
+            digest = _verified_digest(Path(staging), f"copied bundle {bundle}", (name, version))
             _read_only(Path(staging))
             os.rename(staging, target)  # atomic; fails if the target exists
         except BaseException:
@@ -158,14 +158,14 @@ class Registry:
             raise
         return digest
 
-    def _publish_remote(self, bundle: Path, target: str) -> str:
+    def _publish_remote(self, bundle: Path, target: str, bound: tuple[str, str]) -> str:
         """Upload a private snapshot: what is verified is what is uploaded. Nothing is at
         `target`: `_recover` ran under the same lock, and a version without its record was
         finished (then it is published) or removed."""
         with tempfile.TemporaryDirectory(prefix="shipyard-publish-") as tmp:
             snapshot = Path(tmp) / "bundle"
             shutil.copytree(bundle, snapshot, symlinks=True)
-            digest = _verified_digest(snapshot, f"copied bundle {bundle}")
+            digest = _verified_digest(snapshot, f"copied bundle {bundle}", bound)
             self.fs.put(str(snapshot) + "/", target, recursive=True)
         return digest
 
@@ -221,7 +221,7 @@ class Registry:
                 continue
             try:
                 with self._local_copy(name, base) as copy:
-                    digest = _verified_digest(copy, f"unrecorded {name}@{base}")
+                    digest = _verified_digest(copy, f"unrecorded {name}@{base}", (name, base))
             except RegistryError as exc:
                 self.fs.rm(entry, recursive=True)
                 lines = str(exc).splitlines()
@@ -360,7 +360,7 @@ class Registry:
                 f"{name}@{version} is not published in {self.url}; run "
                 f"`shipyard publish {name}` first"
             )
-        digest = _verified_digest(folder, f"published {name}@{version}")
+        digest = _verified_digest(folder, f"published {name}@{version}", (name, version))
         if digest != record["digest"]:
             raise RegistryError(
                 f"published {name}@{version} has digest {digest[:16]}, but its publish record "
@@ -523,8 +523,14 @@ class Registry:
             yield Path(tmp) / "bundle"
 
 
-def _verified_digest(folder: Path, what: str) -> str:
-    """Strict verify + every stage acceptable; the bundle's root digest."""
+def _verified_digest(folder: Path, what: str, bound: tuple[str, str]) -> str:
+    """Strict verify + bound to name@version + every stage acceptable; the root digest.
+
+    `bound` is where the bundle is filed. The bundle says what it is twice, both hashed
+    (and signed, when signed): `shipyard.json`'s release and version, and the manifest's
+    subject. A bundle filed under any other name or version is refused: a registry writer
+    could otherwise refile a signed tiny-gpt2@0.1.0 as other-model@9.9.9, or a version
+    bump without a rebuild publish 0.1.0's content as 0.2.0."""
     problems = verify_bundle(folder)
     if problems:
         raise RegistryError(
@@ -532,6 +538,15 @@ def _verified_digest(folder: Path, what: str) -> str:
             + "\n".join(f"  {p}" for p in problems)
         )
     facts = read_facts(folder)
+    label = f"{bound[0]}@{bound[1]}"
+    says = f"{facts.get('release')}@{facts.get('version')}"
+    subject = load_manifest(folder / "manifest.json").subject[0].name
+    if says != label or subject != label:
+        raise RegistryError(
+            f"{what} is filed as {label}, but its shipyard.json says {says} and its manifest "
+            f"{subject}; a bundle is published under the release and version it was built "
+            "as: rebuild it (`dvc repro`) after changing `name` or `version` in the spec"
+        )
     reports = {}
     for path in sorted((folder / "reports").glob("*.json")):
         try:

@@ -71,7 +71,7 @@ class Predicate(Frozen):
 
 
 class Subject(Frozen):
-    name: str = Field(description="Release name and version (informative only).")
+    name: str = Field(description="Release name@version; the registry files the bundle only there.")
     digest: dict[str, str] = Field(description="sha256 over the resource digests, in order.")
 
 

@@ -174,6 +174,23 @@ def writable_copy(source: Path, target: Path) -> Path:
     return target
 
 
+def built_as(source: Path, target: Path, version: str) -> Path:
+    """The bundle a rebuild at another `version` makes, as far as the registry can tell:
+    shipyard.json's version and the manifest's subject (the registry files a bundle only
+    under the release@version it says it is); unsigned."""
+    import json
+
+    if target.exists():
+        return target
+    writable_copy(source, target)
+    (target / "model.sig").unlink(missing_ok=True)
+    facts = json.loads((target / "shipyard.json").read_text())
+    facts["version"] = version
+    (target / "shipyard.json").write_text(json.dumps(facts, indent=2) + "\n")
+    remanifest(target, f"{facts['release']}@{version}")
+    return target
+
+
 def remanifest(bundle: Path, subject: str = "tiny-gpt2@0.1.0", shard: int = 0) -> None:
     """What an attacker with write access does after editing files: a manifest that is
     consistent with the edited folder (`shard`: the shard size, default the bundle's)."""

@@ -14,7 +14,7 @@ import pytest
 from pipelines.gate import gate
 from pipelines.registry import Registry
 from schemas import RegistryError
-from tests.conftest import Workspace, gpt2_spec
+from tests.conftest import Workspace, built_as, gpt2_spec
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
 ONNX = "serving/triton/tiny-gpt2/1/model.onnx"
@@ -119,7 +119,8 @@ def test_promote_refuses_a_tampered_published_bundle_naming_the_file(built_gpt2,
 
 def test_rollback_twice_walks_back_through_the_history(built_gpt2, registry) -> None:
     for version in ("1.0.0", "1.1.0", "1.2.0"):
-        registry.publish(bundle(built_gpt2), "tiny-gpt2", version)
+        copy = built_as(bundle(built_gpt2), Path(registry.url).parent / f"v{version}", version)
+        registry.publish(copy, "tiny-gpt2", version)
         registry.promote("tiny-gpt2", version, "production", f"ship {version}")
     assert registry.rollback("tiny-gpt2", "production", "bad")["to"] == "tiny-gpt2@1.1.0"
     assert registry.rollback("tiny-gpt2", "production", "worse")["to"] == "tiny-gpt2@1.0.0"
@@ -135,7 +136,8 @@ def test_rollback_twice_walks_back_through_the_history(built_gpt2, registry) -> 
 
 def test_two_racing_promotions_are_both_recorded_in_order(built_gpt2, registry) -> None:
     for version in ("2.0.0", "2.1.0"):
-        registry.publish(bundle(built_gpt2), "tiny-gpt2", version)
+        copy = built_as(bundle(built_gpt2), Path(registry.url).parent / f"v{version}", version)
+        registry.publish(copy, "tiny-gpt2", version)
     env = {**os.environ, "SHIPYARD_REGISTRY": registry.url, "SHIPYARD_ROOT": str(built_gpt2.root)}
     procs = [
         subprocess.Popen(

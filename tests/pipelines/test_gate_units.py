@@ -162,7 +162,9 @@ def production_spec(ws: Workspace, change: float, up: bool = False) -> ReleaseSp
 def in_production(ws: Workspace, perplexity: float | None) -> Registry:
     registry = Registry(str(ws.root / "registry"))
     evaluation = {} if perplexity is None else {"perplexity": perplexity}
-    bundle = make_bundle(ws.root / "prod-bundle", evaluation=evaluation)
+    bundle = make_bundle(
+        ws.root / "prod-bundle", evaluation=evaluation, name=RELEASE, version="0.1.0"
+    )
     registry.publish(bundle, RELEASE, "0.1.0")
     registry.promote(RELEASE, "0.1.0", "production", "first")
     return registry
@@ -364,11 +366,11 @@ def test_production_rows_judge_change_only_and_every_threshold(ws: Workspace) ->
 
 def test_production_facts_without_an_evaluation_section_lack_the_metric(ws: Workspace) -> None:
     registry = Registry(str(ws.root / "registry"))
-    bundle = make_bundle(ws.root / "prod-bundle")
+    bundle = make_bundle(ws.root / "prod-bundle", name=RELEASE, version="0.1.0")
     facts = json.loads((bundle / "shipyard.json").read_text())
     del facts["evaluation"]
     (bundle / "shipyard.json").write_text(json.dumps(facts))
-    remanifest(bundle, "demo@1.0.0")
+    remanifest(bundle, f"{RELEASE}@0.1.0")
     registry.publish(bundle, RELEASE, "0.1.0")
     registry.promote(RELEASE, "0.1.0", "production", "first")
     candidate(ws, 100.0)

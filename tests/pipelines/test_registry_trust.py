@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from pipelines.registry import Registry
 from pipelines.signing import sign
 from schemas import RegistryError
 from stages.bundling.oms import verify_bundle
-from tests.conftest import Workspace, bucket, gpt2_spec, remanifest, writable_copy
+from tests.conftest import Workspace, bucket, built_as, gpt2_spec, remanifest, writable_copy
 from tests.pipelines.test_signing import keypair
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
@@ -205,7 +206,9 @@ def test_attack_5_an_interrupted_publish_is_finished_or_removed_saying_which(
     source = built_gpt2.out("tiny-gpt2", "bundle")
     # Crash after the bundle landed, before its record: intact, so it is finished.
     registry.fs.put(
-        str(source) + "/", registry.path("releases", "tiny-gpt2", "1.0.0"), recursive=True
+        str(built_as(source, tmp_path / "v1.0.0", "1.0.0")) + "/",
+        registry.path("releases", "tiny-gpt2", "1.0.0"),
+        recursive=True,
     )
     # Crash mid-copy: a file is missing, so it is removed.
     broken = writable_copy(source, tmp_path / "broken")
@@ -225,11 +228,14 @@ def test_attack_5_an_interrupted_publish_is_finished_or_removed_saying_which(
     assert "removed tiny-gpt2/.staging-2.0.0-dead: leftover of an interrupted publish" in actions
     assert (
         registry.record("tiny-gpt2", "1.0.0")["digest"]
-        == json.loads((source / "manifest.json").read_text())["subject"][0]["digest"]["sha256"]
+        == json.loads((tmp_path / "v1.0.0" / "manifest.json").read_text())["subject"][0]["digest"][
+            "sha256"
+        ]
     )
     assert registry.check() == []
     # 1.1.0 can now be published for real, and 1.0.0 promoted
-    assert not registry.publish(source, "tiny-gpt2", "1.1.0").get("already")
+    again = built_as(source, tmp_path / "v1.1.0", "1.1.0")
+    assert not registry.publish(again, "tiny-gpt2", "1.1.0").get("already")
     assert registry.promote("tiny-gpt2", "1.0.0", "staging", "recovered")["to"] == "tiny-gpt2@1.0.0"
 
 
@@ -240,7 +246,8 @@ def test_attack_6_a_torn_history_line_is_reported_never_blocking(
     url = str(tmp_path / "registry")
     registry = Registry(url)
     for version in ("1.0.0", "1.1.0"):
-        registry.publish(built_gpt2.out("tiny-gpt2", "bundle"), "tiny-gpt2", version)
+        copy = built_as(built_gpt2.out("tiny-gpt2", "bundle"), tmp_path / version, version)
+        registry.publish(copy, "tiny-gpt2", version)
     registry.promote("tiny-gpt2", "1.0.0", "production", "first")
     with open(registry.path("history.jsonl"), "ab") as fh:
         fh.write(b'{"seq": 2, "at": "2026-')  # a crash mid-append
@@ -257,7 +264,9 @@ def test_attack_6_object_store_history_appends_one_object_per_entry(
     built_gpt2: Workspace, s3_server: str
 ) -> None:
     registry = Registry(f"s3://history-{bucket()}/reg")
-    registry.publish(built_gpt2.out("tiny-gpt2", "bundle"), "tiny-gpt2", "1.0.0")
+    scratch = Path(tempfile.mkdtemp(prefix="shipyard-v1.0.0-"))
+    first_build = built_as(built_gpt2.out("tiny-gpt2", "bundle"), scratch / "b", "1.0.0")
+    registry.publish(first_build, "tiny-gpt2", "1.0.0")
     registry.promote("tiny-gpt2", "1.0.0", "production", "first")
     first = registry.fs.info(registry.path("history", f"{1:010d}.json"))
     registry.promote("tiny-gpt2", "1.0.0", "staging", "second")
@@ -342,18 +351,18 @@ def test_a_channel_requiring_a_signature_refuses_unsigned_and_wrongly_signed_bun
     rogue_key, _ = keypair(tmp_path, "rogue")
     registry.require_signature("production", [team_pub])
     source = built_gpt2.out("tiny-gpt2", "bundle")
-    registry.publish(source, "tiny-gpt2", "1.0.0")
+    registry.publish(built_as(source, tmp_path / "v1", "1.0.0"), "tiny-gpt2", "1.0.0")
     with pytest.raises(
         RegistryError, match="requires a signature by a trusted key; tiny-gpt2@1.0.0 is not signed "
     ):
         registry.promote("tiny-gpt2", "1.0.0", "production", "unsigned")
     assert registry.promote("tiny-gpt2", "1.0.0", "staging", "no policy there")["to"]
-    rogue = writable_copy(source, tmp_path / "rogue")
+    rogue = built_as(source, tmp_path / "rogue", "1.1.0")
     sign(rogue, private_key=rogue_key)
     registry.publish(rogue, "tiny-gpt2", "1.1.0")
     with pytest.raises(RegistryError, match="is not signed by one .*signature does not verify"):
         registry.promote("tiny-gpt2", "1.1.0", "production", "rogue key")
-    good = writable_copy(source, tmp_path / "good")
+    good = built_as(source, tmp_path / "good", "1.2.0")
     sign(good, private_key=team_key)
     registry.publish(good, "tiny-gpt2", "1.2.0")
     assert registry.promote("tiny-gpt2", "1.2.0", "production", "signed")["to"] == "tiny-gpt2@1.2.0"
@@ -370,7 +379,9 @@ def test_s3_registry_publish_promote_rollback_status_through_the_cli(
     done = cli("publish", "tiny-gpt2", env=env, cwd=built_gpt2.root)
     assert done.returncode == 0, done.stderr
     registry = Registry(url)
-    registry.publish(built_gpt2.out("tiny-gpt2", "bundle"), "tiny-gpt2", "0.2.0")
+    scratch = Path(tempfile.mkdtemp(prefix="shipyard-v0.2.0-"))
+    second = built_as(built_gpt2.out("tiny-gpt2", "bundle"), scratch / "b", "0.2.0")
+    registry.publish(second, "tiny-gpt2", "0.2.0")
     for version in ("0.1.0", "0.2.0"):
         done = cli(
             "promote", f"tiny-gpt2@{version}", "--to", "production", env=env, cwd=built_gpt2.root

@@ -31,6 +31,8 @@ def make_bundle(
     details: dict[str, dict[str, Any]] | None = None,
     facts: dict[str, str] | None = None,
     evaluation: dict[str, float] | None = None,
+    name: str = "demo",
+    version: str = "1.0.0",
 ) -> Path:
     """A bundle that verifies: a model file, one report per stage, facts that repeat each
     verdict (unless `facts` says otherwise) and a manifest over all of it."""
@@ -48,12 +50,13 @@ def make_bundle(
         (folder / "reports" / f"{stage}.json").write_text(json.dumps(report))
     verdicts = {**statuses, **(facts or {})}
     shipyard = {
-        "release": "demo",
+        "release": name,
+        "version": version,
         "stages": {s: {"status": v} for s, v in verdicts.items()},
         "evaluation": evaluation or {},
     }
     (folder / "shipyard.json").write_text(json.dumps(shipyard))
-    remanifest(folder, "demo@1.0.0")
+    remanifest(folder, f"{name}@{version}")
     return folder
 
 
@@ -73,7 +76,7 @@ def bundle(tmp_path: Path) -> Path:
 
 def published(registry: Registry, tmp_path: Path, *versions: str) -> None:
     for v in versions:
-        registry.publish(make_bundle(tmp_path / f"b-{v}", payload=v.encode()), "demo", v)
+        registry.publish(make_bundle(tmp_path / f"b-{v}", payload=v.encode(), version=v), "demo", v)
 
 
 # --------------------------------------------------------------------------- names
@@ -175,7 +178,13 @@ def test_a_published_version_is_immutable(registry: Registry, bundle: Path, tmp_
     with pytest.raises(RegistryError, match="already published with digest .* bump `version`"):
         registry.publish(other, "demo", "1.0.0")
     assert registry.facts("demo", "1.0.0")["release"] == "demo"
-    assert registry.publish(other, "demo", "1.0.1")["digest"] == digest_of(other)
+    # a version bump without a rebuild: 1.0.0's content is not 1.0.1
+    with pytest.raises(
+        RegistryError, match=r"filed as demo@1\.0\.1, but its shipyard.json says demo@1\.0\.0"
+    ):
+        registry.publish(other, "demo", "1.0.1")
+    rebuilt = make_bundle(tmp_path / "rebuilt", payload=b"other weights", version="1.0.1")
+    assert registry.publish(rebuilt, "demo", "1.0.1")["digest"] == digest_of(rebuilt)
 
 
 @pytest.mark.parametrize(
@@ -275,7 +284,9 @@ def test_a_failed_unrecorded_publish_is_removed_naming_the_stage(
     target = Path(registry.path("releases", "demo", "1.0.0"))
     target.parent.mkdir(parents=True)
     shutil.copytree(failed, target)
-    (actions,) = [registry.publish(make_bundle(tmp_path / "b"), "demo", "2.0.0")["recovered"]]
+    (actions,) = [
+        registry.publish(make_bundle(tmp_path / "b", version="2.0.0"), "demo", "2.0.0")["recovered"]
+    ]
     assert actions == [
         "removed demo@1.0.0: interrupted publish that does not verify (unrecorded demo@1.0.0 "
         "has stages that did not pass (parity: failed); only a release whose gate passed can "
@@ -327,7 +338,7 @@ def test_a_rollback_follows_pushes_and_pops_not_the_last_entry(
         registry.promote("demo", v, "production", v)
     assert registry.rollback("demo", "production", "a")["to"] == "demo@1.1.0"
     assert registry.rollback("demo", "production", "b")["to"] == "demo@1.0.0"
-    other = make_bundle(tmp_path / "other", payload=b"o")
+    other = make_bundle(tmp_path / "other", payload=b"o", name="other")
     registry.publish(other, "other", "1.0.0")
     registry.promote("other", "1.0.0", "production", "another release, same channel")
     with pytest.raises(RegistryError, match="no earlier version"):
@@ -414,12 +425,26 @@ def test_a_signature_policy_refuses_unsigned_and_accepts_a_trusted_signature(
     with pytest.raises(RegistryError, match="requires a signature .* demo@1.0.0 is not signed"):
         registry.promote("demo", "1.0.0", "production", "x")
     assert registry.promote("demo", "1.0.0", "staging", "no policy")["to"] == "demo@1.0.0"
-    sign(bundle, private_key=private)
-    registry.publish(bundle, "demo", "1.0.1")  # model.sig is not hashed: same digest
+    signed = make_bundle(tmp_path / "signed", version="1.0.1")
+    sign(signed, private_key=private)
+    registry.publish(signed, "demo", "1.0.1")
     assert registry.promote("demo", "1.0.1", "production", "signed")["to"] == "demo@1.0.1"
     registry.require_signature("canary", [stranger])
     with pytest.raises(RegistryError, match="demo@1.0.1 is not signed by one"):
         registry.promote("demo", "1.0.1", "canary", "wrong key")
+
+    # a registry writer refiles the signed bundle as another release, record and all: the
+    # signature still verifies, the name it signs does not match
+    src = Path(registry.path("releases", "demo", "1.0.1"))
+    dst = Path(registry.path("releases", "other-model", "9.9.9"))
+    shutil.copytree(src, dst)
+    record = {**registry.record("demo", "1.0.1"), "release": "other-model", "version": "9.9.9"}  # type: ignore[dict-item]
+    Path(registry._record_path("other-model", "9.9.9")).write_text(json.dumps(record))
+    with pytest.raises(
+        RegistryError, match="filed as other-model@9.9.9, but its shipyard.json says demo@1.0.1"
+    ):
+        registry.promote("other-model", "9.9.9", "production", "refiled")
+    assert registry.channel("demo", "production")["version"] == "1.0.1"  # type: ignore[index]
 
 
 # --------------------------------------------------------------------------- history
@@ -583,7 +608,9 @@ def test_a_rollback_keeps_its_reason_and_skips_other_releases_entries(
     registry: Registry, tmp_path: Path
 ) -> None:
     published(registry, tmp_path, "1.0.0", "1.1.0")
-    registry.publish(make_bundle(tmp_path / "o", payload=b"o"), "demo-two", "1.0.0")
+    registry.publish(
+        make_bundle(tmp_path / "o", payload=b"o", name="demo-two"), "demo-two", "1.0.0"
+    )
     registry.promote("demo", "1.0.0", "production", "a")
     registry.promote("demo-two", "1.0.0", "production", "other release, similar name")
     registry.promote("demo", "1.1.0", "production", "b")
@@ -635,6 +662,9 @@ def test_object_store_publish_promote_rollback_and_history(
     assert s3.publish(first, "demo", "1.0.0")["already"] is True
     with pytest.raises(RegistryError, match="already published"):
         s3.publish(second, "demo", "1.0.0")
+    with pytest.raises(RegistryError, match="filed as demo@1.1.0"):
+        s3.publish(second, "demo", "1.1.0")
+    second = make_bundle(tmp_path / "c", payload=b"b", version="1.1.0")
     s3.publish(second, "demo", "1.1.0")
     files = s3.fs.find(s3.path("releases", "demo", "1.1.0"))
     assert sorted(f.rsplit("/1.1.0/", 1)[1] for f in files) == sorted(
@@ -689,8 +719,8 @@ def test_check_walks_past_recorded_versions_and_names_three_problems(
     registry: Registry, tmp_path: Path
 ) -> None:
     published(registry, tmp_path, "1.0.0")  # recorded: sorted before the others
-    good = make_bundle(tmp_path / "good", payload=b"g")
-    bad = make_bundle(tmp_path / "bad", payload=b"b")
+    good = make_bundle(tmp_path / "good", payload=b"g", version="1.1.0")
+    bad = make_bundle(tmp_path / "bad", payload=b"b", version="1.2.0")
     for extra in ("a.txt", "b.txt", "c.txt", "d.txt"):
         (bad / extra).write_text("x")
     shutil.copytree(good, Path(registry.path("releases", "demo", "1.1.0")))
@@ -712,7 +742,7 @@ def test_facts_without_stages_or_with_reportless_passed_stages_publish(
     (bare / "shipyard.json").write_text(json.dumps(facts))
     remanifest(bare, "demo@1.0.0")
     assert registry.publish(bare, "demo", "1.0.0")["digest"] == digest_of(bare)
-    extra = make_bundle(tmp_path / "extra", payload=b"e", facts={"plan": "passed"})
+    extra = make_bundle(tmp_path / "extra", payload=b"e", facts={"plan": "passed"}, version="1.0.1")
     assert registry.publish(extra, "demo", "1.0.1")["digest"] == digest_of(extra)
 
 
