@@ -186,8 +186,8 @@ def test_batched_greedy_text_equals_one_prompt_at_a_time(
 ) -> None:
     """FP32's greedy text is generated for every prompt in one batch, shorter ones padded on
     the right: the text and its order must be what one prompt at a time gives, with prompts
-    of several lengths mixed and longer samples cut to the prompt. A quantized model is scored one text at a time:
-    its agreement must not depend on which texts share a batch."""
+    of several lengths mixed and longer samples cut to the prompt. A quantized model is
+    scored one text at a time: its agreement must not depend on which texts share a batch."""
     ws, spec = llama
     src = ws.out(NAME, "export") / "model.onnx"
     fp32 = session_for(src)
