@@ -194,7 +194,7 @@ def cmd_registry_check(args: argparse.Namespace) -> int:
     for line in actions:
         print(line)
     if not actions:
-        print(f"{registry.url}: consistent (no interrupted publish, no leftovers)")
+        print(f"{registry.url}: consistent (no interrupted publish or move, no leftovers)")
     _warn(registry)
     return 0
 

@@ -200,6 +200,45 @@ class Registry:
                     actions.append(f"releases/{name}: not a valid release name; left alone")
                     continue
                 actions += self._recover(name)
+            actions += self._pointers()
+        return actions
+
+    def _pointers(self) -> list[str]:
+        """Under the lock: every channel pointer against its history. A move appends its
+        history entry (the commit point, like a publish record), then writes the pointer;
+        a crash between the two left a pointer behind its last entry, and the history
+        claiming a move that never happened. That move is finished here (the target
+        re-verified first), or, when the target no longer verifies, reported."""
+        last: dict[tuple[str, str], dict[str, Any]] = {}
+        for entry in self.history():
+            last[(entry["to"].rsplit("@", 1)[0], entry["channel"])] = entry
+        actions = []
+        for (name, channel), entry in sorted(last.items()):
+            try:
+                check_name(name), check_channel(channel)
+            except RegistryError:
+                continue
+            version = entry["to"].rsplit("@", 1)[1]
+            pointer = self.channel(name, channel)
+            if pointer and (pointer.get("version"), pointer.get("digest")) == (
+                version,
+                entry.get("digest"),
+            ):
+                continue
+            where = f"{name}'s {channel}: history #{entry['seq']} ({entry['action']}) moved it to "
+            where += f"{entry['to']}, its pointer says {_label(pointer) or '(empty)'}"
+            try:
+                target = self._checked(name, version, channel)
+                if target["digest"] != entry.get("digest"):
+                    raise RegistryError(f"digest {target['digest'][:16]} is not the history's")
+            except RegistryError as exc:
+                first = str(exc).splitlines()[0]
+                actions.append(f"{where}; {entry['to']} does not verify ({first}): left as is")
+                continue
+            self._write(
+                self.path("channels", name, f"{channel}.json"), {**target, "since": entry["at"]}
+            )
+            actions.append(f"finished {where}: an interrupted move, pointer now {entry['to']}")
         return actions
 
     def _recover(self, name: str) -> list[str]:
@@ -283,6 +322,7 @@ class Registry:
         """Re-verify name@version, then point name's `channel` at it and record why."""
         check_name(name), check_version(version), check_channel(channel)
         with self.lock():
+            self.warnings += self._pointers()  # an interrupted move first
             target = self._checked(name, version, channel)
             current = self.channel(name, channel)
             if current and (current["version"], current["digest"]) == (version, target["digest"]):
@@ -300,6 +340,7 @@ class Registry:
         """Point name's `channel` back at what it held before its current version."""
         check_name(name), check_channel(channel)
         with self.lock():
+            self.warnings += self._pointers()  # an interrupted move first
             stack = self._stack(name, channel)
             if len(stack) < 2:
                 raise RegistryError(

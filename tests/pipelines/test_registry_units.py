@@ -374,6 +374,71 @@ def test_a_retried_promotion_moves_nothing_and_rollback_leaves_the_live_version(
     assert "canary: demo@0.2.0 -> demo@0.1.0" in capsys.readouterr().out
 
 
+def test_a_crash_between_history_and_pointer_is_found_and_finished(
+    registry: Registry, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A move appends its history entry, then writes the pointer: a crash between them
+    left a history claiming a move that never happened, and `registry check` called the
+    registry consistent. Now check (or the next move) finishes it; a target that no
+    longer verifies is reported, not pointed at."""
+    from pipelines.cli import main
+
+    published(registry, tmp_path, "1.0.0", "1.1.0", "1.2.0")
+    registry.promote("demo", "1.0.0", "production", "first")
+    real_write = reg.Registry._write
+
+    def crash(self: Registry, path: str, data: dict[str, Any]) -> None:
+        if "/channels/" in path.replace(os.sep, "/"):
+            raise KeyboardInterrupt("killed between the history append and the pointer")
+        real_write(self, path, data)
+
+    reg.Registry._write = crash  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            registry.promote("demo", "1.1.0", "production", "second")
+    finally:
+        reg.Registry._write = real_write  # type: ignore[method-assign]
+    assert registry.history()[-1]["to"] == "demo@1.1.0"
+    assert registry.channel("demo", "production")["version"] == "1.0.0"  # type: ignore[index]
+    assert main(["registry", "check", "--registry", registry.url]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "finished demo's production: history #2 (promote) moved it to demo@1.1.0, its pointer "
+        "says demo@1.0.0: an interrupted move, pointer now demo@1.1.0"
+    ) in out
+    assert registry.channel("demo", "production")["version"] == "1.1.0"  # type: ignore[index]
+    assert main(["registry", "check", "--registry", registry.url]) == 0
+    assert "consistent" in capsys.readouterr().out
+
+    # the next move finishes an interrupted one before its own
+    reg.Registry._write = crash  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            registry.promote("demo", "1.2.0", "production", "third")
+    finally:
+        reg.Registry._write = real_write  # type: ignore[method-assign]
+    back = registry.rollback("demo", "production", "bad")
+    assert registry.warnings and registry.warnings[0].startswith("finished demo's production")
+    assert (back["from"], back["to"]) == ("demo@1.2.0", "demo@1.1.0")
+
+    # a crash whose target was then tampered with: reported, the pointer left alone
+    with registry.lock():
+        registry._append(
+            {
+                **registry.history()[-1],
+                "seq": 99,
+                "to": "demo@1.0.0",
+                "digest": registry.record("demo", "1.0.0")["digest"],
+            }
+        )  # type: ignore[index]
+    target = Path(registry.path("releases", "demo", "1.0.0", "model.onnx"))
+    target.chmod(0o644)
+    target.write_bytes(b"tampered")
+    actions = registry.check()
+    assert len(actions) == 1 and "demo@1.0.0 does not verify" in actions[0], actions
+    assert registry.channel("demo", "production")["version"] == "1.1.0"  # type: ignore[index]
+
+
 def test_promote_refuses_unpublished_missing_and_replaced_bundles(
     registry: Registry, tmp_path: Path, bundle: Path
 ) -> None:
