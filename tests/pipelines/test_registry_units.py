@@ -87,7 +87,8 @@ def test_names_versions_and_channels_at_their_limits() -> None:
         with pytest.raises(RegistryError, match="release name .* is not valid"):
             check_name(bad)  # type: ignore[arg-type]
     assert check_version("1.2.0-rc.1+build.5") == "1.2.0-rc.1+build.5"
-    for bad in ("1.2", "01.2.0", "1.2.0/..", "", None):
+    # Unicode digits: `\d` took them, so 1\U0001d7ce.0.0 published beside 10.0.0
+    for bad in ("1.2", "01.2.0", "1.2.0/..", "", None, "1\U0001d7ce.0.0", "1.0.\u0661", "1.0.0\n"):
         with pytest.raises(RegistryError, match=r"is not Semantic Versioning 2\.0"):
             check_version(bad)  # type: ignore[arg-type]
     assert check_channel("a" + "b" * 62) == "a" + "b" * 62

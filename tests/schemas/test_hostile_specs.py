@@ -159,6 +159,7 @@ FIELD_CASES = [
     ("version: 0.1.0", 'version: "1.0"', "version", "Semantic Versioning"),
     ("version: 0.1.0", "version: 1.0", "version", 'quote it, e.g. "1.0"'),
     ("version: 0.1.0", 'version: "0.1.0\\nx: y"', "version", "Semantic Versioning"),
+    ("version: 0.1.0", 'version: "1𝟎.0.0"', "version", "Semantic Versioning"),
     ('torch: "==2.13.0"', 'torch: "latest"', "pins.packages.torch", "PEP 440"),
     ('torch: "==2.13.0"', '"to rch": "==2.13.0"', "pins.packages", "should match pattern"),
     ("  device_memory: 1GiB", "  device_memory: 0", "capacity.device_memory", "more than 0 bytes"),
