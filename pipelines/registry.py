@@ -200,8 +200,26 @@ class Registry:
                     actions.append(f"releases/{name}: not a valid release name; left alone")
                     continue
                 actions += self._recover(name)
+            actions += self._unreadable()
             actions += self._pointers()
         return actions
+
+    def _unreadable(self) -> list[str]:
+        """Every channel pointer and policy file that cannot be read, named."""
+        found = []
+        for pattern in (("channels", "*", "*"), ("policy", "*")):
+            base = self.path(pattern[0])
+            if self.fs.exists(base):
+                found += self.fs.glob(posixpath.join(base, *pattern[1:]))
+        problems = []
+        for path in sorted(found):
+            if path.endswith(".tmp"):
+                continue
+            try:
+                self._json(path, ())
+            except RegistryError as exc:
+                problems.append(str(exc))
+        return problems
 
     def _pointers(self) -> list[str]:
         """Under the lock: every channel pointer against its history. A move appends its
@@ -219,7 +237,10 @@ class Registry:
             except RegistryError:
                 continue
             version = entry["to"].rsplit("@", 1)[1]
-            pointer = self.channel(name, channel)
+            try:
+                pointer = self.channel(name, channel)
+            except RegistryError:
+                continue  # unreadable: check names it (`_unreadable`); a move rewrites it
             if pointer and (pointer.get("version"), pointer.get("digest")) == (
                 version,
                 entry.get("digest"),
@@ -284,7 +305,31 @@ class Registry:
     # ------------------------------------------------------------------ channels
     def channel(self, name: str, channel: str) -> dict[str, Any] | None:
         path = self.path("channels", check_name(name), f"{check_channel(channel)}.json")
-        return json.loads(self.fs.cat_file(path)) if self.fs.exists(path) else None
+        return self._json(path, ("release", "version", "digest"))
+
+    def _json(self, path: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
+        """A registry JSON file (channel pointer, policy) or None when absent; a folder in
+        its place, torn or hand-edited JSON, or missing keys are a clear error naming the
+        file, never a traceback."""
+        if not self.fs.exists(path):
+            return None
+        rel = posixpath.relpath(path, self.root) if self.local else path
+        if self.fs.isdir(path):
+            raise RegistryError(
+                f"{rel} is a folder where the registry keeps a file; remove it (and restore "
+                "the file from a backup, or promote again)"
+            )
+        try:
+            data = json.loads(self.fs.cat_file(path))
+            if not isinstance(data, dict) or any(k not in data for k in keys):
+                raise ValueError(f"not an object with {', '.join(keys)}")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RegistryError(
+                f"{rel} is not valid ({' '.join(str(exc).split())[:120]}): torn or edited by "
+                "hand; restore it from a backup, or promote again to rewrite it"
+            ) from None
+        out: dict[str, Any] = data
+        return out
 
     def channels(self) -> list[dict[str, Any]]:
         """Every (release, channel) pointer."""
@@ -294,7 +339,7 @@ class Registry:
         for p in sorted(found):
             channel = posixpath.basename(p)[: -len(".json")]
             if re.fullmatch(CHANNEL_PATTERN, channel):
-                out.append({"channel": channel, **json.loads(self.fs.cat_file(p))})
+                out.append({"channel": channel, **(self._json(p, ("release",)) or {})})
         return out
 
     def require_signature(self, channel: str, keys: list[Path]) -> dict[str, Any]:
@@ -316,7 +361,7 @@ class Registry:
 
     def policy(self, channel: str) -> dict[str, Any] | None:
         path = self.path("policy", f"{check_channel(channel)}.json")
-        return json.loads(self.fs.cat_file(path)) if self.fs.exists(path) else None
+        return self._json(path, ("require_signature",))
 
     def promote(self, name: str, version: str, channel: str, reason: str) -> dict[str, Any]:
         """Re-verify name@version, then point name's `channel` at it and record why."""

@@ -440,6 +440,33 @@ def test_a_crash_between_history_and_pointer_is_found_and_finished(
     assert registry.channel("demo", "production")["version"] == "1.1.0"  # type: ignore[index]
 
 
+def test_torn_or_misplaced_channel_and_policy_files_are_named_never_a_traceback(
+    registry: Registry, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A torn channel pointer, a folder where the policy file goes: every command said
+    `error: ...` naming the file (not a JSONDecodeError or IsADirectoryError traceback),
+    and `registry check` named them instead of calling the registry consistent."""
+    from pipelines.cli import main
+
+    published(registry, tmp_path, "1.0.0")
+    registry.promote("demo", "1.0.0", "production", "first")
+    url = ["--registry", registry.url]
+    pointer = Path(registry.path("channels", "demo", "production.json"))
+    pointer.write_text('{"release": "demo", "vers')  # a crash mid-write by another tool
+    Path(registry.path("policy", "staging.json")).mkdir(parents=True)
+    assert main(["status", *url]) == 5  # a registry error, rendered
+    assert "channels/demo/production.json is not valid" in capsys.readouterr().err
+    assert main(["promote", "demo@1.0.0", "--to", "staging", "--reason", "x", *url]) == 5
+    err = capsys.readouterr().err
+    assert "policy/staging.json is a folder where the registry keeps a file" in err
+    assert "Traceback" not in err
+    assert main(["registry", "check", *url]) == 0
+    out = capsys.readouterr().out
+    assert "channels/demo/production.json is not valid" in out
+    assert "policy/staging.json is a folder" in out and "consistent" not in out
+    assert main(["promote", "demo@1.0.0", "--to", "canary", "--reason", "x", *url]) == 0
+
+
 def test_promote_refuses_unpublished_missing_and_replaced_bundles(
     registry: Registry, tmp_path: Path, bundle: Path
 ) -> None:
