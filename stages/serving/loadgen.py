@@ -83,6 +83,7 @@ def v2_body(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None = N
 
 
 HEADERS = {"content-type": "application/json"}
+KEEPALIVE_S = 2.0  # below every served idle timeout (uvicorn: 5 s, Triton: longer)
 
 
 def run(coro: Any) -> Any:
@@ -95,11 +96,17 @@ def run(coro: Any) -> Any:
 
 def session_for(concurrency: int, timeout: float) -> Any:
     """A session that does no per-request work it need not: no cookies, no decompression,
-    no default headers, one timeout object for every request."""
+    no default headers, one timeout object for every request.
+
+    Idle pooled connections are dropped after KEEPALIVE_S, below the servers' own idle
+    timeout (uvicorn's and so MLServer's: 5 s): with aiohttp's default of 15 s a phase that
+    began after a pause reused connections the server had just closed, and requests
+    failed with "Can not write request body" (seen once in a streaming phase on a busy
+    machine), counted against the server."""
     import aiohttp
 
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=concurrency),
+        connector=aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=KEEPALIVE_S),
         timeout=aiohttp.ClientTimeout(total=timeout),
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,
