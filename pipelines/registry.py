@@ -31,6 +31,7 @@ import secrets
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -96,6 +97,7 @@ class Registry:
         self.root = os.path.realpath(root) if self.local else posixpath.normpath(root)
         self.fs.makedirs(self.root, exist_ok=True)
         self.warnings: list[str] = []
+        self._held: tuple[str, str, _Lease] | None = None
 
     # ------------------------------------------------------------------ paths
     def path(self, *parts: str) -> str:
@@ -142,6 +144,7 @@ class Registry:
                 "by": who(),
                 "at": now(),
             }
+            self._fence()
             self._create(record_path, record)
             return {**record, "recovered": done}
 
@@ -471,6 +474,7 @@ class Registry:
             "digest": target["digest"],
             "reason": reason,
         }
+        self._fence()
         self._append(entry)
         self._write(
             self.path("channels", target["release"], f"{channel}.json"),
@@ -557,14 +561,58 @@ class Registry:
             if time.monotonic() > deadline:
                 raise RegistryError(
                     f"registry lock {path} held for over {LOCK_TIMEOUT_S:.0f} s by "
-                    f"{self._lock_owner(path)}; it expires {LOCK_STALE_S:.0f} s after it was taken"
+                    f"{self._lock_owner(path)}; it expires {LOCK_STALE_S:.0f} s after it was "
+                    "last renewed (`shipyard registry unlock` removes one whose holder died)"
                 )
             time.sleep(0.2)
+        lease = _Lease(self, path, token)
+        lease.start()
+        self._held = (path, token, lease)
         try:
             yield
         finally:
+            self._held = None
+            lease.stop.set()
+            lease.join()
             if self._lock_owner(path).get("token") == token:
                 self.fs.rm(path)
+
+    def _fence(self) -> None:
+        """Before a commit point (a publish record, a history entry): the lock must still
+        be ours. A holder stalled past its lease (its renewals failed) may have been
+        broken by another writer; it must not commit over that writer's work."""
+        if self._held is None:
+            return
+        path, token, lease = self._held
+        if lease.lost or self._lock_owner(path).get("token") != token:
+            raise RegistryError(
+                f"lost the registry lock {path} (not renewed within {LOCK_STALE_S:.0f} s, then "
+                "taken by another writer); nothing was recorded: run the command again"
+            )
+
+    def unlock(self, force: bool = False) -> str:
+        """`shipyard registry unlock`: remove a lock whose holder died, naming it."""
+        if self.local:
+            return (
+                f"{self.url}: a local registry's lock is an OS file lock, released when its "
+                "holder exits; nothing to unlock"
+            )
+        path = self.path(".lock")
+        held = self._lock_owner(path)
+        if not held and not self.fs.exists(path):
+            return f"{self.url}: not locked"
+        who_ = f"{held.get('owner')}@{held.get('host')} (pid {held.get('pid')})"
+        left = float(held.get("expires", 0)) - time.time()
+        if left > 0 and not force:
+            raise RegistryError(
+                f"the registry lock is held by {who_}, renewed {LOCK_STALE_S - left:.0f} s ago "
+                f"and live for {left:.0f} s more: its holder is working. If you know it is "
+                "dead (the machine is gone), `shipyard registry unlock --force`"
+            )
+        self.fs.rm(path)
+        return f"{self.url}: removed the registry lock held by {who_}" + (
+            " (forced: it was live)" if left > 0 else " (expired)"
+        )
 
     def _try_remote_lock(self, path: str, token: str) -> bool:
         stamp = {
@@ -607,6 +655,32 @@ class Registry:
         with tempfile.TemporaryDirectory() as tmp:
             self.fs.get(source + "/", tmp + "/bundle", recursive=True)
             yield Path(tmp) / "bundle"
+
+
+class _Lease(threading.Thread):
+    """Renews a remote lock's lease while its holder works: every third of LOCK_STALE_S
+    the lock object is rewritten with a new expiry, so a publish longer than the lease is
+    never taken for a dead one (a breaker only breaks a lock past its expiry). A renewal
+    that finds another token stops and marks the lock lost (`Registry._fence`)."""
+
+    def __init__(self, registry: Registry, path: str, token: str) -> None:
+        super().__init__(daemon=True, name="registry-lease")
+        self.registry, self.path, self.token = registry, path, token
+        self.stop = threading.Event()
+        self.lost = False
+
+    def run(self) -> None:
+        while not self.stop.wait(LOCK_STALE_S / 3):
+            held = self.registry._lock_owner(self.path)
+            if held.get("token") != self.token:
+                self.lost = True
+                return
+            now_s = time.time()
+            stamp = {**held, "expires": now_s + LOCK_STALE_S, "renewed": now_s}
+            try:
+                self.registry.fs.pipe_file(self.path, _dump(stamp))
+            except OSError:  # the store is unreachable: the next renewal tries again
+                continue
 
 
 def _verified_digest(folder: Path, what: str, bound: tuple[str, str]) -> str:
