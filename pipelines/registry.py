@@ -134,13 +134,14 @@ class Registry:
                     "versions are immutable: bump `version` in the release spec"
                 )
             if self.local:
-                digest = self._publish_local(bundle, name, version, target)
+                digest, manifest = self._publish_local(bundle, name, version, target)
             else:
-                digest = self._publish_remote(bundle, target, (name, version))
+                digest, manifest = self._publish_remote(bundle, target, (name, version))
             record = {
                 "release": name,
                 "version": version,
                 "digest": digest,
+                "manifest_sha256": manifest,
                 "by": who(),
                 "at": now(),
             }
@@ -148,20 +149,21 @@ class Registry:
             self._create(record_path, record)
             return {**record, "recovered": done}
 
-    def _publish_local(self, bundle: Path, name: str, version: str, target: str) -> str:
+    def _publish_local(self, bundle: Path, name: str, version: str, target: str) -> tuple[str, str]:
         staging = self.path("releases", name, f"{STAGING}{version}-{secrets.token_hex(4)}")
         os.makedirs(os.path.dirname(staging), exist_ok=True)
         try:
             shutil.copytree(bundle, staging, symlinks=True)
             digest = _verified_digest(Path(staging), f"copied bundle {bundle}", (name, version))
+            manifest = _manifest_sha(Path(staging))
             _read_only(Path(staging))
             os.rename(staging, target)  # atomic; fails if the target exists
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        return digest
+        return digest, manifest
 
-    def _publish_remote(self, bundle: Path, target: str, bound: tuple[str, str]) -> str:
+    def _publish_remote(self, bundle: Path, target: str, bound: tuple[str, str]) -> tuple[str, str]:
         """Upload a private snapshot: what is verified is what is uploaded. Nothing is at
         `target`: `_recover` ran under the same lock, and a version without its record was
         finished (then it is published) or removed."""
@@ -169,8 +171,9 @@ class Registry:
             snapshot = Path(tmp) / "bundle"
             shutil.copytree(bundle, snapshot, symlinks=True)
             digest = _verified_digest(snapshot, f"copied bundle {bundle}", bound)
+            manifest = _manifest_sha(snapshot)
             self.fs.put(str(snapshot) + "/", target, recursive=True)
-        return digest
+        return digest, manifest
 
     def record(self, name: str, version: str) -> dict[str, Any] | None:
         path = self._record_path(name, version)
@@ -285,6 +288,7 @@ class Registry:
             try:
                 with self._local_copy(name, base) as copy:
                     digest = _verified_digest(copy, f"unrecorded {name}@{base}", (name, base))
+                    manifest = _manifest_sha(copy)
             except RegistryError as exc:
                 self.fs.rm(entry, recursive=True)
                 lines = str(exc).splitlines()
@@ -297,6 +301,7 @@ class Registry:
                 "release": name,
                 "version": base,
                 "digest": digest,
+                "manifest_sha256": manifest,
                 "by": who(),
                 "at": now(),
                 "recovered": True,
@@ -455,6 +460,21 @@ class Registry:
                 f"published {name}@{version} has digest {digest[:16]}, but its publish record "
                 f"says {record['digest'][:16]}: the bundle and its manifest were replaced after "
                 "publishing; refusing it (restore the version from a backup)"
+            )
+        # the root digest covers the shards' digests, not their names: a renamed file with
+        # the manifest's names rewritten keeps it. The manifest's own bytes bind the names.
+        want = record.get("manifest_sha256")
+        if want is None:
+            self.warnings.append(
+                f"the publish record of {name}@{version} predates manifest digests: file names "
+                "are not bound to it (republish the version under a new number to bind them)"
+            )
+        elif _manifest_sha(folder) != want:
+            raise RegistryError(
+                f"published {name}@{version}'s manifest.json is not the one published (sha256 "
+                f"{_manifest_sha(folder)[:16]}, the record says {want[:16]}): file names or other "
+                "manifest fields were rewritten after publishing; refusing it (restore the "
+                "version from a backup)"
             )
         return digest
 
@@ -681,6 +701,13 @@ class _Lease(threading.Thread):
                 self.registry.fs.pipe_file(self.path, _dump(stamp))
             except OSError:  # the store is unreachable: the next renewal tries again
                 continue
+
+
+def _manifest_sha(folder: Path) -> str:
+    """sha256 of the bundle's manifest.json bytes (names, sizes, digests, everything)."""
+    import hashlib
+
+    return hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()
 
 
 def _verified_digest(folder: Path, what: str, bound: tuple[str, str]) -> str:
