@@ -352,16 +352,9 @@ class Registry:
 
     def require_signature(self, channel: str, keys: list[Path]) -> dict[str, Any]:
         """From now on, `channel` accepts only bundles signed by one of `keys`."""
-        from cryptography.hazmat.primitives.serialization import load_pem_public_key
+        from pipelines.signing import read_key
 
-        pems = []
-        for key in keys:
-            try:
-                pem = key.read_text(encoding="ascii")
-                load_pem_public_key(pem.encode())
-            except (OSError, ValueError) as exc:
-                raise RegistryError(f"{key}: not a PEM public key ({exc})") from None
-            pems.append(pem)
+        pems = [read_key(key).decode("ascii") for key in keys]
         policy = {"require_signature": True, "public_keys": pems, "by": who(), "at": now()}
         with self.lock():
             self._write(self.path("policy", f"{check_channel(channel)}.json"), policy)
