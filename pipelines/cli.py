@@ -188,6 +188,11 @@ def cmd_sign(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_registry_unlock(args: argparse.Namespace) -> int:
+    print(_registry(args).unlock(force=args.force))
+    return 0
+
+
 def cmd_registry_check(args: argparse.Namespace) -> int:
     registry = _registry(args)
     actions = registry.check()
@@ -425,14 +430,17 @@ def parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="print every channel pointer")
     reg = sub.add_parser("registry", help="registry maintenance and policy")
     reg_sub = reg.add_subparsers(
-        dest="registry_command", required=True, help="check | require-signature"
+        dest="registry_command", required=True, help="check | unlock | require-signature"
     )
     chk = reg_sub.add_parser("check", help="finish or remove interrupted publishes")
+    unl = reg_sub.add_parser("unlock", help="remove a remote lock whose holder died")
+    unl.add_argument("--force", action="store_true", help="even a live (recently renewed) one")
     req = reg_sub.add_parser("require-signature", help="a channel accepts only signed bundles")
     req.add_argument("channel", help="the channel that will accept only signed bundles")
     req.add_argument("--public-key", nargs="+", required=True, help="trusted PEM public key(s)")
     for cmd, func in (
         (chk, cmd_registry_check),
+        (unl, cmd_registry_unlock),
         (req, cmd_require_signature),
         (g, cmd_gate),
         (pub, cmd_publish),

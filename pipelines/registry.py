@@ -31,6 +31,7 @@ import secrets
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -96,6 +97,7 @@ class Registry:
         self.root = os.path.realpath(root) if self.local else posixpath.normpath(root)
         self.fs.makedirs(self.root, exist_ok=True)
         self.warnings: list[str] = []
+        self._held: tuple[str, str, _Lease] | None = None
 
     # ------------------------------------------------------------------ paths
     def path(self, *parts: str) -> str:
@@ -132,33 +134,36 @@ class Registry:
                     "versions are immutable: bump `version` in the release spec"
                 )
             if self.local:
-                digest = self._publish_local(bundle, name, version, target)
+                digest, manifest = self._publish_local(bundle, name, version, target)
             else:
-                digest = self._publish_remote(bundle, target, (name, version))
+                digest, manifest = self._publish_remote(bundle, target, (name, version))
             record = {
                 "release": name,
                 "version": version,
                 "digest": digest,
+                "manifest_sha256": manifest,
                 "by": who(),
                 "at": now(),
             }
+            self._fence()
             self._create(record_path, record)
             return {**record, "recovered": done}
 
-    def _publish_local(self, bundle: Path, name: str, version: str, target: str) -> str:
+    def _publish_local(self, bundle: Path, name: str, version: str, target: str) -> tuple[str, str]:
         staging = self.path("releases", name, f"{STAGING}{version}-{secrets.token_hex(4)}")
         os.makedirs(os.path.dirname(staging), exist_ok=True)
         try:
             shutil.copytree(bundle, staging, symlinks=True)
             digest = _verified_digest(Path(staging), f"copied bundle {bundle}", (name, version))
+            manifest = _manifest_sha(Path(staging))
             _read_only(Path(staging))
             os.rename(staging, target)  # atomic; fails if the target exists
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        return digest
+        return digest, manifest
 
-    def _publish_remote(self, bundle: Path, target: str, bound: tuple[str, str]) -> str:
+    def _publish_remote(self, bundle: Path, target: str, bound: tuple[str, str]) -> tuple[str, str]:
         """Upload a private snapshot: what is verified is what is uploaded. Nothing is at
         `target`: `_recover` ran under the same lock, and a version without its record was
         finished (then it is published) or removed."""
@@ -166,8 +171,9 @@ class Registry:
             snapshot = Path(tmp) / "bundle"
             shutil.copytree(bundle, snapshot, symlinks=True)
             digest = _verified_digest(snapshot, f"copied bundle {bundle}", bound)
+            manifest = _manifest_sha(snapshot)
             self.fs.put(str(snapshot) + "/", target, recursive=True)
-        return digest
+        return digest, manifest
 
     def record(self, name: str, version: str) -> dict[str, Any] | None:
         path = self._record_path(name, version)
@@ -282,6 +288,7 @@ class Registry:
             try:
                 with self._local_copy(name, base) as copy:
                     digest = _verified_digest(copy, f"unrecorded {name}@{base}", (name, base))
+                    manifest = _manifest_sha(copy)
             except RegistryError as exc:
                 self.fs.rm(entry, recursive=True)
                 lines = str(exc).splitlines()
@@ -294,6 +301,7 @@ class Registry:
                 "release": name,
                 "version": base,
                 "digest": digest,
+                "manifest_sha256": manifest,
                 "by": who(),
                 "at": now(),
                 "recovered": True,
@@ -344,16 +352,9 @@ class Registry:
 
     def require_signature(self, channel: str, keys: list[Path]) -> dict[str, Any]:
         """From now on, `channel` accepts only bundles signed by one of `keys`."""
-        from cryptography.hazmat.primitives.serialization import load_pem_public_key
+        from pipelines.signing import read_key
 
-        pems = []
-        for key in keys:
-            try:
-                pem = key.read_text(encoding="ascii")
-                load_pem_public_key(pem.encode())
-            except (OSError, ValueError) as exc:
-                raise RegistryError(f"{key}: not a PEM public key ({exc})") from None
-            pems.append(pem)
+        pems = [read_key(key).decode("ascii") for key in keys]
         policy = {"require_signature": True, "public_keys": pems, "by": who(), "at": now()}
         with self.lock():
             self._write(self.path("policy", f"{check_channel(channel)}.json"), policy)
@@ -453,6 +454,21 @@ class Registry:
                 f"says {record['digest'][:16]}: the bundle and its manifest were replaced after "
                 "publishing; refusing it (restore the version from a backup)"
             )
+        # the root digest covers the shards' digests, not their names: a renamed file with
+        # the manifest's names rewritten keeps it. The manifest's own bytes bind the names.
+        want = record.get("manifest_sha256")
+        if want is None:
+            self.warnings.append(
+                f"the publish record of {name}@{version} predates manifest digests: file names "
+                "are not bound to it (republish the version under a new number to bind them)"
+            )
+        elif _manifest_sha(folder) != want:
+            raise RegistryError(
+                f"published {name}@{version}'s manifest.json is not the one published (sha256 "
+                f"{_manifest_sha(folder)[:16]}, the record says {want[:16]}): file names or other "
+                "manifest fields were rewritten after publishing; refusing it (restore the "
+                "version from a backup)"
+            )
         return digest
 
     def _move(
@@ -471,6 +487,7 @@ class Registry:
             "digest": target["digest"],
             "reason": reason,
         }
+        self._fence()
         self._append(entry)
         self._write(
             self.path("channels", target["release"], f"{channel}.json"),
@@ -557,14 +574,58 @@ class Registry:
             if time.monotonic() > deadline:
                 raise RegistryError(
                     f"registry lock {path} held for over {LOCK_TIMEOUT_S:.0f} s by "
-                    f"{self._lock_owner(path)}; it expires {LOCK_STALE_S:.0f} s after it was taken"
+                    f"{self._lock_owner(path)}; it expires {LOCK_STALE_S:.0f} s after it was "
+                    "last renewed (`shipyard registry unlock` removes one whose holder died)"
                 )
             time.sleep(0.2)
+        lease = _Lease(self, path, token)
+        lease.start()
+        self._held = (path, token, lease)
         try:
             yield
         finally:
+            self._held = None
+            lease.stop.set()
+            lease.join()
             if self._lock_owner(path).get("token") == token:
                 self.fs.rm(path)
+
+    def _fence(self) -> None:
+        """Before a commit point (a publish record, a history entry): the lock must still
+        be ours. A holder stalled past its lease (its renewals failed) may have been
+        broken by another writer; it must not commit over that writer's work."""
+        if self._held is None:
+            return
+        path, token, lease = self._held
+        if lease.lost or self._lock_owner(path).get("token") != token:
+            raise RegistryError(
+                f"lost the registry lock {path} (not renewed within {LOCK_STALE_S:.0f} s, then "
+                "taken by another writer); nothing was recorded: run the command again"
+            )
+
+    def unlock(self, force: bool = False) -> str:
+        """`shipyard registry unlock`: remove a lock whose holder died, naming it."""
+        if self.local:
+            return (
+                f"{self.url}: a local registry's lock is an OS file lock, released when its "
+                "holder exits; nothing to unlock"
+            )
+        path = self.path(".lock")
+        held = self._lock_owner(path)
+        if not held and not self.fs.exists(path):
+            return f"{self.url}: not locked"
+        who_ = f"{held.get('owner')}@{held.get('host')} (pid {held.get('pid')})"
+        left = float(held.get("expires", 0)) - time.time()
+        if left > 0 and not force:
+            raise RegistryError(
+                f"the registry lock is held by {who_}, renewed {LOCK_STALE_S - left:.0f} s ago "
+                f"and live for {left:.0f} s more: its holder is working. If you know it is "
+                "dead (the machine is gone), `shipyard registry unlock --force`"
+            )
+        self.fs.rm(path)
+        return f"{self.url}: removed the registry lock held by {who_}" + (
+            " (forced: it was live)" if left > 0 else " (expired)"
+        )
 
     def _try_remote_lock(self, path: str, token: str) -> bool:
         stamp = {
@@ -607,6 +668,39 @@ class Registry:
         with tempfile.TemporaryDirectory() as tmp:
             self.fs.get(source + "/", tmp + "/bundle", recursive=True)
             yield Path(tmp) / "bundle"
+
+
+class _Lease(threading.Thread):
+    """Renews a remote lock's lease while its holder works: every third of LOCK_STALE_S
+    the lock object is rewritten with a new expiry, so a publish longer than the lease is
+    never taken for a dead one (a breaker only breaks a lock past its expiry). A renewal
+    that finds another token stops and marks the lock lost (`Registry._fence`)."""
+
+    def __init__(self, registry: Registry, path: str, token: str) -> None:
+        super().__init__(daemon=True, name="registry-lease")
+        self.registry, self.path, self.token = registry, path, token
+        self.stop = threading.Event()
+        self.lost = False
+
+    def run(self) -> None:
+        while not self.stop.wait(LOCK_STALE_S / 3):
+            held = self.registry._lock_owner(self.path)
+            if held.get("token") != self.token:
+                self.lost = True
+                return
+            now_s = time.time()
+            stamp = {**held, "expires": now_s + LOCK_STALE_S, "renewed": now_s}
+            try:
+                self.registry.fs.pipe_file(self.path, _dump(stamp))
+            except OSError:  # the store is unreachable: the next renewal tries again
+                continue
+
+
+def _manifest_sha(folder: Path) -> str:
+    """sha256 of the bundle's manifest.json bytes (names, sizes, digests, everything)."""
+    import hashlib
+
+    return hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()
 
 
 def _verified_digest(folder: Path, what: str, bound: tuple[str, str]) -> str:

@@ -40,6 +40,7 @@ from stages.bundling.hashing import hash_shards
 
 # Bundles are small in file count; a manifest beyond this is not ours (and not read whole).
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_RESOURCES = 200_000  # shards listed (1 GiB shards: 200 TB), under MAX_MANIFEST_BYTES
 
 
 def build_manifest(subject: str, digests: dict[str, str], shard: int = SHARD_SIZE) -> Manifest:
@@ -145,6 +146,18 @@ def verify_bundle(folder: Path, workers: int | None = None) -> list[str]:
     ]
     common = {n: present[n] for n in sorted(set(listed) & set(present))}
     shard = manifest.predicate.serialization.shard_size
+    # counted before hashing: a file must make as many shards at the manifest's shard
+    # size as the manifest lists for it (shard_size 1 over 6 GiB was six billion hash
+    # jobs, a MemoryError before the signature was checked); what is hashed is then at
+    # most the listed resources, which MAX_RESOURCES caps
+    for name in list(common):
+        count = max(1, -(-common[name].stat().st_size // shard))
+        if count != len(listed[name]):
+            problems.append(
+                f"{name}: changed (its size makes {count} shards of {shard} bytes; the "
+                f"manifest lists {len(listed[name])})"
+            )
+            del common[name]
     actual = hash_shards(common, shard, workers)
     for name in common:
         want = {r.name: r.digest for r in listed[name]}
@@ -168,6 +181,12 @@ def manifest_problems(manifest: Manifest) -> list[str]:
     if len(manifest.subject) != 1 or set(manifest.subject[0].digest) != {"sha256"}:
         problems.append(f"{MANIFEST_FILE}: needs exactly one subject with a sha256 digest")
     resources = manifest.predicate.resources
+    if len(resources) > MAX_RESOURCES:
+        return [
+            *problems,
+            f"{MANIFEST_FILE}: {len(resources)} resources (over {MAX_RESOURCES}); a bundle's "
+            "manifest lists a few per file",
+        ]
     names = [r.name for r in resources]
     if len(set(names)) != len(names):
         problems.append(f"{MANIFEST_FILE}: a resource is listed twice")

@@ -278,6 +278,70 @@ def test_attack_6_object_store_history_appends_one_object_per_entry(
     assert "history/0000000003.json is torn" in registry.warnings[0]
 
 
+def test_a_remote_lock_is_renewed_while_held_fenced_and_unlocked_by_name(
+    s3_server: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The S3 lock was never renewed: a publish longer than SHIPYARD_LOCK_STALE_S had its
+    live lock broken (and `registry check` then deleted the upload in progress). A killed
+    holder blocked every writer for the lease, with no unlock command."""
+    import threading
+
+    import pipelines.registry as reg
+    from pipelines.cli import main
+
+    monkeypatch.setattr(reg, "LOCK_STALE_S", 0.6)
+    monkeypatch.setattr(reg, "LOCK_TIMEOUT_S", 10.0)
+    url = f"s3://lease-{bucket()}/reg"
+    holder, other = Registry(url), Registry(url)
+    released: list[float] = []
+    inside = threading.Event()
+
+    def long_publish() -> None:
+        with holder.lock():
+            inside.set()
+            time.sleep(2.0)  # over three leases
+            holder._fence()  # still ours: renewed, never broken
+            released.append(time.monotonic())
+
+    worker = threading.Thread(target=long_publish)
+    worker.start()
+    assert inside.wait(5)
+    with other.lock():
+        got = time.monotonic()
+    worker.join()
+    assert released and got >= released[0], "the live lock was broken"
+    assert not any("broke a stale" in w for w in other.warnings), other.warnings
+
+    # fencing: a holder whose lease lapsed (stalled, then broken and taken) commits nothing
+    with holder.lock():
+        path, _, lease = holder._held  # type: ignore[misc]
+        lease.stop.set()
+        lease.join()
+        taken = {"owner": "next", "host": "h", "token": "theirs", "expires": time.time() + 60}
+        holder.fs.pipe_file(path, json.dumps(taken).encode())
+        with pytest.raises(RegistryError, match="lost the registry lock"):
+            holder._fence()
+        holder.fs.rm(path)
+
+    # unlock: a dead holder's lock is removed, naming it; a live one only with --force
+    lock = holder.path(".lock")
+    dead = {"owner": "ghost", "host": "gone", "pid": 7, "token": "t", "taken": 0, "expires": 1}
+    holder.fs.pipe_file(lock, json.dumps(dead).encode())
+    assert main(["registry", "unlock", "--registry", url]) == 0
+    assert (
+        "removed the registry lock held by ghost@gone (pid 7) (expired)" in capsys.readouterr().out
+    )
+    live = {**dead, "expires": time.time() + 600}
+    holder.fs.pipe_file(lock, json.dumps(live).encode())
+    assert main(["registry", "unlock", "--registry", url]) == 5
+    assert "held by ghost@gone (pid 7)" in capsys.readouterr().err
+    assert holder.fs.exists(lock)
+    assert main(["registry", "unlock", "--force", "--registry", url]) == 0
+    assert not holder.fs.exists(lock)
+    assert main(["registry", "unlock", "--registry", url]) == 0
+    assert "not locked" in capsys.readouterr().out
+
+
 def test_remote_lock_is_owner_stamped_and_a_stale_one_expires(
     s3_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

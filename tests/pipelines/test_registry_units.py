@@ -467,6 +467,28 @@ def test_torn_or_misplaced_channel_and_policy_files_are_named_never_a_traceback(
     assert main(["promote", "demo@1.0.0", "--to", "canary", "--reason", "x", *url]) == 0
 
 
+def test_a_file_renamed_inside_a_published_bundle_is_refused(
+    registry: Registry, bundle: Path
+) -> None:
+    """The publish record held the root digest only, which covers the shards' digests but
+    not their names: rename a published file and rewrite its names in the manifest (same
+    order), and the bundle verified, kept its digest and was promoted."""
+    registry.publish(bundle, "demo", "1.0.0")
+    folder = Path(registry.path("releases", "demo", "1.0.0"))
+    digest = registry.record("demo", "1.0.0")["digest"]  # type: ignore[index]
+    data = json.loads((folder / "manifest.json").read_text())
+    for r in data["predicate"]["resources"]:  # a name that sorts where the old one did
+        if r["name"].startswith("model.onnx:"):
+            r["name"] = "model2.onnx" + r["name"][len("model.onnx") :]
+    (folder / "model.onnx").rename(folder / "model2.onnx")
+    (folder / "manifest.json").chmod(0o644)
+    (folder / "manifest.json").write_text(json.dumps(data))
+    assert load_manifest(folder / "manifest.json").digest == digest  # the attack holds
+    with pytest.raises(RegistryError, match="manifest.json is not the one published"):
+        registry.promote("demo", "1.0.0", "production", "renamed")
+    assert registry.channel("demo", "production") is None
+
+
 def test_promote_refuses_unpublished_missing_and_replaced_bundles(
     registry: Registry, tmp_path: Path, bundle: Path
 ) -> None:

@@ -173,3 +173,100 @@ def test_cli_sign_then_verify_with_the_public_key(bundle, keys) -> None:
     assert "signed by public key" in done.stdout
     done = run("verify", str(bundle), "--public-key", str(keys["other"]))
     assert done.returncode == 5 and "signature does not verify" in done.stderr
+
+
+def _bad_keys(folder: Path) -> dict[str, Path]:
+    """Key files that can never sign or verify with model_signing, each a real file."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
+
+    folder.mkdir()
+    pem = serialization.Encoding.PEM
+    plain = serialization.NoEncryption()
+    out: dict[str, Path] = {}
+
+    def put(name: str, data: bytes) -> None:
+        out[name] = folder / name
+        out[name].write_bytes(data)
+
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    put("rsa.pem", rsa_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, plain))
+    put(
+        "rsa.pub",
+        rsa_key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo),
+    )
+    ed = ed25519.Ed25519PrivateKey.generate()
+    put("ed25519.pem", ed.private_bytes(pem, serialization.PrivateFormat.PKCS8, plain))
+    put(
+        "ed25519.pub",
+        ed.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo),
+    )
+    k1 = ec.generate_private_key(ec.SECP256K1())
+    put("k1.pem", k1.private_bytes(pem, serialization.PrivateFormat.PKCS8, plain))
+    put(
+        "k1.pub", k1.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    p256 = ec.generate_private_key(ec.SECP256R1())
+    put(
+        "encrypted.pem",
+        p256.private_bytes(
+            pem,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        ),
+    )
+    put("private-as-public.pub", p256.private_bytes(pem, serialization.PrivateFormat.PKCS8, plain))
+    put("empty.pem", b"")
+    put("huge.pem", b"-----BEGIN PUBLIC KEY-----\n" + b"A" * (1 << 20))
+    put("garbage.pem", bytes(range(256)))
+    out["folder"] = folder / "folder"
+    out["folder"].mkdir()
+    out["missing"] = folder / "missing.pem"
+    return out
+
+
+def test_every_malformed_key_file_is_a_clear_error_never_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """19 of 25 malformed key files printed tracebacks, require-signature accepted key
+    types that can never verify, and an RSA key listed first made every promote crash.
+    Through the CLI: sign, verify and require-signature, each bad file named."""
+    from pipelines.cli import main
+    from tests.pipelines.test_registry_units import make_bundle
+
+    folder = make_bundle(tmp_path / "b")
+    registry = ["--registry", str(tmp_path / "registry")]
+    bad = _bad_keys(tmp_path / "keys")
+    for name, key in bad.items():
+        public = name.endswith(".pub") or name in ("folder", "missing", "empty.pem", "huge.pem")
+        commands = [["registry", "require-signature", "prod", "--public-key", str(key), *registry]]
+        if public:
+            commands.append(["verify", str(folder), "--public-key", str(key)])
+        if not name.endswith(".pub"):
+            commands.append(["sign", str(folder), "--private-key", str(key)])
+        for argv in commands:
+            code = main(argv)
+            err = capsys.readouterr().err
+            assert code == 5, (name, argv[0], code, err)
+            assert err.startswith("error: ") and str(key) in err, (name, argv[0], err)
+            assert "Traceback" not in err
+    assert not (tmp_path / "registry" / "policy").exists()  # nothing accepted
+    assert not (folder / "model.sig").exists()  # nothing signed
+
+    # a policy written before these checks, an RSA key first: the good key still decides
+    from pipelines.registry import Registry
+
+    good_private, good_public = keypair(tmp_path, "good")
+    reg = Registry(str(tmp_path / "registry"))
+    reg.publish(folder, "demo", "1.0.0")
+    sign(folder, private_key=good_private)
+    signed = make_bundle(tmp_path / "signed", version="1.0.1")
+    sign(signed, private_key=good_private)
+    reg.publish(signed, "demo", "1.0.1")
+    reg._write(
+        reg.path("policy", "prod.json"),
+        {
+            "require_signature": True,
+            "public_keys": [bad["rsa.pub"].read_text(), good_public.read_text()],
+        },
+    )
+    assert reg.promote("demo", "1.0.1", "prod", "signed")["to"] == "demo@1.0.1"

@@ -350,3 +350,36 @@ def test_verify_refuses_a_folder_or_file_it_cannot_read_as_a_user_who_is_not_roo
     problems = _as_other_user(lambda: verify_bundle(shared_bundle))
     assert "serving/runtime/vault/numpy/__init__.py: added (not in the manifest)" in problems
     assert any(p.startswith("shipyard.json: cannot be read (permission denied)") for p in problems)
+
+
+def test_a_tiny_shard_size_over_a_huge_file_is_refused_before_any_hashing(
+    tmp_path: Path,
+) -> None:
+    """shard_size 1 and a 6 GiB file: verify built six billion hash jobs and died of
+    MemoryError before the signature was checked. The shard count is compared first."""
+    import time
+
+    folder = tmp_path / "b"
+    folder.mkdir()
+    (folder / "w.bin").write_bytes(bytes(10))
+    manifest_for(folder, shard=1)  # 10 one-byte shards, consistent
+    assert verify_bundle(folder) == []
+    with open(folder / "w.bin", "r+b") as fh:
+        fh.truncate(6 << 30)  # sparse: no disk is used
+    start = time.perf_counter()
+    assert verify_bundle(folder) == [
+        "w.bin: changed (its size makes 6442450944 shards of 1 bytes; the manifest lists 10)"
+    ]
+    assert time.perf_counter() - start < 5
+
+
+def test_a_manifest_listing_more_resources_than_the_cap_is_refused(bundle: Path) -> None:
+    def many(data: dict[str, Any]) -> None:
+        one = resources(data)[0]
+        data["predicate"]["resources"] = [
+            {**one, "name": f"x{i:07d}:0:1"} for i in range(oms.MAX_RESOURCES + 1)
+        ]
+
+    edit_manifest(bundle, many)
+    (problem,) = verify_bundle(bundle)
+    assert problem.startswith(f"manifest.json: {oms.MAX_RESOURCES + 1} resources (over")
