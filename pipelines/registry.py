@@ -462,10 +462,10 @@ class Registry:
                 f"the publish record of {name}@{version} predates manifest digests: file names "
                 "are not bound to it (republish the version under a new number to bind them)"
             )
-        elif _manifest_sha(folder) != want:
+        elif (have := _manifest_sha(folder)) != want:
             raise RegistryError(
                 f"published {name}@{version}'s manifest.json is not the one published (sha256 "
-                f"{_manifest_sha(folder)[:16]}, the record says {want[:16]}): file names or other "
+                f"{have[:16]}, the record says {want[:16]}): file names or other "
                 "manifest fields were rewritten after publishing; refusing it (restore the "
                 "version from a backup)"
             )

@@ -70,6 +70,7 @@ class Quantizer:
             self.model = folder / "smoothed.onnx"
         self._skeleton: Any = None
         self._by_name: Any = None
+        self._node_map: dict[str, Any] | None = None
         self._group_of: dict[str, list[str]] | None = None
         self._pieces: dict[str, Path] = {}  # node -> its one-node quantized model, on disk
 
@@ -141,8 +142,7 @@ class Quantizer:
                     self.folder / static.CACHE,
                 )
             group = self._groups().get(name, [name])
-            skel, _, _ = self._index()
-            by_name = {n.name: n for n in skel.graph.node}
+            by_name = self._nodes()
             sub, qsub = self._next(), self._next()
             onnx.save(
                 _group_model(
@@ -170,8 +170,8 @@ class Quantizer:
         as if alone). onnxruntime's per-model work (parse, shape inference, save) was most
         of a piece's cost on a small model: 724 one-node models for a 24-layer search."""
         if self._group_of is None:
-            skel, _, weights = self._index()
-            by_name = {n.name: n for n in skel.graph.node}
+            _, _, weights = self._index()
+            by_name = self._nodes()
             groups: list[list[str]] = [[]]
             produced: set[str] = set()
             size = 0
@@ -188,6 +188,12 @@ class Quantizer:
                 size += nbytes
             self._group_of = {n: g for g in groups for n in g}
         return self._group_of
+
+    def _nodes(self) -> dict[str, Any]:
+        """The skeleton's nodes by name, built once."""
+        if self._node_map is None:
+            self._node_map = {n.name: n for n in self.skeleton().graph.node}
+        return self._node_map
 
     def _index(self) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """The skeleton with its value infos and initializers by name, built once (per

@@ -376,7 +376,10 @@ def test_a_retried_promotion_moves_nothing_and_rollback_leaves_the_live_version(
 
 
 def test_a_crash_between_history_and_pointer_is_found_and_finished(
-    registry: Registry, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    registry: Registry,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A move appends its history entry, then writes the pointer: a crash between them
     left a history claiming a move that never happened, and `registry check` called the
@@ -393,12 +396,12 @@ def test_a_crash_between_history_and_pointer_is_found_and_finished(
             raise KeyboardInterrupt("killed between the history append and the pointer")
         real_write(self, path, data)
 
-    reg.Registry._write = crash  # type: ignore[method-assign]
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            registry.promote("demo", "1.1.0", "production", "second")
-    finally:
-        reg.Registry._write = real_write  # type: ignore[method-assign]
+    def promote_killed(version: str) -> None:
+        with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+            m.setattr(reg.Registry, "_write", crash)
+            registry.promote("demo", version, "production", "killed")
+
+    promote_killed("1.1.0")
     assert registry.history()[-1]["to"] == "demo@1.1.0"
     assert registry.channel("demo", "production")["version"] == "1.0.0"  # type: ignore[index]
     assert main(["registry", "check", "--registry", registry.url]) == 0
@@ -412,12 +415,7 @@ def test_a_crash_between_history_and_pointer_is_found_and_finished(
     assert "consistent" in capsys.readouterr().out
 
     # the next move finishes an interrupted one before its own
-    reg.Registry._write = crash  # type: ignore[method-assign]
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            registry.promote("demo", "1.2.0", "production", "third")
-    finally:
-        reg.Registry._write = real_write  # type: ignore[method-assign]
+    promote_killed("1.2.0")
     back = registry.rollback("demo", "production", "bad")
     assert registry.warnings and registry.warnings[0].startswith("finished demo's production")
     assert (back["from"], back["to"]) == ("demo@1.2.0", "demo@1.1.0")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -283,6 +284,14 @@ class _Ctx:
         return contextlib.nullcontext(lambda: None)
 
 
+def _release(ws: Workspace, spec: dict, **quantization: Any):  # type: ignore[no-untyped-def]
+    """The fixture's release with another quantization method (its calibration and budget)."""
+    from schemas.loader import load_release
+
+    keep = {k: v for k, v in spec["quantization"].items() if k in ("calibration", "budget")}
+    return load_release(ws.write({**spec, "quantization": {**keep, **quantization}}))
+
+
 def _samples(ws: Workspace, release) -> list[dict[str, np.ndarray]]:  # type: ignore[no-untyped-def]
     from schemas.artifacts import ModelInfo
     from stages.onnx import model as m
@@ -420,13 +429,11 @@ def test_spliced_variants_equal_onnxruntimes_whole_model_quantization(
 
     import onnx
 
-    from schemas.loader import load_release
     from stages.quant import methods
     from stages.quant.methods import Quantizer
 
     ws, spec = llama
-    cfg = {k: v for k, v in spec["quantization"].items() if k in ("calibration", "budget")}
-    release = load_release(ws.write({**spec, "quantization": {**cfg, "method": method, **extra}}))
+    release = _release(ws, spec, method=method, **extra)
     export = ws.out(NAME, "export") / "model.onnx"
     quantizer = Quantizer(export, release.quantization, [], tmp_path / "q")
     some = quantizer.candidates()[1::3]
@@ -455,13 +462,11 @@ def test_spliced_static_qdq_equals_quantize_static_and_keeps_float_nodes_float(
     node kept in float whose input a quantized node shares reads that input unquantized."""
     import onnx
 
-    from schemas.loader import load_release
     from stages.quant import methods, static
     from stages.quant.methods import Quantizer
 
     ws, spec = llama
-    cfg = {k: v for k, v in spec["quantization"].items() if k in ("calibration", "budget")}
-    release = load_release(ws.write({**spec, "quantization": {**cfg, "method": "int8-static"}}))
+    release = _release(ws, spec, method="int8-static")
     export = ws.out(NAME, "export") / "model.onnx"
     samples = _samples(ws, release)[:6]
     ours = Quantizer(export, release.quantization, samples, tmp_path / "ours")
@@ -504,16 +509,13 @@ def test_static_histogram_ranges_are_collected_one_window_at_a_time(
     minmax's, and the variant runs."""
     from onnxruntime.quantization.calibrate import load_tensors_data
 
-    from schemas.loader import load_release
     from stages.quant import static
     from stages.quant.methods import Quantizer
 
     ws, spec = llama
-    cfg = {k: v for k, v in spec["quantization"].items() if k in ("calibration", "budget")}
     caches = {}
     for how in ("minmax", "entropy", "percentile"):
-        q = {**cfg, "method": "int8-static", "calibrate_method": how}
-        release = load_release(ws.write({**spec, "quantization": q}))
+        release = _release(ws, spec, method="int8-static", calibrate_method=how)
         export = ws.out(NAME, "export") / "model.onnx"
         quantizer = Quantizer(
             export, release.quantization, _samples(ws, release)[:4], tmp_path / how
@@ -538,13 +540,11 @@ def test_one_pass_sensitivity_ranks_static_qdq_nodes_that_multiply_two_activatio
     the one-pass ranking measures them against the product of their two FP32-valued
     inputs (it raised KeyError on the missing weight, failing any static run with more
     candidates than it refines)."""
-    from schemas.loader import load_release
     from stages.quant.methods import Quantizer
     from stages.quant.search import local_snr
 
     ws, spec = llama
-    cfg = {k: v for k, v in spec["quantization"].items() if k in ("calibration", "budget")}
-    release = load_release(ws.write({**spec, "quantization": {**cfg, "method": "int8-static"}}))
+    release = _release(ws, spec, method="int8-static")
     export = ws.out(NAME, "export") / "model.onnx"
     samples = _samples(ws, release)[:4]
     quantizer = Quantizer(export, release.quantization, samples, tmp_path / "q")
