@@ -252,6 +252,10 @@ class ServingValues(Artifact):
     max_context_length: int
     kv_cache_budget: int
     request_timeout_seconds: float
+    max_request_bytes: int
+    read_timeout_seconds: float
+    idle_timeout_seconds: float
+    max_connections: int
     streaming: bool
     dynamic_batching: bool
     max_queue_delay_microseconds: int

@@ -10,6 +10,8 @@ Outputs, laid out as they sit in the bundle:
 - `serving/mlserver/`: `settings.json` and `<release>/model-settings.json` plus the
   `shipyard_runtime.py` that serves the model (Open Inference Protocol, and the OpenAI API
   for generating and embedding tasks) and the generation engine it drives, `shipyard_engine/`;
+  `shipyard_serve.py` starts it guarded (token, body cap, timeouts; front_door.py) with the
+  limits of `shipyard_server.json`;
 - `serving/text/`: the tokenizer files the runtime reads text with (when the model ships a
   `tokenizer.json`): `tokenizer_config.json` and `chat_template.jinja` where present.
 """
@@ -34,6 +36,7 @@ from stages.serving.render import render
 
 NAME = "serve"
 RUNTIME = Path(__file__).parent / "serving" / "mlserver_runtime.py"  # ships as shipyard_runtime.py
+FRONT_DOOR = Path(__file__).parent / "serving" / "front_door.py"  # ships as shipyard_serve.py
 TRITON_MODEL = Path(__file__).parent / "serving" / "triton_model.py"  # ships as 1/model.py
 ENGINE = Path(__file__).parent / "serving" / "engine"  # ships as shipyard_engine/
 TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -71,6 +74,7 @@ def io(release: ReleaseSpec) -> StageIO:
         code=(
             *sorted({f"stages/templates/{t}" for t in rendered(release.name, True).values()}),
             "stages/serving/mlserver_runtime.py",
+            "stages/serving/front_door.py",
             "stages/serving/triton_model.py",
             *sorted(f"stages/serving/engine/{p.name}" for p in ENGINE.glob("*.py")),
         ),
@@ -111,7 +115,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     files = render(ctx.work, rendered(ctx.release, generating), context)
     for path in files:
         configs.parse_back(path, info, values)
-    entry = ctx.work / "serving" / "mlserver" / ctx.release
+    mlserver = ctx.work / "serving" / "mlserver"
+    shutil.copyfile(FRONT_DOOR, mlserver / "shipyard_serve.py")
+    (mlserver / "shipyard_server.json").write_text(
+        json.dumps(configs.front_door(values), indent=2) + "\n", encoding="utf-8"
+    )
+    entry = mlserver / ctx.release
     shutil.copyfile(RUNTIME, entry / "shipyard_runtime.py")
     (entry / "shipyard_engine").mkdir()
     for module in sorted(ENGINE.glob("*.py")):

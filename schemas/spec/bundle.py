@@ -58,6 +58,26 @@ class ServingConfig(Strict):
         default=None, ge=0, description="Bytes for KV cache; default: computed for the extreme."
     )
     request_timeout_seconds: float = Field(default=30.0, gt=0, description="Per-request timeout.")
+    max_request_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=1024,
+        le=1024**3,
+        description="Largest request body (REST) or message (gRPC); larger ones get 413 "
+        "before they are parsed.",
+    )
+    read_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="A request's headers and body must arrive within this (slow-drip "
+        "connections are closed; a slow body gets 408).",
+    )
+    idle_timeout_seconds: float = Field(
+        default=5.0, gt=0, le=3600, description="An idle kept-alive connection closes after this."
+    )
+    max_connections: int = Field(
+        default=512, ge=1, le=65535, description="Open connections and requests; beyond: 503."
+    )
     streaming: bool | None = Field(default=None, description="Default: true for causal-lm.")
     dynamic_batching: bool = Field(
         default=True, description="Server-side batching of concurrent requests (Triton, MLServer)."

@@ -79,6 +79,10 @@ def serving_values(release: Any, info: ModelInfo, plan: CapacityPlan, dtype: str
         max_context_length=context,
         kv_cache_budget=kv_budget,
         request_timeout_seconds=s.request_timeout_seconds,
+        max_request_bytes=s.max_request_bytes,
+        read_timeout_seconds=s.read_timeout_seconds,
+        idle_timeout_seconds=s.idle_timeout_seconds,
+        max_connections=s.max_connections,
         streaming=generates if s.streaming is None else s.streaming,
         dynamic_batching=s.dynamic_batching,
         max_queue_delay_microseconds=s.max_queue_delay_microseconds,
@@ -238,3 +242,14 @@ def check_triton(config: Any, info: ModelInfo, values: ServingValues) -> None:
     for b in config.dynamic_batching.preferred_batch_size:
         if b > config.max_batch_size:
             raise ValueError(f"preferred_batch_size {b} > max_batch_size")
+
+
+def front_door(values: ServingValues) -> dict[str, int | float]:
+    """`serving/mlserver/shipyard_server.json`: the limits the shipped launcher enforces
+    (stages/serving/front_door.py reads exactly these keys)."""
+    return {
+        "max_request_bytes": values.max_request_bytes,
+        "read_timeout_s": values.read_timeout_seconds,
+        "idle_timeout_s": values.idle_timeout_seconds,
+        "max_connections": values.max_connections,
+    }

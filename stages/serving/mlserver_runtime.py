@@ -28,6 +28,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
@@ -292,6 +293,12 @@ class ShipyardOnnxRuntime(MLModel):
     """Loads the bundle's ONNX model; parameters.extra is the typed RuntimeSettings."""
 
     async def load(self) -> bool:
+        if os.environ.get("SHIPYARD_FRONT_DOOR") != "1":
+            raise RuntimeError(
+                "start this bundle with `python serving/mlserver/shipyard_serve.py` (see its "
+                "--help): `mlserver start` alone serves it with no API token, body cap or "
+                "read timeouts"
+            )
         extra = dict(self.settings.parameters.extra or {}) if self.settings.parameters else {}
         try:
             self.config = eng.settings.RuntimeSettings.model_validate(extra)

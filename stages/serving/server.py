@@ -71,19 +71,26 @@ class LocalServer:
         startup: float,
         batching: bool = True,
         cpus: set[int] | None = None,
+        token: str | None = None,
+        admin: bool = False,
     ) -> None:
         self.tree, self.model, self.log, self.startup = tree, model, log, startup
         self.batching = batching
         self.cpus = cpus  # pin the server (and every thread it starts) to these cores
+        # None: --no-auth (loopback only); a token: clients send it as a bearer token
+        self.token, self.admin = token, admin
         self.proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
+        self.url = self.grpc = ""
+        self.ports: list[int] = []
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client sends to be let in."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def _configure(self) -> None:
         folder = self.tree / "serving" / "mlserver"
-        http, grpc, metrics = free_ports(3)
-        settings = json.loads((folder / "settings.json").read_text())
-        settings.update(host="127.0.0.1", http_port=http, grpc_port=grpc, metrics_port=metrics)
-        (folder / "settings.json").write_text(json.dumps(settings, indent=2))
+        self.ports = free_ports(3)  # given to the launcher: the hashed settings stay as built
         model_settings = folder / self.model / "model-settings.json"
         ms = json.loads(model_settings.read_text())
         if not self.batching:  # one request at a time: what batching is measured against
@@ -92,7 +99,8 @@ class LocalServer:
             if extra.get("engine"):
                 extra["engine"]["max_rows"] = 1
         model_settings.write_text(json.dumps(ms, indent=2))
-        self.url = f"http://127.0.0.1:{http}"
+        self.url = f"http://127.0.0.1:{self.ports[0]}"
+        self.grpc = f"127.0.0.1:{self.ports[1]}"
 
     def __enter__(self) -> LocalServer:
         for attempt in (1, 2):  # a port taken between free_ports() and bind: once more
@@ -105,17 +113,29 @@ class LocalServer:
 
     def _start(self) -> LocalServer:
         self._configure()
-        exe = Path(sys.executable).parent / "mlserver"
-        if not exe.is_file():
+        if not (Path(sys.executable).parent / "mlserver").is_file():
             raise StageError(
                 "loadtest",
-                f"MLServer is not installed next to {sys.executable} (no {exe})",
+                f"MLServer is not installed next to {sys.executable}",
                 "install the project (`make release` sets up .venv with mlserver)",
             )
+        http, grpc, metrics = self.ports
+        command = [
+            sys.executable,
+            str(self.tree / "serving" / "mlserver" / "shipyard_serve.py"),
+            *("--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc)),
+            *("--metrics-port", str(metrics)),
+            *(["--admin-api"] if self.admin else []),
+            *([] if self.token else ["--no-auth"]),
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHIPYARD_API_TOKEN")}
+        if self.token:
+            env["SHIPYARD_API_TOKEN"] = self.token
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [str(exe), "start", str(self.tree / "serving" / "mlserver")],
+                command,
                 cwd=self.tree,
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -145,7 +165,7 @@ class LocalServer:
 
     def _load_failed(self) -> bool:
         tail = log_tail(self.log, 200)
-        return "Couldn't load model" in tail or "Traceback" in tail
+        return "Couldn't load model" in tail or "Traceback" in tail or "shipyard_serve:" in tail
 
     def _wait_ready(self) -> None:
         assert self.proc is not None
@@ -158,7 +178,8 @@ class LocalServer:
             if self._load_failed():
                 self._fail(f"{self.WHO} could not load the model")
             try:
-                with urllib.request.urlopen(ready, timeout=2) as resp:
+                request = urllib.request.Request(ready, headers=self.headers)
+                with urllib.request.urlopen(request, timeout=2) as resp:
                     if resp.status == 200:
                         return
             except (urllib.error.URLError, OSError):

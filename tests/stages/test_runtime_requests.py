@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,12 +22,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stages.serving.server import LocalServer, assemble
+from stages.serving.server import LocalServer, assemble, free_ports
 from tests.conftest import Workspace
 
+TOKEN = "served-test-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}  # sent always: a --no-auth server ignores it
 
-def tree_with(ws: Workspace, dest: Path, **sections: dict[str, Any]) -> Path:
-    """The served tree with RuntimeSettings sections changed: engine={"max_queue": 2}."""
+
+def tree_with(
+    ws: Workspace, dest: Path, door: dict[str, Any] | None = None, **sections: dict[str, Any]
+) -> Path:
+    """The served tree with RuntimeSettings sections changed: engine={"max_queue": 2}, and
+    the launcher's limits (`door`: shipyard_server.json keys)."""
     assemble(
         dest,
         sorted(ws.out("tiny-gpt2", "quantize").glob("model.onnx*")),
@@ -34,6 +44,8 @@ def tree_with(ws: Workspace, dest: Path, **sections: dict[str, Any]) -> Path:
     for section, values in sections.items():
         data["parameters"]["extra"][section].update(values)
     path.write_text(json.dumps(data))
+    limits = dest / "serving" / "mlserver" / "shipyard_server.json"
+    limits.write_text(json.dumps(json.loads(limits.read_text()) | (door or {})))
     return dest
 
 
@@ -51,7 +63,7 @@ async def post(url: str, body: Any, path: str = "infer") -> tuple[int, str]:
         s.post(
             f"{url}/v2/models/tiny-gpt2/{path}",
             data=data,
-            headers={"content-type": "application/json"},
+            headers={"content-type": "application/json", **AUTH},
             timeout=aiohttp.ClientTimeout(total=60),
         ) as resp,
     ):
@@ -130,14 +142,11 @@ def test_the_same_request_at_the_limit_is_served(server: str) -> None:
     assert outputs[0]["shape"] == [3, 2]
 
 
-def test_a_malformed_stream_gets_one_error_event_with_400_and_no_tokens(server: str) -> None:
-    # MLServer commits a stream's HTTP status before the model runs: the refusal is in-band
+def test_a_malformed_stream_gets_400_with_its_reason_and_no_stream(server: str) -> None:
+    # MLServer commits a stream's 200 before the model runs; the launcher holds it back
     status, text = asyncio.run(post(server, ids([1.5], [1, 1]), "infer_stream"))
-    events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
-    assert status == 200 and len(events) == 1, (status, text)
-    assert events[0]["outputs"] == []
-    assert events[0]["parameters"]["status_code"] == 400
-    assert "INT64 needs integers" in events[0]["parameters"]["error"]
+    assert status == 400, (status, text)
+    assert "INT64 needs integers" in json.loads(text)["error"]
 
 
 def test_two_prompts_of_different_lengths_in_one_batch_window_are_both_right(
@@ -162,8 +171,8 @@ def test_a_burst_beyond_the_queue_is_refused_with_503_and_memory_stays_flat(
     tree = tree_with(built_gpt2, tmp_path / "tree", engine={"max_queue": 2})
     body = ids([1] * 8, [1, 8], max_new_tokens=16)
 
-    async def burst(n: int) -> list[tuple[int, str]]:
-        return await asyncio.gather(*(post(srv.url, body) for _ in range(n)))
+    async def burst(n: int, path: str = "infer") -> list[tuple[int, str]]:
+        return await asyncio.gather(*(post(srv.url, body, path) for _ in range(n)))
 
     with LocalServer(tree, "tiny-gpt2", tmp_path / "log", 60) as srv:
         asyncio.run(burst(4))  # warm up allocations
@@ -173,7 +182,13 @@ def test_a_burst_beyond_the_queue_is_refused_with_503_and_memory_stays_flat(
             results = asyncio.run(burst(40))
             codes += [s for s, _ in results]
             assert all("queue full" in t for s, t in results if s == 503)
+        # streams past the queue get the same 503 (were 200 with the refusal in-band)
+        streams = asyncio.run(burst(40, "infer_stream"))
         after = srv.rss()
+    stream_codes = [s for s, _ in streams]
+    assert set(stream_codes) == {200, 503}, stream_codes
+    assert all(json.loads(t)["error"].startswith("queue full") for s, t in streams if s == 503)
+    assert all(t.startswith("data: ") for s, t in streams if s == 200)
     assert set(codes) <= {200, 503}, sorted(set(codes))
     assert codes.count(503) > 0 and codes.count(200) >= 5
     assert after - before < 40 * 2**20, (before, after)  # no growth with refused requests
@@ -378,3 +393,238 @@ def test_a_generic_release_serves_exactly_its_max_batch(generic_server: str) -> 
     status, text = asyncio.run(post_to(generic_server, "small", {"inputs": [x(4)]}))
     assert status == 200, text
     assert json.loads(text)["outputs"][0]["shape"][0] == 4  # every row answered
+
+
+# ---------------------------------------------------------------- the launcher's front door
+DOOR = {"read_timeout_s": 1.0, "idle_timeout_s": 0.5, "max_connections": 8}
+
+
+@pytest.fixture(scope="module")
+def guarded(built_gpt2: Workspace, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The bundle as shipped, started the way a user does: a token, the admin API off, and
+    short read and idle timeouts so the tests need not wait long."""
+    tmp = tmp_path_factory.mktemp("guarded")
+    tree = tree_with(built_gpt2, tmp / "tree", door=DOOR)
+    with LocalServer(tree, "tiny-gpt2", tmp / "log", 60, token=TOKEN) as srv:
+        yield srv
+
+
+async def call(
+    url: str, path: str, method: str = "POST", body: Any = None, headers: Any = None
+) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.request(
+            method,
+            f"{url}{path}",
+            data=None if body is None else json.dumps(body),
+            headers={"content-type": "application/json", **(headers or {})},
+            timeout=aiohttp.ClientTimeout(total=60),
+        ) as resp,
+    ):
+        return resp.status, await resp.text()
+
+
+GUARDED_PATHS = [
+    ("POST", "/v2/models/tiny-gpt2/infer", ids([1, 2], [1, 2])),
+    ("POST", "/v2/models/tiny-gpt2/infer_stream", ids([1, 2], [1, 2])),
+    ("POST", "/v1/completions", {"model": "tiny-gpt2", "prompt": [1, 2], "max_tokens": 2}),
+    ("GET", "/v1/models", None),
+    ("GET", "/v2/models/tiny-gpt2", None),
+    ("GET", "/v2/models/tiny-gpt2/ready", None),
+    ("GET", "/v2", None),
+    ("POST", "/v2/repository/index", {}),
+    ("POST", "/v2/repository/models/tiny-gpt2/unload", None),
+]
+
+
+def test_every_path_but_the_health_probes_needs_the_token(guarded: Any) -> None:
+    for method, path, body in GUARDED_PATHS:
+        for headers in ({}, {"Authorization": f"Bearer {TOKEN}-not"}):
+            status, text = asyncio.run(call(guarded.url, path, method, body, headers))
+            assert status == 401, (path, headers, status, text)
+    for probe in ("/v2/health/live", "/v2/health/ready"):
+        assert asyncio.run(call(guarded.url, probe, "GET"))[0] == 200
+    method, path, body = GUARDED_PATHS[0]
+    status, text = asyncio.run(call(guarded.url, path, method, body, AUTH))
+    assert status == 200, text
+
+
+def test_the_repository_api_is_off_by_default_so_nobody_unloads_the_model(guarded: Any) -> None:
+    for path in ("/v2/repository/index", "/v2/repository/models/tiny-gpt2/unload"):
+        status, text = asyncio.run(call(guarded.url, path, body={}, headers=AUTH))
+        assert status == 404 and "--admin-api" in text, (path, status, text)
+    assert (
+        asyncio.run(call(guarded.url, "/v2/models/tiny-gpt2/ready", "GET", headers=AUTH))[0] == 200
+    )
+
+
+def test_the_admin_api_when_asked_still_needs_the_token(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    tree = tree_with(built_gpt2, tmp_path / "tree")
+    with LocalServer(tree, "tiny-gpt2", tmp_path / "log", 60, token=TOKEN, admin=True) as srv:
+        unload = "/v2/repository/models/tiny-gpt2/unload"
+        assert asyncio.run(call(srv.url, unload))[0] == 401
+        status, text = asyncio.run(call(srv.url, "/v2/repository/index", body={}, headers=AUTH))
+        assert status == 200 and "tiny-gpt2" in text, text
+
+
+def test_the_openai_client_with_the_token_is_served_and_a_wrong_key_is_refused(
+    guarded: Any,
+) -> None:
+    import openai
+
+    good = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=TOKEN, max_retries=0)
+    done = good.completions.create(model="tiny-gpt2", prompt=[1, 2, 3], max_tokens=2)
+    assert done.usage is not None and done.usage.completion_tokens == 2
+    bad = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny-gpt2", prompt=[1, 2, 3], max_tokens=2)
+
+
+def test_grpc_needs_the_token_and_its_repository_service_is_off(guarded: Any) -> None:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(guarded.grpc)
+    assert client.is_server_live()  # a health probe: no token
+    with pytest.raises(InferenceServerException, match="UNAUTHENTICATED|API token"):
+        client.is_model_ready("tiny-gpt2")
+    with pytest.raises(InferenceServerException, match="UNAUTHENTICATED|API token"):
+        client.is_model_ready("tiny-gpt2", headers={"authorization": f"Bearer {TOKEN}x"})
+    assert client.is_model_ready("tiny-gpt2", headers={"authorization": f"Bearer {TOKEN}"})
+    ids_in = grpcclient.InferInput("input_ids", [1, 3], "INT64")
+    ids_in.set_data_from_numpy(__import__("numpy").array([[1, 2, 3]], dtype="int64"))
+    result = client.infer("tiny-gpt2", [ids_in], headers={"authorization": f"Bearer {TOKEN}"})
+    assert result.as_numpy("output_ids").shape == (1, 1)
+    big = grpcclient.InferInput("input_ids", [1, 600_000], "INT64")  # 4.8 MB > the cap
+    big.set_data_from_numpy(__import__("numpy").ones((1, 600_000), dtype="int64"))
+    with pytest.raises(InferenceServerException, match="RESOURCE_EXHAUSTED|larger than max"):
+        client.infer("tiny-gpt2", [big], headers={"authorization": f"Bearer {TOKEN}"})
+    with pytest.raises(InferenceServerException, match="repository API is off"):
+        client.unload_model("tiny-gpt2", headers={"authorization": f"Bearer {TOKEN}"})
+    assert client.is_model_ready("tiny-gpt2", headers={"authorization": f"Bearer {TOKEN}"})
+
+
+def test_a_body_past_max_request_bytes_gets_413_and_one_at_it_is_parsed(guarded: Any) -> None:
+    cap = json.loads((guarded.tree / "serving" / "mlserver" / "shipyard_server.json").read_text())[
+        "max_request_bytes"
+    ]
+    body = json.dumps(ids([1, 2], [1, 2]))
+    at = body[:-1] + " " * (cap - len(body)) + "}"  # whitespace JSON allows: exactly the cap
+    assert len(at.encode()) == cap
+    for size, data, want in ((cap, at, 200), (cap + 1, at[:-1] + " }", 413)):
+        status, text = asyncio.run(post(guarded.url, data.encode()))
+        assert status == want and len(data.encode()) == size, (size, status, text[:200])
+    status, text = asyncio.run(post(guarded.url, b"[" + b"1," * (8 * cap) + b"1]"))
+    assert status == 413 and "max_request_bytes" in text
+
+
+def raw(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def closed_within(sock: socket.socket, seconds: float, drip: bytes = b"") -> float | None:
+    """Seconds until the server closes `sock` (dripping `drip` every 0.2 s), or None."""
+    start = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - start < seconds:
+        try:
+            if drip:
+                sock.sendall(drip)
+            if sock.recv(4096) == b"":
+                return time.monotonic() - start
+        except TimeoutError:
+            continue
+        except OSError:
+            return time.monotonic() - start
+    return None
+
+
+def test_a_connection_dripping_its_headers_is_closed_at_the_read_timeout(guarded: Any) -> None:
+    sock = raw(guarded.url)
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+    took = closed_within(sock, 5, drip=b"X-Drip: 1\r\n")
+    assert took is not None and 0.8 < took < 3, took
+    # a connection that sends nothing at all goes the same way
+    assert closed_within(raw(guarded.url), 5) is not None
+
+
+def test_a_body_dripping_past_the_read_timeout_gets_408(guarded: Any) -> None:
+    sock = raw(guarded.url)
+    sock.sendall(
+        b"POST /v2/models/tiny-gpt2/infer HTTP/1.1\r\nHost: x\r\n"
+        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: 500\r\n\r\n".encode()
+        + b"{"
+    )
+    sock.settimeout(5)
+    assert sock.recv(100).startswith(b"HTTP/1.1 408"), "a slow body must get 408"
+
+
+def test_an_idle_kept_alive_connection_closes_after_the_idle_timeout(guarded: Any) -> None:
+    sock = raw(guarded.url)
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.settimeout(5)
+    assert sock.recv(100).startswith(b"HTTP/1.1 200")
+    took = closed_within(sock, 5)
+    assert took is not None and took < 2, took
+
+
+def test_requests_past_max_connections_get_503_and_the_server_recovers(guarded: Any) -> None:
+    held = [raw(guarded.url) for _ in range(DOOR["max_connections"])]
+    try:
+        time.sleep(0.2)
+        status, text = asyncio.run(call(guarded.url, "/v2/health/live", "GET"))
+        assert status == 503, (status, text)
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)
+    assert asyncio.run(call(guarded.url, "/v2/health/live", "GET"))[0] == 200
+
+
+def test_host_and_ports_are_chosen_at_start_and_no_hashed_file_is_touched(
+    guarded: Any, built_gpt2: Workspace
+) -> None:
+    built = built_gpt2.out("tiny-gpt2", "serve") / "serving" / "mlserver" / "settings.json"
+    served = guarded.tree / "serving" / "mlserver" / "settings.json"
+    assert served.read_bytes() == built.read_bytes()  # still the built port
+    assert f":{json.loads(built.read_text())['http_port']}" not in guarded.url
+
+
+def test_mlserver_start_alone_refuses_to_load_the_model_and_says_how_to_start_it(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    tree = tree_with(built_gpt2, tmp_path / "tree")
+    exe = Path(sys.executable).parent / "mlserver"
+    log = tmp_path / "log"
+    http, grpc, metrics = free_ports(3)
+    env = {k: v for k, v in os.environ.items() if k != "SHIPYARD_FRONT_DOOR"}
+    env |= {"MLSERVER_HTTP_PORT": str(http), "MLSERVER_GRPC_PORT": str(grpc)}
+    settings = tree / "serving" / "mlserver" / "settings.json"
+    data = json.loads(settings.read_text()) | {
+        "http_port": http,
+        "grpc_port": grpc,
+        "metrics_port": metrics,
+    }
+    settings.write_text(json.dumps(data))
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(exe), "start", str(tree / "serving" / "mlserver")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "shipyard_serve.py" not in log.read_text():
+            time.sleep(0.3)
+        assert "start this bundle with `python serving/mlserver/shipyard_serve.py`" in (
+            log.read_text()
+        )
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

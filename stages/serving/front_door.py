@@ -1,0 +1,454 @@
+"""Start this bundle's MLServer behind the front door a service needs.
+
+Shipped as `serving/mlserver/shipyard_serve.py`; run it from anywhere:
+
+    SHIPYARD_API_TOKEN=... python serving/mlserver/shipyard_serve.py [--host 0.0.0.0]
+        [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002] [--admin-api]
+
+What `mlserver start` alone does not give (the limits come from the release spec, rendered
+into `shipyard_server.json` beside this file; nothing hashed is edited to change host or
+ports):
+- authentication: every request but the two health probes (`/v2/health/live`, `/ready`)
+  needs `Authorization: Bearer <token>` (REST) or `authorization` metadata (gRPC); the
+  token comes from `SHIPYARD_API_TOKEN` or the file named by `SHIPYARD_API_TOKEN_FILE`,
+  never from the bundle. Without one the server does not start, unless `--no-auth` is
+  given, and `--no-auth` only binds a loopback host;
+- the model repository API (load, unload, index) is off unless `--admin-api`;
+- a request body larger than `max_request_bytes` gets 413 before it is parsed (gRPC: the
+  same cap as its message limit), and a request's headers and body must arrive within
+  `read_timeout_s` (slow-drip connections are closed, 408 for a slow body); an idle
+  kept-alive connection closes after `idle_timeout_s`; past `max_connections` a request
+  gets 503;
+- a V2 stream the engine refuses (a full queue: 503, a bad parameter: 400) answers with
+  that status and a JSON error: MLServer commits a stream's 200 before the model runs, so
+  the first event is held until it is known.
+
+The runtime refuses to load when started any other way (`SHIPYARD_FRONT_DOOR` unset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import ipaddress
+import json
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+CONFIG = "shipyard_server.json"
+TOKEN_ENV, TOKEN_FILE_ENV = "SHIPYARD_API_TOKEN", "SHIPYARD_API_TOKEN_FILE"
+GUARD_ENV = "SHIPYARD_FRONT_DOOR"  # the runtime's proof that it runs behind this door
+HEALTH = frozenset({"/v2/health/live", "/v2/health/ready"})
+HEALTH_GRPC = frozenset(
+    {"/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady"}
+)
+ADMIN_PREFIX = "/v2/repository"
+# the repository service, and the same calls inside the inference service (Triton's layout)
+ADMIN_GRPC_PREFIXES = (
+    "/inference.model_repository.ModelRepositoryService/",
+    "/inference.GRPCInferenceService/Repository",
+)
+STREAM_SUFFIXES = ("/infer_stream", "/generate_stream")
+MAX_TOKEN_BYTES = 4096
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class Refused(SystemExit):
+    """The server does not start: the message says why and what to do."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"shipyard_serve: {message}")
+
+
+def limits(folder: Path) -> dict[str, Any]:
+    path = folder / CONFIG
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise Refused(f"cannot read {path}: {exc}; rebuild the bundle") from None
+    keys = {"max_request_bytes", "read_timeout_s", "idle_timeout_s", "max_connections"}
+    if not isinstance(data, dict) or set(data) != keys:
+        raise Refused(f"{path} must hold exactly {sorted(keys)}; rebuild the bundle")
+    return data
+
+
+def read_token(env: MutableMapping[str, str]) -> str | None:
+    """The bearer token from the environment or a file; never empty, never the bundle's."""
+    token, file = env.get(TOKEN_ENV), env.get(TOKEN_FILE_ENV)
+    if token is not None and file is not None:
+        raise Refused(f"set {TOKEN_ENV} or {TOKEN_FILE_ENV}, not both")
+    if file is not None:
+        try:
+            with open(file, "rb") as f:
+                raw = f.read(MAX_TOKEN_BYTES + 1)
+        except OSError as exc:
+            raise Refused(f"{TOKEN_FILE_ENV}={file}: {exc.strerror or exc}") from None
+        if len(raw) > MAX_TOKEN_BYTES:
+            raise Refused(f"{TOKEN_FILE_ENV}={file}: longer than {MAX_TOKEN_BYTES} bytes")
+        try:
+            token = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise Refused(f"{TOKEN_FILE_ENV}={file}: the token must be ASCII") from None
+    if token is None:
+        return None
+    token = token.strip()
+    if len(token) < 16 or any(c.isspace() or not c.isprintable() for c in token):
+        raise Refused(
+            "the API token must be at least 16 printable characters without spaces "
+            '(e.g. python -c "import secrets; print(secrets.token_urlsafe(32))")'
+        )
+    return token
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bearer_ok(header: bytes | str | None, token: str) -> bool:
+    if header is None:
+        return False
+    raw = header.encode("latin-1") if isinstance(header, str) else header
+    scheme, _, given = raw.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token.encode())
+
+
+async def _answer(send: Send, status: int, message: str, extra: list[Any] | None = None) -> None:
+    body = json.dumps({"error": message}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class FrontDoor:
+    """ASGI middleware: authentication, the admin switch, the body cap and read deadline,
+    and a stream's refusal as its HTTP status."""
+
+    def __init__(
+        self, app: App, token: str | None, max_body: int, read_timeout: float, admin: bool
+    ) -> None:
+        self.app, self.token, self.max_body = app, token, max_body
+        self.read_timeout, self.admin = read_timeout, admin
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path: str = scope["path"]
+        headers = dict(scope["headers"])
+        let_in = bearer_ok(headers.get(b"authorization"), self.token) if self.token else True
+        if not let_in and path not in HEALTH:
+            return await _answer(
+                send,
+                401,
+                "missing or wrong API token: send 'Authorization: Bearer <token>'",
+                [(b"www-authenticate", b'Bearer realm="shipyard"')],
+            )
+        if path.startswith(ADMIN_PREFIX) and not self.admin:
+            return await _answer(
+                send, 404, "the model repository API is off; start the server with --admin-api"
+            )
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await _answer(send, 413, self._too_big())
+        try:
+            body = await asyncio.wait_for(self._body(receive), self.read_timeout)
+        except TimeoutError:
+            return await _answer(
+                send,
+                408,
+                f"the request did not arrive within {self.read_timeout:g} s (read_timeout_s)",
+            )
+        if body is None:
+            return await _answer(send, 413, self._too_big())
+        replay = _Replay(body, receive)
+        if path.endswith(STREAM_SUFFIXES):
+            send = _StreamStatus(send).send
+        await self.app(scope, replay, send)
+
+    def _too_big(self) -> str:
+        return (
+            f"the request body exceeds {self.max_body} bytes (bundle.serving.max_request_bytes); "
+            "send smaller batches"
+        )
+
+    async def _body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None once it passes the cap (nothing more is read)."""
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return None
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(parts)
+
+
+class _Replay:
+    """The buffered body to the app, then the connection's own messages (disconnects)."""
+
+    def __init__(self, body: bytes, receive: Receive) -> None:
+        self.body: bytes | None = body
+        self.receive = receive
+
+    async def __call__(self) -> Message:
+        if self.body is not None:
+            body, self.body = self.body, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await self.receive()
+
+
+class _StreamStatus:
+    """Holds a stream's response start until its first event: when that event is the
+    runtime's in-band refusal (`parameters.status_code`), the client gets that status and
+    a JSON error instead of a 200 stream."""
+
+    def __init__(self, send: Send) -> None:
+        self._send, self._first = send, True
+        self._start: Message | None = None
+        self._refused = False  # the refusal is answered: the stream's rest goes nowhere
+
+    async def send(self, message: Message) -> None:
+        if self._refused:
+            return
+        if message["type"] == "http.response.start" and self._first:
+            self._start = message
+            return
+        if message["type"] == "http.response.body" and self._first:
+            self._first = False
+            start, self._start = self._start, None
+            refusal = _refusal(message.get("body", b""))
+            if refusal is not None and start is not None and start["status"] == 200:
+                status, error = refusal
+                self._refused = True
+                await _answer(self._send, status, error)
+                return
+            if start is not None:
+                await self._send(start)
+        await self._send(message)
+
+
+def _refusal(chunk: bytes) -> tuple[int, str] | None:
+    if not chunk.startswith(b"data: "):
+        return None
+    try:
+        event = json.loads(chunk[6:].split(b"\n\n", 1)[0])
+        params = event.get("parameters") or {}
+        status, error = params.get("status_code"), params.get("error")
+    except (ValueError, AttributeError):
+        return None
+    if event.get("outputs") or not isinstance(status, int) or not isinstance(error, str):
+        return None
+    return (status, error) if 400 <= status < 600 else None
+
+
+def grpc_guard(token: str | None, admin: bool) -> Any:
+    """A grpc.aio interceptor: the same token and admin switch as REST."""
+    import grpc
+    from grpc import aio
+
+    def denied(handler: Any, code: Any, why: str) -> Any:
+        async def unary(request: Any, context: Any) -> Any:
+            await context.abort(code, why)
+
+        async def streaming(request: Any, context: Any) -> Any:
+            await context.abort(code, why)
+            yield  # pragma: no cover - abort raises
+
+        kinds = {
+            (False, False): (grpc.unary_unary_rpc_method_handler, unary),
+            (False, True): (grpc.unary_stream_rpc_method_handler, streaming),
+            (True, False): (grpc.stream_unary_rpc_method_handler, unary),
+            (True, True): (grpc.stream_stream_rpc_method_handler, streaming),
+        }
+        make, behaviour = kinds[(handler.request_streaming, handler.response_streaming)]
+        return make(
+            behaviour,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    class Guard(aio.ServerInterceptor):  # type: ignore[misc]
+        async def intercept_service(self, continuation: Any, details: Any) -> Any:
+            handler = await continuation(details)
+            method = details.method
+            if handler is None:
+                return handler
+            if token is not None and method not in HEALTH_GRPC:
+                given = dict(details.invocation_metadata or ()).get("authorization")
+                if not bearer_ok(given, token):
+                    return denied(
+                        handler,
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        "missing or wrong API token: send metadata authorization: Bearer <token>",
+                    )
+            if method.startswith(ADMIN_GRPC_PREFIXES) and not admin:
+                return denied(
+                    handler,
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    "the model repository API is off; start the server with --admin-api",
+                )
+            return handler
+
+    return Guard()
+
+
+def guarded_h11(read_timeout: float) -> type:
+    """uvicorn's h11 protocol with a deadline on each request's headers: a connection that
+    has not sent a whole request head within `read_timeout` seconds (of opening, or of its
+    last response) is closed. uvicorn has no such deadline; without it, connections that
+    drip a byte at a time hold their sockets until the process runs out of them."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11(H11Protocol):  # type: ignore[misc]
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(read_timeout, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _too_slow(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedH11
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shipyard_serve.py", description="Serve this bundle with MLServer, guarded."
+    )
+    p.add_argument("--host", help="Interface to bind (default: the bundle's settings.json).")
+    p.add_argument("--http-port", type=int, help="REST port (default: settings.json's).")
+    p.add_argument("--grpc-port", type=int, help="gRPC port (default: settings.json's).")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (default: settings.json's).")
+    p.add_argument(
+        "--admin-api", action="store_true", help="Serve the model repository API (load/unload)."
+    )
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="Serve without a token (only on a loopback host).",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None, folder: Path = HERE) -> None:
+    args = parser().parse_args(argv)
+    for name in ("http_port", "grpc_port", "metrics_port"):
+        port = getattr(args, name)
+        if port is not None and not 0 < port < 65536:
+            raise Refused(f"--{name.replace('_', '-')} {port}: a port is 1-65535")
+    cap = limits(folder)
+    token = read_token(os.environ)
+    os.environ.pop(TOKEN_ENV, None)  # the model code never sees it
+    settings_file = json.loads((folder / "settings.json").read_text(encoding="utf-8"))
+    host = args.host or settings_file.get("host", "127.0.0.1")
+    if token is None and not args.no_auth:
+        raise Refused(
+            f"no API token: set {TOKEN_ENV} or {TOKEN_FILE_ENV} (clients then send "
+            "'Authorization: Bearer <token>'), or pass --no-auth on a loopback host"
+        )
+    if token is not None and args.no_auth:
+        raise Refused("--no-auth with a token set: drop one of them")
+    if args.no_auth and not _loopback(host):
+        raise Refused(f"--no-auth binds loopback only; {host} is not (set a token instead)")
+    os.environ[GUARD_ENV] = "1"
+    asyncio.run(_serve(folder, args, host, token, cap))
+
+
+async def _serve(
+    folder: Path, args: Any, host: str, token: str | None, cap: dict[str, Any]
+) -> None:
+    import mlserver.grpc.server as grpc_server
+    import mlserver.rest.server as rest_server
+    from grpc import aio
+    from mlserver import MLServer
+    from mlserver.cli.serve import load_settings
+
+    settings, models = await load_settings(str(folder))
+    settings.host = host
+    for name in ("http_port", "grpc_port", "metrics_port"):
+        if getattr(args, name) is not None:
+            setattr(settings, name, getattr(args, name))
+    settings.grpc_max_message_length = cap["max_request_bytes"]
+    settings._custom_rest_server_settings = {
+        "http": guarded_h11(cap["read_timeout_s"]),
+        "timeout_keep_alive": cap["idle_timeout_s"],
+        "limit_concurrency": cap["max_connections"],
+        "h11_max_incomplete_event_size": 64 * 1024,  # request line and headers
+    }
+    plain_app = rest_server.create_app
+
+    def create_app(*a: Any, **kw: Any) -> Any:
+        app = plain_app(*a, **kw)
+        app.add_middleware(
+            FrontDoor,
+            token=token,
+            max_body=cap["max_request_bytes"],
+            read_timeout=cap["read_timeout_s"],
+            admin=args.admin_api,
+        )
+        return app
+
+    rest_server.create_app = create_app
+    guard = grpc_guard(token, args.admin_api)
+
+    class _Aio:  # grpc.aio for MLServer's gRPC server, with the guard first
+        def __getattr__(self, name: str) -> Any:
+            return getattr(aio, name)
+
+        def server(self, *a: Any, interceptors: Any = (), **kw: Any) -> Any:
+            return aio.server(*a, interceptors=[guard, *interceptors], **kw)
+
+    grpc_server.aio = _Aio()  # type: ignore[assignment]
+    server = MLServer(settings)
+    await server.start(models)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The shipped launcher's guards, at the ASGI boundary (a real app behind them stands in for
+MLServer's; the served tests in test_runtime_requests.py go through a real MLServer)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stages.serving import front_door as fd
+
+TOKEN = "t0ken-that-is-long-enough"
+CAP = 1000
+
+
+def call(
+    path: str,
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    chunks: list[bytes] | None = None,
+    delay: float = 0.0,
+    admin: bool = False,
+    token: str | None = TOKEN,
+    app: Any = None,
+) -> tuple[int, bytes, bool]:
+    """(status, body, whether the app ran) for one request through the door."""
+    ran = []
+
+    async def echo(scope: Any, receive: Any, send: Any) -> None:
+        ran.append(True)
+        got = b""
+        while True:
+            m = await receive()
+            got += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": got})
+
+    sent: list[dict[str, Any]] = []
+    parts = list(chunks if chunks is not None else [body])
+
+    async def receive() -> dict[str, Any]:
+        if delay:
+            await asyncio.sleep(delay)
+        if not parts:
+            await asyncio.sleep(3600)
+        chunk = parts.pop(0)
+        return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    heads = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    if chunks is None and not any(k == b"content-length" for k, _ in heads):
+        heads.append((b"content-length", str(len(body)).encode()))
+    scope = {"type": "http", "path": path, "headers": heads}
+    door = fd.FrontDoor(app or echo, token, CAP, 0.3, admin)
+    asyncio.run(door(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], out, bool(ran)
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": f"Bearer {TOKEN}x"},
+        {"Authorization": f"Bearer {TOKEN[:-1]}"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": TOKEN},
+        {"Authorization": "Bearer "},
+        {"X-Api-Key": TOKEN},
+    ],
+)
+def test_a_request_without_the_right_bearer_token_gets_401_and_never_reaches_the_model(
+    headers: dict[str, str],
+) -> None:
+    status, body, ran = call("/v2/models/m/infer", b"{}", headers)
+    assert (status, ran) == (401, False)
+    assert b"Authorization: Bearer" in body
+
+
+def test_the_token_is_let_in_and_health_probes_need_none() -> None:
+    assert call("/v2/models/m/infer", b"{}", AUTH)[:1] == (200,)
+    assert call("/v2/models/m/infer", b"{}", {"Authorization": f"bearer {TOKEN}"})[0] == 200
+    for probe in ("/v2/health/live", "/v2/health/ready"):
+        assert call(probe)[0] == 200
+    # a probe's prefix is not a probe
+    assert call("/v2/health/live/../../models/m/infer")[0] == 401
+    assert call("/v2/health/readyz")[0] == 401
+
+
+def test_the_repository_api_is_404_unless_the_admin_switch_is_on() -> None:
+    for path in ("/v2/repository/index", "/v2/repository/models/m/unload"):
+        status, body, ran = call(path, b"", AUTH)
+        assert (status, ran) == (404, False) and b"--admin-api" in body
+        assert call(path, b"", AUTH, admin=True)[0] == 200
+        assert call(path, b"", {}, admin=True)[0] == 401  # admin still needs the token
+
+
+def test_a_body_at_the_cap_is_read_and_one_byte_more_is_413_unread() -> None:
+    status, body, ran = call("/v2/models/m/infer", b"x" * CAP, AUTH)
+    assert (status, len(body), ran) == (200, CAP, True)
+    status, body, ran = call("/v2/models/m/infer", b"x" * (CAP + 1), AUTH)
+    assert (status, ran) == (413, False) and b"max_request_bytes" in body
+
+
+def test_a_chunked_body_past_the_cap_is_413_however_it_is_split() -> None:
+    at = [b"x" * 400, b"x" * 400, b"x" * 200]
+    assert call("/v2/models/m/infer", headers=AUTH, chunks=at)[:1] == (200,)
+    over = [b"x" * 400, b"x" * 400, b"x" * 201]
+    status, _, ran = call("/v2/models/m/infer", headers=AUTH, chunks=over)
+    assert (status, ran) == (413, False)
+
+
+@pytest.mark.parametrize("length", ["-1", "1e9", "abc", str(CAP + 1), "99999999999999999999"])
+def test_a_content_length_past_the_cap_or_not_a_number_is_413(length: str) -> None:
+    status, _, ran = call("/v2/models/m/infer", b"", {**AUTH, "Content-Length": length})
+    assert (status, ran) == (413, False)
+
+
+def test_a_body_that_drips_past_the_read_timeout_gets_408() -> None:
+    status, body, ran = call("/v2/models/m/infer", headers=AUTH, chunks=[b"{"], delay=0.5)
+    assert (status, ran) == (408, False) and b"read_timeout_s" in body
+    # a body that never finishes (more_body and then nothing) is the same
+    status, _, ran = call("/v2/models/m/infer", headers=AUTH, chunks=[b"{", b"}"], delay=0.2)
+    assert (status, ran) == (408, False)
+
+
+def stream_app(first: dict[str, Any], status: int = 200) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send(
+            {
+                "type": "http.response.body",
+                "body": b"data: " + json.dumps(first).encode() + b"\n\n",
+                "more_body": True,
+            }
+        )
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
+
+
+REFUSED = {"outputs": [], "parameters": {"error": "queue full: retry", "status_code": 503}}
+
+
+def test_a_stream_refused_by_the_engine_answers_with_its_status_not_a_200_stream() -> None:
+    status, body, _ = call("/v2/models/m/infer_stream", b"{}", AUTH, app=stream_app(REFUSED))
+    assert status == 503 and json.loads(body) == {"error": "queue full: retry"}
+    path = "/v2/models/m/versions/1/generate_stream"
+    assert call(path, b"{}", AUTH, app=stream_app(REFUSED))[0] == 503
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        # a token event is a stream, whatever its parameters say
+        {"outputs": [{"name": "output_ids"}], "parameters": {"error": "x", "status_code": 503}},
+        {"outputs": [], "parameters": {"status_code": 503}},  # no error text: not a refusal
+        {"outputs": [], "parameters": {"error": "x", "status_code": 200}},
+        {"outputs": [], "parameters": {"error": "x", "status_code": "503"}},
+        {"outputs": []},
+    ],
+)
+def test_a_stream_whose_first_event_is_not_a_refusal_streams_on(first: dict[str, Any]) -> None:
+    status, body, _ = call("/v2/models/m/infer_stream", b"{}", AUTH, app=stream_app(first))
+    assert status == 200 and body.startswith(b"data: ")
+
+
+def test_only_stream_paths_are_held() -> None:
+    status, body, _ = call("/v2/models/m/infer", b"{}", AUTH, app=stream_app(REFUSED))
+    assert status == 200 and body.startswith(b"data: ")
+
+
+def test_the_token_comes_from_the_environment_or_a_file_and_bad_ones_refuse_to_start(
+    tmp_path: Path,
+) -> None:
+    assert fd.read_token({}) is None
+    assert fd.read_token({fd.TOKEN_ENV: f"  {TOKEN}\n"}) == TOKEN
+    file = tmp_path / "token"
+    file.write_text(TOKEN + "\n")
+    assert fd.read_token({fd.TOKEN_FILE_ENV: str(file)}) == TOKEN
+    bad = {
+        "both": {fd.TOKEN_ENV: TOKEN, fd.TOKEN_FILE_ENV: str(file)},
+        "short": {fd.TOKEN_ENV: "short"},
+        "empty": {fd.TOKEN_ENV: ""},
+        "space": {fd.TOKEN_ENV: "a" * 10 + " " + "b" * 10},
+        "missing file": {fd.TOKEN_FILE_ENV: str(tmp_path / "nope")},
+        "a folder": {fd.TOKEN_FILE_ENV: str(tmp_path)},
+    }
+    huge = tmp_path / "huge"
+    huge.write_bytes(b"a" * (fd.MAX_TOKEN_BYTES + 1))
+    bad["huge file"] = {fd.TOKEN_FILE_ENV: str(huge)}
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff" * 20)
+    bad["binary file"] = {fd.TOKEN_FILE_ENV: str(binary)}
+    for case, env in bad.items():
+        with pytest.raises(fd.Refused) as exc:
+            fd.read_token(env)
+        assert str(exc.value.code).startswith("shipyard_serve: "), case
+
+
+def test_no_auth_binds_loopback_only_and_a_missing_token_refuses_to_start(tmp_path: Path) -> None:
+    (tmp_path / fd.CONFIG).write_text(
+        json.dumps(
+            {"max_request_bytes": 1, "read_timeout_s": 1, "idle_timeout_s": 1, "max_connections": 1}
+        )
+    )
+    (tmp_path / "settings.json").write_text(json.dumps({"host": "127.0.0.1"}))
+    cases = {
+        "no token": ([], "no API token"),
+        "no auth on all interfaces": (["--no-auth", "--host", "0.0.0.0"], "loopback only"),
+        "no auth on a LAN address": (["--no-auth", "--host", "10.1.2.3"], "loopback only"),
+        "no auth on a name": (["--no-auth", "--host", "example.com"], "loopback only"),
+        "bad port": (["--no-auth", "--http-port", "70000"], "1-65535"),
+    }
+    for case, (argv, why) in cases.items():
+        with pytest.raises(fd.Refused) as exc:
+            fd.main(argv, tmp_path)
+        assert why in str(exc.value.code), case
+    (tmp_path / fd.CONFIG).write_text("{}")
+    with pytest.raises(fd.Refused, match="must hold exactly"):
+        fd.main(["--no-auth"], tmp_path)
