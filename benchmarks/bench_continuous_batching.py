@@ -66,6 +66,10 @@ def served_tree(dest: Path, policy: str, rows: int, prefix: bool = False) -> Pat
     shutil.copyfile(
         REPO / "stages" / "serving" / "mlserver_runtime.py", entry / "shipyard_runtime.py"
     )
+    shutil.copyfile(
+        REPO / "stages" / "serving" / "front_door.py",
+        dest / "serving" / "mlserver" / "shipyard_serve.py",
+    )
     for module in (REPO / "stages" / "serving" / "engine").glob("*.py"):
         shutil.copyfile(module, entry / "shipyard_engine" / module.name)
     path = entry / "model-settings.json"
