@@ -117,12 +117,15 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_run_stage(args: argparse.Namespace) -> int:
+    from pipelines import compiler, provenance
     from schemas.loader import load_release
     from stages import execute, repo_root
 
     root = repo_root()
     spec_path = Path(args.release)
+    key = provenance.builder_key()  # a bad key fails before the stage runs
     report = execute(args.stage, load_release(spec_path), spec_path, root)
+    provenance.write(root, compiler.stage_paths(root, args.stage, report.release), key)
     verdict = VERDICT[report.status]
     print(f"{verdict} {args.stage}@{report.release}: {report.summary}", flush=True)
     for reason in report.reasons:
@@ -136,13 +139,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     bundle = Path(args.bundle)
     identity = _identity(args)
+    trusted = _trusted(args) if args.provenance else {}
     if identity is not None:
         from pipelines.signing import verify_signed
 
         digest = verify_signed(bundle, identity)
         print(f"{bundle}: signed by {identity.describe()}; every file matches manifest.json")
         print(f"bundle digest {digest}")
-        return 0
+        return _chain(bundle, trusted) if args.provenance else 0
     problems = verify_bundle(bundle)
     if problems:
         raise RegistryError(
@@ -151,6 +155,39 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     print(f"{bundle}: every file matches manifest.json (signature not checked: no key given)")
     print(f"bundle digest {load_manifest(bundle / 'manifest.json').digest}")
+    return _chain(bundle, trusted) if args.provenance else 0
+
+
+def _trusted(args: argparse.Namespace) -> dict[str, Any]:
+    from pipelines import provenance
+    from schemas import RegistryError
+
+    trusted = (
+        {provenance.key_id(k): k for k in map(_public_key, args.trusted_builder)}
+        if args.trusted_builder
+        else provenance.trusted_keys()
+    )
+    if not trusted:
+        raise RegistryError(
+            f"no trusted builder keys: pass --trusted-builder KEY.pub or set {provenance.TRUST_ENV}"
+        )
+    return trusted
+
+
+def _chain(bundle: Path, trusted: dict[str, Any]) -> int:
+    from pipelines import provenance
+    from schemas import RegistryError
+    from stages.bundling.files import CHECKED
+
+    lines, problems = provenance.bundle_chain(bundle, trusted, (*CHECKED, "manifest"))
+    for line in lines:
+        print(f"  {line}")
+    if problems:
+        raise RegistryError(
+            f"bundle {bundle}: its provenance does not hold:\n"
+            + "\n".join(f"  {p}" for p in problems)
+        )
+    print(f"{bundle}: every stage attested by a trusted builder; every shipped file attested")
     return 0
 
 
@@ -241,6 +278,47 @@ def _specs(names: list[str]) -> list[Any]:
             ],
         )
     return [found[n] for n in names] if names else list(found.values())
+
+
+def cmd_provenance(args: argparse.Namespace) -> int:
+    """Every stage of the releases: built by a trusted builder from these inputs?"""
+    from pipelines import compiler, provenance
+    from schemas import RegistryError
+    from stages import repo_root
+
+    root = repo_root()
+    trusted = _trusted(args)
+    releases, all_ios = compiler.stage_ios(root)
+    wanted = {s.name for _, s in releases} if not args.releases else set(args.releases)
+    bad = 0
+    for _, spec in releases:
+        if spec.name not in wanted:
+            continue
+        for stage in all_ios:
+            paths = compiler.stage_paths(root, stage, spec.name)
+            who, problems = provenance.check(root, paths, trusted)
+            if problems:
+                bad += 1
+                print(f"FAIL {stage}@{spec.name}: " + "; ".join(problems))
+            else:
+                print(f"ok   {stage}@{spec.name}: built by {who}")
+    unknown = wanted - {s.name for _, s in releases}
+    if unknown:
+        raise RegistryError(f"no such release: {', '.join(sorted(unknown))}")
+    if bad:
+        raise RegistryError(
+            f"{bad} stage output(s) without trusted provenance: rebuild them "
+            "(`dvc repro --force <stage>@<release>`) on a trusted builder"
+        )
+    return 0
+
+
+def _public_key(path: str) -> Any:
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    from pipelines.signing import read_key
+
+    return load_pem_public_key(read_key(Path(path)))
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -371,6 +449,20 @@ def parser() -> argparse.ArgumentParser:
         help="pull / push outputs and run-cache; configure: point DVC at SHIPYARD_DVC_REMOTE",
     )
     ca.set_defaults(func=cmd_cache)
+    pv = sub.add_parser(
+        "provenance",
+        help="check that every stage output was built by a trusted builder from these inputs",
+    )
+    pv.add_argument("releases", nargs="*", help="release names (default: every release)")
+    pv.add_argument(
+        "--trusted-builder",
+        action="append",
+        default=[],
+        metavar="KEY.pub",
+        help="a trusted builder's public key PEM (repeatable; default: the keys in "
+        "$SHIPYARD_TRUSTED_BUILDERS)",
+    )
+    pv.set_defaults(func=cmd_provenance)
     b = sub.add_parser(
         "build", help="dvc repro several releases in parallel, within the machine's memory"
     )
@@ -407,6 +499,19 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--certificate-chain", nargs="+", help="PEM chain for certificate signatures")
     f.add_argument("--sigstore-identity", help="Sigstore signer identity (e.g. an email)")
     f.add_argument("--sigstore-issuer", help="OIDC issuer of the Sigstore identity")
+    f.add_argument(
+        "--provenance",
+        action="store_true",
+        help="also check the build provenance the bundle carries (who built each stage)",
+    )
+    f.add_argument(
+        "--trusted-builder",
+        action="append",
+        default=[],
+        metavar="KEY.pub",
+        help="a trusted builder's public key PEM (repeatable; default: the keys in "
+        "$SHIPYARD_TRUSTED_BUILDERS)",
+    )
     f.set_defaults(func=cmd_verify)
     sg = sub.add_parser("sign", help="sign a verified bundle (writes BUNDLE/model.sig)")
     sg.add_argument("bundle", help="the bundle folder to sign (verified first)")

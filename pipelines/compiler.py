@@ -10,6 +10,7 @@ import yaml
 
 from pipelines.closure import stage_closure
 from pipelines.fingerprint import CODE_STAGE, FINGERPRINT_CODE, write_if_changed
+from pipelines.provenance import StagePaths
 from schemas import ReleaseSpec, SpecError
 from schemas.artifacts import VersionLock
 from schemas.loader import load_release
@@ -93,15 +94,8 @@ def compile_dvc(root: Path) -> str:
             "outs": [PARAMS_DIR],
         }
     }
-    for name, ios in all_ios.items():
-        io = next(iter(ios.values()))
-        # pin hashes every file of the model into lock.json (VersionLock.files); the other
-        # stages that load the model depend on that file, not on the model's folders, which
-        # DVC would otherwise walk file by file for each of them on every `dvc repro`
-        slots = _model_slots(releases) if io.reads_model and name == VersionLock.STAGE else 0
-        items = {spec.name: _item(root, path, spec, slots) for path, spec in releases}
-        data = _data_slots(items, ios, {spec.name: model_paths(spec.model) for _, spec in releases})
-        stages[name] = {"foreach": items, "do": _template(name, io, slots, data)}
+    for name, (items, template) in templates(root, releases, all_ios).items():
+        stages[name] = {"foreach": items, "do": template}
     document: dict[str, Any] = {"stages": stages}
     plots = _plots(all_ios)
     if plots:
@@ -212,6 +206,51 @@ def _item(root: Path, path: Path, spec: ReleaseSpec, slots: int) -> dict[str, st
     # zip stops after `slots` entries: with one slot, the shared code/weights path.
     item.update(zip(MODEL_SLOTS[:slots], model_paths(spec.model), strict=False))
     return item
+
+
+def templates(
+    root: Path,
+    releases: list[tuple[Path, ReleaseSpec]],
+    all_ios: dict[str, dict[str, StageIO]],
+) -> dict[str, tuple[dict[str, dict[str, str]], dict[str, Any]]]:
+    """Per stage, its foreach items (per release) and its template, as dvc.yaml has them."""
+    out = {}
+    for name, ios in all_ios.items():
+        io = next(iter(ios.values()))
+        # pin hashes every file of the model into lock.json (VersionLock.files); the other
+        # stages that load the model depend on that file, not on the model's folders, which
+        # DVC would otherwise walk file by file for each of them on every `dvc repro`
+        slots = _model_slots(releases) if io.reads_model and name == VersionLock.STAGE else 0
+        items = {spec.name: _item(root, path, spec, slots) for path, spec in releases}
+        data = _data_slots(items, ios, {spec.name: model_paths(spec.model) for _, spec in releases})
+        out[name] = (items, _template(name, io, slots, data))
+    return out
+
+
+def stage_files(root: Path, stage: str, release: str) -> tuple[list[str], list[str], list[str]]:
+    """(deps, outs, metrics) of one stage of one release, resolved as DVC resolves them."""
+    releases, all_ios = stage_ios(root)
+    items, template = templates(root, releases, all_ios)[stage]
+    item = items[release]
+
+    def resolve(text: str) -> str:
+        text = text.replace("${key}", release)
+        for slot, value in item.items():
+            text = text.replace(f"${{item.{slot}}}", value)
+        return text
+
+    return (
+        [resolve(d) for d in template["deps"]],
+        [resolve(o) for o in template["outs"]],
+        [resolve(next(iter(m))) for m in template["metrics"]],
+    )
+
+
+def stage_paths(root: Path, stage: str, release: str) -> StagePaths:
+    """What one stage run attests (pipelines/provenance.py): its deps, and its outs with
+    its metrics file."""
+    deps, outs, metrics = stage_files(root, stage, release)
+    return StagePaths(stage, release, tuple(deps), tuple([*outs, *metrics]))
 
 
 def _data_slots(

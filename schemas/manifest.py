@@ -30,6 +30,10 @@ MANIFEST_FILE = "manifest.json"
 SIGNATURE_FILE = "model.sig"
 FACTS_FILE = "shipyard.json"
 BUNDLE_UNHASHED = (MANIFEST_FILE, SIGNATURE_FILE)
+# Each stage run's signed provenance (pipelines/provenance.py), in its report folder; a
+# bundle carries every upstream stage's as provenance/<stage>.json.
+PROVENANCE_FILE = "provenance.json"
+PROVENANCE_DIR = "provenance"
 
 
 def algorithm_label(shard_size: int) -> str:

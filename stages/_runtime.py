@@ -41,6 +41,8 @@ COMMON_CODE = (
     "stages/_runtime.py",
     "schemas/release.py",
     "schemas/loader.py",
+    # `shipyard run-stage` attests every stage's outputs into its report folder
+    "pipelines/provenance.py",
 )
 
 

@@ -13,7 +13,7 @@ from stages._runtime import (
     StageResult,
     link_or_copy,
 )
-from stages.bundling.files import CHECKED, payload
+from stages.bundling.files import CHECKED, payload, provenance
 from stages.bundling.hashing import hash_shards
 from stages.bundling.oms import (
     build_manifest,
@@ -48,8 +48,11 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     values = facts["serving"]
     loadtest = ctx.read(LoadTestSummary).model_dump()
     rendered = render(ctx, release, info, values | {"loadtest": loadtest}, content, facts)
+    chain = provenance(ctx, ("manifest",))  # the manifest's run: written after it hashed
+    for name, source in chain.items():
+        link_or_copy(source, ctx.work / name)
     shard = content.predicate.serialization.shard_size
-    extra = hash_shards({n: ctx.work / n for n in rendered}, shard)
+    extra = hash_shards({n: ctx.work / n for n in [*rendered, *chain]}, shard)
     digests = {r.name: r.digest for r in content.predicate.resources} | extra
     final = build_manifest(content.subject[0].name, digests, shard)
     write_manifest(ctx.work / MANIFEST_FILE, final)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from schemas.artifacts import NOT_SHIPPED, ModelInfo, QuantInfo
+from schemas.manifest import PROVENANCE_DIR, PROVENANCE_FILE
 from stages import STAGES
 from stages._runtime import StageContext
 from stages.serving.layout import MODEL_DIR
@@ -35,6 +36,7 @@ def payload(ctx: StageContext) -> dict[str, Path]:
     files["model/quant_info.json"] = ctx.upstream(QuantInfo.STAGE) / QuantInfo.FILE
     for stage in CHECKED:
         files[f"reports/{stage}.json"] = ctx.upstream(stage) / "report.json"
+    files.update(provenance(ctx, CHECKED))
     files.update(_outputs(ctx.upstream("serve"), "", "serve"))
     engine = ctx.upstream("engine")
     files.update(
@@ -50,6 +52,13 @@ def payload(ctx: StageContext) -> dict[str, Path]:
     return files
 
 
+def provenance(ctx: StageContext, stages: tuple[str, ...]) -> dict[str, Path]:
+    """Each stage's signed provenance, where `shipyard run-stage` wrote one (a stage run
+    through the Python API has none; `shipyard verify --provenance` names it missing)."""
+    found = {f"{PROVENANCE_DIR}/{s}.json": ctx.upstream(s) / PROVENANCE_FILE for s in stages}
+    return {name: path for name, path in found.items() if path.is_file()}
+
+
 def _outputs(folder: Path, prefix: str, stage: str) -> dict[str, Path]:
     """Every file a stage wrote but its report (which goes under reports/) and the artifacts
     that feed the facts instead of shipping."""
@@ -57,6 +66,6 @@ def _outputs(folder: Path, prefix: str, stage: str) -> dict[str, Path]:
         prefix + p.relative_to(folder).as_posix(): p
         for p in sorted(folder.rglob("*"))
         if p.is_file()
-        and p.name != "report.json"
+        and p.name not in ("report.json", PROVENANCE_FILE)
         and f"{stage}/{p.relative_to(folder).as_posix()}" not in NOT_SHIPPED
     }

@@ -67,17 +67,32 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return commit_all(copy_worktree(tmp_path_factory.mktemp("clone") / "repo"))
 
 
-def test_make_release_builds_a_verified_bundle(clone: Path) -> None:
+def test_make_release_builds_a_verified_bundle(clone: Path, tmp_path: Path) -> None:
+    from tests.pipelines.test_signing import keypair
+
     stamp = VENV / ".installed"
     # The 124M example release is built by `make release` and the benchmark, not in CI.
     args = ["RELEASE_TARGETS=bundle@tiny-gpt2", "CHECKPOINTS="]
-    done = sh(["make", "release", f"VENV={VENV}", "-o", str(stamp), *args], clone)
+    key, pub = keypair(tmp_path, "builder")
+    done = sh(
+        ["make", "release", f"VENV={VENV}", "-o", str(stamp), *args],
+        clone,
+        {"SHIPYARD_BUILDER_KEY": str(key)},
+    )
     assert ran(done.stdout) == STAGES
     verdicts = re.findall(r"^(PASS|FAIL|SKIP) (\w+)@tiny-gpt2", done.stdout, re.M)
     # The engine stage skips (optional) where no GPU and TensorRT are, and runs where they are.
     engine = "SKIP" if why_unavailable() else "PASS"
     assert verdicts == [(engine if s == "engine" else "PASS", s) for s in ran(done.stdout)]
     assert "every file matches manifest.json" in done.stdout
+    # the bundle carries who built each stage, and every shipped file is attested
+    bundle = "build/tiny-gpt2/bundle"
+    checked = sh(
+        ["shipyard", "verify", bundle, "--provenance", "--trusted-builder", str(pub)], clone
+    )
+    assert checked.stdout.count(": built by ") == len(STAGES) - 1  # the bundle's own: outside
+    assert "every shipped file attested" in checked.stdout
+    sh(["shipyard", "provenance", "tiny-gpt2", "--trusted-builder", str(pub)], clone)
 
 
 def test_second_repro_does_nothing(clone: Path) -> None:

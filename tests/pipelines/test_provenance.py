@@ -1,0 +1,307 @@
+"""Build provenance through real DVC: every stage run attests its outputs and inputs, signed
+by the builder; a swapped output, a changed input, a foreign or missing signature and a
+replayed attestation are each refused; `shipyard cache pull` keeps DVC's `verify = true`
+and throws away pulled outputs no trusted builder attested, so `dvc repro` rebuilds them."""
+
+from __future__ import annotations
+
+import base64
+import configparser
+import contextlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipelines import cache, compiler, provenance
+from pipelines.cli import main
+from tests.conftest import bucket
+from tests.pipelines.test_end_to_end import commit_all, copy_worktree, ran, sh
+from tests.pipelines.test_signing import keypair
+
+REL = "tiny-gpt2"
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("keys")
+    a, a_pub = keypair(folder, "builder")
+    b, b_pub = keypair(folder, "attacker")
+    return {"builder": a, "builder.pub": a_pub, "attacker": b, "attacker.pub": b_pub}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory, keys: dict[str, Path]) -> Iterator[Path]:
+    """A clone that built pin and export of the tiny release with the builder's key."""
+    root = commit_all(copy_worktree(tmp_path_factory.mktemp("prov") / "repo"))
+    sh(["dvc", "repro", f"export@{REL}"], root, {provenance.KEY_ENV: str(keys["builder"])})
+    yield root
+
+
+def trust(*paths: Path) -> dict[str, object]:
+    return provenance.trusted_keys({provenance.TRUST_ENV: ":".join(map(str, paths))})
+
+
+def check(root: Path, stage: str, *trusted: Path) -> tuple[str | None, list[str]]:
+    return provenance.check(root, compiler.stage_paths(root, stage, REL), trust(*trusted))
+
+
+def test_each_stage_run_attests_every_output_and_input_signed_by_the_builder(
+    repo: Path, keys: dict[str, Path]
+) -> None:
+    for stage in ("pin", "export"):
+        who, problems = check(repo, stage, keys["builder.pub"])
+        assert problems == [] and who is not None, (stage, problems)
+    stmt, signatures, _ = provenance.read(repo / "build" / REL / "export" / provenance.FILE)
+    names = {s["name"] for s in stmt["subject"]}
+    assert f"build/{REL}/export/model.onnx" in names
+    assert f"build/{REL}/metrics/export.json" in names  # the verdict DVC's metrics show
+    assert f"build/{REL}/export/{provenance.FILE}" not in names
+    inputs = {i["name"] for i in stmt["predicate"]["inputs"]}
+    assert inputs == {f"build/.params/{REL}/export.json", f"build/{REL}/pin/lock.json"}
+    assert len(signatures) == 1
+
+
+def test_a_rebuild_on_the_same_inputs_writes_the_same_attestation(
+    repo: Path, keys: dict[str, Path]
+) -> None:
+    envelope = repo / "build" / REL / "pin" / provenance.FILE
+    before = envelope.read_bytes()
+    lock = (repo / "dvc.lock").read_bytes()
+    done = sh(
+        ["dvc", "repro", "--force", f"pin@{REL}"], repo, {provenance.KEY_ENV: str(keys["builder"])}
+    )
+    assert ran(done.stdout) == ["pin"]
+    assert envelope.read_bytes() == before  # RFC 6979: a deterministic signature
+    assert (repo / "dvc.lock").read_bytes() == lock
+
+
+@contextlib.contextmanager
+def tampered(repo: Path, rel: str) -> Iterator[None]:
+    path = repo / rel
+    original = path.read_bytes()
+    path.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    try:
+        yield
+    finally:
+        path.write_bytes(original)
+
+
+def test_a_swapped_output_or_a_changed_input_is_named(repo: Path, keys: dict[str, Path]) -> None:
+    pub = keys["builder.pub"]
+    for rel, want in (
+        (f"build/{REL}/export/model.onnx", f"output build/{REL}/export/model.onnx differs"),
+        (f"build/{REL}/metrics/export.json", f"output build/{REL}/metrics/export.json differs"),
+        (f"build/{REL}/pin/lock.json", f"input build/{REL}/pin/lock.json differs"),
+        (f"build/.params/{REL}/export.json", f"input build/.params/{REL}/export.json differs"),
+    ):
+        with tampered(repo, rel):
+            _, problems = check(repo, "export", pub)
+            assert f"{want} from what was attested" in problems, (rel, problems)
+    planted = repo / "build" / REL / "export" / "extra.py"
+    planted.write_text("import os\n")
+    try:
+        _, problems = check(repo, "export", pub)
+        assert f"output build/{REL}/export/extra.py is not in the attestation" in problems
+    finally:
+        planted.unlink()
+    assert check(repo, "export", pub)[1] == []
+
+
+def test_an_attestation_signed_by_another_key_unsigned_replayed_or_edited_is_refused(
+    repo: Path, keys: dict[str, Path], tmp_path: Path
+) -> None:
+    pub = keys["builder.pub"]
+    envelope = repo / "build" / REL / "export" / provenance.FILE
+    original = envelope.read_bytes()
+    paths = compiler.stage_paths(repo, "export", REL)
+    attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
+    try:
+        # trusted: only the attacker's key, whose holder did not build it
+        assert "not signed by a trusted builder" in check(repo, "export", keys["attacker.pub"])[1]
+        # the attacker re-attests the outputs with their own key
+        provenance.write(repo, paths, attacker)
+        assert "not signed by a trusted builder" in check(repo, "export", pub)[1]
+        # no signature at all
+        provenance.write(repo, paths, None)
+        assert any("carries no signature" in p for p in check(repo, "export", pub)[1])
+        # the builder's own, valid attestation of pin, replayed as export's
+        shutil.copyfile(repo / "build" / REL / "pin" / provenance.FILE, envelope)
+        assert any(f"not export@{REL}" in p for p in check(repo, "export", pub)[1])
+        # the builder's signature kept, the statement edited to name a swapped model
+        data = json.loads(original)
+        stmt = json.loads(base64.b64decode(data["payload"]))
+        stmt["subject"][0]["digest"]["sha256"] = "0" * 64
+        data["payload"] = base64.b64encode(json.dumps(stmt).encode()).decode()
+        envelope.write_text(json.dumps(data))
+        assert "not signed by a trusted builder" in check(repo, "export", pub)[1]
+        # garbage and absence are problems, never tracebacks
+        for text in (b"", b"{", b"[]", b'{"payloadType": 1}', b"\xff" * 10):
+            envelope.write_bytes(text)
+            assert check(repo, "export", pub)[1], text
+        envelope.unlink()
+        assert "no provenance" in check(repo, "export", pub)[1][0]
+    finally:
+        envelope.write_bytes(original)
+    assert check(repo, "export", pub)[1] == []
+
+
+def test_the_provenance_command_lists_each_stage_and_fails_on_any_untrusted(
+    repo: Path,
+    keys: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("SHIPYARD_ROOT", str(repo))
+    code = main(["provenance", REL, "--trusted-builder", str(keys["builder.pub"])])
+    out = capsys.readouterr().out
+    assert code == 5, out
+    assert f"ok   pin@{REL}: built by " in out and f"ok   export@{REL}: built by " in out
+    assert f"FAIL quantize@{REL}: " in out and "no provenance" in out  # not built here
+    monkeypatch.delenv(provenance.TRUST_ENV, raising=False)
+    assert main(["provenance", REL]) == 5  # no trusted key: refused, not passed
+    assert "no trusted builder keys" in capsys.readouterr().err
+
+
+def local_config(root: Path) -> configparser.ConfigParser:
+    config = configparser.ConfigParser()
+    config.read(root / ".dvc" / "config.local")
+    return config
+
+
+def test_cache_configure_sets_verify_and_keeps_what_the_user_set(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHIPYARD_DVC_REMOTE", str(tmp_path / "remote"))
+    cache.configure(repo)
+    section = "'remote \"shipyard\"'"
+    assert local_config(repo)[section]["verify"] == "true"
+    sh(["dvc", "remote", "modify", "--local", "shipyard", "jobs", "3"], repo)
+    cache.configure(repo)  # every pull configures again
+    config = local_config(repo)
+    assert config[section]["verify"] == "true" and config[section]["jobs"] == "3"
+    assert config[section]["url"] == str(tmp_path / "remote")
+
+
+def test_a_pulled_output_no_trusted_builder_attested_is_removed_and_rebuilt(
+    repo: Path, keys: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(provenance.TRUST_ENV, str(keys["builder.pub"]))
+    assert all(line.startswith("trusted ") for line in cache.screen(repo)), cache.screen(repo)
+    # what a writer of the remote can do: outputs and a self-made attestation that match
+    model = repo / "build" / REL / "export" / "model.onnx"
+    model.write_bytes(model.read_bytes() + b"\0")
+    attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
+    provenance.write(repo, compiler.stage_paths(repo, "export", REL), attacker)
+    lines = cache.screen(repo)
+    assert f"rebuild export@{REL}: not signed by a trusted builder" in lines, lines
+    assert f"trusted pin@{REL}: built by " in " ".join(lines)
+    assert not (repo / "build" / REL / "export").exists()
+    done = sh(["dvc", "repro", f"export@{REL}"], repo, {provenance.KEY_ENV: str(keys["builder"])})
+    assert ran(done.stdout) == ["export"], done.stdout  # rebuilt, not restored from the cache
+    assert check(repo, "export", keys["builder.pub"])[1] == []
+
+
+def test_without_trusted_builders_cache_pull_says_outputs_are_taken_on_trust(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(provenance.TRUST_ENV, raising=False)
+    assert "is not set: pulled outputs are trusted as the remote gave them" in cache.screen(repo)[0]
+
+
+def bundle_of(repo: Path, dest: Path) -> Path:
+    """A bundle-shaped folder from the two built stages: their attestations and a file each."""
+    (dest / "provenance").mkdir(parents=True)
+    for stage in ("pin", "export"):
+        shutil.copyfile(
+            repo / "build" / REL / stage / provenance.FILE, dest / "provenance" / f"{stage}.json"
+        )
+    (dest / "model").mkdir()
+    shutil.copyfile(
+        repo / "build" / REL / "export" / "model_info.json", dest / "model" / "model_info.json"
+    )
+    shutil.copyfile(repo / "build" / REL / "pin" / "lock.json", dest / "lock.json")
+    return dest
+
+
+def test_a_bundles_chain_holds_only_for_attested_files_and_one_builds_stages(
+    repo: Path, keys: dict[str, Path], tmp_path: Path
+) -> None:
+    trusted = trust(keys["builder.pub"])
+    stages = ("pin", "export")
+    bundle = bundle_of(repo, tmp_path / "ok")
+    lines, problems = provenance.bundle_chain(bundle, trusted, stages)
+    assert problems == [] and len(lines) == 2, problems
+    # a shipped file no stage produced
+    (bundle / "model" / "extra.py").write_text("import os\n")
+    assert (
+        "model/extra.py: no attested stage run produced it"
+        in provenance.bundle_chain(bundle, trusted, stages)[1]
+    )
+    # a trusted builder's attestation of pin from another build (other inputs and outputs)
+    mixed = bundle_of(repo, tmp_path / "mixed")
+    lock = repo / "build" / REL / "pin" / "lock.json"
+    original = lock.read_bytes()
+    builder = provenance.builder_key({provenance.KEY_ENV: str(keys["builder"])})
+    envelope = repo / "build" / REL / "pin" / provenance.FILE
+    kept = envelope.read_bytes()
+    try:
+        lock.write_bytes(original.replace(b"{", b"{ ", 1))
+        provenance.write(repo, compiler.stage_paths(repo, "pin", REL), builder)
+        shutil.copyfile(envelope, mixed / "provenance" / "pin.json")
+    finally:
+        lock.write_bytes(original)
+        envelope.write_bytes(kept)
+    problems = provenance.bundle_chain(mixed, trusted, stages)[1]
+    assert f"export: its input build/{REL}/pin/lock.json is not what pin attested" in problems
+    assert "lock.json: no attested stage run produced it" in problems
+    # an attestation missing, or signed by someone else
+    (mixed / "provenance" / "pin.json").unlink()
+    assert any(
+        p.startswith("pin: ") and "no provenance" in p
+        for p in provenance.bundle_chain(mixed, trusted, stages)[1]
+    )
+    assert (
+        "export: not signed by a trusted builder"
+        in provenance.bundle_chain(bundle, trust(keys["attacker.pub"]), stages)[1]
+    )
+
+
+def test_an_object_swapped_on_the_s3_remote_under_its_old_name_is_not_pulled(
+    tmp_path: Path, s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DVC names objects by md5 and, unless `verify = true`, trusts a remote's object by its
+    name: `cache pull` sets it, so the swapped bytes never reach the workspace."""
+    import boto3
+
+    name = bucket()
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    s3.create_bucket(Bucket=name)
+    root = tmp_path / "repo"
+    root.mkdir()
+    sh(["git", "init", "-q"], root)
+    sh(["dvc", "init", "-q"], root)
+    (root / "model.onnx").write_bytes(b"the real model")
+    sh(["dvc", "add", "-q", "model.onnx"], root)
+    monkeypatch.setenv("SHIPYARD_DVC_REMOTE", f"s3://{name}/dvc")
+    monkeypatch.setenv("SHIPYARD_DVC_ENDPOINT", s3_server)
+    cache.push(root)
+    (key,) = [o["Key"] for o in s3.list_objects_v2(Bucket=name)["Contents"]]
+    s3.put_object(Bucket=name, Key=key, Body=b"the attacker's model")
+
+    def fresh() -> None:
+        shutil.rmtree(root / ".dvc" / "cache")
+        shutil.rmtree(root / ".dvc" / "tmp", ignore_errors=True)
+        (root / "model.onnx").unlink(missing_ok=True)
+
+    fresh()
+    sh(["dvc", "remote", "modify", "--local", "shipyard", "verify", "false"], root)
+    sh(["dvc", "pull", "-q", "--remote", "shipyard"], root)  # what DVC does by default
+    assert (root / "model.onnx").read_bytes() == b"the attacker's model"
+    fresh()
+    cache.pull(root)  # configure sets verify = true again
+    assert not (root / "model.onnx").exists()  # missing, so `dvc repro` rebuilds it
+    cached = [p.read_bytes() for p in (root / ".dvc" / "cache").rglob("*") if p.is_file()]
+    assert b"the attacker's model" not in cached
