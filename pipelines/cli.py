@@ -117,7 +117,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_run_stage(args: argparse.Namespace) -> int:
-    from pipelines import compiler, provenance
+    from pipelines import provenance
     from schemas.loader import load_release
     from stages import execute, repo_root
 
@@ -125,7 +125,9 @@ def cmd_run_stage(args: argparse.Namespace) -> int:
     spec_path = Path(args.release)
     key = provenance.builder_key()  # a bad key fails before the stage runs
     report = execute(args.stage, load_release(spec_path), spec_path, root)
-    provenance.write(root, compiler.stage_paths(root, args.stage, report.release), key)
+    paths = provenance.stage_paths(root, args.stage, report.release)
+    if paths is not None:  # outside a DVC project nothing declares what to attest
+        provenance.write(root, paths, key)
     verdict = VERDICT[report.status]
     print(f"{verdict} {args.stage}@{report.release}: {report.summary}", flush=True)
     for reason in report.reasons:
@@ -137,7 +139,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from schemas import RegistryError
     from stages.bundling.oms import load_manifest, verify_bundle
 
-    bundle = Path(args.bundle)
+    bundle = _bundle_folder(args.bundle)
     identity = _identity(args)
     trusted = _trusted(args) if args.provenance else {}
     if identity is not None:
@@ -211,11 +213,25 @@ def _identity(args: argparse.Namespace) -> Any:
     )
 
 
+def _bundle_folder(given: str) -> Path:
+    """The bundle folder a command was given, or an error that says what it is instead."""
+    from schemas import RegistryError
+
+    bundle = Path(given)
+    if not bundle.is_dir():
+        raise RegistryError(
+            f"{given}: no such bundle folder"
+            + (" (it is a file)" if bundle.exists() else "")
+            + "; build one with `dvc repro bundle@<release>` (it lands in build/<release>/bundle)"
+        )
+    return bundle
+
+
 def cmd_sign(args: argparse.Namespace) -> int:
     from pipelines.signing import sign
 
     digest = sign(
-        Path(args.bundle),
+        _bundle_folder(args.bundle),
         private_key=Path(args.private_key) if args.private_key else None,
         signing_certificate=Path(args.signing_certificate) if args.signing_certificate else None,
         certificate_chain=tuple(Path(c) for c in args.certificate_chain or ()),
@@ -295,8 +311,12 @@ def cmd_provenance(args: argparse.Namespace) -> int:
         if spec.name not in wanted:
             continue
         for stage in all_ios:
-            paths = compiler.stage_paths(root, stage, spec.name)
-            who, problems = provenance.check(root, paths, trusted)
+            paths = provenance.stage_paths(root, stage, spec.name)
+            who, problems = (
+                provenance.check(root, paths, trusted)
+                if paths is not None
+                else (None, ["not in dvc.yaml: run `shipyard compile`"])
+            )
             if problems:
                 bad += 1
                 print(f"FAIL {stage}@{spec.name}: " + "; ".join(problems))

@@ -10,7 +10,6 @@ import yaml
 
 from pipelines.closure import stage_closure
 from pipelines.fingerprint import CODE_STAGE, FINGERPRINT_CODE, write_if_changed
-from pipelines.provenance import StagePaths
 from schemas import ReleaseSpec, SpecError
 from schemas.artifacts import VersionLock
 from schemas.loader import load_release
@@ -225,32 +224,6 @@ def templates(
         data = _data_slots(items, ios, {spec.name: model_paths(spec.model) for _, spec in releases})
         out[name] = (items, _template(name, io, slots, data))
     return out
-
-
-def stage_files(root: Path, stage: str, release: str) -> tuple[list[str], list[str], list[str]]:
-    """(deps, outs, metrics) of one stage of one release, resolved as DVC resolves them."""
-    releases, all_ios = stage_ios(root)
-    items, template = templates(root, releases, all_ios)[stage]
-    item = items[release]
-
-    def resolve(text: str) -> str:
-        text = text.replace("${key}", release)
-        for slot, value in item.items():
-            text = text.replace(f"${{item.{slot}}}", value)
-        return text
-
-    return (
-        [resolve(d) for d in template["deps"]],
-        [resolve(o) for o in template["outs"]],
-        [resolve(next(iter(m))) for m in template["metrics"]],
-    )
-
-
-def stage_paths(root: Path, stage: str, release: str) -> StagePaths:
-    """What one stage run attests (pipelines/provenance.py): its deps, and its outs with
-    its metrics file."""
-    deps, outs, metrics = stage_files(root, stage, release)
-    return StagePaths(stage, release, tuple(deps), tuple([*outs, *metrics]))
 
 
 def _data_slots(

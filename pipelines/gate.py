@@ -54,7 +54,22 @@ def gate(root: Path, releases: list[ReleaseSpec], registry: Any) -> GateResult:
         result.rows += _bundle_rows(root, spec.name)
         result.rows += _slo_rows(root, spec.name)
         result.rows += _production_rows(root, spec, registry)
+    # the report is posted on a pull request: the runner's paths are noise there, and say
+    # more about the machine than a reader needs
+    for row in result.rows:
+        row.detail = _relative(row.detail, root)
     return result
+
+
+def _relative(text: str, root: Path) -> str:
+    """`text` with the repository root and the home folder taken out of every path."""
+    import re
+
+    for base, shown in ((root.resolve(), ""), (root, ""), (Path.home(), "~/")):
+        text = text.replace(f"{base}/", shown)
+        bare = re.escape(str(base)) + r"(?=[\s'\"`),;:]|$)"  # the folder itself, not a prefix
+        text = re.sub(bare, shown.rstrip("/") or ".", text)
+    return text
 
 
 def _stage_rows(root: Path, spec: ReleaseSpec) -> list[Row]:

@@ -55,6 +55,37 @@ class StagePaths:
         return f"{[o for o in self.outs if not o.endswith('.json')][-1]}/{FILE}"
 
 
+def stage_paths(root: Path, stage: str, release: str) -> StagePaths | None:
+    """The deps and outs dvc.yaml declares for this stage of this release (its `foreach`
+    item substituted into the template), or None outside a DVC project. Read from dvc.yaml,
+    what DVC runs, so a stage run loads nothing but itself and this module."""
+    import yaml
+
+    path = root / "dvc.yaml"
+    if not path.is_file():
+        return None
+    entry = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("stages", {}).get(stage)
+    if not isinstance(entry, dict) or release not in (entry.get("foreach") or {}):
+        return None
+    item, template = entry["foreach"][release], entry["do"]
+
+    def resolve(text: str) -> str:
+        text = text.replace("${key}", release)
+        for slot, value in (item or {}).items():
+            text = text.replace(f"${{item.{slot}}}", str(value))
+        return text
+
+    metrics = [
+        resolve(next(iter(m)) if isinstance(m, dict) else m) for m in template.get("metrics", [])
+    ]
+    return StagePaths(
+        stage,
+        release,
+        tuple(resolve(d) for d in template.get("deps", [])),
+        tuple([*(resolve(o) for o in template.get("outs", [])), *metrics]),
+    )
+
+
 def _digests(root: Path, paths: tuple[str, ...], skip: str = "") -> dict[str, str]:
     """sha256 of every file under each path (a folder's files, recursively), by path."""
     from stages.bundling.hashing import hash_files

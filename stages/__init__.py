@@ -54,6 +54,11 @@ def stage_io(module: ModuleType, release: ReleaseSpec) -> StageIO:
     return io
 
 
+# build/<release>/failed/<stage>/: what a failed run wrote, kept for the person reading its
+# report; no stage depends on it and DVC does not track it.
+FAILED_DIR = "failed"
+
+
 def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> StageReport:
     """Run one stage: temp folder, restricted spec view, report, atomic publish."""
     if name not in STAGES:
@@ -77,9 +82,20 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+    kept = build / FAILED_DIR / name
+    shutil.rmtree(kept, ignore_errors=True)  # a passing run leaves no stale evidence
     if result.status is StageStatus.FAILED:
-        # Nothing a later run could mistake for a finished artifact: only the report stays.
-        shutil.rmtree(work)
+        # Nothing a later run could mistake for a finished artifact: only the report stays
+        # in the stage's folder. What the run wrote (a server log, the inputs that failed)
+        # is evidence: it moves outside anything DVC tracks, beside the report it explains.
+        if any(work.iterdir()):
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            work.rename(kept)
+            result.reasons.append(
+                f"what the failed run wrote is kept in build/{release.name}/{FAILED_DIR}/{name}/ "
+                "(not a DVC output; replaced by the next run)"
+            )
+        shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
     seconds = round(time.monotonic() - start, 3)
     report = StageReport(
@@ -107,7 +123,13 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     # timings/, which nothing declares or depends on.
     for folder in ("metrics", "timings"):
         (build / folder).mkdir(exist_ok=True)
-    metrics_file = {"passed": int(report.status is StageStatus.PASSED), **result.metrics}
+    # a skip is its own value (`skipped: 1`), never `passed: 0` (which reads as a failure)
+    verdict = (
+        {"skipped": 1}
+        if report.status is StageStatus.SKIPPED
+        else {"passed": int(report.status is StageStatus.PASSED)}
+    )
+    metrics_file = {**verdict, **result.metrics}
     write_json(build / "metrics" / f"{name}.json", metrics_file)
     write_json(build / "timings" / f"{name}.json", {"seconds": seconds})
     return report

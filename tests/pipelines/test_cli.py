@@ -67,6 +67,21 @@ def test_verify_of_a_missing_bundle_is_a_clear_error(tmp_path: Path) -> None:
     assert done.returncode == 5 and "manifest.json: missing; not a Shipyard bundle" in done.stderr
 
 
+def test_verify_or_sign_of_a_folder_that_is_not_there_says_so(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("x")
+    for command in ("verify", "sign"):
+        for given, says in (
+            (tmp_path / "nope", "no such bundle folder;"),
+            (tmp_path / "a-file", "(it is a file)"),
+        ):
+            done = shipyard(command, str(given))
+            assert done.returncode == 5, (command, done.stderr)
+            assert says in done.stderr and "dvc repro bundle@<release>" in done.stderr
+            assert (
+                "does not match its manifest" not in done.stderr and "Traceback" not in done.stderr
+            )
+
+
 def test_readme_quickstart_is_the_two_make_commands() -> None:
     readme = (REPO / "README.md").read_text()
     block = readme.split("```sh\n", 1)[1].split("```", 1)[0]

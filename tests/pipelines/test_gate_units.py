@@ -376,3 +376,14 @@ def test_production_facts_without_an_evaluation_section_lack_the_metric(ws: Work
     candidate(ws, 100.0)
     row = production_row(gate(ws.root, [production_spec(ws, 0.0)], registry))
     assert (row.verdict, row.detail) == ("FAIL", "production's manifest lacks this metric")
+
+
+def test_the_report_posted_on_a_pull_request_names_no_runner_paths(ws: Workspace) -> None:
+    all_passed(ws)
+    where = ws.root / "build" / RELEASE / "export" / "model.onnx"
+    home = Path.home() / ".cache" / "x"
+    report(ws, "export", "failed", reasons=[f"{where}: bad graph; see {home}"])
+    result = gate(ws.root, [spec(ws)], None)
+    detail = next(r.detail for r in result.rows if r.check == "export")
+    assert detail == f"build/{RELEASE}/export/model.onnx: bad graph; see ~/.cache/x"
+    assert str(ws.root) not in result.markdown() and str(Path.home()) not in result.markdown()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import cache, compiler, provenance
+from pipelines import cache, provenance
 from pipelines.cli import main
 from tests.conftest import bucket
 from tests.pipelines.test_end_to_end import commit_all, copy_worktree, ran, sh
@@ -44,8 +44,14 @@ def trust(*paths: Path) -> dict[str, object]:
     return provenance.trusted_keys({provenance.TRUST_ENV: ":".join(map(str, paths))})
 
 
-def check(root: Path, stage: str, *trusted: Path) -> tuple[str | None, list[str]]:
-    return provenance.check(root, compiler.stage_paths(root, stage, REL), trust(*trusted))
+def stage(root: Path, name: str) -> provenance.StagePaths:
+    found = provenance.stage_paths(root, name, REL)
+    assert found is not None
+    return found
+
+
+def check(root: Path, name: str, *trusted: Path) -> tuple[str | None, list[str]]:
+    return provenance.check(root, stage(root, name), trust(*trusted))
 
 
 def test_each_stage_run_attests_every_output_and_input_signed_by_the_builder(
@@ -116,16 +122,16 @@ def test_an_attestation_signed_by_another_key_unsigned_replayed_or_edited_is_ref
     pub = keys["builder.pub"]
     envelope = repo / "build" / REL / "export" / provenance.FILE
     original = envelope.read_bytes()
-    paths = compiler.stage_paths(repo, "export", REL)
+    export = stage(repo, "export")
     attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
     try:
         # trusted: only the attacker's key, whose holder did not build it
         assert "not signed by a trusted builder" in check(repo, "export", keys["attacker.pub"])[1]
         # the attacker re-attests the outputs with their own key
-        provenance.write(repo, paths, attacker)
+        provenance.write(repo, export, attacker)
         assert "not signed by a trusted builder" in check(repo, "export", pub)[1]
         # no signature at all
-        provenance.write(repo, paths, None)
+        provenance.write(repo, export, None)
         assert any("carries no signature" in p for p in check(repo, "export", pub)[1])
         # the builder's own, valid attestation of pin, replayed as export's
         shutil.copyfile(repo / "build" / REL / "pin" / provenance.FILE, envelope)
@@ -194,7 +200,7 @@ def test_a_pulled_output_no_trusted_builder_attested_is_removed_and_rebuilt(
     model = repo / "build" / REL / "export" / "model.onnx"
     model.write_bytes(model.read_bytes() + b"\0")
     attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
-    provenance.write(repo, compiler.stage_paths(repo, "export", REL), attacker)
+    provenance.write(repo, stage(repo, "export"), attacker)
     lines = cache.screen(repo)
     assert f"rebuild export@{REL}: not signed by a trusted builder" in lines, lines
     assert f"trusted pin@{REL}: built by " in " ".join(lines)
@@ -249,7 +255,7 @@ def test_a_bundles_chain_holds_only_for_attested_files_and_one_builds_stages(
     kept = envelope.read_bytes()
     try:
         lock.write_bytes(original.replace(b"{", b"{ ", 1))
-        provenance.write(repo, compiler.stage_paths(repo, "pin", REL), builder)
+        provenance.write(repo, stage(repo, "pin"), builder)
         shutil.copyfile(envelope, mixed / "provenance" / "pin.json")
     finally:
         lock.write_bytes(original)

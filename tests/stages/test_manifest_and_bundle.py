@@ -67,6 +67,9 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
         "model/quant_info.json",
         "serving.yaml",
         "ort_session.json",
+        # the launcher (token, body cap, timeouts) and the limits it enforces
+        "serving/mlserver/shipyard_serve.py",
+        "serving/mlserver/shipyard_server.json",
         "serving/triton/tiny-gpt2/config.pbtxt",
         "serving/triton/tiny-gpt2/1/model.onnx",
         "serving/mlserver/settings.json",

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,6 +65,31 @@ def test_failed_stage_leaves_only_its_report(ws: Workspace) -> None:
     assert sorted(p.name for p in ws.out("tiny-gpt2", "pin").iterdir()) == ["report.json"]
 
 
+def test_a_failed_stage_keeps_what_it_wrote_outside_dvc_and_a_pass_clears_it(
+    ws: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = importlib.import_module("stages.pin")
+    real = module.run
+
+    def fails_after_a_log(ctx: Any, release: Any) -> Any:
+        (ctx.work / "server.log").write_text("the reason is in here\n")
+        (ctx.work / "inputs").mkdir()
+        (ctx.work / "inputs" / "bad.npz").write_bytes(b"x")
+        raise StageError("pin", "it broke", "read server.log")
+
+    monkeypatch.setattr(module, "run", fails_after_a_log)
+    report = ws.run("pin", gpt2_spec())
+    kept = ws.root / "build" / "tiny-gpt2" / "failed" / "pin"
+    assert report.status.value == "failed"
+    assert "kept in build/tiny-gpt2/failed/pin/" in report.reasons[-1]
+    assert (kept / "server.log").read_text() == "the reason is in here\n"
+    assert (kept / "inputs" / "bad.npz").is_file()
+    assert sorted(p.name for p in ws.out("tiny-gpt2", "pin").iterdir()) == ["report.json"]
+    monkeypatch.setattr(module, "run", real)
+    assert ws.run("pin", gpt2_spec()).status.value == "passed"
+    assert not kept.exists()  # no stale evidence beside a passing report
+
+
 def test_crashing_stage_leaves_previous_output_untouched(ws: Workspace, monkeypatch) -> None:
     assert ws.run("pin", gpt2_spec()).status.value == "passed"
     before = (ws.out("tiny-gpt2", "pin") / "lock.json").read_bytes()
@@ -97,6 +123,25 @@ def test_reports_do_not_change_when_a_stage_reruns_on_the_same_inputs(ws: Worksp
     ws.run("pin", gpt2_spec())
     assert (ws.out("tiny-gpt2", "pin") / "report.json").read_bytes() == first
     assert Path(ws.root / "build/tiny-gpt2/metrics/pin.json").is_file()
+
+
+def test_the_dvc_metrics_file_says_passed_failed_or_skipped_each_as_itself(
+    ws: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    metrics = ws.root / "build" / "tiny-gpt2" / "metrics"
+    ws.run("pin", gpt2_spec())
+    assert json.loads((metrics / "pin.json").read_text())["passed"] == 1
+    ws.run("pin", gpt2_spec(pins={"packages": {"torch": "==1.0"}}))
+    assert json.loads((metrics / "pin.json").read_text()) == {"passed": 0}
+    from stages._runtime import StageResult
+
+    module = importlib.import_module("stages.pin")
+    monkeypatch.setattr(module, "run", lambda ctx, release: StageResult.skipped("not here"))
+    ws.run("pin", gpt2_spec())
+    skipped = json.loads((metrics / "pin.json").read_text())
+    assert skipped == {"skipped": 1}, skipped
 
 
 def test_two_runs_of_one_stage_at_once_do_not_share_a_temp_folder(ws: Workspace) -> None:
