@@ -8,8 +8,11 @@ ratio. (A clone whose dvc.lock predates A's build cannot be served by DVC's run-
 the per-stage metrics files are `cache: false` so that git carries them for `dvc metrics
 diff`, and the run-cache does not carry uncached outputs between machines.)
 
-Usage: python benchmarks/bench_shared_cache.py [TARGET]   (default bundle@tiny-gpt2;
-  `bundle@gpt2-small` needs its generated checkpoint: `make release` first)
+`--stale-lock`: B's dvc.lock and metrics files are removed first, as on a branch whose
+lock predates A's build: only DVC's run-cache (pulled with the outputs) can serve it.
+
+Usage: python benchmarks/bench_shared_cache.py [TARGET] [--stale-lock]   (default
+  bundle@tiny-gpt2; `bundle@gpt2-small` needs its generated checkpoint: `make release` first)
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ def clone(into: Path, env: dict[str, str], source: Path = REPO) -> Path:
 def main() -> None:
     import boto3
 
-    target = sys.argv[1] if len(sys.argv) > 1 else "bundle@tiny-gpt2"
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    stale = "--stale-lock" in sys.argv[1:]
+    target = args[0] if args else "bundle@tiny-gpt2"
     proc, url = moto()
     try:
         env = {
@@ -88,6 +93,10 @@ def main() -> None:
             sh(["git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "A"], a, env)
             t_push, _ = timed([["shipyard", "cache", "push"]], a, env)
             b = clone(Path(tmp) / "b", env, source=a)
+            if stale:
+                (b / "dvc.lock").unlink()
+                for metrics in b.glob("build/*/metrics"):
+                    shutil.rmtree(metrics)
             t_pull, _ = timed([["shipyard", "cache", "pull"]], b, env)
             # --pull: a stage restored from the run-cache needs its outputs' objects, which
             # `dvc pull` fetches only for what this clone's dvc.lock names
@@ -99,7 +108,8 @@ def main() -> None:
     finally:
         proc.kill()
     t_b = t_pull + t_repro
-    print(f"dvc repro {target} on a fresh clone, S3 remote on localhost (moto)")
+    lock = "no dvc.lock (a lock older than the build)" if stale else "A's dvc.lock"
+    print(f"dvc repro {target} on a fresh clone with {lock}, S3 remote on localhost (moto)")
     print(f"A (no remote)   : {t_a:7.1f} s  ({built} stages ran); push {t_push:.1f} s")
     print(f"B (pull + repro): {t_b:7.1f} s  (pull {t_pull:.1f} s + repro {t_repro:.1f} s)")
     print(f"stages B reran  : {len(rerun)} {rerun if rerun else ''}")

@@ -1,6 +1,6 @@
 """Build provenance: one in-toto statement per stage run, signed by the builder.
 
-After a stage runs (`shipyard run-stage`), its report folder gets `provenance.json`: a DSSE
+After a stage runs (`shipyard run-stage`), its report folder gets `attestation.json`: a DSSE
 envelope (payload type `application/vnd.in-toto+json`) holding an in-toto Statement v1
 whose subjects are every file the stage wrote (its DVC outs and its metrics file) and whose
 predicate names the stage, the release and the sha256 of every file it depended on (its
@@ -281,7 +281,7 @@ def _compare(kind: str, attested: dict[str, str], found: dict[str, str]) -> list
 def bundle_chain(
     bundle: Path, trusted: dict[str, Any], stages: tuple[str, ...]
 ) -> tuple[list[str], list[str]]:
-    """(lines, problems) for the attestations a bundle carries (provenance/<stage>.json):
+    """(lines, problems) for the attestations a bundle carries (attestations/<stage>.json):
     each signed by a trusted builder and naming its own stage; every shipped file the
     output of an attested stage run (by sha256), but what the bundle stage itself makes;
     and each stage's inputs what the upstream stage's attestation says it produced, so the

@@ -68,6 +68,8 @@ def test_each_stage_run_attests_every_output_and_input_signed_by_the_builder(
     inputs = {i["name"] for i in stmt["predicate"]["inputs"]}
     assert inputs == {f"build/.params/{REL}/export.json", f"build/{REL}/pin/lock.json"}
     assert len(signatures) == 1
+    # pin's own record of the git state keeps its name (they once shared one)
+    assert "git" in json.loads((repo / "build" / REL / "pin" / "provenance.json").read_text())
 
 
 def test_a_rebuild_on_the_same_inputs_writes_the_same_attestation(
@@ -219,10 +221,10 @@ def test_without_trusted_builders_cache_pull_says_outputs_are_taken_on_trust(
 
 def bundle_of(repo: Path, dest: Path) -> Path:
     """A bundle-shaped folder from the two built stages: their attestations and a file each."""
-    (dest / "provenance").mkdir(parents=True)
+    (dest / "attestations").mkdir(parents=True)
     for stage in ("pin", "export"):
         shutil.copyfile(
-            repo / "build" / REL / stage / provenance.FILE, dest / "provenance" / f"{stage}.json"
+            repo / "build" / REL / stage / provenance.FILE, dest / "attestations" / f"{stage}.json"
         )
     (dest / "model").mkdir()
     shutil.copyfile(
@@ -256,7 +258,7 @@ def test_a_bundles_chain_holds_only_for_attested_files_and_one_builds_stages(
     try:
         lock.write_bytes(original.replace(b"{", b"{ ", 1))
         provenance.write(repo, stage(repo, "pin"), builder)
-        shutil.copyfile(envelope, mixed / "provenance" / "pin.json")
+        shutil.copyfile(envelope, mixed / "attestations" / "pin.json")
     finally:
         lock.write_bytes(original)
         envelope.write_bytes(kept)
@@ -264,7 +266,7 @@ def test_a_bundles_chain_holds_only_for_attested_files_and_one_builds_stages(
     assert f"export: its input build/{REL}/pin/lock.json is not what pin attested" in problems
     assert "lock.json: no attested stage run produced it" in problems
     # an attestation missing, or signed by someone else
-    (mixed / "provenance" / "pin.json").unlink()
+    (mixed / "attestations" / "pin.json").unlink()
     assert any(
         p.startswith("pin: ") and "no provenance" in p
         for p in provenance.bundle_chain(mixed, trusted, stages)[1]
