@@ -237,7 +237,8 @@ def test_a_classifier_is_served_with_its_labels_over_http(tmp_path: Path) -> Non
         ("label", "BYTES", [-1]),
         ("score", "FP32", [-1]),
     ]
-    assert meta["inputs"][2]["parameters"] == {"low": 0, "high": 2}
+    bounds = {t["name"]: t.get("parameters") for t in meta["inputs"]}
+    assert bounds["input_ids"] == {"low": 0, "high": matrix.VOCAB}
     logits = np.array(outputs["logits"]["data"], dtype=np.float64).reshape(2, 2)
     want = ["negative", "positive"]
     assert outputs["label"]["data"] == [want[i] for i in logits.argmax(1)]
