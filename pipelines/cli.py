@@ -236,6 +236,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
         signing_certificate=Path(args.signing_certificate) if args.signing_certificate else None,
         certificate_chain=tuple(Path(c) for c in args.certificate_chain or ()),
         sigstore=args.sigstore,
+        serialization=args.serialization,
     )
     print(f"{args.bundle}: signed bundle digest {digest} -> {args.bundle}/model.sig")
     return 0
@@ -539,6 +540,13 @@ def parser() -> argparse.ArgumentParser:
     sg.add_argument("--signing-certificate", help="PEM certificate of --private-key")
     sg.add_argument("--certificate-chain", nargs="+", help="PEM chain of the certificate")
     sg.add_argument("--sigstore", action="store_true", help="keyless signing with Sigstore")
+    sg.add_argument(
+        "--serialization",
+        choices=["shards", "files"],
+        default="shards",
+        help="shards: 1 GiB sha256 shards (default); files: whole files, what the "
+        "model_signing command line verifies",
+    )
     sg.set_defaults(func=cmd_sign)
     g = sub.add_parser("gate", help="check every stage report; exit 4 if anything failed")
     g.add_argument("releases", nargs="*", help="release names (default: all)")
