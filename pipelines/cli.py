@@ -17,6 +17,7 @@ VERDICT = {StageStatus.PASSED: "PASS", StageStatus.FAILED: "FAIL", StageStatus.S
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from pipelines.init import same_data
     from schemas import SpecError
     from schemas.loader import load_release
 
@@ -25,6 +26,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         try:
             release = load_release(spec)
             print(f"{spec}: ok ({release.name} {release.version}, {release.task})")
+            warning = same_data(release)
+            if warning:
+                print(f"{spec}: warning: {warning}", file=sys.stderr)
         except SpecError as exc:
             problems += exc.problems
     if problems:
@@ -99,8 +103,15 @@ def cmd_init(args: argparse.Namespace) -> int:
         device_memory=args.device_memory,
         force=args.force,
         tokenizer=args.tokenizer,
+        eval_data=args.eval_data,
     )
     print(f"wrote {target.relative_to(root)}; review it, then `shipyard compile`")
+    from pipelines.init import same_data
+    from schemas.loader import load_release
+
+    warning = same_data(load_release(target))
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -501,6 +512,11 @@ def parser() -> argparse.ArgumentParser:
     ini.add_argument("--device-memory", default="16GiB", help="memory of the target device")
     ini.add_argument("--force", action="store_true", help="replace an existing spec")
     ini.add_argument("--tokenizer", help="tokenizer folder, when the model folder has none")
+    ini.add_argument(
+        "--eval-data",
+        help="a separate data file for evaluation (default: --data, with a warning: scores "
+        "on calibration data read better than they are)",
+    )
     ini.set_defaults(func=cmd_init)
     fp = sub.add_parser(
         "fingerprint",
