@@ -358,7 +358,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from schemas import GateError
     from stages import repo_root
 
-    result = gate(repo_root(), _specs(args.releases), _registry(args))
+    result = gate(repo_root(), _specs(args.releases), _registry(args), args.require_baseline)
     for row in result.rows:
         print(f"{row.verdict:4} {row.release:16} {row.check:32} {row.detail}")
     if args.report:
@@ -567,6 +567,11 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gate", help="check every stage report; exit 4 if anything failed")
     g.add_argument("releases", nargs="*", help="release names (default: all)")
     g.add_argument("--report", help="write a markdown report here (for the PR comment)")
+    g.add_argument(
+        "--require-baseline",
+        action="store_true",
+        help="fail a production comparison that cannot run (nothing in production yet)",
+    )
     pub = sub.add_parser("publish", help="copy a built bundle into the registry")
     pub.add_argument("release", help="release name: its built bundle is published")
     pro = sub.add_parser("promote", help="move a channel to a published version")
