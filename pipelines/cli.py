@@ -17,6 +17,7 @@ VERDICT = {StageStatus.PASSED: "PASS", StageStatus.FAILED: "FAIL", StageStatus.S
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from pipelines.init import same_data
     from schemas import SpecError
     from schemas.loader import load_release
 
@@ -25,6 +26,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         try:
             release = load_release(spec)
             print(f"{spec}: ok ({release.name} {release.version}, {release.task})")
+            warning = same_data(release)
+            if warning:
+                print(f"{spec}: warning: {warning}", file=sys.stderr)
         except SpecError as exc:
             problems += exc.problems
     if problems:
@@ -99,8 +103,15 @@ def cmd_init(args: argparse.Namespace) -> int:
         device_memory=args.device_memory,
         force=args.force,
         tokenizer=args.tokenizer,
+        eval_data=args.eval_data,
     )
     print(f"wrote {target.relative_to(root)}; review it, then `shipyard compile`")
+    from pipelines.init import same_data
+    from schemas.loader import load_release
+
+    warning = same_data(load_release(target))
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -236,6 +247,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
         signing_certificate=Path(args.signing_certificate) if args.signing_certificate else None,
         certificate_chain=tuple(Path(c) for c in args.certificate_chain or ()),
         sigstore=args.sigstore,
+        serialization=args.serialization,
     )
     print(f"{args.bundle}: signed bundle digest {digest} -> {args.bundle}/model.sig")
     return 0
@@ -346,7 +358,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from schemas import GateError
     from stages import repo_root
 
-    result = gate(repo_root(), _specs(args.releases), _registry(args))
+    result = gate(repo_root(), _specs(args.releases), _registry(args), args.require_baseline)
     for row in result.rows:
         print(f"{row.verdict:4} {row.release:16} {row.check:32} {row.detail}")
     if args.report:
@@ -500,6 +512,11 @@ def parser() -> argparse.ArgumentParser:
     ini.add_argument("--device-memory", default="16GiB", help="memory of the target device")
     ini.add_argument("--force", action="store_true", help="replace an existing spec")
     ini.add_argument("--tokenizer", help="tokenizer folder, when the model folder has none")
+    ini.add_argument(
+        "--eval-data",
+        help="a separate data file for evaluation (default: --data, with a warning: scores "
+        "on calibration data read better than they are)",
+    )
     ini.set_defaults(func=cmd_init)
     fp = sub.add_parser(
         "fingerprint",
@@ -539,10 +556,22 @@ def parser() -> argparse.ArgumentParser:
     sg.add_argument("--signing-certificate", help="PEM certificate of --private-key")
     sg.add_argument("--certificate-chain", nargs="+", help="PEM chain of the certificate")
     sg.add_argument("--sigstore", action="store_true", help="keyless signing with Sigstore")
+    sg.add_argument(
+        "--serialization",
+        choices=["shards", "files"],
+        default="shards",
+        help="shards: 1 GiB sha256 shards (default); files: whole files, what the "
+        "model_signing command line verifies",
+    )
     sg.set_defaults(func=cmd_sign)
     g = sub.add_parser("gate", help="check every stage report; exit 4 if anything failed")
     g.add_argument("releases", nargs="*", help="release names (default: all)")
     g.add_argument("--report", help="write a markdown report here (for the PR comment)")
+    g.add_argument(
+        "--require-baseline",
+        action="store_true",
+        help="fail a production comparison that cannot run (nothing in production yet)",
+    )
     pub = sub.add_parser("publish", help="copy a built bundle into the registry")
     pub.add_argument("release", help="release name: its built bundle is published")
     pro = sub.add_parser("promote", help="move a channel to a published version")

@@ -46,14 +46,18 @@ def _icon(verdict: str) -> str:
     return {"PASS": "✅", "FAIL": "❌"}.get(verdict, "➖")
 
 
-def gate(root: Path, releases: list[ReleaseSpec], registry: Any) -> GateResult:
+def gate(
+    root: Path, releases: list[ReleaseSpec], registry: Any, require_baseline: bool = False
+) -> GateResult:
+    """Every release's rows; with `require_baseline`, a production comparison that cannot
+    run (nothing in production, no registry) fails instead of reading n/a."""
     """Stage reports (missing, failed or skipped = FAIL) and thresholds vs production."""
     result = GateResult()
     for spec in releases:
         result.rows += _stage_rows(root, spec)
         result.rows += _bundle_rows(root, spec.name)
         result.rows += _slo_rows(root, spec.name)
-        result.rows += _production_rows(root, spec, registry)
+        result.rows += _production_rows(root, spec, registry, require_baseline)
     # the report is posted on a pull request: the runner's paths are noise there, and say
     # more about the machine than a reader needs
     for row in result.rows:
@@ -128,14 +132,21 @@ def _slo_rows(root: Path, release: str) -> list[Row]:
     return [Row(release, f"SLO {r['slo']}", "PASS" if r["ok"] else "FAIL", r["why"]) for r in slo]
 
 
-def _production_rows(root: Path, spec: ReleaseSpec, registry: Any) -> list[Row]:
+def _production_rows(
+    root: Path, spec: ReleaseSpec, registry: Any, require_baseline: bool = False
+) -> list[Row]:
     wanted = [t for t in spec.evaluation.thresholds if t.baseline == "production" and has_change(t)]
     if not wanted:
         return []
     current = registry.channel(spec.name, "production") if registry else None
     if not current:
-        note = "no release of this name in production yet; nothing to regress from"
-        return [Row(spec.name, f"{t.metric} vs production", "n/a", note) for t in wanted]
+        where = f"registry {registry.url}" if registry is not None else "no registry"
+        note = (
+            f"NO BASELINE: {where} has no {spec.name} in production, so this comparison did "
+            "not run (set SHIPYARD_REGISTRY to the team's registry; a first release has none)"
+        )
+        verdict = "FAIL" if require_baseline else "n/a"
+        return [Row(spec.name, f"{t.metric} vs production", verdict, note) for t in wanted]
     # Only from a verified bundle: its digest matches its manifest and its publish record.
     try:
         baseline = registry.facts(current["release"], current["version"])

@@ -46,8 +46,10 @@ def build_spec(
     task: str | None = None,
     device_memory: str = "16GiB",
     tokenizer: str | None = None,
+    eval_data: str | None = None,
 ) -> dict[str, Any]:
-    """The spec for the model folder (repo-relative paths); not yet validated."""
+    """The spec for the model folder (repo-relative paths); not yet validated. `eval_data`:
+    a separate file for evaluation (default: `data`, which same_data() then warns about)."""
     from stages.bundling.hashing import hash_files
     from stages.onnx.model import arch
 
@@ -100,13 +102,19 @@ def build_spec(
     dataset: dict[str, Any] = {"path": data, "samples": min(64, rows)}
     if tokenizer:
         dataset["tokenizer"] = tokenizer
+    evaluated = dataset
+    if eval_data is not None and eval_data != data:
+        if not (root / eval_data).is_file():
+            raise SpecError(eval_data, [f"--eval-data {eval_data}: no such file in {root}"])
+        evaluated = {**dataset, "path": eval_data}
+        evaluated["samples"] = min(64, _count_rows(root / eval_data, eval_data))
     metric = spec_task.metrics[0]
     threshold: dict[str, Any] = (
         {"metric": "top1_agreement", "threshold": 0.97, "greater_is_better": True}
         if spec_task.language_model
         else {"metric": metric, "threshold": 0.98, "greater_is_better": True}
     )
-    evaluation: dict[str, Any] = {"dataset": dataset, "thresholds": [threshold]}
+    evaluation: dict[str, Any] = {"dataset": evaluated, "thresholds": [threshold]}
     if spec_task.kv_cache:
         evaluation["decode"] = {"prompts": 8, "prompt_tokens": 8, "tokens": 16}
     calibration = {
@@ -165,6 +173,22 @@ def _count_rows(path: Path, shown: str) -> int:
     return rows
 
 
+def same_data(release: Any) -> str | None:
+    """A warning when evaluation reads the file quantization calibrates on: its scores
+    are then measured on samples the recipe was fitted to, and read better than they are."""
+    quant = getattr(release, "quantization", None)
+    calibration = getattr(quant, "calibration", None)
+    dataset = getattr(getattr(release, "evaluation", None), "dataset", None)
+    if calibration is None or dataset is None or calibration.path != dataset.path:
+        return None
+    return (
+        f"evaluation.dataset.path and quantization.calibration.path are both "
+        f"{dataset.path}: evaluation scores the samples quantization was calibrated on, so "
+        "they read better than on new data; give evaluation a file of its own "
+        "(`shipyard init --eval-data FILE`, or edit evaluation.dataset.path)"
+    )
+
+
 def init(
     root: Path,
     folder: Path,
@@ -174,6 +198,7 @@ def init(
     device_memory: str = "16GiB",
     force: bool = False,
     tokenizer: str | None = None,
+    eval_data: str | None = None,
 ) -> Path:
     """Write releases/<name>.yaml after validating it; returns its path."""
     from schemas.loader import load_release
@@ -185,7 +210,7 @@ def init(
             str(target.relative_to(root)),
             [f"{target.relative_to(root)} exists; pass --force to replace it"],
         )
-    spec = build_spec(root, folder, name, data, task, device_memory, tokenizer)
+    spec = build_spec(root, folder, name, data, task, device_memory, tokenizer, eval_data)
     text = (
         f"# Written by `shipyard init {folder.relative_to(root).as_posix()}`; "
         "review the dims, data and budgets.\n" + yaml.safe_dump(spec, sort_keys=False, width=100)

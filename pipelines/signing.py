@@ -124,8 +124,11 @@ def sign(
     certificate_chain: tuple[Path, ...] = (),
     sigstore: bool = False,
     identity_token: str | None = None,
+    serialization: str = "shards",
 ) -> str:
-    """Sign a verified bundle in place (`model.sig`); returns the signed root digest."""
+    """Sign a verified bundle in place (`model.sig`); returns the bundle digest. `shards`:
+    1 GiB sha256 shards (hashed in parallel; model_signing's library verifies it);
+    `files`: whole files, what model_signing's command line signs and verifies."""
     import model_signing
 
     problems = verify_bundle(bundle)
@@ -134,7 +137,14 @@ def sign(
             f"bundle {bundle} does not match its manifest; refusing to sign it:\n"
             + "\n".join(f"  {p}" for p in problems)
         )
-    config = model_signing.signing.Config().set_hashing_config(hashing_config())
+    hashing = (
+        model_signing.hashing.Config()
+        .use_file_serialization(hashing_algorithm="sha256", allow_symlinks=False)
+        .set_ignored_paths(paths=list(BUNDLE_UNHASHED), ignore_git_paths=False)
+        if serialization == "files"
+        else hashing_config()
+    )
+    config = model_signing.signing.Config().set_hashing_config(hashing)
     if sigstore:
         config = config.use_sigstore_signer(identity_token=identity_token)
     elif signing_certificate is not None:
@@ -162,8 +172,11 @@ def sign(
     finally:
         Path(tmp).unlink(missing_ok=True)
     statement = signed_statement(bundle)
-    _same_as_manifest(bundle, statement)
-    digest: str = statement["subject"][0]["digest"]["sha256"]
+    if serialization == "files":
+        _covers_manifest(bundle, statement)
+    else:
+        _same_as_manifest(bundle, statement)
+    digest: str = load_manifest(bundle / MANIFEST_FILE).digest
     return digest
 
 
@@ -198,21 +211,27 @@ def verify_signed(bundle: Path, identity: Identity) -> str:
         read_key(identity.public_key)  # a key that can never verify is said first
     statement = signed_statement(bundle)
     serialization = statement.get("predicate", {}).get("serialization", {})
+    files = _file_serialization(serialization)
     expected = {
         "method": "shards",
         "hash_type": "sha256",
         "shard_size": SHARD_SIZE,
         "allow_symlinks": False,
     }
-    if {k: serialization.get(k) for k in expected} != expected or sorted(
-        serialization.get("ignore_paths", [])
-    ) != sorted(BUNDLE_UNHASHED):
+    if not files and (
+        {k: serialization.get(k) for k in expected} != expected
+        or sorted(serialization.get("ignore_paths", [])) != sorted(BUNDLE_UNHASHED)
+    ):
         raise RegistryError(
             f"{SIGNATURE_FILE} signs a different serialization ({serialization}); a Shipyard "
             f"bundle is signed with 1 GiB sha256 shards ignoring only {sorted(BUNDLE_UNHASHED)} "
-            "(`shipyard sign` does this)"
+            "(`shipyard sign`), or whole files ignoring at most those and git files (the "
+            "model_signing command line, `shipyard sign --serialization files`)"
         )
-    config = model_signing.verifying.Config().set_hashing_config(hashing_config())
+    config = model_signing.verifying.Config()
+    # whole-file signatures: the library reads their serialization (and what they ignore)
+    # from the signature itself, as its command line does; _file_serialization vetted it
+    config = config if files else config.set_hashing_config(hashing_config())
     if identity.public_key is not None:
         config = config.use_elliptic_key_verifier(public_key=identity.public_key)
     elif identity.certificate_chain:
@@ -230,13 +249,58 @@ def verify_signed(bundle: Path, identity: Identity) -> str:
         raise RegistryError(
             f"{bundle}: signature does not verify with {identity.describe()}: {first}"
         ) from None
-    _same_as_manifest(bundle, statement)
+    if files:
+        _covers_manifest(bundle, statement)
+    else:
+        _same_as_manifest(bundle, statement)
     problems = verify_bundle(bundle)
     if problems:
         listing = "\n".join(f"  {p}" for p in problems)
         raise RegistryError(f"bundle {bundle} does not match its manifest:\n{listing}")
-    digest: str = statement["subject"][0]["digest"]["sha256"]
+    # the bundle's digest (the manifest's root, what the registry records), whichever
+    # serialization the signature used: both cover the same files, checked above
+    digest: str = load_manifest(bundle / MANIFEST_FILE).digest
     return digest
+
+
+GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")  # the library's git ignores
+
+
+def _file_serialization(serialization: dict[str, Any]) -> bool:
+    """Whether a signature uses whole-file sha256 serialization (model_signing's command
+    line) ignoring nothing but the manifest, the signature and git files."""
+    if serialization.get("method") != "files":
+        return False
+    ignored = set(serialization.get("ignore_paths", []))
+    allowed = {*BUNDLE_UNHASHED, *GIT_PATHS}
+    if serialization.get("hash_type") != "sha256" or serialization.get("allow_symlinks"):
+        raise RegistryError(
+            f"{SIGNATURE_FILE}: a whole-file signature must use sha256 without symlinks "
+            f"({serialization})"
+        )
+    if not ignored <= allowed:
+        raise RegistryError(
+            f"{SIGNATURE_FILE} leaves {sorted(ignored - allowed)} out of what it signs; a "
+            f"bundle's signature may leave out only {sorted(allowed)}"
+        )
+    return True
+
+
+def _covers_manifest(bundle: Path, statement: dict[str, Any]) -> None:
+    """A whole-file signature names every file manifest.json lists (and may name
+    manifest.json itself): the library checked their digests, verify_bundle the shards."""
+    try:
+        manifest = load_manifest(bundle / MANIFEST_FILE)
+    except (OSError, ValueError) as exc:
+        raise RegistryError(f"{MANIFEST_FILE}: {exc}") from None
+    signed = {str(r.get("name")) for r in statement["predicate"]["resources"]}
+    listed = set(manifest.files())
+    if not listed <= signed or signed - listed - {MANIFEST_FILE}:
+        raise RegistryError(
+            f"{SIGNATURE_FILE} signs other files than {MANIFEST_FILE} lists "
+            f"(unsigned: {sorted(listed - signed)[:3]}, extra: "
+            f"{sorted(signed - listed - {MANIFEST_FILE})[:3]}); sign the bundle as it is"
+        )
 
 
 def _same_as_manifest(bundle: Path, statement: dict[str, Any]) -> None:

@@ -21,7 +21,11 @@ ports):
   gets 503;
 - a V2 stream the engine refuses (a full queue: 503, a bad parameter: 400) answers with
   that status and a JSON error: MLServer commits a stream's 200 before the model runs, so
-  the first event is held until it is known.
+  the first event is held until it is known;
+- the V2 binary tensor data extension (what `tritonclient.http` sends by default): binary
+  inputs (`Inference-Header-Content-Length`, `binary_data_size`) become JSON data before
+  MLServer parses the request, and outputs asked for as binary (`binary_data`,
+  `binary_data_output`) come back binary; MLServer has no such extension (it answered 422).
 
 The runtime refuses to load when started any other way (`SHIPYARD_FRONT_DOOR` unset).
 """
@@ -175,9 +179,21 @@ class FrontDoor:
             )
         if body is None:
             return await _answer(send, 413, self._too_big())
+        binary: Binary | None = None
+        if path.endswith(INFER_SUFFIXES) and (b"binary_data" in body or HEADER_LENGTH in headers):
+            try:
+                body, binary = from_binary(body, headers.get(HEADER_LENGTH))
+            except ValueError as exc:
+                return await _answer(send, 400, f"binary tensor data: {exc}")
+            scope = dict(scope)
+            scope["headers"] = [
+                (k, v) for k, v in scope["headers"] if k not in (HEADER_LENGTH, b"content-length")
+            ] + [(b"content-length", b"%d" % len(body))]
         replay = _Replay(body, receive)
         if path.endswith(STREAM_SUFFIXES):
             send = _StreamStatus(send).send
+        elif binary is not None and binary.wanted:
+            send = _BinaryResponse(send, binary).send
         await self.app(scope, replay, send)
 
     def _too_big(self) -> str:
@@ -201,6 +217,164 @@ class FrontDoor:
             if not message.get("more_body", False):
                 break
         return b"".join(parts)
+
+
+# ------------------------------------------------------------------ binary tensor data
+HEADER_LENGTH = b"inference-header-content-length"
+INFER_SUFFIXES = ("/infer",)
+NUMPY = {
+    "BOOL": "?", "UINT8": "u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
+    "INT8": "i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",
+    "FP16": "<f2", "FP32": "<f4", "FP64": "<f8",
+}  # fmt: skip
+
+
+class Binary:
+    """Which outputs a binary-extension request wants back as binary (all: `every`)."""
+
+    def __init__(self, every: bool, names: set[str]) -> None:
+        self.every, self.names = every, names
+
+    @property
+    def wanted(self) -> bool:
+        return self.every or bool(self.names)
+
+
+def from_binary(body: bytes, header_length: bytes | None) -> tuple[bytes, Binary]:
+    """A request of the binary tensor data extension as the plain JSON MLServer parses,
+    and what it wants back; ValueError says what is wrong with it."""
+    import numpy as np
+
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise ValueError("Inference-Header-Content-Length is not a length within the body")
+        split = int(header_length)
+    else:
+        split = len(body)
+    try:
+        head = json.loads(body[:split])
+    except ValueError:
+        raise ValueError("the JSON header does not parse") from None
+    if not isinstance(head, dict):
+        raise ValueError("the JSON header is not an object")
+    blob, offset = body[split:], 0
+    for tensor in head.get("inputs") or []:
+        params = tensor.get("parameters") if isinstance(tensor, dict) else None
+        if not isinstance(params, dict) or "binary_data_size" not in params:
+            continue
+        size = params.pop("binary_data_size")
+        if not isinstance(size, int) or size < 0 or offset + size > len(blob):
+            raise ValueError(f"input {tensor.get('name')!r}: binary_data_size overruns the body")
+        chunk, offset = blob[offset : offset + size], offset + size
+        datatype = tensor.get("datatype")
+        if datatype == "BYTES":
+            tensor["data"] = _split_bytes(chunk, tensor.get("name"))
+        elif datatype in NUMPY:
+            dtype = np.dtype(NUMPY[datatype])
+            if size % dtype.itemsize:
+                raise ValueError(f"input {tensor.get('name')!r}: {size} bytes is not {datatype}s")
+            tensor["data"] = np.frombuffer(chunk, dtype).tolist()
+        else:
+            raise ValueError(f"input {tensor.get('name')!r}: datatype {datatype!r} is not served")
+        if not params:
+            tensor.pop("parameters")
+    if offset != len(blob):
+        raise ValueError(f"{len(blob) - offset} bytes after the last binary input")
+    request_params = head.get("parameters")
+    every = False
+    if isinstance(request_params, dict):
+        every = bool(request_params.pop("binary_data_output", False))
+        if not request_params:
+            head.pop("parameters")
+    names = set()
+    for out in head.get("outputs") or []:
+        params = out.get("parameters") if isinstance(out, dict) else None
+        if not isinstance(params, dict):
+            continue
+        if "classification" in params:
+            raise ValueError("the classification extension is not served; ask for the tensors")
+        if params.pop("binary_data", False):
+            names.add(str(out.get("name")))
+        if not params:
+            out.pop("parameters")
+    return json.dumps(head).encode(), Binary(every, names)
+
+
+def _split_bytes(chunk: bytes, name: Any) -> list[str]:
+    """BYTES elements: each a 4-byte little-endian length, then that many bytes (UTF-8)."""
+    out, at = [], 0
+    while at < len(chunk):
+        if at + 4 > len(chunk):
+            raise ValueError(f"input {name!r}: a BYTES element's length is cut off")
+        n = int.from_bytes(chunk[at : at + 4], "little")
+        if at + 4 + n > len(chunk):
+            raise ValueError(f"input {name!r}: a BYTES element overruns its data")
+        try:
+            out.append(chunk[at + 4 : at + 4 + n].decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"input {name!r}: a BYTES element is not UTF-8 text") from None
+        at += 4 + n
+    return out
+
+
+def to_binary(body: bytes, binary: Binary) -> tuple[bytes, int] | None:
+    """A JSON inference response with the wanted outputs moved into binary data, and the
+    JSON header's length; None when it is not one (an error: sent as it is)."""
+    import numpy as np
+
+    try:
+        head = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(head, dict) or not isinstance(head.get("outputs"), list):
+        return None
+    blobs = []
+    for out in head["outputs"]:
+        if not (binary.every or out.get("name") in binary.names) or "data" not in out:
+            continue
+        data, datatype = out.pop("data"), out.get("datatype")
+        if datatype == "BYTES":
+            raw = b"".join(
+                len(e).to_bytes(4, "little") + e
+                for e in (str(v).encode("utf-8") for v in np.asarray(data, object).ravel())
+            )
+        else:
+            raw = np.asarray(data, NUMPY[str(datatype)]).tobytes()
+        out.setdefault("parameters", {})["binary_data_size"] = len(raw)
+        blobs.append(raw)
+    header = json.dumps(head).encode()
+    return header + b"".join(blobs), len(header)
+
+
+class _BinaryResponse:
+    """Collects a JSON inference response and sends it in the binary extension's layout."""
+
+    def __init__(self, send: Send, binary: Binary) -> None:
+        self._send, self._binary = send, binary
+        self._start: Message | None = None
+        self._parts: list[bytes] = []
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self._start = message
+            return
+        if message["type"] != "http.response.body" or self._start is None:
+            return await self._send(message)
+        self._parts.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        start, body = self._start, b"".join(self._parts)
+        converted = to_binary(body, self._binary) if start["status"] == 200 else None
+        headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
+        if converted is not None:
+            body, header = converted
+            headers = [(k, v) for k, v in headers if k != b"content-type"] + [
+                (b"content-type", b"application/octet-stream"),
+                (b"inference-header-content-length", b"%d" % header),
+            ]
+        headers.append((b"content-length", b"%d" % len(body)))
+        await self._send({**start, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body})
 
 
 class _Replay:

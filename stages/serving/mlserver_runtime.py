@@ -41,7 +41,14 @@ from mlserver import MLModel
 from mlserver.codecs import NumpyCodec, StringCodec
 from mlserver.errors import MLServerError
 from mlserver.handlers import custom_handler
-from mlserver.types import InferenceRequest, InferenceResponse, Parameters, ResponseOutput
+from mlserver.types import (
+    InferenceRequest,
+    InferenceResponse,
+    MetadataModelResponse,
+    MetadataTensor,
+    Parameters,
+    ResponseOutput,
+)
 from mlserver.utils import get_model_uri
 
 
@@ -335,8 +342,72 @@ class ShipyardOnnxRuntime(MLModel):
             self.engine.close()
         return True
 
+    # ------------------------------------------------------------ V2 metadata
+    async def metadata(self) -> MetadataModelResponse:
+        """What a V2 client sends and gets back (REST `GET /v2/models/<m>`, gRPC
+        ModelMetadata): the served signature, not MLServer's empty default."""
+        inputs, outputs = self.signature()
+        return MetadataModelResponse(
+            name=self.name,
+            versions=[self.version] if self.version else None,
+            platform="onnxruntime_onnx",
+            inputs=inputs,
+            outputs=outputs,
+        )
+
+    def signature(self) -> tuple[list[MetadataTensor], list[MetadataTensor]]:
+        """Inputs and outputs as requests meet them: the graph's for one-pass tasks (with
+        label and score for label tasks), the generation tensors for a generating one. -1 is
+        a dimension the request chooses; a bounded integer input carries its [low, high)."""
+
+        def tensor(name: str, datatype: str, shape: list[Any]) -> MetadataTensor:
+            bounds = self.bounds.get(name)
+            return MetadataTensor(
+                name=name,
+                datatype=datatype,
+                shape=[d if isinstance(d, int) and d > 0 else -1 for d in shape],
+                parameters=Parameters(low=bounds[0], high=bounds[1]) if bounds else None,
+            )
+
+        if self.serving == "generate":
+            ins = [tensor("input_ids", "INT64", [-1, -1])]
+            outs = [tensor("output_ids", "INT64", [-1, -1]), tensor("finish_reason", "BYTES", [-1])]
+            if self.text is not None:
+                ins.append(tensor("text", "BYTES", [-1]))
+                outs.append(tensor("text", "BYTES", [-1]))
+            return ins, outs
+        ins = [
+            tensor(i.name, V2_TYPES.get(i.type, "BYTES"), i.shape)
+            for i in self.session.get_inputs()
+        ]
+        graph = self.session.get_outputs()
+        outs = [tensor(o.name, V2_TYPES.get(o.type, "BYTES"), o.shape) for o in graph]
+        if self.serving == "labels":
+            rows = [-1] * (len(graph[0].shape) - 1)
+            outs += [tensor("label", "BYTES", rows), tensor("score", "FP32", rows)]
+        return ins, outs
+
     # ------------------------------------------------------------ V2: one pass per request
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        return self._selected(await self._predict(payload), payload)
+
+    def _selected(
+        self, response: InferenceResponse, payload: InferenceRequest
+    ) -> InferenceResponse:
+        """Only the outputs the request names (V2 `outputs`), in its order; all without."""
+        if not payload.outputs:
+            return response
+        by_name = {o.name: o for o in response.outputs}
+        wanted = [o.name for o in payload.outputs]
+        unknown = [n for n in wanted if n not in by_name]
+        if unknown or len(set(wanted)) != len(wanted):
+            raise BadRequest(
+                f"outputs must name each of {sorted(by_name)} at most once; got {wanted}"
+            )
+        response.outputs = [by_name[n] for n in wanted]
+        return response
+
+    async def _predict(self, payload: InferenceRequest) -> InferenceResponse:
         if self.serving != "generate":
             feeds = self._graph_inputs(payload)
             key = tuple(sorted((n, v.shape[1:], str(v.dtype)) for n, v in feeds.items()))

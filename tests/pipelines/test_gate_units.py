@@ -211,12 +211,17 @@ def test_greater_is_better_flips_the_direction(ws: Workspace) -> None:
     assert row.verdict == "FAIL"
 
 
-def test_without_production_the_comparison_is_n_a(ws: Workspace) -> None:
+def test_without_production_the_comparison_is_a_loud_n_a_or_with_require_baseline_a_fail(
+    ws: Workspace,
+) -> None:
     candidate(ws, 100.0)
-    note = "no release of this name in production yet; nothing to regress from"
     for registry in (None, Registry(str(ws.root / "empty"))):
         row = production_row(gate(ws.root, [production_spec(ws, 0.0)], registry))
-        assert (row.check, row.verdict, row.detail) == ("perplexity vs production", "n/a", note)
+        assert (row.check, row.verdict) == ("perplexity vs production", "n/a")
+        assert row.detail.startswith("NO BASELINE: ") and "did not run" in row.detail
+        assert ("registry " in row.detail) == (registry is not None)
+        strict = production_row(gate(ws.root, [production_spec(ws, 0.0)], registry, True))
+        assert strict.verdict == "FAIL" and strict.detail == row.detail
     # a threshold against the reference, or without a change, is not a production row
     s = gpt2_spec()
     s["evaluation"]["thresholds"] = [

@@ -123,3 +123,30 @@ def test_init_sizes_calibration_from_the_data_it_is_given(ws: Workspace) -> None
     assert two.returncode == 0, two.stderr
     cal = load_release(ws.root / "releases" / "llama.yaml").quantization.calibration
     assert (cal.samples, cal.holdout, cal.sensitivity_samples) == (1, 1, 1)
+
+
+def test_init_warns_when_evaluation_reads_the_calibration_file_and_takes_a_file_of_its_own(
+    ws: Workspace,
+) -> None:
+    folder = ws.root / "models" / "llama"
+    matrix.build_model(arch("Llama", "causal-lm"), folder)
+    tok = ("--tokenizer", "models/tiny-gpt2")
+    big = "data/calibration/docstrings.jsonl"
+    same = shipyard(ws, "init", "models/llama", "--data", big, *tok)
+    assert same.returncode == 0, same.stderr
+    assert "warning: evaluation.dataset.path and quantization.calibration.path are both" in (
+        same.stderr
+    )
+    assert "--eval-data" in same.stderr
+    checked = shipyard(ws, "validate", "releases/llama.yaml")  # a hand-kept spec: the same
+    assert checked.returncode == 0 and "warning: evaluation.dataset.path" in checked.stderr
+    apart = shipyard(
+        ws, "init", "models/llama", "--data", big, "--eval-data", DATA, *tok, "--force"
+    )
+    assert apart.returncode == 0 and "warning" not in apart.stderr, apart.stderr
+    spec = load_release(ws.root / "releases" / "llama.yaml")
+    assert spec.evaluation.dataset.path == DATA and spec.evaluation.dataset.samples == 64
+    assert spec.quantization.calibration.path == big
+    missing = shipyard(ws, "init", "models/llama", "--data", big, "--eval-data", "data/nope.jsonl",
+                       *tok, "--force")  # fmt: skip
+    assert missing.returncode != 0 and "--eval-data data/nope.jsonl: no such file" in missing.stderr

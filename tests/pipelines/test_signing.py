@@ -270,3 +270,60 @@ def test_every_malformed_key_file_is_a_clear_error_never_a_traceback(
         },
     )
     assert reg.promote("demo", "1.0.1", "prod", "signed")["to"] == "demo@1.0.1"
+
+
+# ---------------------------------------------------- model_signing's command line, both ways
+MODEL_SIGNING = str(Path(sys.executable).with_name("model_signing"))
+
+
+def ms_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([MODEL_SIGNING, *args], text=True, capture_output=True, timeout=300)
+
+
+def test_a_bundle_signed_with_shipyard_files_serialization_verifies_with_the_cli(
+    bundle: Path, keys: dict[str, Path]
+) -> None:
+    digest = sign(bundle, private_key=keys["private"], serialization="files")
+    assert digest == load_manifest(bundle / "manifest.json").digest  # what the registry records
+    done = ms_cli("verify", "key", str(bundle), "--signature", str(bundle / "model.sig"),
+                  "--public_key", str(keys["public"]))  # fmt: skip
+    assert done.returncode == 0 and "Verification succeeded" in done.stdout, done.stderr
+    assert verify_signed(bundle, Identity(public_key=keys["public"])) == digest
+    card = bundle / "MODEL_CARD.md"
+    card.write_text(card.read_text() + "\nedited after signing\n")
+    done = ms_cli("verify", "key", str(bundle), "--signature", str(bundle / "model.sig"),
+                  "--public_key", str(keys["public"]))  # fmt: skip
+    assert done.returncode == 1, done.stdout
+
+
+@pytest.mark.parametrize("ignore", [[], ["manifest.json"]])
+def test_a_bundle_signed_with_the_cli_verifies_with_shipyard_and_tampering_is_refused(
+    bundle: Path, keys: dict[str, Path], ignore: list[str]
+) -> None:
+    extra = [a for p in ignore for a in ("--ignore-paths", str(bundle / p))]
+    done = ms_cli("sign", "key", str(bundle), "--signature", str(bundle / "model.sig"),
+                  "--private_key", str(keys["private"]), *extra)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    digest = verify_signed(bundle, Identity(public_key=keys["public"]))
+    assert digest == load_manifest(bundle / "manifest.json").digest
+    with pytest.raises(RegistryError, match="signature does not verify"):
+        verify_signed(bundle, Identity(public_key=keys["other"]))
+    facts = bundle / "shipyard.json"
+    data = json.loads(facts.read_text())
+    data["evaluation"]["perplexity"] = 1.0
+    facts.write_text(json.dumps(data))
+    remanifest(bundle)  # consistent with itself, not with the signature
+    with pytest.raises(RegistryError, match="signature does not verify"):
+        verify_signed(bundle, Identity(public_key=keys["public"]))
+
+
+def test_a_cli_signature_that_leaves_files_out_is_refused(
+    bundle: Path, keys: dict[str, Path]
+) -> None:
+    done = ms_cli(
+        "sign", "key", str(bundle), "--signature", str(bundle / "model.sig"),
+        "--private_key", str(keys["private"]), "--ignore-paths", str(bundle / "reports"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(RegistryError, match="leaves .*reports.* out of what it signs"):
+        verify_signed(bundle, Identity(public_key=keys["public"]))

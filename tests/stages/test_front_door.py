@@ -231,3 +231,90 @@ def test_no_auth_binds_loopback_only_and_a_missing_token_refuses_to_start(tmp_pa
     (tmp_path / fd.CONFIG).write_text("{}")
     with pytest.raises(fd.Refused, match="must hold exactly"):
         fd.main(["--no-auth"], tmp_path)
+
+
+# ------------------------------------------------------------ binary tensor data extension
+def triton_body(binary: bool, outputs: list[Any] | None = None) -> tuple[bytes, int | None]:
+    """What tritonclient.http sends, built by tritonclient itself."""
+    import numpy as np
+    import tritonclient.http as httpclient
+    from tritonclient.http._utils import _get_inference_request
+
+    ids = httpclient.InferInput("input_ids", [2, 3], "INT64")
+    ids.set_data_from_numpy(np.arange(6, dtype=np.int64).reshape(2, 3), binary_data=binary)
+    text = httpclient.InferInput("text", [2], "BYTES")
+    text.set_data_from_numpy(np.array(["héllo", ""], dtype=object), binary_data=binary)
+    scale = httpclient.InferInput("scale", [1], "FP16")
+    scale.set_data_from_numpy(np.array([0.5], dtype=np.float16), binary_data=binary)
+    return _get_inference_request(
+        [ids, text, scale], "", outputs, 0, False, False, 0, None, {"max_new_tokens": 2}
+    )
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_a_tritonclient_request_becomes_the_json_mlserver_parses(binary: bool) -> None:
+    body, length = triton_body(binary)
+    plain, wants = fd.from_binary(body, None if length is None else str(length).encode())
+    request = json.loads(plain)
+    data = {t["name"]: t["data"] for t in request["inputs"]}
+    assert data == {"input_ids": [0, 1, 2, 3, 4, 5], "text": ["héllo", ""], "scale": [0.5]} or (
+        not binary and data["input_ids"] == [[0, 1, 2], [3, 4, 5]]
+    )
+    assert request["parameters"] == {"max_new_tokens": 2}  # binary_data_output taken out
+    assert wants.every and not any("parameters" in t for t in request["inputs"])
+
+
+def test_a_tritonclient_response_in_binary_is_read_back_by_tritonclient() -> None:
+    import numpy as np
+    import tritonclient.http as httpclient
+    from tritonclient.http import InferResult
+
+    response = {
+        "model_name": "m",
+        "outputs": [
+            {"name": "output_ids", "datatype": "INT64", "shape": [1, 3], "data": [7, 8, 9]},
+            {"name": "text", "datatype": "BYTES", "shape": [1], "data": ["ünï"]},
+            {"name": "score", "datatype": "FP32", "shape": [1], "data": [0.25]},
+        ],
+    }
+    body, header = fd.to_binary(json.dumps(response).encode(), fd.Binary(True, set()))
+    result = InferResult.from_response_body(body, False, header)
+    assert result.as_numpy("output_ids").tolist() == [[7, 8, 9]]
+    assert result.as_numpy("text").tolist() == ["ünï".encode()]
+    assert result.as_numpy("score").dtype == np.float32
+    # only the named ones move to binary; the rest stay JSON
+    wanted = [httpclient.InferRequestedOutput("text", binary_data=True)]
+    _, wants = fd.from_binary(triton_body(False, wanted)[0], None)
+    assert wants.names == {"text"} and not wants.every
+    body, header = fd.to_binary(json.dumps(response).encode(), wants)
+    head = json.loads(body[:header])
+    assert "data" in head["outputs"][0] and "data" not in head["outputs"][1]
+
+
+@pytest.mark.parametrize(
+    "mutate, why",
+    [
+        (lambda b, n: (b[:-3], n), "overruns"),
+        (lambda b, n: (b + b"xx", n), "bytes after the last binary input"),
+        (lambda b, n: (b, b"99999999"), "not a length within the body"),
+        (lambda b, n: (b"[" + b[1:], n), "does not parse"),
+        (lambda b, n: (b, b"-1"), "not a length within the body"),
+    ],
+)
+def test_a_malformed_binary_request_is_a_400_naming_what_is_wrong(mutate: Any, why: str) -> None:
+    body, length = triton_body(True)
+    body, header = mutate(body, str(length).encode())
+    with pytest.raises(ValueError, match=why):
+        fd.from_binary(body, header)
+    status, text, ran = call(
+        "/v2/models/m/infer", body, {**AUTH, "Inference-Header-Content-Length": header.decode()}
+    )
+    assert (status, ran) == (400, False) and why.encode() in text
+
+
+def test_the_classification_extension_is_refused_not_ignored() -> None:
+    import tritonclient.http as httpclient
+
+    wanted = [httpclient.InferRequestedOutput("logits", class_count=3)]
+    with pytest.raises(ValueError, match="classification extension"):
+        fd.from_binary(triton_body(False, wanted)[0], None)

@@ -628,3 +628,93 @@ def test_mlserver_start_alone_refuses_to_load_the_model_and_says_how_to_start_it
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+# ---------------------------------------------------------------- V2 to the letter
+def test_model_metadata_lists_the_served_inputs_outputs_version_and_platform(guarded: Any) -> None:
+    import tritonclient.grpc as grpcclient
+
+    status, text = asyncio.run(call(guarded.url, "/v2/models/tiny-gpt2", "GET", headers=AUTH))
+    assert status == 200, text
+    meta = json.loads(text)
+    assert meta["versions"] == ["0.1.0"] and meta["platform"] == "onnxruntime_onnx"
+    assert [(t["name"], t["datatype"], t["shape"]) for t in meta["inputs"]] == [
+        ("input_ids", "INT64", [-1, -1]),
+        ("text", "BYTES", [-1]),
+    ]
+    assert [t["name"] for t in meta["outputs"]] == ["output_ids", "finish_reason", "text"]
+    assert meta["inputs"][0]["parameters"]["high"] > 0  # the vocabulary bound
+    grpc_meta = grpcclient.InferenceServerClient(guarded.grpc).get_model_metadata(
+        "tiny-gpt2", headers={"authorization": f"Bearer {TOKEN}"}, as_json=True
+    )
+    assert grpc_meta["versions"] == ["0.1.0"] and grpc_meta["platform"] == "onnxruntime_onnx"
+    assert [t["name"] for t in grpc_meta["inputs"]] == ["input_ids", "text"]
+
+
+def test_the_requests_outputs_selection_is_honoured_and_an_unknown_one_is_400(
+    guarded: Any,
+) -> None:
+    body = ids([1, 2, 3], [1, 3], max_new_tokens=2) | {"outputs": [{"name": "text"}]}
+    status, text = asyncio.run(post(guarded.url, body))
+    assert status == 200, text
+    assert [o["name"] for o in json.loads(text)["outputs"]] == ["text"]
+    body["outputs"] = [{"name": "finish_reason"}, {"name": "output_ids"}]
+    outputs = json.loads(asyncio.run(post(guarded.url, body))[1])["outputs"]
+    assert [o["name"] for o in outputs] == ["finish_reason", "output_ids"]
+    body["outputs"] = [{"name": "logits"}]
+    status, text = asyncio.run(post(guarded.url, body))
+    assert status == 400 and "outputs must name each of" in text, text
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_tritonclient_http_generates_with_binary_data_on_and_off(
+    guarded: Any, binary: bool
+) -> None:
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(guarded.url.removeprefix("http://"))
+    ids_in = httpclient.InferInput("input_ids", [1, 3], "INT64")
+    ids_in.set_data_from_numpy(np.array([[1, 2, 3]], dtype=np.int64), binary_data=binary)
+    result = client.infer(
+        "tiny-gpt2",
+        [ids_in],
+        parameters={"max_new_tokens": 4, "ignore_eos": True},
+        headers=AUTH,
+    )  # no outputs named: tritonclient asks for every output in binary
+    tokens = result.as_numpy("output_ids")
+    assert tokens.shape == (1, 4) and tokens.dtype == np.int64
+    assert result.as_numpy("finish_reason").tolist() == [b"length"]
+    wanted = [httpclient.InferRequestedOutput("output_ids", binary_data=binary)]
+    again = client.infer(
+        "tiny-gpt2",
+        [ids_in],
+        outputs=wanted,
+        parameters={"max_new_tokens": 4, "ignore_eos": True},
+        headers=AUTH,
+    )
+    assert (again.as_numpy("output_ids") == tokens).all()  # greedy: the same tokens
+    assert again.as_numpy("text") is None  # not asked for
+    text_in = httpclient.InferInput("text", [1], "BYTES")
+    text_in.set_data_from_numpy(np.array(["def add"], dtype=object), binary_data=binary)
+    said = client.infer("tiny-gpt2", [text_in], parameters={"max_new_tokens": 2}, headers=AUTH)
+    assert said.as_numpy("output_ids").shape == (1, 2)
+
+
+def test_tritonclient_grpc_generates_the_same_tokens_as_http(guarded: Any) -> None:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    params = {"max_new_tokens": 4, "ignore_eos": True}
+    grpc_in = grpcclient.InferInput("input_ids", [1, 3], "INT64")
+    grpc_in.set_data_from_numpy(np.array([[5, 6, 7]], dtype=np.int64))
+    via_grpc = grpcclient.InferenceServerClient(guarded.grpc).infer(
+        "tiny-gpt2", [grpc_in], parameters=params, headers={"authorization": f"Bearer {TOKEN}"}
+    )
+    http_in = httpclient.InferInput("input_ids", [1, 3], "INT64")
+    http_in.set_data_from_numpy(np.array([[5, 6, 7]], dtype=np.int64))
+    via_http = httpclient.InferenceServerClient(guarded.url.removeprefix("http://")).infer(
+        "tiny-gpt2", [http_in], parameters=params, headers=AUTH
+    )
+    assert (via_grpc.as_numpy("output_ids") == via_http.as_numpy("output_ids")).all()

@@ -217,9 +217,28 @@ def test_a_classifier_is_served_with_its_labels_over_http(tmp_path: Path) -> Non
                 assert r.status == 200, await r.text()
                 return {o["name"]: o for o in (await r.json())["outputs"]}
 
+    async def metadata() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s, s.get(f"{srv.url}/v2/models/{slug}") as r:
+            assert r.status == 200, await r.text()
+            return dict(await r.json())
+
     with LocalServer(tree, slug, tmp_path / "log", 60) as srv:
         outputs = asyncio.run(infer())
+        meta = asyncio.run(metadata())
     assert set(outputs) == {"logits", "label", "score"}
+    # the metadata a V2 client reads is the signature it just used
+    assert {t["name"]: (t["datatype"], t["shape"]) for t in meta["inputs"]} == {
+        "input_ids": ("INT64", [-1, -1]),
+        "attention_mask": ("INT64", [-1, -1]),
+        "token_type_ids": ("INT64", [-1, -1]),
+    }
+    assert [(t["name"], t["datatype"], t["shape"]) for t in meta["outputs"]] == [
+        ("logits", "FP32", [-1, 2]),
+        ("label", "BYTES", [-1]),
+        ("score", "FP32", [-1]),
+    ]
+    bounds = {t["name"]: t.get("parameters") for t in meta["inputs"]}
+    assert bounds["input_ids"] == {"low": 0, "high": matrix.VOCAB}
     logits = np.array(outputs["logits"]["data"], dtype=np.float64).reshape(2, 2)
     want = ["negative", "positive"]
     assert outputs["label"]["data"] == [want[i] for i in logits.argmax(1)]
