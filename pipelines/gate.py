@@ -140,10 +140,14 @@ def _production_rows(
         return []
     current = registry.channel(spec.name, "production") if registry else None
     if not current:
-        where = f"registry {registry.url}" if registry is not None else "no registry"
+        where = (
+            f"registry {registry.url} has no {spec.name} in production"
+            if registry is not None
+            else "no registry is configured"
+        )
         note = (
-            f"NO BASELINE: {where} has no {spec.name} in production, so this comparison did "
-            "not run (set SHIPYARD_REGISTRY to the team's registry; a first release has none)"
+            f"NO BASELINE: {where}, so this comparison did not run (set SHIPYARD_REGISTRY to "
+            "the team's registry; a first release has none)"
         )
         verdict = "FAIL" if require_baseline else "n/a"
         return [Row(spec.name, f"{t.metric} vs production", verdict, note) for t in wanted]

@@ -369,12 +369,16 @@ class ShipyardOnnxRuntime(MLModel):
                 parameters=Parameters(low=bounds[0], high=bounds[1]) if bounds else None,
             )
 
+        # text goes out as MLServer's StringCodec writes it: one row of one element each
         if self.serving == "generate":
             ins = [tensor("input_ids", "INT64", [-1, -1])]
-            outs = [tensor("output_ids", "INT64", [-1, -1]), tensor("finish_reason", "BYTES", [-1])]
+            outs = [
+                tensor("output_ids", "INT64", [-1, -1]),
+                tensor("finish_reason", "BYTES", [-1, 1]),
+            ]
             if self.text is not None:
                 ins.append(tensor("text", "BYTES", [-1]))
-                outs.append(tensor("text", "BYTES", [-1]))
+                outs.append(tensor("text", "BYTES", [-1, 1]))
             return ins, outs
         ins = [
             tensor(i.name, V2_TYPES.get(i.type, "BYTES"), i.shape)
@@ -384,7 +388,7 @@ class ShipyardOnnxRuntime(MLModel):
         outs = [tensor(o.name, V2_TYPES.get(o.type, "BYTES"), o.shape) for o in graph]
         if self.serving == "labels":
             rows = [-1] * (len(graph[0].shape) - 1)
-            outs += [tensor("label", "BYTES", rows), tensor("score", "FP32", rows)]
+            outs += [tensor("label", "BYTES", [*rows, 1]), tensor("score", "FP32", rows)]
         return ins, outs
 
     # ------------------------------------------------------------ V2: one pass per request

@@ -219,7 +219,7 @@ def test_without_production_the_comparison_is_a_loud_n_a_or_with_require_baselin
         row = production_row(gate(ws.root, [production_spec(ws, 0.0)], registry))
         assert (row.check, row.verdict) == ("perplexity vs production", "n/a")
         assert row.detail.startswith("NO BASELINE: ") and "did not run" in row.detail
-        assert ("registry " in row.detail) == (registry is not None)
+        assert ("has no tiny-gpt2 in production" in row.detail) == (registry is not None)
         strict = production_row(gate(ws.root, [production_spec(ws, 0.0)], registry, True))
         assert strict.verdict == "FAIL" and strict.detail == row.detail
     # a threshold against the reference, or without a change, is not a production row

@@ -673,6 +673,7 @@ def test_tritonclient_http_generates_with_binary_data_on_and_off(
     import numpy as np
     import tritonclient.http as httpclient
 
+    # (a fresh headers dict per call: tritonclient adds its own headers to the one it is given)
     client = httpclient.InferenceServerClient(guarded.url.removeprefix("http://"))
     ids_in = httpclient.InferInput("input_ids", [1, 3], "INT64")
     ids_in.set_data_from_numpy(np.array([[1, 2, 3]], dtype=np.int64), binary_data=binary)
@@ -680,24 +681,26 @@ def test_tritonclient_http_generates_with_binary_data_on_and_off(
         "tiny-gpt2",
         [ids_in],
         parameters={"max_new_tokens": 4, "ignore_eos": True},
-        headers=AUTH,
+        headers=dict(AUTH),
     )  # no outputs named: tritonclient asks for every output in binary
     tokens = result.as_numpy("output_ids")
     assert tokens.shape == (1, 4) and tokens.dtype == np.int64
-    assert result.as_numpy("finish_reason").tolist() == [b"length"]
+    assert result.as_numpy("finish_reason").tolist() == [[b"length"]]
     wanted = [httpclient.InferRequestedOutput("output_ids", binary_data=binary)]
     again = client.infer(
         "tiny-gpt2",
         [ids_in],
         outputs=wanted,
         parameters={"max_new_tokens": 4, "ignore_eos": True},
-        headers=AUTH,
+        headers=dict(AUTH),
     )
     assert (again.as_numpy("output_ids") == tokens).all()  # greedy: the same tokens
     assert again.as_numpy("text") is None  # not asked for
     text_in = httpclient.InferInput("text", [1], "BYTES")
     text_in.set_data_from_numpy(np.array(["def add"], dtype=object), binary_data=binary)
-    said = client.infer("tiny-gpt2", [text_in], parameters={"max_new_tokens": 2}, headers=AUTH)
+    said = client.infer(
+        "tiny-gpt2", [text_in], parameters={"max_new_tokens": 2}, headers=dict(AUTH)
+    )
     assert said.as_numpy("output_ids").shape == (1, 2)
 
 
@@ -715,6 +718,6 @@ def test_tritonclient_grpc_generates_the_same_tokens_as_http(guarded: Any) -> No
     http_in = httpclient.InferInput("input_ids", [1, 3], "INT64")
     http_in.set_data_from_numpy(np.array([[5, 6, 7]], dtype=np.int64))
     via_http = httpclient.InferenceServerClient(guarded.url.removeprefix("http://")).infer(
-        "tiny-gpt2", [http_in], parameters=params, headers=AUTH
+        "tiny-gpt2", [http_in], parameters=params, headers=dict(AUTH)
     )
     assert (via_grpc.as_numpy("output_ids") == via_http.as_numpy("output_ids")).all()

@@ -234,7 +234,7 @@ def test_a_classifier_is_served_with_its_labels_over_http(tmp_path: Path) -> Non
     }
     assert [(t["name"], t["datatype"], t["shape"]) for t in meta["outputs"]] == [
         ("logits", "FP32", [-1, 2]),
-        ("label", "BYTES", [-1]),
+        ("label", "BYTES", [-1, 1]),
         ("score", "FP32", [-1]),
     ]
     bounds = {t["name"]: t.get("parameters") for t in meta["inputs"]}
