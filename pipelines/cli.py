@@ -348,7 +348,7 @@ def cmd_provenance(args: argparse.Namespace) -> int:
 def _public_key(path: str) -> Any:
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-    from pipelines.signing import read_key
+    from pipelines.keys import read_key
 
     return load_pem_public_key(read_key(Path(path)))
 

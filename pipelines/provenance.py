@@ -143,7 +143,7 @@ def builder_key(env: dict[str, str] | os._Environ[str] = os.environ) -> Any:
     """The builder's private key (SHIPYARD_BUILDER_KEY), or None: attestations unsigned."""
     from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
-    from pipelines.signing import read_key
+    from pipelines.keys import read_key
 
     path = env.get(KEY_ENV)
     if not path:
@@ -155,7 +155,7 @@ def trusted_keys(env: dict[str, str] | os._Environ[str] = os.environ) -> dict[st
     """The trusted builders' public keys by key id (SHIPYARD_TRUSTED_BUILDERS)."""
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-    from pipelines.signing import read_key
+    from pipelines.keys import read_key
 
     keys = {}
     for path in filter(None, env.get(TRUST_ENV, "").split(os.pathsep)):

@@ -352,7 +352,7 @@ class Registry:
 
     def require_signature(self, channel: str, keys: list[Path]) -> dict[str, Any]:
         """From now on, `channel` accepts only bundles signed by one of `keys`."""
-        from pipelines.signing import read_key
+        from pipelines.keys import read_key
 
         pems = [read_key(key).decode("ascii") for key in keys]
         policy = {"require_signature": True, "public_keys": pems, "by": who(), "at": now()}
