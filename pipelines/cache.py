@@ -141,4 +141,44 @@ def _evict(root: Path, stage: str, release: str, outs: list[str]) -> None:
 def push(root: Path) -> str:
     url = configure(root)
     done = _dvc(root, "push", "--run-cache", "--remote", REMOTE)
-    return f"pushed to {url}: {done.stdout.strip().splitlines()[-1] if done.stdout else ''}"
+    extra = _push_uncached(root, url)
+    return (
+        f"pushed to {url}: {done.stdout.strip().splitlines()[-1] if done.stdout else ''}"
+        + (f"; {extra} uncached output(s) for the run-cache" if extra else "")
+    )
+
+
+def _push_uncached(root: Path, url: str) -> int:
+    """The objects of the run-cache entries' uncached outputs (each stage's metrics file):
+    DVC keeps them in the local cache when it saves a run, but `dvc push --run-cache` sends
+    only the entries and what dvc.lock tracks, so a clone whose dvc.lock predates the build
+    could restore no stage from the run-cache (each needs all its outputs' objects) and
+    rebuilt them all. Sent in DVC's own remote layout (files/md5/<2>/<rest>)."""
+    import fsspec
+    import yaml
+
+    cache = root / ".dvc" / "cache"
+    wanted: set[str] = set()
+    for entry in (cache / "runs").rglob("*") if (cache / "runs").is_dir() else []:
+        try:
+            data = yaml.safe_load(entry.read_text(encoding="utf-8")) if entry.is_file() else None
+        except (OSError, yaml.YAMLError):
+            continue
+        for out in (data or {}).get("outs", []) if isinstance(data, dict) else []:
+            md5 = str(out.get("md5", "")) if isinstance(out, dict) else ""
+            if len(md5) == 32 and (cache / "files" / "md5" / md5[:2] / md5[2:]).is_file():
+                wanted.add(md5)
+    options = {}
+    endpoint = os.environ.get("SHIPYARD_DVC_ENDPOINT")
+    if url.startswith("s3://") and endpoint:
+        options["client_kwargs"] = {"endpoint_url": endpoint}
+    fs, base = fsspec.core.url_to_fs(url, **options)
+    sent = 0
+    for md5 in sorted(wanted):
+        target = f"{base.rstrip('/')}/files/md5/{md5[:2]}/{md5[2:]}"
+        if fs.exists(target):
+            continue
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        fs.put_file(str(cache / "files" / "md5" / md5[:2] / md5[2:]), target)
+        sent += 1
+    return sent

@@ -90,6 +90,10 @@ def compile_dvc(root: Path) -> str:
         CODE_STAGE: {
             "cmd": "shipyard fingerprint",
             "deps": [*sorted({m.split("/", 1)[0] for m in everything}), "releases"],
+            # each spec as DVC params, on this one stage only: `dvc params diff` and
+            # `dvc exp show` show what changed in a spec, and DVC parses each spec once per
+            # `dvc repro` (the stages themselves depend on their params files, as before)
+            "params": [{path.relative_to(root).as_posix(): None} for path, _ in releases],
             "outs": [PARAMS_DIR],
         }
     }

@@ -255,6 +255,11 @@ def test_a_fresh_clone_with_the_shared_remote_recomputes_nothing(
     # a threshold alone: evaluate reruns, writes the same verdicts, and nothing follows it
     spec.write_text(text.replace("threshold: 0.97", "threshold: 0.96"))
     assert ran(sh(["dvc", "repro", "bundle@tiny-gpt2"], b).stdout) == ["evaluate"]
+    # and DVC's own views show the spec change (its params are the specs, on the code stage)
+    params = json.loads(sh(["dvc", "params", "diff", "--json"], b).stdout)
+    changed = params["releases/tiny-gpt2.yaml"]
+    assert list(changed) and all(k.startswith("evaluation.thresholds") for k in changed), changed
+    assert "0.96" in json.dumps(changed) and "0.97" in json.dumps(changed)
     # fewer evaluation samples change the metrics: evaluate and what follows it rerun
     spec.write_text(spec.read_text().replace("    samples: 64\n", "    samples: 48\n"))
     done = sh(["dvc", "repro", "bundle@tiny-gpt2"], b)
@@ -263,3 +268,13 @@ def test_a_fresh_clone_with_the_shared_remote_recomputes_nothing(
     diff = json.loads(sh(["dvc", "metrics", "diff", "HEAD", "--json"], b).stdout)
     changed = diff["build/tiny-gpt2/metrics/evaluate.json"]
     assert changed["perplexity"]["diff"] != 0
+    # a clone whose dvc.lock predates the build: only the run-cache can serve it, and it
+    # serves every stage (the metrics files' objects travel with it: `cache push`)
+    c = tmp_path / "c"
+    sh(["git", "clone", "-q", str(clone), str(c)], tmp_path)
+    (c / "dvc.lock").unlink()
+    shutil.rmtree(c / "build" / "tiny-gpt2" / "metrics")
+    sh(["shipyard", "cache", "pull"], c, env_remote)
+    done = sh(["dvc", "repro", "--pull", "bundle@tiny-gpt2"], c)
+    assert ran(done.stdout) == [], done.stdout
+    sh(["shipyard", "verify", "build/tiny-gpt2/bundle"], c)
