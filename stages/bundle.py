@@ -1,4 +1,6 @@
-"""bundle: model + manifest + reports + model card + serving configs, all hashed."""
+"""bundle: model + manifest + reports + model card + serving configs + monitoring (alert
+rules from the load test's baseline, their promtool tests, a Grafana dashboard), all
+hashed."""
 
 from __future__ import annotations
 
@@ -7,12 +9,14 @@ from typing import Any
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import LoadTestSummary, ModelInfo
 from schemas.manifest import FACTS_FILE, MANIFEST_FILE, Manifest
+from schemas.tasks import TASKS
 from stages._runtime import (
     StageContext,
     StageIO,
     StageResult,
     link_or_copy,
 )
+from stages.bundling import monitoring
 from stages.bundling.files import CHECKED, payload, provenance
 from stages.bundling.hashing import hash_shards
 from stages.bundling.oms import (
@@ -48,6 +52,14 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     values = facts["serving"]
     loadtest = ctx.read(LoadTestSummary).model_dump()
     rendered = render(ctx, release, info, values | {"loadtest": loadtest}, content, facts)
+    generates = TASKS[release.task].serving == "generate"
+    shipped = monitoring.files(
+        ctx.release, loadtest["summary"], int(values["max_queue_depth"]), generates
+    )
+    for name, text in shipped.items():
+        (ctx.work / name).parent.mkdir(parents=True, exist_ok=True)
+        (ctx.work / name).write_text(text, encoding="utf-8")
+    rendered += list(shipped)
     chain = provenance(ctx, ("manifest",))  # the manifest's run: written after it hashed
     for name, source in chain.items():
         link_or_copy(source, ctx.work / name)

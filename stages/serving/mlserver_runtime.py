@@ -324,7 +324,9 @@ class ShipyardOnnxRuntime(MLModel):
         if self.serving == "generate":
             assert c.engine is not None, "a generating task needs engine settings"
             graph = eng.scheduler.Graph(self.session)
-            self.engine = eng.scheduler.Engine(graph, c.engine, self.text)
+            self.engine = eng.scheduler.Engine(
+                graph, c.engine, self.text, metrics=eng.metrics.for_model(self.name)
+            )
         b = c.batching
         self.batcher = Batcher(
             self._run_batch,

@@ -70,6 +70,10 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
         # the launcher (token, body cap, timeouts) and the limits it enforces
         "serving/mlserver/shipyard_serve.py",
         "serving/mlserver/shipyard_server.json",
+        # alert rules from the load test's baseline, their promtool tests, a dashboard
+        "monitoring/alerts.yml",
+        "monitoring/alerts_test.yml",
+        "monitoring/dashboard.json",
         "serving/triton/tiny-gpt2/config.pbtxt",
         "serving/triton/tiny-gpt2/1/model.onnx",
         "serving/mlserver/settings.json",

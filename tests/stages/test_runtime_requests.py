@@ -721,3 +721,57 @@ def test_tritonclient_grpc_generates_the_same_tokens_as_http(guarded: Any) -> No
         "tiny-gpt2", [http_in], parameters=params, headers=dict(AUTH)
     )
     assert (via_grpc.as_numpy("output_ids") == via_http.as_numpy("output_ids")).all()
+
+
+# ---------------------------------------------------------------- monitoring
+def scrape(srv: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample on the server's Prometheus endpoint, by name and labels."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.ports[2]}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_the_metrics_endpoint_shows_ttft_batching_tokens_and_finish_reasons(guarded: Any) -> None:
+    model = (("model", "tiny-gpt2"),)
+    before = scrape(guarded)
+    streams, tokens = 8, 12
+
+    async def one(s: Any) -> None:
+        body = {"model": "tiny-gpt2", "prompt": [1, 2, 3, 4], "max_tokens": tokens,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        async with s.post(f"{guarded.url}/v1/completions", json=body, headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+
+    async def many() -> None:
+        async with aiohttp.ClientSession() as s:
+            await asyncio.gather(*(one(s) for _ in range(streams)))
+
+    asyncio.run(many())
+    after = scrape(guarded)
+
+    def grew(name: str, labels: tuple[tuple[str, str], ...] = model) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert grew("shipyard_time_to_first_token_seconds_count") == streams
+    assert grew("shipyard_inter_token_latency_seconds_count") == streams * (tokens - 1)
+    assert grew("shipyard_generated_tokens_total") == streams * tokens
+    assert grew("shipyard_prompt_tokens_total") == streams * 4
+    finished = (("model", "tiny-gpt2"), ("reason", "length"))
+    assert grew("shipyard_requests_finished_total", finished) == streams
+    assert grew("shipyard_length_limited_total") == streams
+    steps = grew("shipyard_running_batch_size_count")
+    rows = grew("shipyard_running_batch_size_sum")
+    assert steps > 0 and rows / steps > 1.5, (steps, rows)  # batching is real: several rows
+    assert rows == streams * (tokens - 1)  # every decode step's rows, each a token
+    assert ("shipyard_queue_depth", model) in after
+    assert 0 <= after[("shipyard_kv_cache_usage_ratio", model)] <= 1
+    assert after[("process_resident_memory_bytes", ())] > 0

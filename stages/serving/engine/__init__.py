@@ -5,6 +5,8 @@ server entry that uses it): one scheduler that batches decode steps, not request
 - `sampler`: temperature, top-k, top-p, repetition penalty, seeded;
 - `text`: the shipped tokenizer, incremental detokenization, stop strings, chat templates;
 - `kv`: the running batch's KV cache (left-padded rows, joined and filtered between steps);
+- `metrics`: Prometheus series an operator watches (TTFT, ITL, queue, batch size, KV use,
+  finish reasons, quality counters);
 - `scheduler`: iteration-level (continuous) batching with chunked prefill, admission
   against the KV budget, ageing, prefix caching, and a request-level policy to compare.
 
@@ -12,6 +14,16 @@ It imports only numpy, onnxruntime, pydantic, tokenizers and jinja2: the front e
 MLServer runtime, the Triton python model) are thin adapters over `scheduler.Engine`.
 """
 
-from . import kv, openai_api, params, sampler, scheduler, session, settings, text
+from . import kv, metrics, openai_api, params, sampler, scheduler, session, settings, text
 
-__all__ = ["kv", "openai_api", "params", "sampler", "scheduler", "session", "settings", "text"]
+__all__ = [
+    "kv",
+    "metrics",
+    "openai_api",
+    "params",
+    "sampler",
+    "scheduler",
+    "session",
+    "settings",
+    "text",
+]

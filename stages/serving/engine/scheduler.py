@@ -156,6 +156,7 @@ class Sequence:
     past: dict[str, np.ndarray] | None = None  # its own cache while it prefills
     cached: int = 0
     cancelled: bool = False
+    last: float = 0.0  # when its latest token was emitted (inter-token latency)
 
     @property
     def total(self) -> int:
@@ -173,8 +174,15 @@ class Handle:
 
 
 class Engine:
-    def __init__(self, graph: Graph, settings: EngineSettings, text: Text | None = None) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        settings: EngineSettings,
+        text: Text | None = None,
+        metrics: Any = None,
+    ) -> None:
         self.graph, self.settings, self.text = graph, settings, text
+        self.metrics = metrics  # engine.metrics.Metrics, or None: nothing measured
         self.eos = frozenset(settings.eos_token_ids)
         self.batch = Batch(graph.spec, graph.dtype)
         self.rows: dict[int, Sequence] = {}  # running, by key
@@ -225,6 +233,8 @@ class Engine:
         self.check(prompt, params)
         with self._cv:
             if self.settings.max_queue and len(self.waiting) >= self.settings.max_queue:
+                if self.metrics is not None:
+                    self.metrics.finished("rejected", 0, False)
                 raise QueueFull(
                     f"queue full: {len(self.waiting)} requests waiting (max_queue_depth "
                     f"{self.settings.max_queue}); retry later"
@@ -240,6 +250,8 @@ class Engine:
                 frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos),
             )
             self.waiting.append(seq)
+            if self.metrics is not None:
+                self.metrics.queue.set(len(self.waiting))
             self._cv.notify()
         return Handle(self, seq)
 
@@ -263,6 +275,8 @@ class Engine:
                     break
                 self._drop()
                 self._admit()
+                if self.metrics is not None:
+                    self.metrics.queue.set(len(self.waiting))
             try:
                 if self.prefilling:
                     self._prefill()
@@ -279,6 +293,8 @@ class Engine:
             if seq.cancelled:
                 continue
             if s.timeout_s and now - seq.arrival > s.timeout_s:
+                if self.metrics is not None:
+                    self.metrics.finished("timeout", 0, False)
                 seq.emit(
                     Event(
                         error=f"not admitted within {s.timeout_s:g} s (request_timeout_seconds)",
@@ -293,6 +309,8 @@ class Engine:
         for k in gone:
             self.rows.pop(k).emit(Event(finish="abort"))
             self.batch.leave(k)
+            if self.metrics is not None:
+                self.metrics.finished("abort", 0, False)
 
     def _admit(self) -> None:
         s = self.settings
@@ -437,6 +455,10 @@ class Engine:
         logits, presents = self.graph.run(self.batch.feeds(tokens, self.graph.positions))
         self.batch.advance(presents)
         self.steps += 1
+        if self.metrics is not None:
+            self.metrics.rows.observe(len(self.rows))
+            held = len(self.batch.keys) * self.batch.length
+            self.metrics.kv.set(held / self.settings.kv_budget_tokens)
         for row, key in enumerate(order):
             if key is not None and not self._take(self.rows[key], logits[row, -1]):
                 del self.rows[key]
@@ -465,13 +487,30 @@ class Engine:
         if event.finish and seq.detok is not None:
             event.text += seq.detok.finish()
         event.completion_tokens = len(seq.generated)
+        if self.metrics is not None:
+            self._measure(seq, event, stopped)
         seq.emit(event)
         return event.finish is None
+
+    def _measure(self, seq: Sequence, event: Event, stopped: bool) -> None:
+        now, m = time.monotonic(), self.metrics
+        if len(seq.generated) == 1:
+            m.ttft.observe(now - seq.arrival)
+            m.prompt.inc(len(seq.prompt))
+        else:
+            m.itl.observe(now - seq.last)
+        seq.last = now
+        m.generated.inc()
+        if event.finish:
+            # empty: the first token was already a stop (nothing a user would read)
+            m.finished(event.finish, len(seq.generated), stopped and len(seq.generated) == 1)
 
     def _fail_all(self, why: str, status: int = 500) -> None:
         with self._cv:
             for seq in [*self.rows.values(), *self.prefilling, *self.waiting]:
                 seq.emit(Event(error=why, status=status))
+                if self.metrics is not None:
+                    self.metrics.finished("error", len(seq.generated), False)
             self.rows.clear()
             self.prefilling.clear()
             self.waiting.clear()

@@ -1,0 +1,236 @@
+"""The monitoring a bundle ships (`monitoring/`): Prometheus alert rules whose thresholds
+come from the release's own load-test baseline with stated margins, promtool unit tests for
+them, and a Grafana dashboard of the runtime's series (stages/serving/engine/metrics.py).
+
+Margins: time to first token and inter-token latency alert at p95 above MARGIN_LATENCY x
+the load test's p95; resident memory above MARGIN_MEMORY x its peak; the error share of
+finished requests above MAX_ERROR_SHARE; the queue above QUEUE_SHARE of max_queue_depth;
+empty responses above MAX_EMPTY_SHARE of answered ones. Each rule says its baseline and
+margin in its annotations, so an operator reading a page knows what "normal" was.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MARGIN_LATENCY = 2.0
+MARGIN_MEMORY = 1.5
+MAX_ERROR_SHARE = 0.01
+QUEUE_SHARE = 0.8
+MAX_EMPTY_SHARE = 0.05
+WINDOW = "5m"
+ERRORS = "error|timeout|rejected"
+ANSWERED = "stop|length"
+
+
+def _quantile(metric: str, model: str) -> str:
+    return (
+        f"histogram_quantile(0.95, sum by (le, model) "
+        f'(rate({metric}_bucket{{model="{model}"}}[{WINDOW}])))'
+    )
+
+
+def rules(model: str, baseline: dict[str, Any], max_queue: int, generates: bool) -> dict[str, Any]:
+    """The alert rule group for `model` (a Prometheus rules file)."""
+    out: list[dict[str, Any]] = []
+
+    def rule(name: str, expr: str, hold: str, summary: str, why: str) -> None:
+        out.append(
+            {
+                "alert": name,
+                "expr": expr,
+                "for": hold,
+                "labels": {"severity": "warning", "release": model},
+                "annotations": {"summary": summary, "baseline": why},
+            }
+        )
+
+    rss = baseline.get("peak_rss_mb")
+    if isinstance(rss, int | float) and rss > 0:
+        limit = int(rss * MARGIN_MEMORY * 2**20)
+        rule(
+            "ShipyardMemoryHigh",
+            f"process_resident_memory_bytes > {limit}",
+            "10m",
+            f"{model}: server memory above {MARGIN_MEMORY}x the load test's peak",
+            f"load-test peak RSS {rss} MB; alert above {limit} bytes",
+        )
+    if generates:
+        for key, metric, label in (
+            ("p95_ttft_ms", "shipyard_time_to_first_token_seconds", "time to first token"),
+            ("p95_itl_ms", "shipyard_inter_token_latency_seconds", "inter-token latency"),
+        ):
+            value = baseline.get(key)
+            if not isinstance(value, int | float) or value <= 0:
+                continue
+            limit_s = round(value * MARGIN_LATENCY / 1000, 6)
+            name = "ShipyardTTFTHigh" if "ttft" in key else "ShipyardITLHigh"
+            rule(
+                name,
+                f"{_quantile(metric, model)} > {limit_s}",
+                "10m",
+                f"{model}: p95 {label} above {MARGIN_LATENCY}x the load test's",
+                f"load-test p95 {value} ms; alert above {limit_s} s",
+            )
+        finished = f'shipyard_requests_finished_total{{model="{model}"'
+        rule(
+            "ShipyardErrorRateHigh",
+            f'sum(rate({finished},reason=~"{ERRORS}"}}[{WINDOW}])) / '
+            f"sum(rate({finished}}}[{WINDOW}])) > {MAX_ERROR_SHARE}",
+            "5m",
+            f"{model}: more than {MAX_ERROR_SHARE:.0%} of requests fail, time out or are refused",
+            f"the load test ran without errors; alert above {MAX_ERROR_SHARE}",
+        )
+        depth = max(1, int(max_queue * QUEUE_SHARE))
+        rule(
+            "ShipyardQueueDeep",
+            f'max_over_time(shipyard_queue_depth{{model="{model}"}}[{WINDOW}]) > {depth}',
+            "5m",
+            f"{model}: the queue stays near max_queue_depth ({max_queue}): 503s follow",
+            f"max_queue_depth {max_queue}; alert above {depth} waiting",
+        )
+        rule(
+            "ShipyardEmptyResponses",
+            f'sum(rate(shipyard_empty_responses_total{{model="{model}"}}[{WINDOW}])) / '
+            f'sum(rate({finished},reason=~"{ANSWERED}"}}[{WINDOW}])) > {MAX_EMPTY_SHARE}',
+            "15m",
+            f"{model}: more than {MAX_EMPTY_SHARE:.0%} of answers are empty",
+            f"alert above {MAX_EMPTY_SHARE} of answered requests",
+        )
+    return {"groups": [{"name": f"shipyard-{model}", "rules": out}]}
+
+
+def rule_tests(rule_file: str, group: dict[str, Any]) -> dict[str, Any]:
+    """promtool unit tests: each rule fires on series past its threshold, and stays quiet
+    on series within it."""
+    tests = []
+    for r in group["groups"][0]["rules"]:
+        model = r["labels"]["release"]
+        bad, good = _series(r["alert"], r["expr"], model)
+        labels = {**r["labels"]}
+        if r["alert"] != "ShipyardMemoryHigh" and "sum(" not in r["expr"]:
+            labels["model"] = model
+        if r["alert"].startswith(("ShipyardTTFT", "ShipyardITL")):
+            labels["model"] = model
+        expected = [{"exp_labels": labels, "exp_annotations": r["annotations"]}]
+        for series, alerts in ((bad, expected), (good, [])):
+            tests.append(
+                {
+                    "interval": "1m",
+                    "input_series": series,
+                    "alert_rule_test": [
+                        {"eval_time": "30m", "alertname": r["alert"], "exp_alerts": alerts}
+                    ],
+                }
+            )
+    return {"rule_files": [rule_file], "evaluation_interval": "1m", "tests": tests}
+
+
+def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
+    """(breaching, calm) input series for one rule."""
+    threshold = float(expr.rsplit(">", 1)[1])
+    if alert == "ShipyardMemoryHigh":
+        high, low = int(threshold * 2), int(threshold / 2)
+        s = "process_resident_memory_bytes"
+        return [{"series": s, "values": f"{high}x40"}], [{"series": s, "values": f"{low}x40"}]
+    if alert == "ShipyardQueueDeep":
+        s = f'shipyard_queue_depth{{model="{model}"}}'
+        return (
+            [{"series": s, "values": f"{int(threshold) + 1}x40"}],
+            [{"series": s, "values": f"{max(0, int(threshold) - 1)}x40"}],
+        )
+    if alert.startswith(("ShipyardTTFT", "ShipyardITL")):
+        metric = expr.split("rate(", 1)[1].split("_bucket", 1)[0]
+        from stages.serving.engine.metrics import LATENCY
+
+        def buckets(slow: bool) -> list[Any]:
+            # every observation in the first bucket above (slow) or below (calm) the limit
+            edge = next(b for b in LATENCY if b > threshold) if slow else LATENCY[0]
+            out = []
+            for le in [*LATENCY, "+Inf"]:
+                n = 10 if le == "+Inf" or float(str(le)) >= edge else 0
+                out.append({"series": f'{metric}_bucket{{model="{model}",le="{le}"}}',
+                            "values": f"0+{n}x40"})  # fmt: skip
+            return out
+
+        return buckets(True), buckets(False)
+    finished = f'shipyard_requests_finished_total{{model="{model}",reason='
+    if alert == "ShipyardErrorRateHigh":
+        return (
+            [{"series": finished + '"stop"}', "values": "0+90x40"},
+             {"series": finished + '"error"}', "values": "0+10x40"}],
+            [{"series": finished + '"stop"}', "values": "0+1000x40"},
+             {"series": finished + '"error"}', "values": "0+1x40"}],
+        )  # fmt: skip
+    empty = f'shipyard_empty_responses_total{{model="{model}"}}'
+    return (
+        [{"series": finished + '"stop"}', "values": "0+10x40"},
+         {"series": empty, "values": "0+5x40"}],
+        [{"series": finished + '"stop"}', "values": "0+100x40"},
+         {"series": empty, "values": "0+1x40"}],
+    )  # fmt: skip
+
+
+def dashboard(model: str, generates: bool) -> dict[str, Any]:
+    """A Grafana dashboard (JSON model) of the runtime's series for `model`."""
+    m = f'model="{model}"'
+    panels: list[tuple[str, str, str]] = [
+        ("Resident memory", "process_resident_memory_bytes", "bytes"),
+    ]
+    if generates:
+        ttft = _quantile("shipyard_time_to_first_token_seconds", model)
+        itl = _quantile("shipyard_inter_token_latency_seconds", model)
+        rows = (
+            "histogram_quantile(0.95, sum by (le) "
+            f"(rate(shipyard_running_batch_size_bucket{{{m}}}[5m])))"
+        )
+        reasons = f"sum by (reason) (rate(shipyard_requests_finished_total{{{m}}}[5m]))"
+        quality = (
+            f"sum(rate(shipyard_empty_responses_total{{{m}}}[5m])) or "
+            f"sum(rate(shipyard_length_limited_total{{{m}}}[5m]))"
+        )
+        panels = [
+            ("Time to first token (p95)", ttft, "s"),
+            ("Inter-token latency (p95)", itl, "s"),
+            ("Output tokens/s", f"sum(rate(shipyard_generated_tokens_total{{{m}}}[1m]))", "none"),
+            ("Running batch size (p95)", rows, "none"),
+            ("Queue depth", f"shipyard_queue_depth{{{m}}}", "none"),
+            ("KV cache use", f"shipyard_kv_cache_usage_ratio{{{m}}}", "percentunit"),
+            ("Finished requests by reason", reasons, "reqps"),
+            ("Empty and length-limited outputs", quality, "reqps"),
+            *panels,
+        ]
+    return {
+        "title": f"Shipyard: {model}",
+        "uid": f"shipyard-{model}"[:40],
+        "schemaVersion": 39,
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": []},
+        "panels": [
+            {
+                "id": i + 1,
+                "type": "timeseries",
+                "title": title,
+                "datasource": {"type": "prometheus", "uid": "${DS_PROMETHEUS}"},
+                "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "targets": [{"refId": "A", "expr": expr}],
+            }
+            for i, (title, expr, unit) in enumerate(panels)
+        ],
+    }
+
+
+def files(model: str, baseline: dict[str, Any], max_queue: int, generates: bool) -> dict[str, str]:
+    """monitoring/ path -> text."""
+    import yaml
+
+    group = rules(model, baseline, max_queue, generates)
+    return {
+        "monitoring/alerts.yml": yaml.safe_dump(group, sort_keys=False, width=1000),
+        "monitoring/alerts_test.yml": yaml.safe_dump(
+            rule_tests("alerts.yml", group), sort_keys=False, width=1000
+        ),
+        "monitoring/dashboard.json": json.dumps(dashboard(model, generates), indent=2) + "\n",
+    }

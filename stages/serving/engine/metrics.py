@@ -1,0 +1,98 @@
+"""What an operator watches on an LLM deployment, as Prometheus metrics (prometheus_client,
+the registry MLServer's metrics endpoint serves):
+
+- `shipyard_time_to_first_token_seconds`, `shipyard_inter_token_latency_seconds`
+  (histograms): a request's arrival to its first token, and between its tokens;
+- `shipyard_queue_depth` (gauge): requests waiting for admission;
+- `shipyard_running_batch_size` (histogram, one sample per decode step): the sequences
+  decoded together, the number that says whether batching is real;
+- `shipyard_generated_tokens_total`, `shipyard_prompt_tokens_total` (counters; tokens/s is
+  their rate);
+- `shipyard_kv_cache_usage_ratio` (gauge): the padded running cache over the KV budget;
+- `shipyard_requests_finished_total{reason}` (counter): stop, length, abort or error;
+- quality: `shipyard_empty_responses_total` (a sequence that ended with no token but a stop
+  token), `shipyard_output_tokens` (histogram: abnormal lengths show as its tails) and
+  `shipyard_length_limited_total` (outputs cut at their token limit).
+
+Every series carries the `model` label. Without prometheus_client, `for_model` returns None
+and the engine measures nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# seconds: from a few ms (a decode step here) to a minute (a long queue)
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+
+_SHARED: dict[str, Any] = {}  # one family per name per process, however many models load
+
+
+def _family(kind: str, name: str, doc: str, **kw: Any) -> Any:
+    import prometheus_client as prom
+
+    if name not in _SHARED:
+        _SHARED[name] = getattr(prom, kind)(name, doc, ["model", *kw.pop("labels", [])], **kw)
+    return _SHARED[name]
+
+
+class Metrics:
+    """The engine's series for one model."""
+
+    def __init__(self, model: str) -> None:
+        self.ttft = _family(
+            "Histogram", "shipyard_time_to_first_token_seconds",
+            "Arrival to first token, per request.", buckets=LATENCY,
+        ).labels(model)  # fmt: skip
+        self.itl = _family(
+            "Histogram", "shipyard_inter_token_latency_seconds",
+            "Between consecutive tokens of one request.", buckets=LATENCY,
+        ).labels(model)  # fmt: skip
+        self.queue = _family("Gauge", "shipyard_queue_depth", "Requests waiting.").labels(model)
+        self.rows = _family(
+            "Histogram", "shipyard_running_batch_size",
+            "Sequences decoded together, per decode step.", buckets=ROWS,
+        ).labels(model)  # fmt: skip
+        self.generated = _family(
+            "Counter", "shipyard_generated_tokens", "Tokens generated."
+        ).labels(model)
+        self.prompt = _family(
+            "Counter", "shipyard_prompt_tokens", "Prompt tokens taken in."
+        ).labels(model)
+        self.kv = _family(
+            "Gauge", "shipyard_kv_cache_usage_ratio", "Padded running KV cache / the KV budget."
+        ).labels(model)
+        self._finished = _family(
+            "Counter", "shipyard_requests_finished", "Requests ended, by reason.",
+            labels=["reason"],
+        )  # fmt: skip
+        self.model = model
+        self.empty = _family(
+            "Counter", "shipyard_empty_responses", "Sequences that ended without a real token."
+        ).labels(model)
+        self.length_limited = _family(
+            "Counter", "shipyard_length_limited", "Outputs cut at their token limit."
+        ).labels(model)
+        self.output_tokens = _family(
+            "Histogram", "shipyard_output_tokens", "Tokens per finished output.", buckets=TOKENS
+        ).labels(model)
+
+    def finished(self, reason: str, tokens: int, empty: bool) -> None:
+        self._finished.labels(self.model, reason).inc()
+        if reason in ("stop", "length"):
+            self.output_tokens.observe(tokens)
+        if reason == "length":
+            self.length_limited.inc()
+        if empty:
+            self.empty.inc()
+
+
+def for_model(model: str) -> Metrics | None:
+    """The model's metrics, or None where prometheus_client is not installed."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return None
+    return Metrics(model)
