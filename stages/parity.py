@@ -27,6 +27,9 @@ def io(release: ReleaseSpec) -> StageIO:
     )
 
 
+MAX_KEPT = 4  # failing inputs kept as evidence
+
+
 def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     cfg = release.parity
     path = ctx.upstream("export") / "model.onnx"
@@ -48,6 +51,11 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     worst = max(r["error"] for r in rows)
     metrics = {"worst_normalized_error": worst, "max_abs_diff": max(r["max_abs"] for r in rows)}
     if failures:
+        # the inputs each failure was fed, as .npz beside the report (the runner keeps a
+        # failed run's files in build/<release>/failed/parity/, outside DVC): a failure can
+        # be replayed in ONNX Runtime and PyTorch without rerunning the stage
+        for i, (_, failed_feeds) in enumerate(failures[:MAX_KEPT]):
+            np.savez(ctx.work / f"failed_inputs_{i}.npz", **failed_feeds)
         return StageResult.failed(
             f"{len(failures)} output(s) out of tolerance",
             _reasons(failures, details),

@@ -34,7 +34,13 @@ def test_divergent_layer_is_named_first(ws: Workspace) -> None:
         ws.run(stage, spec)
     report = ws.run("parity", spec)
     assert report.status.value == "failed"
-    assert report.reasons[-1].startswith("first diverging layer: skew (ONNX tensor")
+    assert report.reasons[-1].startswith("what the failed run wrote is kept in ")
+    assert report.reasons[-2].startswith("first diverging layer: skew (ONNX tensor")
+    # the inputs that failed, kept beside the report and outside DVC's outputs
+    kept = ws.root / "build" / "divergent" / "failed" / "parity"
+    with np.load(kept / "failed_inputs_0.npz") as feeds:
+        assert list(feeds) == ["x"] and feeds["x"].ndim == 3
+    assert sorted(p.name for p in ws.out("divergent", "parity").iterdir()) == ["report.json"]
     first = report.details["layerwise"]["layers"][0]
     assert first["module"] == "first" and first["ok"]
 
@@ -43,7 +49,7 @@ def test_tight_tolerance_turns_a_pass_into_a_failure(built_gpt2: Workspace) -> N
     spec = gpt2_spec(parity={"tolerance": {"atol": 0.0, "rtol": 0.0}, "outputs": {}})
     report = built_gpt2.run("parity", spec)
     assert report.status.value == "failed"
-    assert "first diverging layer" in report.reasons[-1]
+    assert "first diverging layer" in report.reasons[-2]
 
 
 def test_per_output_glob_tolerance_wins_over_default() -> None:
