@@ -55,7 +55,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         # failed run's files in build/<release>/failed/parity/, outside DVC): a failure can
         # be replayed in ONNX Runtime and PyTorch without rerunning the stage
         for i, (_, failed_feeds) in enumerate(failures[:MAX_KEPT]):
-            np.savez(ctx.work / f"failed_inputs_{i}.npz", **failed_feeds)
+            arrays: dict[str, Any] = dict(failed_feeds)
+            np.savez(ctx.work / f"failed_inputs_{i}.npz", **arrays)
         return StageResult.failed(
             f"{len(failures)} output(s) out of tolerance",
             _reasons(failures, details),
