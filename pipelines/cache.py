@@ -121,15 +121,36 @@ def _locked(root: Path) -> list[tuple[str, str, list[str]]]:
     return found
 
 
+def evict(root: Path, stage: str, release: str) -> None:
+    """An untrusted stage output goes, so `dvc repro` runs the stage: its files, the cache
+    objects dvc.lock names for them, and every run-cache entry that would restore them."""
+    outs = next((o for s, r, o in _locked(root) if (s, r) == (stage, release)), [])
+    _evict(root, stage, release, outs)
+
+
 def _evict(root: Path, stage: str, release: str, outs: list[str]) -> None:
-    """The stage's outputs and the cache objects dvc.lock names for them go."""
+    """The stage's outputs, the cache objects dvc.lock names for them, and the run-cache
+    entries that name them (so DVC cannot restore them again) go."""
     import shutil
 
+    import yaml
+
     entry = _lock(root).get(f"{stage}@{release}", {})
+    gone = set()
     for out in entry.get("outs", []):
         md5 = str(out.get("md5", ""))
         if len(md5) > 2:
             (root / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]).unlink(missing_ok=True)
+            gone.add(md5)
+    runs = root / ".dvc" / "cache" / "runs"
+    for path in sorted(runs.rglob("*")) if runs.is_dir() else []:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
+        except (OSError, yaml.YAMLError):
+            continue
+        named = {str(o.get("md5")) for o in (data or {}).get("outs", []) if isinstance(o, dict)}
+        if isinstance(data, dict) and named & gone:
+            path.unlink()
     for rel in outs:
         target = root / rel
         if target.is_dir() and not target.is_symlink():
@@ -142,9 +163,8 @@ def push(root: Path) -> str:
     url = configure(root)
     done = _dvc(root, "push", "--run-cache", "--remote", REMOTE)
     extra = _push_uncached(root, url)
-    return (
-        f"pushed to {url}: {done.stdout.strip().splitlines()[-1] if done.stdout else ''}"
-        + (f"; {extra} uncached output(s) for the run-cache" if extra else "")
+    return f"pushed to {url}: {done.stdout.strip().splitlines()[-1] if done.stdout else ''}" + (
+        f"; {extra} uncached output(s) for the run-cache" if extra else ""
     )
 
 

@@ -332,6 +332,11 @@ def cmd_provenance(args: argparse.Namespace) -> int:
             if problems:
                 bad += 1
                 print(f"FAIL {stage}@{spec.name}: " + "; ".join(problems))
+                if args.evict:
+                    from pipelines import cache
+
+                    cache.evict(root, stage, spec.name)
+                    print(f"     removed: `dvc repro {stage}@{spec.name}` rebuilds it")
             else:
                 print(f"ok   {stage}@{spec.name}: built by {who}")
     unknown = wanted - {s.name for _, s in releases}
@@ -339,8 +344,12 @@ def cmd_provenance(args: argparse.Namespace) -> int:
         raise RegistryError(f"no such release: {', '.join(sorted(unknown))}")
     if bad:
         raise RegistryError(
-            f"{bad} stage output(s) without trusted provenance: rebuild them "
-            "(`dvc repro --force <stage>@<release>`) on a trusted builder"
+            f"{bad} stage output(s) without trusted provenance: "
+            + (
+                "removed with their cached objects and run-cache entries; `dvc repro` rebuilds them"
+                if args.evict
+                else "rebuild them (`--evict`, then `dvc repro`) on a trusted builder"
+            )
         )
     return 0
 
@@ -493,6 +502,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="KEY.pub",
         help="a trusted builder's public key PEM (repeatable; default: the keys in "
         "$SHIPYARD_TRUSTED_BUILDERS)",
+    )
+    pv.add_argument(
+        "--evict",
+        action="store_true",
+        help="remove each untrusted output with its cached objects and run-cache entries, "
+        "so the next dvc repro rebuilds it",
     )
     pv.set_defaults(func=cmd_provenance)
     b = sub.add_parser(

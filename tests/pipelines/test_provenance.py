@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipelines import cache, provenance
 from pipelines.cli import main
@@ -313,3 +314,37 @@ def test_an_object_swapped_on_the_s3_remote_under_its_old_name_is_not_pulled(
     assert not (root / "model.onnx").exists()  # missing, so `dvc repro` rebuilds it
     cached = [p.read_bytes() for p in (root / ".dvc" / "cache").rglob("*") if p.is_file()]
     assert b"the attacker's model" not in cached
+
+
+def run_cache_entries(root: Path) -> list[dict]:
+    import yaml
+
+    runs = root / ".dvc" / "cache" / "runs"
+    return [yaml.safe_load(p.read_text()) for p in runs.rglob("*") if p.is_file()]
+
+
+def test_an_untrusted_output_dvc_restored_is_evicted_with_its_run_cache_entry_and_rebuilt(
+    repo: Path, keys: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """What a forged run-cache entry leaves after `dvc repro --pull`: the attacker's output in
+    the workspace, in dvc.lock, in the cache and in a run-cache entry. `shipyard provenance
+    --evict` names it and removes all four, so `dvc repro` runs the stage again."""
+    model = repo / "build" / REL / "export" / "model.onnx"
+    model.write_bytes(model.read_bytes() + b"\0")
+    attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
+    provenance.write(repo, stage(repo, "export"), attacker)
+    sh(["dvc", "commit", "-f", f"export@{REL}"], repo)  # lock, cache and run-cache as DVC has them
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"][f"export@{REL}"]
+    poisoned = {o["md5"] for o in lock["outs"]}
+    monkeypatch.setenv("SHIPYARD_ROOT", str(repo))
+    code = main(["provenance", REL, "--evict", "--trusted-builder", str(keys["builder.pub"])])
+    out = capsys.readouterr().out
+    assert code == 5 and f"FAIL export@{REL}: not signed by a trusted builder" in out, out
+    assert f"removed: `dvc repro export@{REL}` rebuilds it" in out
+    assert f"ok   pin@{REL}" in out and (repo / "build" / REL / "pin").is_dir()  # trusted: kept
+    assert not (repo / "build" / REL / "export").exists()
+    assert not [e for e in run_cache_entries(repo) if {o["md5"] for o in e["outs"]} & poisoned]
+    done = sh(["dvc", "repro", f"export@{REL}"], repo, {provenance.KEY_ENV: str(keys["builder"])})
+    assert ran(done.stdout) == ["export"], done.stdout  # rebuilt, not restored
+    assert check(repo, "export", keys["builder.pub"])[1] == []
