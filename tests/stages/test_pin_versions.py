@@ -24,9 +24,10 @@ def test_pin_checkpoint_mismatch_shows_expected_and_found(ws: Workspace) -> None
     wrong = "0" * 64
     report = ws.run("pin", gpt2_spec(pins={"checkpoints": {"model.safetensors": wrong}}))
     assert report.status.value == "failed"
-    assert report.reasons == [
+    assert report.reasons[:-1] == [
         f"pins.checkpoints.model.safetensors: expected {wrong}, found {DIGEST}"
     ]
+    assert report.reasons[-1].startswith("what the failed run wrote is kept in build/")
 
 
 def test_pin_unpinned_weight_file_fails_when_checkpoints_are_pinned(ws: Workspace) -> None:
@@ -39,10 +40,11 @@ def test_pin_unpinned_weight_file_fails_when_checkpoints_are_pinned(ws: Workspac
 def test_pin_package_specifier_mismatch_and_missing_package(ws: Workspace) -> None:
     spec = gpt2_spec(pins={"packages": {"torch": ">=3", "no-such-package": "==1"}})
     report = ws.run("pin", spec)
-    assert report.reasons == [
+    assert report.reasons[:-1] == [
         "pins.packages.no-such-package: expected ==1, found not installed",
         "pins.packages.torch: expected >=3, found 2.13.0+cpu",
     ]
+    assert "failed/pin/" in report.reasons[-1]  # the failed run's files, kept as evidence
 
 
 def test_pin_invalid_specifier_is_refused_at_validate(ws: Workspace) -> None:
