@@ -190,9 +190,10 @@ def _trusted(args: argparse.Namespace) -> dict[str, Any]:
 def _chain(bundle: Path, trusted: dict[str, Any]) -> int:
     from pipelines import provenance
     from schemas import RegistryError
+    from stages.bundle import MADE_HERE
     from stages.bundling.files import CHECKED
 
-    lines, problems = provenance.bundle_chain(bundle, trusted, (*CHECKED, "manifest"))
+    lines, problems = provenance.bundle_chain(bundle, trusted, (*CHECKED, "manifest"), MADE_HERE)
     for line in lines:
         print(f"  {line}")
     if problems:

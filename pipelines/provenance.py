@@ -279,7 +279,10 @@ def _compare(kind: str, attested: dict[str, str], found: dict[str, str]) -> list
 
 
 def bundle_chain(
-    bundle: Path, trusted: dict[str, Any], stages: tuple[str, ...]
+    bundle: Path,
+    trusted: dict[str, Any],
+    stages: tuple[str, ...],
+    made_here: tuple[str, ...] = (),
 ) -> tuple[list[str], list[str]]:
     """(lines, problems) for the attestations a bundle carries (attestations/<stage>.json):
     each signed by a trusted builder and naming its own stage; every shipped file the
@@ -315,13 +318,16 @@ def bundle_chain(
                 problems.append(f"{stage}: its input {name} is not what {upstream} attested")
         lines.append(f"{stage}: built by {who}")
     attested = {d for files in produced.values() for d in files.values()}
-    made_here = {*BUNDLE_UNHASHED, "MODEL_CARD.md"}  # the bundle stage's own (attested outside)
+    # what the bundle stage writes itself (attested outside the bundle, in bundle-report/):
+    # names, or folders ending in "/"
+    own = (*BUNDLE_UNHASHED, *made_here)
     shipped = {
         p.relative_to(bundle).as_posix(): p
         for p in sorted(bundle.rglob("*"))
         if p.is_file() and p.relative_to(bundle).parts[0] != PROVENANCE_DIR
     }
     for name, digest in sorted(hash_files(shipped).items()):
-        if name not in made_here and digest not in attested:
+        made = name in own or any(p.endswith("/") and name.startswith(p) for p in own)
+        if not made and digest not in attested:
             problems.append(f"{name}: no attested stage run produced it")
     return lines, problems

@@ -29,6 +29,8 @@ from stages.bundling.oms import (
 
 NAME = "bundle"
 RENDERED = {"MODEL_CARD.md": "MODEL_CARD.md.j2"}
+# what this stage writes into the bundle itself, rather than copying from an upstream stage
+MADE_HERE = (*RENDERED, monitoring.FOLDER)
 
 
 def io(release: ReleaseSpec) -> StageIO:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+FOLDER = "monitoring/"  # where a bundle carries these files
 MARGIN_LATENCY = 2.0
 MARGIN_MEMORY = 1.5
 MAX_ERROR_SHARE = 0.01
@@ -228,9 +229,9 @@ def files(model: str, baseline: dict[str, Any], max_queue: int, generates: bool)
 
     group = rules(model, baseline, max_queue, generates)
     return {
-        "monitoring/alerts.yml": yaml.safe_dump(group, sort_keys=False, width=1000),
-        "monitoring/alerts_test.yml": yaml.safe_dump(
+        f"{FOLDER}alerts.yml": yaml.safe_dump(group, sort_keys=False, width=1000),
+        f"{FOLDER}alerts_test.yml": yaml.safe_dump(
             rule_tests("alerts.yml", group), sort_keys=False, width=1000
         ),
-        "monitoring/dashboard.json": json.dumps(dashboard(model, generates), indent=2) + "\n",
+        f"{FOLDER}dashboard.json": json.dumps(dashboard(model, generates), indent=2) + "\n",
     }

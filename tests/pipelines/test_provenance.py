@@ -243,6 +243,14 @@ def test_a_bundles_chain_holds_only_for_attested_files_and_one_builds_stages(
     bundle = bundle_of(repo, tmp_path / "ok")
     lines, problems = provenance.bundle_chain(bundle, trusted, stages)
     assert problems == [] and len(lines) == 2, problems
+    # what the bundle stage writes itself is named as such (attested outside the bundle)
+    (bundle / "monitoring").mkdir()
+    (bundle / "monitoring" / "alerts.yml").write_text("groups: []\n")
+    assert provenance.bundle_chain(bundle, trusted, stages, ("monitoring/",))[1] == []
+    assert "monitoring/alerts.yml: no attested stage run produced it" in (
+        provenance.bundle_chain(bundle, trusted, stages)[1]
+    )
+    (bundle / "monitoring" / "alerts.yml").unlink()
     # a shipped file no stage produced
     (bundle / "model" / "extra.py").write_text("import os\n")
     assert (
