@@ -355,6 +355,17 @@ def cmd_provenance(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trusted_builder_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trusted-builder",
+        action="append",
+        default=[],
+        metavar="KEY.pub",
+        help="a trusted builder's public key PEM (repeatable; default: the keys in "
+        "$SHIPYARD_TRUSTED_BUILDERS)",
+    )
+
+
 def _public_key(path: str) -> Any:
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
@@ -496,14 +507,7 @@ def parser() -> argparse.ArgumentParser:
         help="check that every stage output was built by a trusted builder from these inputs",
     )
     pv.add_argument("releases", nargs="*", help="release names (default: every release)")
-    pv.add_argument(
-        "--trusted-builder",
-        action="append",
-        default=[],
-        metavar="KEY.pub",
-        help="a trusted builder's public key PEM (repeatable; default: the keys in "
-        "$SHIPYARD_TRUSTED_BUILDERS)",
-    )
+    _trusted_builder_option(pv)
     pv.add_argument(
         "--evict",
         action="store_true",
@@ -557,14 +561,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also check the build provenance the bundle carries (who built each stage)",
     )
-    f.add_argument(
-        "--trusted-builder",
-        action="append",
-        default=[],
-        metavar="KEY.pub",
-        help="a trusted builder's public key PEM (repeatable; default: the keys in "
-        "$SHIPYARD_TRUSTED_BUILDERS)",
-    )
+    _trusted_builder_option(f)
     f.set_defaults(func=cmd_verify)
     sg = sub.add_parser("sign", help="sign a verified bundle (writes BUNDLE/model.sig)")
     sg.add_argument("bundle", help="the bundle folder to sign (verified first)")
