@@ -14,7 +14,7 @@ from schemas import ReleaseSpec, SpecError
 from schemas.artifacts import VersionLock
 from schemas.loader import load_release
 from stages import load_stages, stage_io
-from stages._runtime import COMMON_CODE, StageIO, report_dir
+from stages._runtime import COMMON_CODE, StageIO, attestation_file, report_dir
 from stages.onnx.model import model_paths
 
 MODEL_SLOTS = ("model", "model_weights")
@@ -272,11 +272,13 @@ def _template(name: str, io: Any, slots: int, data: list[str]) -> dict[str, Any]
     if io.reads_model and name != VersionLock.STAGE:
         upstream = tuple(dict.fromkeys([VersionLock.location(), *upstream]))
     deps += [f"build/${{key}}/{u}" for u in upstream]
+    deps += [f"build/${{key}}/{attestation_file(s)}" for s in io.attests]
     return {
         "cmd": f"shipyard run-stage {name} --release ${{item.spec}}",
         "deps": deps,
         "outs": [
-            f"build/${{key}}/{p}" for p in dict.fromkeys((name, report_dir(Path(), name).name))
+            *(f"build/${{key}}/{p}" for p in dict.fromkeys((name, report_dir(Path(), name).name))),
+            f"build/${{key}}/{attestation_file(name)}",
         ],
         "metrics": [{f"build/${{key}}/metrics/{name}.json": {"cache": False}}],
     }

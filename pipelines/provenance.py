@@ -1,6 +1,7 @@
 """Build provenance: one in-toto statement per stage run, signed by the builder.
 
-After a stage runs (`shipyard run-stage`), its report folder gets `attestation.json`: a DSSE
+After a stage runs (`shipyard run-stage`), `build/<release>/attestations/<stage>.json` (a DVC
+out of the stage's own, outside the folders other stages read) gets a DSSE
 envelope (payload type `application/vnd.in-toto+json`) holding an in-toto Statement v1
 whose subjects are every file the stage wrote (its DVC outs and its metrics file) and whose
 predicate names the stage, the release and the sha256 of every file it depended on (its
@@ -29,9 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from schemas import RegistryError
-from schemas.manifest import PROVENANCE_FILE
+from stages._runtime import attestation_file
 
-FILE = PROVENANCE_FILE
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://shipyard.dev/provenance/stage-run/v1"
@@ -47,12 +47,12 @@ class StagePaths:
     stage: str
     release: str
     deps: tuple[str, ...]
-    outs: tuple[str, ...]  # DVC outs (folders) and the metrics file
+    outs: tuple[str, ...]  # DVC outs (folders, its attestation) and the metrics file
 
     @property
     def envelope(self) -> str:
-        """Where its provenance lives: the report folder (the last out folder)."""
-        return f"{[o for o in self.outs if not o.endswith('.json')][-1]}/{FILE}"
+        """Where its provenance lives: build/<release>/attestations/<stage>.json."""
+        return f"build/{self.release}/{attestation_file(self.stage)}"
 
 
 def stage_paths(root: Path, stage: str, release: str) -> StagePaths | None:
@@ -78,12 +78,14 @@ def stage_paths(root: Path, stage: str, release: str) -> StagePaths | None:
     metrics = [
         resolve(next(iter(m)) if isinstance(m, dict) else m) for m in template.get("metrics", [])
     ]
-    return StagePaths(
+    paths = StagePaths(
         stage,
         release,
         tuple(resolve(d) for d in template.get("deps", [])),
         tuple([*(resolve(o) for o in template.get("outs", [])), *metrics]),
     )
+    # a dvc.yaml compiled before attestations were outs declares nowhere to write one
+    return paths if paths.envelope in paths.outs else None
 
 
 def _digests(root: Path, paths: tuple[str, ...], skip: str = "") -> dict[str, str]:
@@ -93,6 +95,8 @@ def _digests(root: Path, paths: tuple[str, ...], skip: str = "") -> dict[str, st
     files: dict[str, Path] = {}
     for rel in paths:
         top = root / rel
+        if rel == skip:
+            continue
         if top.is_file():
             files[rel] = top
         elif top.is_dir():
@@ -179,8 +183,12 @@ def write(root: Path, paths: StagePaths, key: Any) -> Path:
         "signatures": signatures,
     }
     target = root / paths.envelope
-    if target.parent.is_dir():  # a failed stage has its report folder too
-        target.write_text(json.dumps(envelope, indent=2) + "\n", encoding="utf-8")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # a new file, never a write through the old one: DVC links outputs out of its cache
+    # (hardlinks), so writing in place would rewrite the cached object of an earlier run
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(envelope, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(target)
     return target
 
 
@@ -228,7 +236,7 @@ def signer(signatures: list[Any], payload: bytes, trusted: dict[str, Any]) -> st
     return None
 
 
-def _listed(entries: Any) -> dict[str, str]:
+def listed(entries: Any) -> dict[str, str]:
     if not isinstance(entries, list):
         return {}
     return {
@@ -260,9 +268,9 @@ def check(root: Path, paths: StagePaths, trusted: dict[str, Any]) -> tuple[str |
             f"not {paths.stage}@{paths.release}"
         )
     problems += _compare(
-        "output", _listed(stmt.get("subject")), _digests(root, paths.outs, paths.envelope)
+        "output", listed(stmt.get("subject")), _digests(root, paths.outs, paths.envelope)
     )
-    problems += _compare("input", _listed(predicate.get("inputs")), _digests(root, paths.deps))
+    problems += _compare("input", listed(predicate.get("inputs")), _digests(root, paths.deps))
     return who, problems
 
 
@@ -276,58 +284,3 @@ def _compare(kind: str, attested: dict[str, str], found: dict[str, str]) -> list
         elif attested[name] != found[name]:
             out.append(f"{kind} {name} differs from what was attested")
     return out[:8] + ([f"... and {len(out) - 8} more"] if len(out) > 8 else [])
-
-
-def bundle_chain(
-    bundle: Path,
-    trusted: dict[str, Any],
-    stages: tuple[str, ...],
-    made_here: tuple[str, ...] = (),
-) -> tuple[list[str], list[str]]:
-    """(lines, problems) for the attestations a bundle carries (attestations/<stage>.json):
-    each signed by a trusted builder and naming its own stage; every shipped file the
-    output of an attested stage run (by sha256), but what the bundle stage itself makes;
-    and each stage's inputs what the upstream stage's attestation says it produced, so the
-    chain from the model and the spec to the bundle is one build's."""
-    from schemas.manifest import BUNDLE_UNHASHED, PROVENANCE_DIR
-    from stages.bundling.hashing import hash_files
-
-    lines, problems = [], []
-    produced: dict[str, dict[str, str]] = {}  # stage -> {file: sha256} it attests
-    for stage in stages:
-        path = bundle / PROVENANCE_DIR / f"{stage}.json"
-        try:
-            stmt, signatures, payload = read(path)
-        except RegistryError as exc:
-            problems.append(f"{stage}: {exc}")
-            continue
-        predicate = stmt.get("predicate") or {}
-        if predicate.get("stage") != stage:
-            problems.append(f"{stage}: {path.name} attests {predicate.get('stage')!r}")
-            continue
-        who = signer(signatures, payload, trusted)
-        if who is None:
-            problems.append(f"{stage}: not signed by a trusted builder")
-            continue
-        produced[stage] = _listed(stmt.get("subject"))
-        inputs = _listed(predicate.get("inputs"))
-        for name, digest in sorted(inputs.items()):
-            parts = name.split("/")
-            upstream = parts[2] if len(parts) > 3 and parts[0] == "build" else None
-            if upstream in produced and produced[upstream].get(name) != digest:
-                problems.append(f"{stage}: its input {name} is not what {upstream} attested")
-        lines.append(f"{stage}: built by {who}")
-    attested = {d for files in produced.values() for d in files.values()}
-    # what the bundle stage writes itself (attested outside the bundle, in bundle-report/):
-    # names, or folders ending in "/"
-    own = (*BUNDLE_UNHASHED, *made_here)
-    shipped = {
-        p.relative_to(bundle).as_posix(): p
-        for p in sorted(bundle.rglob("*"))
-        if p.is_file() and p.relative_to(bundle).parts[0] != PROVENANCE_DIR
-    }
-    for name, digest in sorted(hash_files(shipped).items()):
-        made = name in own or any(p.endswith("/") and name.startswith(p) for p in own)
-        if not made and digest not in attested:
-            problems.append(f"{name}: no attested stage run produced it")
-    return lines, problems

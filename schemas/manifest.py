@@ -30,10 +30,9 @@ MANIFEST_FILE = "manifest.json"
 SIGNATURE_FILE = "model.sig"
 FACTS_FILE = "shipyard.json"
 BUNDLE_UNHASHED = (MANIFEST_FILE, SIGNATURE_FILE)
-# Each stage run's signed provenance attestation (pipelines/provenance.py), in its report
-# folder; a bundle carries every upstream stage's as attestations/<stage>.json. (Not
-# provenance.json: that is pin's record of the git state, schemas.artifacts.Provenance.)
-PROVENANCE_FILE = "attestation.json"
+# Each stage run's signed provenance attestation (pipelines/provenance.py): a bundle carries
+# every upstream stage's as attestations/<stage>.json. (Not provenance.json: that is pin's
+# record of the git state, schemas.artifacts.Provenance.)
 PROVENANCE_DIR = "attestations"
 
 

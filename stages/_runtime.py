@@ -29,6 +29,18 @@ ALWAYS_VISIBLE = ("name",)
 REPORT_APART = ("bundle",)
 
 
+# Each stage run's provenance (pipelines/provenance.py), `shipyard run-stage` writes it: a
+# DVC out of its own, outside the stage's folders, so that a stage reading an upstream
+# folder never depends on who built it (a rebuild with new code but the same bytes reruns
+# nothing downstream but the bundle, which ships the attestations).
+ATTESTATIONS = "attestations"
+
+
+def attestation_file(stage: str) -> str:
+    """Where a stage's attestation lives, relative to its release's build folder."""
+    return f"{ATTESTATIONS}/{stage}.json"
+
+
 def report_dir(build: Path, stage: str) -> Path:
     """The folder holding `report.json` of `stage` in a release's build folder."""
     return build / (f"{stage}-report" if stage in REPORT_APART else stage)
@@ -41,7 +53,7 @@ COMMON_CODE = (
     "stages/_runtime.py",
     "schemas/release.py",
     "schemas/loader.py",
-    # `shipyard run-stage` attests every stage's outputs into its report folder
+    # `shipyard run-stage` attests every stage's outputs (ATTESTATIONS)
     "pipelines/provenance.py",
 )
 
@@ -83,6 +95,8 @@ class StageIO:
               that stage's folder and the `reads` files only: a change upstream reruns the
               sealing stage, and this one when the seal changes. Ten folder deps less for
               bundle, each of which DVC walked file by file on every `dvc repro`.
+    attests:  stages whose provenance attestation it reads (the bundle ships them); their
+              attestation files (attestation_file) become deps
     """
 
     params: tuple[str, ...]
@@ -93,6 +107,7 @@ class StageIO:
     data: tuple[tuple[str, str | None], ...] = ()
     plots: tuple[Plot, ...] = ()
     sealed_by: str | None = None
+    attests: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.sealed_by is not None and self.sealed_by not in self.upstream:
@@ -120,6 +135,7 @@ class StageIO:
             self.reads_model,
             self.code,
             tuple(slot for slot, _ in self.data),
+            self.attests,
         )
 
 

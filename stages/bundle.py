@@ -41,6 +41,7 @@ def io(release: ReleaseSpec) -> StageIO:
         # the manifest hashes every payload file; verify_bundle refuses any that differs
         sealed_by="manifest",
         code=("stages/templates/MODEL_CARD.md.j2",),
+        attests=(*CHECKED, "manifest"),  # shipped as attestations/<stage>.json, hashed here
     )
 
 
@@ -62,7 +63,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         (ctx.work / name).parent.mkdir(parents=True, exist_ok=True)
         (ctx.work / name).write_text(text, encoding="utf-8")
     rendered += list(shipped)
-    chain = provenance(ctx, ("manifest",))  # the manifest's run: written after it hashed
+    chain = provenance(ctx, (*CHECKED, "manifest"))  # who built each stage: not in its payload
     for name, source in chain.items():
         link_or_copy(source, ctx.work / name)
     shard = content.predicate.serialization.shard_size

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from schemas.artifacts import NOT_SHIPPED, ModelInfo, QuantInfo
-from schemas.manifest import PROVENANCE_DIR, PROVENANCE_FILE
+from schemas.manifest import PROVENANCE_DIR
 from stages import STAGES
-from stages._runtime import StageContext
+from stages._runtime import StageContext, attestation_file
 from stages.serving.layout import MODEL_DIR
 
 DIAGNOSTICS = ("server.log", ".lock")  # stay in the build folder
@@ -36,7 +36,6 @@ def payload(ctx: StageContext) -> dict[str, Path]:
     files["model/quant_info.json"] = ctx.upstream(QuantInfo.STAGE) / QuantInfo.FILE
     for stage in CHECKED:
         files[f"reports/{stage}.json"] = ctx.upstream(stage) / "report.json"
-    files.update(provenance(ctx, CHECKED))
     files.update(_outputs(ctx.upstream("serve"), "", "serve"))
     engine = ctx.upstream("engine")
     files.update(
@@ -54,8 +53,11 @@ def payload(ctx: StageContext) -> dict[str, Path]:
 
 def provenance(ctx: StageContext, stages: tuple[str, ...]) -> dict[str, Path]:
     """Each stage's signed provenance, where `shipyard run-stage` wrote one (a stage run
-    through the Python API has none; `shipyard verify --provenance` names it missing)."""
-    found = {f"{PROVENANCE_DIR}/{s}.json": ctx.upstream(s) / PROVENANCE_FILE for s in stages}
+    through the Python API has none; `shipyard verify --provenance` names it missing). Not
+    in the manifest's payload: who built a stage is not what it built, so a rebuild with new
+    code but the same bytes reruns the bundle (which ships the attestations), not the
+    manifest and every stage between."""
+    found = {f"{PROVENANCE_DIR}/{s}.json": ctx.build / attestation_file(s) for s in stages}
     return {name: path for name, path in found.items() if path.is_file()}
 
 
@@ -66,6 +68,6 @@ def _outputs(folder: Path, prefix: str, stage: str) -> dict[str, Path]:
         prefix + p.relative_to(folder).as_posix(): p
         for p in sorted(folder.rglob("*"))
         if p.is_file()
-        and p.name not in ("report.json", PROVENANCE_FILE)
+        and p.name != "report.json"
         and f"{stage}/{p.relative_to(folder).as_posix()}" not in NOT_SHIPPED
     }

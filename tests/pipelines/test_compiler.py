@@ -9,6 +9,7 @@ import yaml
 
 from pipelines import compiler
 from schemas import SpecError
+from stages.bundling.files import CHECKED
 from tests.conftest import REPO, Workspace, generic_spec, gpt2_spec
 
 
@@ -152,7 +153,15 @@ def test_stages_depend_on_their_code_and_upstream_artifacts() -> None:
         "spec": {p: None for p in ("export", "model", "parity", "task")},
     }
     assert "build/${key}/export/model.onnx" in do["deps"]
-    assert do["outs"] == ["build/${key}/parity"]
+    # its attestation is an out of its own, which no stage but the bundle depends on
+    assert do["outs"] == ["build/${key}/parity", "build/${key}/attestations/parity.json"]
+    stages = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]
+    readers = [s for s, e in stages.items() if "/attestations/" in str(e.get("do", {}).get("deps"))]
+    assert readers == ["bundle"]
+    bundle = stages["bundle"]["do"]["deps"]
+    assert [d for d in bundle if "/attestations/" in d] == [
+        f"build/${{key}}/attestations/{s}.json" for s in (*CHECKED, "manifest")
+    ]
     assert do["metrics"] == [{"build/${key}/metrics/parity.json": {"cache": False}}]
 
 

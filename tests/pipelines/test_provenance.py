@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from pipelines import cache, provenance
+from pipelines.bundle_provenance import bundle_chain
 from pipelines.cli import main
 from tests.conftest import bucket
 from tests.pipelines.test_end_to_end import commit_all, copy_worktree, ran, sh
@@ -58,14 +59,14 @@ def check(root: Path, name: str, *trusted: Path) -> tuple[str | None, list[str]]
 def test_each_stage_run_attests_every_output_and_input_signed_by_the_builder(
     repo: Path, keys: dict[str, Path]
 ) -> None:
-    for stage in ("pin", "export"):
-        who, problems = check(repo, stage, keys["builder.pub"])
-        assert problems == [] and who is not None, (stage, problems)
-    stmt, signatures, _ = provenance.read(repo / "build" / REL / "export" / provenance.FILE)
+    for name in ("pin", "export"):
+        who, problems = check(repo, name, keys["builder.pub"])
+        assert problems == [] and who is not None, (name, problems)
+    stmt, signatures, _ = provenance.read(repo / stage(repo, "export").envelope)
     names = {s["name"] for s in stmt["subject"]}
     assert f"build/{REL}/export/model.onnx" in names
     assert f"build/{REL}/metrics/export.json" in names  # the verdict DVC's metrics show
-    assert f"build/{REL}/export/{provenance.FILE}" not in names
+    assert f"build/{REL}/attestations/export.json" not in names  # not itself
     inputs = {i["name"] for i in stmt["predicate"]["inputs"]}
     assert inputs == {f"build/.params/{REL}/export.json", f"build/{REL}/pin/lock.json"}
     assert len(signatures) == 1
@@ -76,7 +77,7 @@ def test_each_stage_run_attests_every_output_and_input_signed_by_the_builder(
 def test_a_rebuild_on_the_same_inputs_writes_the_same_attestation(
     repo: Path, keys: dict[str, Path]
 ) -> None:
-    envelope = repo / "build" / REL / "pin" / provenance.FILE
+    envelope = repo / stage(repo, "pin").envelope
     before = envelope.read_bytes()
     lock = (repo / "dvc.lock").read_bytes()
     done = sh(
@@ -123,7 +124,7 @@ def test_an_attestation_signed_by_another_key_unsigned_replayed_or_edited_is_ref
     repo: Path, keys: dict[str, Path], tmp_path: Path
 ) -> None:
     pub = keys["builder.pub"]
-    envelope = repo / "build" / REL / "export" / provenance.FILE
+    envelope = repo / stage(repo, "export").envelope
     original = envelope.read_bytes()
     export = stage(repo, "export")
     attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
@@ -137,7 +138,7 @@ def test_an_attestation_signed_by_another_key_unsigned_replayed_or_edited_is_ref
         provenance.write(repo, export, None)
         assert any("carries no signature" in p for p in check(repo, "export", pub)[1])
         # the builder's own, valid attestation of pin, replayed as export's
-        shutil.copyfile(repo / "build" / REL / "pin" / provenance.FILE, envelope)
+        shutil.copyfile(repo / stage(repo, "pin").envelope, envelope)
         assert any(f"not export@{REL}" in p for p in check(repo, "export", pub)[1])
         # the builder's signature kept, the statement edited to name a swapped model
         data = json.loads(original)
@@ -201,7 +202,9 @@ def test_a_pulled_output_no_trusted_builder_attested_is_removed_and_rebuilt(
     assert all(line.startswith("trusted ") for line in cache.screen(repo)), cache.screen(repo)
     # what a writer of the remote can do: outputs and a self-made attestation that match
     model = repo / "build" / REL / "export" / "model.onnx"
-    model.write_bytes(model.read_bytes() + b"\0")
+    swapped = model.read_bytes() + b"\0"
+    model.unlink()  # a new file: the old one is a hardlink into DVC's cache
+    model.write_bytes(swapped)
     attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
     provenance.write(repo, stage(repo, "export"), attacker)
     lines = cache.screen(repo)
@@ -223,10 +226,8 @@ def test_without_trusted_builders_cache_pull_says_outputs_are_taken_on_trust(
 def bundle_of(repo: Path, dest: Path) -> Path:
     """A bundle-shaped folder from the two built stages: their attestations and a file each."""
     (dest / "attestations").mkdir(parents=True)
-    for stage in ("pin", "export"):
-        shutil.copyfile(
-            repo / "build" / REL / stage / provenance.FILE, dest / "attestations" / f"{stage}.json"
-        )
+    for name in ("pin", "export"):
+        shutil.copyfile(repo / stage(repo, name).envelope, dest / "attestations" / f"{name}.json")
     (dest / "model").mkdir()
     shutil.copyfile(
         repo / "build" / REL / "export" / "model_info.json", dest / "model" / "model_info.json"
@@ -241,28 +242,29 @@ def test_a_bundles_chain_holds_only_for_attested_files_and_one_builds_stages(
     trusted = trust(keys["builder.pub"])
     stages = ("pin", "export")
     bundle = bundle_of(repo, tmp_path / "ok")
-    lines, problems = provenance.bundle_chain(bundle, trusted, stages)
+    lines, problems = bundle_chain(bundle, trusted, stages)
     assert problems == [] and len(lines) == 2, problems
     # what the bundle stage writes itself is named as such (attested outside the bundle)
     (bundle / "monitoring").mkdir()
     (bundle / "monitoring" / "alerts.yml").write_text("groups: []\n")
-    assert provenance.bundle_chain(bundle, trusted, stages, ("monitoring/",))[1] == []
-    assert "monitoring/alerts.yml: no attested stage run produced it" in (
-        provenance.bundle_chain(bundle, trusted, stages)[1]
+    assert bundle_chain(bundle, trusted, stages, ("monitoring/",))[1] == []
+    assert (
+        "monitoring/alerts.yml: no attested stage run produced it"
+        in (bundle_chain(bundle, trusted, stages)[1])
     )
     (bundle / "monitoring" / "alerts.yml").unlink()
     # a shipped file no stage produced
     (bundle / "model" / "extra.py").write_text("import os\n")
     assert (
         "model/extra.py: no attested stage run produced it"
-        in provenance.bundle_chain(bundle, trusted, stages)[1]
+        in bundle_chain(bundle, trusted, stages)[1]
     )
     # a trusted builder's attestation of pin from another build (other inputs and outputs)
     mixed = bundle_of(repo, tmp_path / "mixed")
     lock = repo / "build" / REL / "pin" / "lock.json"
     original = lock.read_bytes()
     builder = provenance.builder_key({provenance.KEY_ENV: str(keys["builder"])})
-    envelope = repo / "build" / REL / "pin" / provenance.FILE
+    envelope = repo / stage(repo, "pin").envelope
     kept = envelope.read_bytes()
     try:
         lock.write_bytes(original.replace(b"{", b"{ ", 1))
@@ -271,18 +273,18 @@ def test_a_bundles_chain_holds_only_for_attested_files_and_one_builds_stages(
     finally:
         lock.write_bytes(original)
         envelope.write_bytes(kept)
-    problems = provenance.bundle_chain(mixed, trusted, stages)[1]
+    problems = bundle_chain(mixed, trusted, stages)[1]
     assert f"export: its input build/{REL}/pin/lock.json is not what pin attested" in problems
     assert "lock.json: no attested stage run produced it" in problems
     # an attestation missing, or signed by someone else
     (mixed / "attestations" / "pin.json").unlink()
     assert any(
         p.startswith("pin: ") and "no provenance" in p
-        for p in provenance.bundle_chain(mixed, trusted, stages)[1]
+        for p in bundle_chain(mixed, trusted, stages)[1]
     )
     assert (
         "export: not signed by a trusted builder"
-        in provenance.bundle_chain(bundle, trust(keys["attacker.pub"]), stages)[1]
+        in bundle_chain(bundle, trust(keys["attacker.pub"]), stages)[1]
     )
 
 
@@ -339,7 +341,9 @@ def test_an_untrusted_output_dvc_restored_is_evicted_with_its_run_cache_entry_an
     the workspace, in dvc.lock, in the cache and in a run-cache entry. `shipyard provenance
     --evict` names it and removes all four, so `dvc repro` runs the stage again."""
     model = repo / "build" / REL / "export" / "model.onnx"
-    model.write_bytes(model.read_bytes() + b"\0")
+    swapped = model.read_bytes() + b"\0"
+    model.unlink()  # a new file: the old one is a hardlink into DVC's cache
+    model.write_bytes(swapped)
     attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
     provenance.write(repo, stage(repo, "export"), attacker)
     sh(["dvc", "commit", "-f", f"export@{REL}"], repo)  # lock, cache and run-cache as DVC has them
