@@ -113,7 +113,7 @@ def _plots(all_ios: dict[str, dict[str, StageIO]]) -> list[dict[str, Any]]:
     for stage, ios in all_ios.items():
         for release, io in ios.items():
             for p in io.plots:
-                data = f"build/{release}/{stage}/{p.file}"
+                data = f"build/{release}/{p.committed(stage)}"
                 out.append(
                     {
                         f"{p.name}@{release}": {
@@ -226,7 +226,10 @@ def templates(
         slots = _model_slots(releases) if io.reads_model and name == VersionLock.STAGE else 0
         items = {spec.name: _item(root, path, spec, slots) for path, spec in releases}
         data = _data_slots(items, ios, {spec.name: model_paths(spec.model) for _, spec in releases})
-        out[name] = (items, _template(name, io, slots, data))
+        # every plot file any release draws: one template, so a release that draws fewer
+        # gets an empty list for the others (`shipyard run-stage`)
+        plots = sorted({p.committed(name) for i in ios.values() for p in i.plots})
+        out[name] = (items, _template(name, io, slots, data, plots))
     return out
 
 
@@ -262,7 +265,7 @@ def _inside(path: str, bases: tuple[str, ...]) -> bool:
     return any(parts[: len(Path(b).parts)] == Path(b).parts for b in bases)
 
 
-def _template(name: str, io: Any, slots: int, data: list[str]) -> dict[str, Any]:
+def _template(name: str, io: Any, slots: int, data: list[str], plots: list[str]) -> dict[str, Any]:
     # Python code through its fingerprint (what it does, not how it is worded), templates
     # and shipped files byte for byte, and the spec through the sections the stage reads:
     # all in one file.
@@ -279,6 +282,8 @@ def _template(name: str, io: Any, slots: int, data: list[str]) -> dict[str, Any]
         "outs": [
             *(f"build/${{key}}/{p}" for p in dict.fromkeys((name, report_dir(Path(), name).name))),
             f"build/${{key}}/{attestation_file(name)}",
+            # committed like the metrics, so `dvc plots diff` reads any commit's from git
+            *({f"build/${{key}}/{p}": {"cache": False}} for p in plots),
         ],
         "metrics": [{f"build/${{key}}/metrics/{name}.json": {"cache": False}}],
     }

@@ -6,11 +6,13 @@ import importlib
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
 
 from schemas import ReleaseSpec, StageError, StageReport, StageStatus
 from stages._runtime import (
+    Plot,
     SpecView,
     StageContext,
     StageIO,
@@ -118,6 +120,7 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
         write_json(report_work / "report.json", report.model_dump(mode="json"))
         publish(work, out)
         publish(report_work, reports)
+    _commit_plots(build, name, out, io.plots)
     # The DVC metrics file (committed to git, recorded in dvc.lock): results only, so a
     # rebuild on unchanged inputs changes neither it nor dvc.lock. Wall-clock time goes to
     # timings/, which nothing declares or depends on.
@@ -133,6 +136,21 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     write_json(build / "metrics" / f"{name}.json", metrics_file)
     write_json(build / "timings" / f"{name}.json", {"seconds": seconds})
     return report
+
+
+def _commit_plots(build: Path, stage: str, out: Path, plots: Iterable[Plot]) -> None:
+    """Each plot's data file, copied where git keeps it (Plot.committed); a plot this run
+    did not write (a failed run) leaves no stale copy behind."""
+    for plot in plots:
+        target = build / plot.committed(stage)
+        source = out / plot.file
+        if not source.is_file():
+            target.unlink(missing_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        shutil.copyfile(source, tmp)
+        tmp.replace(target)
 
 
 def repo_root() -> Path:

@@ -58,11 +58,19 @@ COMMON_CODE = (
 )
 
 
+# Where each stage's plot data is committed, like its metrics: the runner copies every
+# file a Plot names there (build/<release>/plots/<stage>/<name>), a DVC out with
+# `cache: false`, so `dvc plots diff HEAD` reads a commit's data from git in a clone that
+# never built it (inside the stage's cached folder it lived in no commit).
+PLOTS_DIR = "plots"
+
+
 @dataclass(frozen=True)
 class Plot:
     """A DVC plot over a data file the stage writes (`file`, relative to its output folder):
     one row per point, `x` and `y` the fields. The compiler declares it in dvc.yaml's
-    top-level `plots:` per release, so `dvc plots show` / `dvc plots diff` render it."""
+    top-level `plots:` per release, so `dvc plots show` / `dvc plots diff` render it, over
+    the committed copy (`committed`)."""
 
     name: str
     file: str
@@ -72,6 +80,10 @@ class Plot:
     x_label: str
     y_label: str
     template: str = "linear"
+
+    def committed(self, stage: str) -> str:
+        """The committed copy, relative to the release's build folder."""
+        return f"{PLOTS_DIR}/{stage}/{Path(self.file).name}"
 
 
 @dataclass(frozen=True)

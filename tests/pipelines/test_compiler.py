@@ -183,8 +183,25 @@ def test_releases_with_different_quantization_methods_share_one_template(tmp_pat
     for name, method in (("a-auto", "auto"), ("b-explicit", "int8-dynamic"), ("c-none", "none")):
         q = {**source["quantization"], "method": method} if method != "none" else {"method": method}
         ws.write({**source, "name": name, "quantization": q})
-    stages = yaml.safe_load(compiler.compile_dvc(tmp_path))["stages"]
+    document = yaml.safe_load(compiler.compile_dvc(tmp_path))
+    stages = document["stages"]
     assert list(stages["quantize"]["foreach"]) == ["a-auto", "b-explicit", "c-none"]
+    # the plot data file is in the one template, committed (cache: false) like the metrics;
+    # only the releases that quantize draw it
+    snr = "build/${key}/plots/quantize/layer_snr.json"
+    assert {snr: {"cache": False}} in stages["quantize"]["do"]["outs"]
+    drawn = [next(iter(p)) for p in document["plots"] if next(iter(p)).startswith("layer_snr")]
+    assert drawn == ["layer_snr@a-auto", "layer_snr@b-explicit"]
+    # c-none draws none: `shipyard run-stage` leaves an empty list where DVC expects one
+    from pipelines.cli import _no_plot_here
+
+    outs = (snr.replace("${key}", "c-none"), "build/c-none/quantize")
+    _no_plot_here(tmp_path, outs, "c-none")
+    assert json.loads((tmp_path / outs[0]).read_text()) == []
+    assert not (tmp_path / outs[1]).exists()  # only plot files are filled in
+    (tmp_path / outs[0]).write_text('[{"layer": 1}]')
+    _no_plot_here(tmp_path, outs, "c-none")
+    assert json.loads((tmp_path / outs[0]).read_text()) == [{"layer": 1}]  # never overwritten
 
 
 def test_model_weights_get_their_own_dependency_slot_when_apart(tmp_path: Path) -> None:

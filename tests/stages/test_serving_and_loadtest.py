@@ -331,6 +331,12 @@ def test_load_test_measures_streaming_and_writes_plots(built_gpt2: Workspace) ->
         assert all(len(v) == 3 for v in p["window_metrics"].values())
     assert all(v > 0 for v in data["streaming"]["points"][0]["window_metrics"]["p95_itl_ms"])
     assert data["grid"][0]["batch"] == 2 and data["grid"][0]["errors"] == 0
+    # the plot data DVC reads is committed beside the metrics, the same bytes
+    out = built_gpt2.out("tiny-gpt2", "loadtest")
+    for name in ("latency_throughput.json", "streaming.json"):
+        committed = out.parent / "plots" / "loadtest" / name
+        assert committed.read_bytes() == (out / "plots" / name).read_bytes()
+        assert json.loads(committed.read_text())  # points, not an empty list
 
 
 def test_an_external_target_is_measured_without_starting_a_server(
