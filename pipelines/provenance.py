@@ -75,14 +75,14 @@ def stage_paths(root: Path, stage: str, release: str) -> StagePaths | None:
             text = text.replace(f"${{item.{slot}}}", str(value))
         return text
 
-    metrics = [
-        resolve(next(iter(m)) if isinstance(m, dict) else m) for m in template.get("metrics", [])
-    ]
+    def named(entries: list[Any]) -> list[str]:  # a path, or {path: {cache: false}}
+        return [resolve(next(iter(e)) if isinstance(e, dict) else e) for e in entries]
+
     paths = StagePaths(
         stage,
         release,
-        tuple(resolve(d) for d in template.get("deps", [])),
-        tuple([*(resolve(o) for o in template.get("outs", [])), *metrics]),
+        tuple(named(template.get("deps", []))),
+        tuple([*named(template.get("outs", [])), *named(template.get("metrics", []))]),
     )
     # a dvc.yaml compiled before attestations were outs declares nowhere to write one
     return paths if paths.envelope in paths.outs else None

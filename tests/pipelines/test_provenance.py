@@ -360,3 +360,17 @@ def test_an_untrusted_output_dvc_restored_is_evicted_with_its_run_cache_entry_an
     done = sh(["dvc", "repro", f"export@{REL}"], repo, {provenance.KEY_ENV: str(keys["builder"])})
     assert ran(done.stdout) == ["export"], done.stdout  # rebuilt, not restored
     assert check(repo, "export", keys["builder.pub"])[1] == []
+
+
+def test_the_attested_outputs_are_every_out_dvc_yaml_declares_uncached_ones_too() -> None:
+    from tests.conftest import REPO
+
+    found = provenance.stage_paths(REPO, "quantize", REL)
+    assert found is not None
+    assert found.outs == (
+        f"build/{REL}/quantize",
+        f"build/{REL}/attestations/quantize.json",
+        f"build/{REL}/plots/quantize/layer_snr.json",  # {path: {cache: false}} in dvc.yaml
+        f"build/{REL}/metrics/quantize.json",
+    )
+    assert found.envelope == f"build/{REL}/attestations/quantize.json"
