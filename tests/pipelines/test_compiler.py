@@ -159,6 +159,14 @@ def test_stages_depend_on_their_code_and_upstream_artifacts() -> None:
     readers = [s for s, e in stages.items() if "/attestations/" in str(e.get("do", {}).get("deps"))]
     assert readers == ["bundle"]
     bundle = stages["bundle"]["do"]["deps"]
+    # sealed by the manifest: its folder and the artifacts it reads, no other stage's folder
+    # (the manifest hashes them; verify_bundle refuses any that differs)
+    assert [d for d in bundle if "/attestations/" not in d] == [
+        "build/.params/${key}/bundle.json",
+        "build/${key}/export/model_info.json",
+        "build/${key}/loadtest/summary.json",
+        "build/${key}/manifest",
+    ]
     assert [d for d in bundle if "/attestations/" in d] == [
         f"build/${{key}}/attestations/{s}.json" for s in (*CHECKED, "manifest")
     ]

@@ -126,3 +126,31 @@ def test_the_fingerprint_ignores_docs_comments_and_layout_but_not_code() -> None
     ]
     for text in different:
         assert normalized(text) != normalized(base), text
+    # a string literal's content alone (a path, a key, a format) decides things too
+    literal = base.replace("return a + 1", "return a + 'one'")
+    assert normalized(literal) != normalized(literal.replace("'one'", "'two'"))
+    keyword = base.replace("ge=0,", "pattern='^a',")
+    assert normalized(keyword) != normalized(keyword.replace("'^a'", "'^b'"))
+
+
+def test_a_spec_section_modules_code_is_in_the_fingerprint_of_the_stages_reading_it(
+    tmp_path: Path,
+) -> None:
+    """What reaches a stage's params file: every module of its closure, the spec section
+    modules too, each digest changing with the module's code (a copy of the code edited)."""
+    import shutil
+
+    from pipelines.fingerprint import module_digest, stage_fingerprint
+
+    _, ios = stage_ios(REPO)
+    modules = code_modules(REPO, ios)
+    for package in ("schemas", "stages", "pipelines"):
+        shutil.copytree(REPO / package, tmp_path / package)
+    section = "schemas/spec/capacity.py"
+    before = stage_fingerprint(tmp_path, modules["plan"])
+    assert before[section] == module_digest(REPO / section)
+    path = tmp_path / section
+    path.write_text(path.read_text() + "\n_RULE = 2\n")
+    after = stage_fingerprint(tmp_path, modules["plan"])
+    assert [m for m in before if before[m] != after[m]] == [section]
+    assert section not in stage_fingerprint(tmp_path, modules["export"])

@@ -374,3 +374,27 @@ def test_the_attested_outputs_are_every_out_dvc_yaml_declares_uncached_ones_too(
         f"build/{REL}/metrics/quantize.json",
     )
     assert found.envelope == f"build/{REL}/attestations/quantize.json"
+
+
+def test_the_shared_cache_reaches_the_endpoint_it_is_given_and_no_other(
+    tmp_path: Path, s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SHIPYARD_DVC_ENDPOINT alone names the S3 API: with no AWS_ENDPOINT_URL in the
+    environment (the fixture sets one for the whole process), a push still lands there."""
+    import boto3
+
+    name = bucket()
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    root = tmp_path / "repo"
+    root.mkdir()
+    sh(["git", "init", "-q"], root)
+    sh(["dvc", "init", "-q"], root)
+    (root / "model.onnx").write_bytes(b"weights")
+    sh(["dvc", "add", "-q", "model.onnx"], root)
+    monkeypatch.setenv("SHIPYARD_DVC_REMOTE", f"s3://{name}/dvc")
+    monkeypatch.setenv("SHIPYARD_DVC_ENDPOINT", s3_server)
+    cache.push(root)
+    assert local_config(root)["'remote \"shipyard\"'"]["endpointurl"] == s3_server
+    listed = boto3.client("s3", endpoint_url=s3_server).list_objects_v2(Bucket=name)
+    assert [o["Size"] for o in listed["Contents"]] == [len(b"weights")]

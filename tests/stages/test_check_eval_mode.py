@@ -63,6 +63,17 @@ def test_module_stuck_in_training_mode_is_named(ws: Workspace, monkeypatch) -> N
     assert report.reasons[0].startswith("module(s) in training mode after model.eval(): second")
 
 
+def test_a_forward_pass_that_switches_a_module_to_training_mode_is_named(ws: Workspace) -> None:
+    """eval() holds, the two forward passes agree (a Linear ignores the mode), but a
+    forward puts `proj` in training mode: the check after the passes names it."""
+    report = ws.run("evalcheck", build(ws, "trains_in_forward"))
+    assert report.status.value == "failed"
+    assert report.reasons == [
+        "module(s) in training mode after a forward pass: proj; a module that overrides "
+        "train()/eval() or sets self.training must not do so at inference"
+    ]
+
+
 def test_dropout_node_with_constant_false_training_mode_is_inert(tmp_path) -> None:
     x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
     y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])

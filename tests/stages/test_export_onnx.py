@@ -31,6 +31,11 @@ def test_export_probes_min_max_and_odd_sizes_including_empty_cache(built_gpt2: W
     assert probed["all min"] == {"batch": 1, "sequence": 1, "past_sequence": 0}
     assert probed["all max"] == {"batch": 3, "sequence": 64, "past_sequence": 24}
     assert "only batch=3" in probed and all(r["ok"] for r in report["details"]["probed"])
+    # and at an odd size strictly inside each range, unlike the trace's (export.odd_sizes)
+    trace = report["details"]["trace_sizes"]
+    odd = probed["all odd"]
+    assert all(odd[d] % 2 == 1 and odd[d] != trace[d] for d in odd), (odd, trace)
+    assert all(probed["all min"][d] < odd[d] < probed["all max"][d] for d in odd)
 
 
 def test_kv_cache_graph_decodes_like_a_full_forward(built_gpt2: Workspace) -> None:
@@ -99,6 +104,25 @@ def test_baked_batch_fails_export_naming_the_dim(ws: Workspace) -> None:
         "dim 'batch' is baked into the graph: it runs at the trace size batch=2 but not at batch=1"
     )
     assert list(ws.out("baked", "export").iterdir()) == [ws.out("baked", "export") / "report.json"]
+
+
+def test_a_baked_dim_after_the_first_is_the_one_named(ws: Workspace) -> None:
+    """The batch runs at every size, the length only at the trace's: the report blames
+    `length`, not the first dim of the input."""
+    spec = generic_spec("baked-len", "baked_length")
+    spec["export"] = {
+        "dims": {"batch": {"min": 1, "opt": 2, "max": 4}, "length": {"min": 2, "opt": 4, "max": 6}},
+        "inputs": [{"name": "x", "shape": ["batch", "length", 8]}],
+        "outputs": [{"name": "y", "shape": ["batch", 32]}],
+    }
+    ws.run("pin", spec)
+    report = ws.run("export", spec)
+    assert report.status.value == "failed"
+    assert report.reasons[0].startswith(
+        "dim 'length' is baked into the graph: it runs at the trace size length=4 but not at "
+        "length=2"
+    ), report.reasons
+    assert not any("'batch'" in r for r in report.reasons)
 
 
 def test_dynamo_exporter_gives_the_same_named_dims(ws: Workspace) -> None:

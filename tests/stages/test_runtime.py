@@ -168,3 +168,16 @@ def test_two_runs_of_one_stage_at_once_do_not_share_a_temp_folder(ws: Workspace)
     assert all(o[0].startswith("PASS pin@tiny-gpt2") for o in outputs)
     assert (ws.out("tiny-gpt2", "pin") / "lock.json").is_file()
     assert not list((ws.root / "build" / "tiny-gpt2").glob(".pin.*tmp"))
+
+
+def test_a_stage_sealed_by_anything_but_one_of_its_upstreams_is_refused() -> None:
+    """`sealed_by` drops the other upstream folders from DVC's deps: sealed by a stage it
+    does not read, nothing would rerun it when they change."""
+    from stages._runtime import StageIO
+
+    with pytest.raises(ValueError, match="sealed_by='manifest' must be one of upstream"):
+        StageIO(params=(), upstream=("export", "serve"), sealed_by="manifest")
+    with pytest.raises(ValueError, match="must be one of upstream"):
+        StageIO(params=(), sealed_by="manifest")
+    sealed = StageIO(params=(), upstream=("export", "manifest"), sealed_by="manifest")
+    assert sealed.upstream_files() == ("manifest",)
