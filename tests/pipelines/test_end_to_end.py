@@ -249,7 +249,7 @@ def test_a_fresh_clone_with_the_shared_remote_recomputes_nothing(
     assert not (b / "build" / "tiny-gpt2" / "bundle").exists()
     # DVC's plots of a commit this clone never built (nor pulled): their data is in git
     ids = ["latency_throughput@tiny-gpt2", "ttft@tiny-gpt2", "layer_snr@tiny-gpt2"]
-    diff = json.loads(sh(["dvc", "plots", "diff", "HEAD", "--json", *ids], b).stdout)
+    diff = json.loads(sh(["dvc", "plots", "diff", "HEAD", "--json", "--targets", *ids], b).stdout)
     assert not diff.get("errors"), diff["errors"]
     for plot_id in ids:
         values = diff["data"][plot_id][0]["content"]["data"]["values"]
