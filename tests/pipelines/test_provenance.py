@@ -288,6 +288,22 @@ def test_a_bundles_chain_holds_only_for_attested_files_and_one_builds_stages(
     )
 
 
+def pushed(
+    root: Path, data: bytes, name: str, s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """A git + DVC repository tracking `model.onnx` (`data`), pushed by `shipyard cache
+    push` to bucket `name` on the S3 API at `s3_server`."""
+    root.mkdir()
+    sh(["git", "init", "-q"], root)
+    sh(["dvc", "init", "-q"], root)
+    (root / "model.onnx").write_bytes(data)
+    sh(["dvc", "add", "-q", "model.onnx"], root)
+    monkeypatch.setenv("SHIPYARD_DVC_REMOTE", f"s3://{name}/dvc")
+    monkeypatch.setenv("SHIPYARD_DVC_ENDPOINT", s3_server)
+    cache.push(root)
+    return root
+
+
 def test_an_object_swapped_on_the_s3_remote_under_its_old_name_is_not_pulled(
     tmp_path: Path, s3_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -298,15 +314,7 @@ def test_an_object_swapped_on_the_s3_remote_under_its_old_name_is_not_pulled(
     name = bucket()
     s3 = boto3.client("s3", endpoint_url=s3_server)
     s3.create_bucket(Bucket=name)
-    root = tmp_path / "repo"
-    root.mkdir()
-    sh(["git", "init", "-q"], root)
-    sh(["dvc", "init", "-q"], root)
-    (root / "model.onnx").write_bytes(b"the real model")
-    sh(["dvc", "add", "-q", "model.onnx"], root)
-    monkeypatch.setenv("SHIPYARD_DVC_REMOTE", f"s3://{name}/dvc")
-    monkeypatch.setenv("SHIPYARD_DVC_ENDPOINT", s3_server)
-    cache.push(root)
+    root = pushed(tmp_path / "repo", b"the real model", name, s3_server, monkeypatch)
     (key,) = [o["Key"] for o in s3.list_objects_v2(Bucket=name)["Contents"]]
     s3.put_object(Bucket=name, Key=key, Body=b"the attacker's model")
 
@@ -386,15 +394,7 @@ def test_the_shared_cache_reaches_the_endpoint_it_is_given_and_no_other(
     name = bucket()
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
     monkeypatch.delenv("AWS_ENDPOINT_URL")
-    root = tmp_path / "repo"
-    root.mkdir()
-    sh(["git", "init", "-q"], root)
-    sh(["dvc", "init", "-q"], root)
-    (root / "model.onnx").write_bytes(b"weights")
-    sh(["dvc", "add", "-q", "model.onnx"], root)
-    monkeypatch.setenv("SHIPYARD_DVC_REMOTE", f"s3://{name}/dvc")
-    monkeypatch.setenv("SHIPYARD_DVC_ENDPOINT", s3_server)
-    cache.push(root)
+    root = pushed(tmp_path / "repo", b"weights", name, s3_server, monkeypatch)
     assert local_config(root)["'remote \"shipyard\"'"]["endpointurl"] == s3_server
     listed = boto3.client("s3", endpoint_url=s3_server).list_objects_v2(Bucket=name)
     assert [o["Size"] for o in listed["Contents"]] == [len(b"weights")]
