@@ -14,7 +14,7 @@ from schemas import ReleaseSpec, SpecError
 from schemas.artifacts import VersionLock
 from schemas.loader import load_release
 from stages import load_stages, stage_io
-from stages._runtime import COMMON_CODE, StageIO, attestation_file, report_dir
+from stages._runtime import COMMON_CODE, Plot, StageIO, attestation_file, report_dir
 from stages.onnx.model import model_paths
 
 MODEL_SLOTS = ("model", "model_weights")
@@ -100,33 +100,8 @@ def compile_dvc(root: Path) -> str:
     for name, (items, template) in templates(root, releases, all_ios).items():
         stages[name] = {"foreach": items, "do": template}
     document: dict[str, Any] = {"stages": stages}
-    plots = _plots(all_ios)
-    if plots:
-        document["plots"] = plots
     body = yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=100)
     return HEADER + str(body)
-
-
-def _plots(all_ios: dict[str, dict[str, StageIO]]) -> list[dict[str, Any]]:
-    """Top-level DVC plots: every plot each stage declares, once per release."""
-    out = []
-    for stage, ios in all_ios.items():
-        for release, io in ios.items():
-            for p in io.plots:
-                data = f"build/{release}/{p.committed(stage)}"
-                out.append(
-                    {
-                        f"{p.name}@{release}": {
-                            "template": p.template,
-                            "x": p.x,
-                            "y": {data: p.y},
-                            "title": f"{release}: {p.title}",
-                            "x_label": p.x_label,
-                            "y_label": p.y_label,
-                        }
-                    }
-                )
-    return out
 
 
 def write_fingerprints(root: Path) -> list[Path]:
@@ -228,8 +203,8 @@ def templates(
         data = _data_slots(items, ios, {spec.name: model_paths(spec.model) for _, spec in releases})
         # every plot file any release draws: one template, so a release that draws fewer
         # gets an empty list for the others (`shipyard run-stage`)
-        plots = sorted({p.committed(name) for i in ios.values() for p in i.plots})
-        out[name] = (items, _template(name, io, slots, data, plots))
+        plots = {p.committed(name): p for i in ios.values() for p in i.plots}
+        out[name] = (items, _template(name, io, slots, data, [plots[k] for k in sorted(plots)]))
     return out
 
 
@@ -265,7 +240,7 @@ def _inside(path: str, bases: tuple[str, ...]) -> bool:
     return any(parts[: len(Path(b).parts)] == Path(b).parts for b in bases)
 
 
-def _template(name: str, io: Any, slots: int, data: list[str], plots: list[str]) -> dict[str, Any]:
+def _template(name: str, io: Any, slots: int, data: list[str], plots: list[Plot]) -> dict[str, Any]:
     # Python code through its fingerprint (what it does, not how it is worded), templates
     # and shipped files byte for byte, and the spec through the sections the stage reads:
     # all in one file.
@@ -276,16 +251,35 @@ def _template(name: str, io: Any, slots: int, data: list[str], plots: list[str])
         upstream = tuple(dict.fromkeys([VersionLock.location(), *upstream]))
     deps += [f"build/${{key}}/{u}" for u in upstream]
     deps += [f"build/${{key}}/{attestation_file(s)}" for s in io.attests]
-    return {
+    template: dict[str, Any] = {
         "cmd": f"shipyard run-stage {name} --release ${{item.spec}}",
         "deps": deps,
         "outs": [
             *(f"build/${{key}}/{p}" for p in dict.fromkeys((name, report_dir(Path(), name).name))),
             f"build/${{key}}/{attestation_file(name)}",
-            # committed like the metrics, so `dvc plots diff` reads any commit's from git
-            *({f"build/${{key}}/{p}": {"cache": False}} for p in plots),
         ],
         "metrics": [{f"build/${{key}}/metrics/{name}.json": {"cache": False}}],
+    }
+    if plots:
+        template["plots"] = [_plot(name, p) for p in plots]
+    return template
+
+
+def _plot(stage: str, p: Plot) -> dict[str, Any]:
+    """A stage's plot output: committed like the metrics (`cache: false`), so `dvc plots
+    diff` reads any commit's data from git. Declared as a plot, not a plain output: DVC
+    saves no run-cache entry for a stage with an uncached output that is neither a metric
+    nor a plot, and a clone whose dvc.lock predates the build then reruns the stage."""
+    return {
+        f"build/${{key}}/{p.committed(stage)}": {
+            "cache": False,
+            "template": p.template,
+            "x": p.x,
+            "y": p.y,
+            "title": f"${{key}}: {p.title}",
+            "x_label": p.x_label,
+            "y_label": p.y_label,
+        }
     }
 
 

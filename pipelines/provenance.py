@@ -82,7 +82,15 @@ def stage_paths(root: Path, stage: str, release: str) -> StagePaths | None:
         stage,
         release,
         tuple(named(template.get("deps", []))),
-        tuple([*named(template.get("outs", [])), *named(template.get("metrics", []))]),
+        tuple(
+            named(
+                [
+                    *template.get("outs", []),
+                    *template.get("metrics", []),
+                    *template.get("plots", []),
+                ]
+            )
+        ),
     )
     # a dvc.yaml compiled before attestations were outs declares nowhere to write one
     return paths if paths.envelope in paths.outs else None

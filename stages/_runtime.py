@@ -59,7 +59,7 @@ COMMON_CODE = (
 
 
 # Where each stage's plot data is committed, like its metrics: the runner copies every
-# file a Plot names there (build/<release>/plots/<stage>/<name>), a DVC out with
+# file a Plot names there (build/<release>/plots/<stage>/<name>), a DVC plot output with
 # `cache: false`, so `dvc plots diff HEAD` reads a commit's data from git in a clone that
 # never built it (inside the stage's cached folder it lived in no commit).
 PLOTS_DIR = "plots"
@@ -68,9 +68,9 @@ PLOTS_DIR = "plots"
 @dataclass(frozen=True)
 class Plot:
     """A DVC plot over a data file the stage writes (`file`, relative to its output folder):
-    one row per point, `x` and `y` the fields. The compiler declares it in dvc.yaml's
-    top-level `plots:` per release, so `dvc plots show` / `dvc plots diff` render it, over
-    the committed copy (`committed`)."""
+    one row per point, `x` and `y` the fields. The compiler declares the committed copy
+    (`committed`) in the stage's `plots:` in dvc.yaml, so `dvc plots show` / `dvc plots
+    diff` render it with these fields and labels; its id there is that path."""
 
     name: str
     file: str
@@ -99,8 +99,8 @@ class StageIO:
     code:     files it reads that are not Python modules (templates, the runtime it ships);
               the Python modules it imports are derived from the code (pipelines/closure.py)
     data:     (slot, path) data files from the spec, e.g. the calibration set; None = unused
-    plots:    DVC plots over files it writes (top-level in dvc.yaml, so they may differ per
-              release; not part of the foreach template)
+    plots:    DVC plots over files it writes (the stage's `plots:` in dvc.yaml; a release
+              that draws fewer than another writes an empty list for the others)
     sealed_by: an `upstream` stage whose output records, by sha256, every file the stage
               takes from the other `upstream` folders, and the stage refuses any file that
               differs (bundle: the manifest, checked by verify_bundle). DVC then depends on

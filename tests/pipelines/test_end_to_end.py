@@ -37,6 +37,14 @@ def ran(output: str) -> list[str]:
     return re.findall(r"Running stage '([\w-]+)@", output)
 
 
+# the release's DVC plots: each committed data file (its id in the stage's `plots:`)
+PLOT_IDS = [
+    "build/tiny-gpt2/plots/loadtest/latency_throughput.json",
+    "build/tiny-gpt2/plots/loadtest/streaming.json",
+    "build/tiny-gpt2/plots/quantize/layer_snr.json",
+]
+
+
 def copy_worktree(root: Path) -> Path:
     """The committed tree plus uncommitted work, without build outputs, copied to root."""
     files = subprocess.run(
@@ -102,26 +110,34 @@ def test_second_repro_does_nothing(clone: Path) -> None:
 
 
 def test_dvc_plots_render_the_load_test_curves_and_the_per_layer_errors(clone: Path) -> None:
-    ids = ["latency_throughput@tiny-gpt2", "ttft@tiny-gpt2", "layer_snr@tiny-gpt2"]
-    shown = json.loads(sh(["dvc", "plots", "show", "--json", *ids], clone).stdout)
+    shown = json.loads(sh(["dvc", "plots", "show", "--json", *PLOT_IDS], clone).stdout)
     assert not shown.get("errors"), shown["errors"]
     build = clone / "build" / "tiny-gpt2"
     ramp = json.loads((build / "loadtest" / "loadtest.json").read_text())["ramp"]["points"]
     layers = json.loads((build / "quantize" / "report.json").read_text())["details"]
+    ramp_id, stream_id, snr_id = PLOT_IDS
     want = {
-        "latency_throughput@tiny-gpt2": ("throughput_rps", "p95_latency_ms", len(ramp)),
-        "ttft@tiny-gpt2": ("concurrency", "p95_ttft_ms", None),
-        "layer_snr@tiny-gpt2": ("layer", "snr_db", len(layers["layerwise"])),
+        ramp_id: ("throughput_rps", "p95_latency_ms", len(ramp)),
+        stream_id: ("concurrency", "p95_ttft_ms", None),
+        snr_id: ("layer", "snr_db", len(layers["layerwise"])),
     }
     for plot_id, (x, y, rows) in want.items():
         content = shown["data"][plot_id][0]["content"]
         values = content["data"]["values"]
         assert values and all(v[x] is not None and v[y] is not None for v in values)
         assert rows is None or len(values) == rows
-    # the rendered HTML (what a reviewer opens) holds every declared plot of the release
-    sh(["dvc", "plots", "show", "-o", "plots-html", *ids], clone)
+    # the rendered HTML (what a reviewer opens) holds every declared plot of the release,
+    # and with the template `make release` configures it loads nothing from a CDN
+    modules = REPO / ".tools" / "node_modules"
+    if not (modules / "vega-embed").is_dir():
+        pytest.fail("the Vega packages are not installed: `make test` installs them (npm)")
+    sh([sys.executable, str(REPO / "scripts" / "plots_template.py"), str(modules),
+        ".dvc/plots/offline.html"], clone)  # fmt: skip
+    sh(["dvc", "config", "--local", "plots.html_template", "plots/offline.html"], clone)
+    sh(["dvc", "plots", "show", "-o", "plots-html", *PLOT_IDS], clone)
     html = (clone / "plots-html" / "index.html").read_text()
     assert all(f"tiny-gpt2: {t}" in html for t in ("Latency vs", "Streaming", "Quantization"))
+    assert "cdn.jsdelivr" not in html and "<script src=" not in html and "vegaEmbed" in html
     shutil.rmtree(clone / "plots-html")
 
 
@@ -248,12 +264,19 @@ def test_a_fresh_clone_with_the_shared_remote_recomputes_nothing(
     sh(["git", "clone", "-q", str(clone), str(b)], tmp_path)
     assert not (b / "build" / "tiny-gpt2" / "bundle").exists()
     # DVC's plots of a commit this clone never built (nor pulled): their data is in git
-    ids = ["latency_throughput@tiny-gpt2", "ttft@tiny-gpt2", "layer_snr@tiny-gpt2"]
-    diff = json.loads(sh(["dvc", "plots", "diff", "HEAD", "--json", "--targets", *ids], b).stdout)
+    diff = json.loads(
+        sh(["dvc", "plots", "diff", "HEAD", "--json", "--targets", *PLOT_IDS], b).stdout
+    )
     assert not diff.get("errors"), diff["errors"]
-    for plot_id in ids:
+    for plot_id in PLOT_IDS:
         values = diff["data"][plot_id][0]["content"]["data"]["values"]
-        assert values and {v["rev"] for v in values} == {"HEAD"}, (plot_id, values)
+        # `plots diff HEAD` compares HEAD with the workspace; a clean clone's workspace holds
+        # HEAD's committed data, so both revisions carry the same points
+        by_rev: dict[str, list[dict[str, object]]] = {}
+        for v in values:
+            by_rev.setdefault(v.pop("rev"), []).append(v)
+        assert set(by_rev) == {"HEAD", "workspace"}, (plot_id, values)
+        assert by_rev["HEAD"] and by_rev["HEAD"] == by_rev["workspace"], (plot_id, by_rev)
     sh(["shipyard", "cache", "pull"], b, env_remote)
     done = sh(["dvc", "repro", "bundle@tiny-gpt2"], b)
     assert ran(done.stdout) == []  # everything restored, nothing recomputed
@@ -270,6 +293,15 @@ def test_a_fresh_clone_with_the_shared_remote_recomputes_nothing(
     changed = params["releases/tiny-gpt2.yaml"]
     assert list(changed) and all(k.startswith("evaluation.thresholds") for k in changed), changed
     assert "0.96" in json.dumps(changed) and "0.97" in json.dumps(changed)
+    # and `dvc exp show`: the workspace row carries the edited spec value, HEAD's the old
+    rows = json.loads(sh(["dvc", "exp", "show", "--json"], b).stdout)
+    seen = {
+        row["rev"]: json.dumps(row["data"]["params"]["releases/tiny-gpt2.yaml"]["data"])
+        for row in rows
+        if row.get("data") and "releases/tiny-gpt2.yaml" in row["data"].get("params", {})
+    }
+    head = next(rev for rev in seen if rev != "workspace")
+    assert '"threshold": 0.96' in seen["workspace"] and '"threshold": 0.97' in seen[head], seen
     # fewer evaluation samples change the metrics: evaluate and what follows it rerun
     spec.write_text(spec.read_text().replace("    samples: 64\n", "    samples: 48\n"))
     done = sh(["dvc", "repro", "bundle@tiny-gpt2"], b)
