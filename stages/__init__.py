@@ -81,21 +81,24 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     except StageError as exc:
         reason = exc.message + (f" Fix: {exc.hint}" if exc.hint else "")
         result = StageResult.failed(exc.message, [reason])
-    except BaseException:
+    except Exception as exc:
+        # A crash is a failure too: what the run wrote before it is evidence, kept where a
+        # failed verdict keeps it; the CLI turns the exception into its error.
+        if _keep_evidence(work, build, name):
+            exc.add_note(f"what the crashed run wrote is kept in {_kept_words(release, name)}")
         shutil.rmtree(work, ignore_errors=True)
         raise
-    kept = build / FAILED_DIR / name
-    shutil.rmtree(kept, ignore_errors=True)  # a passing run leaves no stale evidence
+    except BaseException:  # interrupted: nothing to explain, nothing kept
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    shutil.rmtree(build / FAILED_DIR / name, ignore_errors=True)  # no stale evidence
     if result.status is StageStatus.FAILED:
         # Nothing a later run could mistake for a finished artifact: only the report stays
         # in the stage's folder. What the run wrote (a server log, the inputs that failed)
         # is evidence: it moves outside anything DVC tracks, beside the report it explains.
-        if any(work.iterdir()):
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            work.rename(kept)
+        if _keep_evidence(work, build, name):
             result.reasons.append(
-                f"what the failed run wrote is kept in build/{release.name}/{FAILED_DIR}/{name}/ "
-                "(not a DVC output; replaced by the next run)"
+                f"what the failed run wrote is kept in {_kept_words(release, name)}"
             )
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
@@ -136,6 +139,22 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     write_json(build / "metrics" / f"{name}.json", metrics_file)
     write_json(build / "timings" / f"{name}.json", {"seconds": seconds})
     return report
+
+
+def _keep_evidence(work: Path, build: Path, name: str) -> bool:
+    """Move a failed run's files to build/<release>/failed/<stage>/ (replacing older
+    evidence); False when the run wrote nothing."""
+    kept = build / FAILED_DIR / name
+    shutil.rmtree(kept, ignore_errors=True)
+    if not work.is_dir() or not any(work.iterdir()):
+        return False
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    work.rename(kept)
+    return True
+
+
+def _kept_words(release: ReleaseSpec, name: str) -> str:
+    return f"build/{release.name}/{FAILED_DIR}/{name}/ (not a DVC output; replaced by the next run)"
 
 
 def _commit_plots(build: Path, stage: str, out: Path, plots: Iterable[Plot]) -> None:

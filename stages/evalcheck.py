@@ -46,6 +46,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     problems += _random_nodes(model_path)
     problems += _onnx_repeatable(model_path, feeds)
     if problems:
+        # the inputs every check above ran on: evidence, kept in failed/evalcheck/
+        np.savez(ctx.work / "failed_inputs.npz", **feeds)  # type: ignore[arg-type]
         return StageResult.failed(f"{len(problems)} inference-mode problem(s)", problems)
     return StageResult.passed(
         f"{n} modules in eval mode, two forward passes bit-identical in "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,10 +72,19 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     details = {"metrics": metrics, "thresholds": results, "samples": len(samples)}
     summary = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
     if failed:
+        _keep_worst_samples(ctx.work / "failed_samples.jsonl", agree.per_sample)
         return StageResult.failed(
             f"{len(failed)} threshold(s) broken", failed, details=details, metrics=metrics
         )
     return StageResult.passed(summary, details=details, metrics=metrics)
+
+
+def _keep_worst_samples(path: Path, per_sample: list[dict[str, float]]) -> None:
+    """Evidence for a broken threshold: every sample's own agreement, worst first; `sample`
+    counts the samples evaluated in evaluation.dataset's order (kept in failed/evaluate/)."""
+    rows = [{"sample": i, **s} for i, s in enumerate(per_sample)]
+    rows.sort(key=lambda r: (r["top1_agreement"], r["logit_cosine"]))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
 def task_metrics(task: str, agree: dict[str, float]) -> dict[str, float]:

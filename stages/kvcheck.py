@@ -71,6 +71,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         "shipped": {"graph": shipped, "rows": shipped_rows},
     }
     if failures:
+        # the token sequences every comparison decoded: evidence, kept in failed/kvcheck/
+        tokens = _tokens(release, kv.vocab_of(lay), plan)
+        np.savez(ctx.work / "failed_inputs.npz", input_ids=tokens)
         return StageResult.failed(
             "cached decoding differs from a full recompute",
             failures,

@@ -28,9 +28,12 @@ class Agreement:
         self.cosine = self.signal = self.noise = 0.0
         self.nll_r = self.nll_g = 0.0
         self.tokens = 0
+        # each sample's own top-1 agreement and mean cosine: which inputs a failure is about
+        self.per_sample: list[dict[str, float]] = []
 
     def add(self, ref: np.ndarray, got: np.ndarray, feeds: dict[str, np.ndarray]) -> None:
         r_all, g_all = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])
+        before = self.rows, self.same, self.cosine
         for start in range(0, len(r_all), self.ROWS):
             r = r_all[start : start + self.ROWS].astype(np.float64)
             g = g_all[start : start + self.ROWS].astype(np.float64)
@@ -40,6 +43,13 @@ class Agreement:
             self.signal += float(np.sum(r**2))
             self.noise += float(np.sum((r - g) ** 2))
             self.rows += len(r)
+        rows = max(self.rows - before[0], 1)
+        self.per_sample.append(
+            {
+                "top1_agreement": (self.same - before[1]) / rows,
+                "logit_cosine": (self.cosine - before[2]) / rows,
+            }
+        )
         if self.language_model:
             nll, count = _nll(ref, feeds)
             self.nll_r, self.tokens = self.nll_r + nll, self.tokens + count

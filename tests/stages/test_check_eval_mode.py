@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -68,10 +69,15 @@ def test_a_forward_pass_that_switches_a_module_to_training_mode_is_named(ws: Wor
     forward puts `proj` in training mode: the check after the passes names it."""
     report = ws.run("evalcheck", build(ws, "trains_in_forward"))
     assert report.status.value == "failed"
-    assert report.reasons == [
+    assert report.reasons[:-1] == [
         "module(s) in training mode after a forward pass: proj; a module that overrides "
         "train()/eval() or sets self.training must not do so at inference"
     ]
+    # the inputs the checks ran on are kept beside the report, outside DVC's outputs
+    assert "kept in build/trains_in_forward/failed/evalcheck/" in report.reasons[-1]
+    kept = ws.root / "build" / "trains_in_forward" / "failed" / "evalcheck" / "failed_inputs.npz"
+    with np.load(kept) as data:
+        assert data.files == ["x"] and data["x"].shape[1:] == (4, 8)
 
 
 def test_dropout_node_with_constant_false_training_mode_is_inert(tmp_path) -> None:

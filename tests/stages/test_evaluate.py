@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from schemas.release import MetricThreshold
@@ -36,6 +38,15 @@ def test_threshold_broken_vs_reference_fails_the_stage(built_gpt2: Workspace) ->
     assert report.status.value == "failed"
     assert report.reasons[0].startswith("top1_agreement 0.99")
     assert "vs reference 1: needs >= 1 (min_absolute_change 0)" in report.reasons[0]
+    # the evidence: every sample's own agreement, worst first, its mean the failed metric
+    kept = built_gpt2.root / "build" / "tiny-gpt2" / "failed" / "evaluate"
+    assert "kept in build/tiny-gpt2/failed/evaluate/" in report.reasons[-1]
+    rows = [json.loads(x) for x in (kept / "failed_samples.jsonl").read_text().splitlines()]
+    assert sorted(r["sample"] for r in rows) == list(range(report.details["samples"]))
+    top1 = [r["top1_agreement"] for r in rows]
+    assert top1 == sorted(top1) and top1[0] < 1.0
+    # each sample weighs by its tokens in the metric; equal-length samples: the plain mean
+    assert min(top1) <= report.metrics["top1_agreement"] <= max(top1)
 
 
 def rule(**kw: object) -> MetricThreshold:

@@ -63,7 +63,11 @@ def test_each_cache_bug_passes_every_other_stage_and_kvcheck_stops_it(
     report = bugs.run("kvcheck", spec)
     assert report.status.value == "failed"
     assert report.stage == "kvcheck"
-    torch_reason, onnx_reason, shipped_reason = report.reasons
+    torch_reason, onnx_reason, shipped_reason, kept_reason = report.reasons
+    assert "kept in build/" in kept_reason  # the token sequences every comparison decoded
+    kept = bugs.root / "build" / spec["name"] / "failed" / "kvcheck"
+    with np.load(kept / "failed_inputs.npz") as f:
+        assert f["input_ids"].ndim == 2 and f["input_ids"].size > 0
     assert torch_reason.startswith(f"PyTorch: {probe} differs from a full recompute")
     assert onnx_reason.startswith(f"ONNX Runtime: {probe} differs from a full recompute")
     # the shipped INT8 graph carries the model's bug too, judged against its own full pass
@@ -488,7 +492,8 @@ def test_a_quantized_graph_whose_cache_path_is_off_is_stopped_on_the_shipped_gra
         shipped.unlink()
         shipped.write_bytes(kept)
     assert report.status.value == "failed"
-    (reason,) = report.reasons  # PyTorch and the export are right
+    reason, kept = report.reasons  # PyTorch and the export are right
+    assert "kept in build/tiny-gpt2/failed/kvcheck/" in kept
     assert reason.startswith(
         "shipped graph (9 dynamic quantization scale(s) pinned): cached decode at step 0 "
         "(past 3): logits at position 3 differs from a full recompute"

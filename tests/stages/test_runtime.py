@@ -103,7 +103,29 @@ def test_crashing_stage_leaves_previous_output_untouched(ws: Workspace, monkeypa
     with pytest.raises(KeyboardInterrupt):
         ws.run("pin", gpt2_spec())
     assert (ws.out("tiny-gpt2", "pin") / "lock.json").read_bytes() == before
-    assert not list((ws.root / "build" / "tiny-gpt2").glob(".pin.tmp*"))
+    assert not list((ws.root / "build" / "tiny-gpt2").glob(".pin.*.tmp"))
+    assert not (ws.root / "build" / "tiny-gpt2" / "failed" / "pin").exists()  # interrupted
+
+
+def test_a_crash_keeps_what_the_run_wrote_as_evidence_and_names_it(
+    ws: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert ws.run("pin", gpt2_spec()).status.value == "passed"
+    before = (ws.out("tiny-gpt2", "pin") / "lock.json").read_bytes()
+    module = importlib.import_module("stages.pin")
+
+    def crash(ctx: Any, release: Any) -> Any:  # a bug, not a StageError, after a log
+        (ctx.work / "server.log").write_text("the trace is in here\n")
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(module, "run", crash)
+    with pytest.raises(RuntimeError, match="a bug") as exc:
+        ws.run("pin", gpt2_spec())
+    kept = ws.root / "build" / "tiny-gpt2" / "failed" / "pin"
+    assert (kept / "server.log").read_text() == "the trace is in here\n"
+    assert any("kept in build/tiny-gpt2/failed/pin/" in n for n in exc.value.__notes__)
+    assert (ws.out("tiny-gpt2", "pin") / "lock.json").read_bytes() == before
+    assert not list((ws.root / "build" / "tiny-gpt2").glob(".pin.*.tmp"))
 
 
 def test_unknown_stage_is_a_stage_error(ws: Workspace) -> None:

@@ -309,12 +309,19 @@ def test_an_slo_that_cannot_be_met_fails_the_stage_and_turns_the_gate_red(
     assert report.status.value == "failed"
     assert report.reasons[0].startswith("SLO p95_latency_ms:")
     assert not (built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").exists()
+    # the evidence the report points at: the server's log and the measurements that failed
+    kept = built_gpt2.root / "build" / "tiny-gpt2" / "failed" / "loadtest"
+    assert "kept in build/tiny-gpt2/failed/loadtest/" in report.reasons[-1]
+    assert (kept / "server.log").stat().st_size > 0
+    measured = json.loads((kept / "loadtest.json").read_text())
+    assert [r["ok"] for r in measured["slo"]] == [False]
     result = gate(built_gpt2.root, [load_release(built_gpt2.write(spec))], None)
     rows = {r.check: r for r in result.rows}
     assert rows["loadtest"].verdict == "FAIL"
     assert rows["SLO p95_latency_ms"].verdict == "FAIL"
     assert not result.ok
     assert built_gpt2.run("loadtest", gpt2_spec()).status.value == "passed"
+    assert not kept.exists()  # a pass clears the evidence of the failure before it
 
 
 def test_load_test_measures_streaming_and_writes_plots(built_gpt2: Workspace) -> None:
