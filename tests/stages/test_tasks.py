@@ -255,13 +255,9 @@ def test_every_bounded_input_of_a_bert_is_refused_past_its_range_with_400(
     import aiohttp
 
     from stages.serving import loadgen as lg
-    from stages.serving.server import LocalServer, assemble
+    from stages.serving.server import LocalServer
 
-    arch = encoder("BERT", "text-embedding")
-    spec, slug = prepare(encoders, arch), matrix.slug_of(arch)
-    for stage in ("quantize", "plan", "serve"):
-        report = encoders.run(stage, spec)
-        assert report.status.value == "passed", (stage, report.reasons)
+    tree, slug = served_bert(encoders, tmp_path / "tree")
     info = json.loads((encoders.out(slug, "export") / "model_info.json").read_text())
     bounds = {t["name"]: (t["low"], t["high"]) for t in info["inputs"]}
     assert bounds == {
@@ -269,12 +265,6 @@ def test_every_bounded_input_of_a_bert_is_refused_past_its_range_with_400(
         "attention_mask": (0, 2),
         "token_type_ids": (0, 2),
     }
-    tree = tmp_path / "tree"
-    assemble(
-        tree,
-        sorted(encoders.out(slug, "quantize").glob("model.onnx*")),
-        encoders.out(slug, "serve"),
-    )
     ids = np.array([[5, 6, 7, 8]], dtype=np.int64)
 
     def feeds(**change: int) -> dict[str, np.ndarray]:
@@ -313,3 +303,65 @@ def test_every_bounded_input_of_a_bert_is_refused_past_its_range_with_400(
         for change, reason in past:
             status, text = asyncio.run(infer(feeds(**change)))
             assert status == 400 and reason in text, (change, status, text)
+
+
+def served_bert(ws: Workspace, tree: Path) -> tuple[Path, str]:
+    """A BERT text-embedding release quantized, planned and served into `tree`."""
+    from stages.serving.server import assemble
+
+    arch = encoder("BERT", "text-embedding")
+    spec, slug = prepare(ws, arch), matrix.slug_of(arch)
+    for stage in ("quantize", "plan", "serve"):
+        report = ws.run(stage, spec)
+        assert report.status.value == "passed", (stage, report.reasons)
+    assemble(tree, sorted(ws.out(slug, "quantize").glob("model.onnx*")), ws.out(slug, "serve"))
+    return tree, slug
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_an_embedding_bundle_answers_only_the_outputs_asked_for_to_tritonclient(
+    encoders: Workspace, tmp_path: Path, binary: bool
+) -> None:
+    """Open Inference Protocol V2 `outputs`: a client asking for the sentence embedding gets
+    it alone (token_embeddings is most of an embedding response), as JSON or as binary
+    tensors (tritonclient's default), over HTTP and gRPC, with the same numbers (issue 28)."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    from stages.serving.server import LocalServer
+
+    tree, slug = served_bert(encoders, tmp_path / "tree")
+    ids = np.array([[5, 6, 7, 8], [9, 10, 11, 0]], dtype=np.int64)
+    feeds = {
+        "input_ids": ids,
+        "attention_mask": (ids > 0).astype(np.int64),
+        "token_type_ids": np.zeros_like(ids),
+    }
+
+    def inputs(module: Any) -> list[Any]:
+        made = []
+        for name, value in feeds.items():
+            tensor = module.InferInput(name, list(value.shape), "INT64")
+            kw = {"binary_data": binary} if module is httpclient else {}
+            tensor.set_data_from_numpy(value, **kw)
+            made.append(tensor)
+        return made
+
+    with LocalServer(tree, slug, tmp_path / "log", 60) as srv:
+        http = httpclient.InferenceServerClient(srv.url.removeprefix("http://"))
+        every = http.infer(slug, inputs(httpclient), headers={})  # no outputs: all, binary
+        want = [httpclient.InferRequestedOutput("sentence_embedding", binary_data=binary)]
+        one = http.infer(slug, inputs(httpclient), outputs=want, headers={})
+        grpc = grpcclient.InferenceServerClient(srv.grpc).infer(
+            slug,
+            inputs(grpcclient),
+            outputs=[grpcclient.InferRequestedOutput("sentence_embedding")],
+        )
+    assert {o["name"] for o in one.get_response()["outputs"]} == {"sentence_embedding"}
+    assert one.as_numpy("token_embeddings") is None
+    assert {o.name for o in grpc.get_response().outputs} == {"sentence_embedding"}
+    sentence = one.as_numpy("sentence_embedding")
+    assert sentence.dtype == np.float32 and sentence.ndim == 2 and sentence.shape[0] == 2
+    assert every.as_numpy("token_embeddings").shape == (2, 4, sentence.shape[1])
+    assert np.array_equal(every.as_numpy("sentence_embedding"), sentence)
+    assert np.array_equal(grpc.as_numpy("sentence_embedding"), sentence)
