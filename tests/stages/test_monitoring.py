@@ -66,6 +66,27 @@ def test_thresholds_are_the_baseline_times_the_stated_margins(tmp_path: Path) ->
     }  # fmt: skip
 
 
+def test_a_baseline_finer_than_the_histogram_alerts_at_its_first_bucket(tmp_path: Path) -> None:
+    """A small model's inter-token latency (0.2 ms here, tiny-gpt2's 0.36 ms in a build) is
+    below the latency histogram's first bucket: histogram_quantile reads healthy traffic
+    there as up to 0.95 x the bucket's edge, so 2 x the baseline would fire all the time. The
+    limit is the first bucket, said so in the rule, and promtool's calm case stays quiet."""
+    from stages.serving.engine.metrics import LATENCY
+
+    fast = {"p95_ttft_ms": 0.1, "p95_itl_ms": 0.2, "peak_rss_mb": 100.0}
+    folder = written(tmp_path, fast)
+    tested = promtool("test", "rules", "alerts_test.yml", cwd=folder)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    rules = {r["alert"]: r for r in monitoring.rules("m", fast, 64, True)["groups"][0]["rules"]}
+    for name in ("ShipyardTTFTHigh", "ShipyardITLHigh"):
+        assert rules[name]["expr"].endswith(f"> {LATENCY[0]}")
+        assert "the histogram's first bucket" in rules[name]["annotations"]["baseline"]
+    # at the bucket's edge exactly the baseline's own margin holds
+    edge = {"p95_itl_ms": LATENCY[0] * 1000 / 2}
+    (rule,) = monitoring.rules("m", edge, 64, True)["groups"][0]["rules"][:1]
+    assert rule["expr"].endswith(f"> {LATENCY[0]}") and "first bucket" not in str(rule)
+
+
 def test_the_unit_tests_fail_when_a_rule_is_wrong(tmp_path: Path) -> None:
     folder = written(tmp_path, BASELINE)
     alerts = yaml.safe_load((folder / "alerts.yml").read_text())

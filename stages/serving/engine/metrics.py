@@ -22,8 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
-# seconds: from a few ms (a decode step here) to a minute (a long queue)
-LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# seconds: from half a millisecond (a small model's decode step) to a minute (a long
+# queue). A p95 alert cannot be set below the first bucket: histogram_quantile puts every
+# observation inside it at up to 0.95 x its edge (bundling/monitoring.py clamps to it).
+LATENCY = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0,
+)  # fmt: skip
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 
