@@ -283,8 +283,11 @@ def ms_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_a_bundle_signed_with_shipyard_files_serialization_verifies_with_the_cli(
     bundle: Path, keys: dict[str, Path]
 ) -> None:
-    digest = sign(bundle, private_key=keys["private"], serialization="files")
-    assert digest == load_manifest(bundle / "manifest.json").digest  # what the registry records
+    from pipelines.cli import main
+
+    argv = ["sign", str(bundle), "--private-key", str(keys["private"])]
+    assert main([*argv, "--serialization", "files"]) == 0  # what a user types
+    digest = load_manifest(bundle / "manifest.json").digest  # what the registry records
     done = ms_cli("verify", "key", str(bundle), "--signature", str(bundle / "model.sig"),
                   "--public_key", str(keys["public"]))  # fmt: skip
     assert done.returncode == 0 and "Verification succeeded" in done.stdout, done.stderr
@@ -304,6 +307,10 @@ def test_a_bundle_signed_with_the_cli_verifies_with_shipyard_and_tampering_is_re
     done = ms_cli("sign", "key", str(bundle), "--signature", str(bundle / "model.sig"),
                   "--private_key", str(keys["private"]), *extra)  # fmt: skip
     assert done.returncode == 0, done.stderr
+    from pipelines.cli import main
+
+    assert main(["verify", str(bundle), "--public-key", str(keys["public"])]) == 0
+    assert main(["verify", str(bundle), "--public-key", str(keys["other"])]) != 0
     digest = verify_signed(bundle, Identity(public_key=keys["public"]))
     assert digest == load_manifest(bundle / "manifest.json").digest
     with pytest.raises(RegistryError, match="signature does not verify"):

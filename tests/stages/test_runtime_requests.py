@@ -775,3 +775,17 @@ def test_the_metrics_endpoint_shows_ttft_batching_tokens_and_finish_reasons(guar
     assert ("shipyard_queue_depth", model) in after
     assert 0 <= after[("shipyard_kv_cache_usage_ratio", model)] <= 1
     assert after[("process_resident_memory_bytes", ())] > 0
+    assert grew("shipyard_output_tokens_count") == streams  # one length per finished output
+    assert grew("shipyard_output_tokens_sum") == streams * tokens
+    assert grew("shipyard_empty_responses_total") == 0
+    # a first token that is a stop token: an empty response, counted as such
+    v2 = ids([1, 2, 3, 4], [1, 4], max_new_tokens=1)  # greedy: the token a stop will be
+    answer = asyncio.run(call(guarded.url, "/v2/models/tiny-gpt2/infer", body=v2, headers=AUTH))
+    outputs = {o["name"]: o for o in json.loads(answer[1])["outputs"]}
+    stop = {"model": "tiny-gpt2", "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0,
+            "stop_token_ids": outputs["output_ids"]["data"][:1]}  # fmt: skip
+    status, text = asyncio.run(call(guarded.url, "/v1/completions", body=stop, headers=AUTH))
+    assert status == 200 and json.loads(text)["choices"][0]["text"] == "", text
+    again = scrape(guarded)
+    empty = ("shipyard_empty_responses_total", model)
+    assert again.get(empty, 0.0) - after.get(empty, 0.0) == 1
