@@ -13,7 +13,7 @@ REPRO_FLAGS ?=
 # Example checkpoints too big to commit are generated (deterministically) before the build.
 CHECKPOINTS ?= models/gpt2-small/model.safetensors
 
-.PHONY: release test lint bench mutation clean
+.PHONY: release trusted-release test lint bench mutation clean
 
 # Debian packages (nodejs and npm, prometheus): as root here, through sudo on a CI runner
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -61,6 +61,18 @@ release: $(STAMP) $(CHECKPOINTS) $(PLOTS_TEMPLATE)
 	$(BIN)/shipyard compile --check
 	$(BIN)/dvc repro $(REPRO_FLAGS) $(RELEASE_TARGETS)
 	for bundle in build/*/bundle; do $(BIN)/shipyard verify $$bundle || exit 1; done
+
+# CI's build: `shipyard build` instead of a plain `dvc repro`, so that with
+# SHIPYARD_TRUSTED_BUILDERS set every output DVC restores (its run-cache, or the shared
+# remote with BUILD_FLAGS=--pull) is checked against its attestation before the next stage
+# reads it, and rebuilt here when no trusted builder signed it. RELEASES: names (default all).
+RELEASES ?=
+BUILD_FLAGS ?=
+trusted-release: $(STAMP) $(CHECKPOINTS)
+	$(BIN)/shipyard compile --check
+	$(BIN)/shipyard build $(RELEASES) $(BUILD_FLAGS)
+	for release in $(or $(RELEASES),$(patsubst build/%/bundle,%,$(wildcard build/*/bundle))); do \
+		$(BIN)/shipyard verify build/$$release/bundle || exit 1; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -14,6 +14,13 @@ each checked against dvc.lock (unchanged ones are skipped, the run-cache still r
 `dvc repro` itself has no `--jobs` (DVC's parallel runs are `dvc exp run --queue`, which
 copies the workspace per run and commits experiments, not a build), hence this wrapper.
 
+Trust: with `SHIPYARD_TRUSTED_BUILDERS` set, an output DVC restores instead of building (its
+run-cache, or `--pull` from the shared remote) is checked against its attestation
+(pipelines/provenance.py) right after its stage and before the next stage reads it; one no
+trusted builder signed for these inputs is evicted with its cached objects and run-cache
+entries, and the stage runs here (`--force`), said as `rebuild <stage>@<release>: why`. A
+plain `dvc repro` restores without asking; `shipyard provenance` can only check afterwards.
+
 Memory: a release's peak is estimated from its checkpoint (`PEAK_PER_WEIGHT_BYTE` times the
 weight bytes plus `BASE_BYTES` for the interpreter, torch and ONNX Runtime), and a release
 starts only while the estimates of everything running fit in `--memory` (default: 80 % of
@@ -24,7 +31,6 @@ it.
 from __future__ import annotations
 
 import os
-import shlex
 import subprocess
 import sys
 import time
@@ -32,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipelines import provenance
 from pipelines.fingerprint import CODE_STAGE
 from schemas import ShipyardError
 
@@ -125,6 +132,8 @@ def build(
     jobs: int,
     budget: int | None = None,
     say: Callable[[str], None] = print,
+    pull: bool = False,
+    until: str | None = None,
 ) -> int:
     """Build the named releases (default: all); returns how many failed."""
     from pipelines import compiler
@@ -139,6 +148,10 @@ def build(
         )
     if compiler.is_stale(root):
         raise ShipyardError("dvc.yaml is stale; run `shipyard compile` first")
+    stages = _stages(until)
+    trusted = bool(provenance.trusted_keys())
+    if trusted:
+        say("restored outputs are checked against their attestations (trusted builders set)")
     chosen = names or sorted(releases)
     budget = budget or int(0.8 * available_memory())
     logs = root / "build" / ".logs"
@@ -152,8 +165,9 @@ def build(
         f"{budget / 2**30:.1f} GiB: "
         + ", ".join(f"{j.release} (~{j.estimate / 2**30:.1f} GiB)" for j in pending)
     )
+    # the fingerprints are cheap: with trusted builders they are computed here, never restored
     shared = subprocess.run(
-        [_dvc(), "repro", "--single-item", CODE_STAGE],
+        [_dvc(), "repro", "--single-item", *(["--force"] if trusted else []), CODE_STAGE],
         cwd=root,
         capture_output=True,
         text=True,
@@ -166,7 +180,7 @@ def build(
         waiting = [(j.release, j.estimate) for j in pending]
         for name in admit(waiting, [j.estimate for j in running], budget, jobs):
             job = next(j for j in pending if j.release == name)
-            _start(root, job)
+            _start(root, job, stages, pull)
             say(f"started {job.release}")
             pending.remove(job)
             running.append(job)
@@ -180,6 +194,9 @@ def build(
             seconds = time.monotonic() - job.started
             text = job.log.read_text(encoding="utf-8", errors="replace")
             ran = text.count("Running stage '")
+            for line in text.splitlines():
+                if line.startswith(REBUILT):
+                    say(f"{job.release}: {line}")
             if code == 0:
                 say(f"{job.release}: ok, {ran} stage(s) ran, {seconds:.1f} s")
             else:
@@ -192,22 +209,85 @@ def build(
     return failed
 
 
-def _start(root: Path, job: Job) -> None:
-    """One worker per release: its stages in pipeline order, stopping at the first failure."""
+def _stages(until: str | None) -> list[str]:
     from stages import STAGES
 
+    names = list(STAGES)
+    if until is not None and until not in names:
+        raise ShipyardError(f"--until {until}: no such stage; choose one of {', '.join(names)}")
+    return names[: names.index(until) + 1] if until else names
+
+
+def _start(root: Path, job: Job, stages: list[str], pull: bool) -> None:
+    """One worker per release (`python -m pipelines.build`): its stages in pipeline order,
+    stopping at the first failure."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-    dvc = shlex.quote(_dvc())
-    steps = [
-        f"{dvc} --wait-for-lock repro --single-item {shlex.quote(f'{stage}@{job.release}')}"
-        for stage in STAGES
-    ]
+    command = [sys.executable, "-m", "pipelines.build", job.release, ",".join(stages)]
     with job.log.open("wb") as log:
         job.process = subprocess.Popen(
-            ["sh", "-c", " && ".join(steps)],
+            [*command, *(["--pull"] if pull else [])],
             cwd=root,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
         )
     job.started = time.monotonic()
+
+
+REBUILT = "rebuild "  # the line a worker writes for an evicted, untrusted restore
+
+
+def _repro(root: Path, target: str, *flags: str) -> tuple[int, str]:
+    done = subprocess.run(
+        [_dvc(), "--wait-for-lock", "repro", "--single-item", *flags, target],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    print(done.stdout, end="", flush=True)
+    return done.returncode, done.stdout
+
+
+def reproduce(root: Path, release: str, stages: list[str], pull: bool) -> int:
+    """A worker: each stage by `dvc repro --single-item`; with trusted builders, an output
+    DVC restored rather than built is checked before the next stage reads it, and rebuilt
+    here when no trusted builder attested it for these inputs. Returns an exit code."""
+    from pipelines import cache
+
+    trusted = provenance.trusted_keys()
+    for stage in stages:
+        target = f"{stage}@{release}"
+        code, text = _repro(root, target, *(["--pull"] if pull else []))
+        if code != 0:
+            return code
+        if not trusted or f"Stage '{target}' is cached" not in text:
+            continue  # built here (or unchanged since): nothing came from elsewhere
+        paths = provenance.stage_paths(root, stage, release)
+        who, problems = (
+            provenance.check(root, paths, trusted)
+            if paths is not None
+            else (None, ["not in dvc.yaml: run `shipyard compile`"])
+        )
+        if not problems:
+            print(f"trusted {target}: restored, built by {who}", flush=True)
+            continue
+        print(f"{REBUILT}{target}: {problems[0]} (restored by DVC; evicted)", flush=True)
+        cache.evict(root, stage, release)
+        code, _ = _repro(root, target, "--force")
+        if code != 0:
+            return code
+    return 0
+
+
+if __name__ == "__main__":  # a worker of `shipyard build`
+    import argparse
+
+    from stages import repo_root
+
+    cli = argparse.ArgumentParser(prog="python -m pipelines.build")
+    cli.add_argument("release")
+    cli.add_argument("stages", help="comma-separated, in pipeline order")
+    cli.add_argument("--pull", action="store_true")
+    args = cli.parse_args()
+    sys.exit(reproduce(repo_root(), args.release, args.stages.split(","), args.pull))

@@ -72,7 +72,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     from stages import repo_root
 
     budget = build.parse_memory(args.memory) if args.memory else None
-    failed = build.build(repo_root(), args.releases, args.jobs, budget)
+    failed = build.build(
+        repo_root(), args.releases, args.jobs, budget, pull=args.pull, until=args.until
+    )
     return 1 if failed else 0
 
 
@@ -536,6 +538,14 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("releases", nargs="*", help="release names (default: all)")
     b.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="most at once")
     b.add_argument("--memory", help="memory the builds may use (default: 80%% of available)")
+    b.add_argument(
+        "--pull",
+        action="store_true",
+        help="fetch missing outputs and run-cache objects from the shared remote (dvc repro "
+        "--pull); with SHIPYARD_TRUSTED_BUILDERS set, each restored output is checked against "
+        "its attestation before the next stage reads it, and rebuilt when it fails",
+    )
+    b.add_argument("--until", metavar="STAGE", help="stop after this stage (default: bundle)")
     b.set_defaults(func=cmd_build)
     ini = sub.add_parser("init", help="write releases/<name>.yaml from a model folder")
     ini.add_argument("model_folder", help="a Hugging Face folder inside the repository")

@@ -82,15 +82,8 @@ def stage_paths(root: Path, stage: str, release: str) -> StagePaths | None:
         stage,
         release,
         tuple(named(template.get("deps", []))),
-        tuple(
-            named(
-                [
-                    *template.get("outs", []),
-                    *template.get("metrics", []),
-                    *template.get("plots", []),
-                ]
-            )
-        ),
+        # outs, plots (committed data, `cache: false`) and the metrics file, as DVC has them
+        tuple(named([e for k in ("outs", "plots", "metrics") for e in template.get(k, [])])),
     )
     # a dvc.yaml compiled before attestations were outs declares nowhere to write one
     return paths if paths.envelope in paths.outs else None

@@ -378,7 +378,7 @@ def test_the_attested_outputs_are_every_out_dvc_yaml_declares_uncached_ones_too(
     assert found.outs == (
         f"build/{REL}/quantize",
         f"build/{REL}/attestations/quantize.json",
-        f"build/{REL}/plots/quantize/layer_snr.json",  # {path: {cache: false}} in dvc.yaml
+        f"build/{REL}/plots/quantize/layer_snr.json",  # a plot, {cache: false}, in dvc.yaml
         f"build/{REL}/metrics/quantize.json",
     )
     assert found.envelope == f"build/{REL}/attestations/quantize.json"
@@ -398,3 +398,45 @@ def test_the_shared_cache_reaches_the_endpoint_it_is_given_and_no_other(
     assert local_config(root)["'remote \"shipyard\"'"]["endpointurl"] == s3_server
     listed = boto3.client("s3", endpoint_url=s3_server).list_objects_v2(Bucket=name)
     assert [o["Size"] for o in listed["Contents"]] == [len(b"weights")]
+
+
+def test_shipyard_build_refuses_a_forged_run_cache_entry_before_any_stage_reads_it(
+    repo: Path, keys: dict[str, Path]
+) -> None:
+    """The shared cache attack with a stale lock: someone who can write the run-cache saves
+    their own output of export under the honest stage's key (the newest entry, so DVC
+    restores it), and a builder's clone has no dvc.lock for it. With trusted builders set,
+    `shipyard build` restores pin (attested: kept), restores export from the forged entry,
+    refuses it before the next stage runs and builds export here instead."""
+    model = repo / "build" / REL / "export" / "model.onnx"
+
+    def forge() -> bytes:
+        forged = model.read_bytes() + b"\0"
+        model.unlink()  # a new file: the old one is a hardlink into DVC's cache
+        model.write_bytes(forged)
+        attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
+        provenance.write(repo, stage(repo, "export"), attacker)
+        sh(["dvc", "commit", "-f", f"export@{REL}"], repo)  # its run-cache entry, as DVC saves
+        (repo / "dvc.lock").unlink()  # the clone's lock predates the build
+        shutil.rmtree(repo / "build" / REL / "export")
+        return forged
+
+    forged = forge()
+    trusted = {
+        provenance.KEY_ENV: str(keys["builder"]),
+        provenance.TRUST_ENV: str(keys["builder.pub"]),
+    }
+    done = sh(["shipyard", "build", REL, "--until", "export"], repo, trusted)
+    assert f"{REL}: rebuild export@{REL}: not signed by a trusted builder" in done.stdout
+    log = (repo / "build" / ".logs" / f"{REL}.log").read_text()
+    assert f"trusted pin@{REL}: restored, built by" in log  # pin came from the run-cache too
+    restored = log.index(f"Stage 'export@{REL}' is cached")  # DVC took the forged entry
+    assert (
+        restored < log.index(f"rebuild export@{REL}") < log.index(f"Running stage 'export@{REL}'")
+    )
+    assert model.read_bytes() != forged
+    assert check(repo, "export", keys["builder.pub"])[1] == []
+    # without trusted builders, DVC's restore is taken as the cache gave it: what `build` checks
+    forged = forge()
+    sh(["shipyard", "build", REL, "--until", "export"], repo)
+    assert model.read_bytes() == forged
