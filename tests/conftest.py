@@ -128,6 +128,14 @@ class Workspace:
         rng = np.random.default_rng(0)  # real inputs for the trap models: x [N, 4, 8]
         np.savez(root / "data" / "generic.npz", x=rng.standard_normal((48, 4, 8)).astype("f4"))
 
+    @classmethod
+    def copy_of(cls, other: Workspace, root: Path) -> Workspace:
+        """Another workspace's whole tree (builds included) copied to `root`."""
+        shutil.copytree(other.root, root, symlinks=True)
+        ws = cls.__new__(cls)
+        ws.root = root
+        return ws
+
     def write(self, spec: dict[str, Any]) -> Path:
         path = self.root / "releases" / f"{spec['name']}.yaml"
         path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -152,15 +160,23 @@ def ws(tmp_path: Path) -> Workspace:
     return Workspace(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def built_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
-    """tiny-gpt2 (small dims) run through every stage once, shared by a test module."""
-    ws = Workspace(tmp_path_factory.mktemp("gpt2"))
+@pytest.fixture(scope="session")
+def _gpt2_built_once(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    """tiny-gpt2 (small dims) run through every stage once per test run (no test touches
+    it: each module gets its own copy, `built_gpt2`)."""
+    ws = Workspace(tmp_path_factory.mktemp("gpt2-once"))
     for stage in load_stages():
         report = ws.run(stage, gpt2_spec())
         optional = stage == "engine" and report.status.value == "skipped"  # no GPU here
         assert report.status.value == "passed" or optional, (stage, report.reasons)
     return ws
+
+
+@pytest.fixture(scope="module")
+def built_gpt2(_gpt2_built_once: Workspace, tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    """A copy of the once-built tiny-gpt2 workspace, private to a test module: its tests may
+    rerun stages or write into it without reaching another module's."""
+    return Workspace.copy_of(_gpt2_built_once, tmp_path_factory.mktemp("gpt2") / "repo")
 
 
 Run = Callable[[str, dict[str, Any]], StageReport]
