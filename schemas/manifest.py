@@ -24,6 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://model_signing/signature/v1.0"
 SHARD_SIZE = 1 << 30
+# The shard sizes a manifest may use, fixed in code (issue 27): powers of two from 4 KiB to
+# 16 GiB and of ten from 10 kB to 1 GB (model_signing's default is 10**9). A manifest picks
+# among these, never a size of its own: fewer shards than bytes / 4 KiB per file, and with
+# MAX_RESOURCES a bounded amount of hashing before the signature is checked.
+SHARD_SIZES = frozenset({1 << k for k in range(12, 35)} | {10**k for k in range(4, 10)})
 # The only files of a bundle that are not hashed: the manifest cannot hash itself, and the
 # signature signs the manifest. Fixed here, never read from a (possibly edited) manifest.
 MANIFEST_FILE = "manifest.json"

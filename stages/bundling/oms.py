@@ -27,6 +27,7 @@ from schemas.manifest import (
     FACTS_FILE,
     MANIFEST_FILE,
     SHARD_SIZE,
+    SHARD_SIZES,
     Manifest,
     Predicate,
     Resource,
@@ -176,8 +177,11 @@ def manifest_problems(manifest: Manifest) -> list[str]:
             f"{MANIFEST_FILE}: ignore_paths is {s.ignore_paths}; a Shipyard bundle skips only "
             f"{sorted(BUNDLE_UNHASHED)} (fixed in code, never taken from the manifest)"
         )
-    if s.shard_size <= 0:
-        problems.append(f"{MANIFEST_FILE}: shard_size {s.shard_size} must be positive")
+    if s.shard_size not in SHARD_SIZES:
+        problems.append(
+            f"{MANIFEST_FILE}: shard_size {s.shard_size} is not one Shipyard accepts: a power "
+            "of two from 4 KiB to 16 GiB or of ten from 10 kB to 1 GB (fixed in code)"
+        )
     if len(manifest.subject) != 1 or set(manifest.subject[0].digest) != {"sha256"}:
         problems.append(f"{MANIFEST_FILE}: needs exactly one subject with a sha256 digest")
     resources = manifest.predicate.resources

@@ -63,17 +63,18 @@ def test_every_added_missing_or_changed_file_is_named(bundle: Path) -> None:
 def test_a_change_in_any_shard_is_found_and_the_shards_are_exact(tmp_path: Path) -> None:
     folder = tmp_path / "b"
     folder.mkdir()
-    (folder / "w.bin").write_bytes(bytes(1000))
-    manifest_for(folder, shard=300)  # 4 shards: 0-300, 300-600, 600-900, 900-1000
+    size = 3 * 4096 + 1000
+    (folder / "w.bin").write_bytes(bytes(size))
+    manifest_for(folder, shard=4096)  # 4 shards, the last one short
     names = [r.name for r in load_manifest(folder / "manifest.json").predicate.resources]
-    assert names == ["w.bin:0:300", "w.bin:300:600", "w.bin:600:900", "w.bin:900:1000"]
+    assert names == ["w.bin:0:4096", "w.bin:4096:8192", "w.bin:8192:12288", "w.bin:12288:13288"]
     assert verify_bundle(folder) == []
-    for offset in (0, 299, 300, 999):
-        blob = bytearray(1000)
+    for offset in (0, 4095, 4096, size - 1):
+        blob = bytearray(size)
         blob[offset] = 1
         (folder / "w.bin").write_bytes(bytes(blob))
         assert verify_bundle(folder) == ["w.bin: changed (sha256 differs from the manifest)"]
-    (folder / "w.bin").write_bytes(bytes(1001))  # one byte longer: a fifth shard
+    (folder / "w.bin").write_bytes(bytes(size + 1))  # one byte longer: the last shard differs
     assert verify_bundle(folder) == ["w.bin: changed (sha256 differs from the manifest)"]
 
 
@@ -186,8 +187,10 @@ def _subject(data: dict[str, Any]) -> None:
     ("change", "problem"),
     [
         (_ignore, "manifest.json: ignore_paths is ['manifest.json', 'model.sig', 'serving']"),
-        (_shard(0), "manifest.json: shard_size 0 must be positive"),
-        (_shard(-1), "manifest.json: shard_size -1 must be positive"),
+        (_shard(0), "manifest.json: shard_size 0 is not one Shipyard accepts"),
+        (_shard(-1), "manifest.json: shard_size -1 is not one Shipyard accepts"),
+        (_shard(1), "manifest.json: shard_size 1 is not one Shipyard accepts"),
+        (_shard(4095), "manifest.json: shard_size 4095 is not one Shipyard accepts"),
         (_two_subjects, "manifest.json: needs exactly one subject with a sha256 digest"),
         (_md5, "manifest.json: needs exactly one subject with a sha256 digest"),
         (_twice, "manifest.json: a resource is listed twice"),
@@ -206,9 +209,11 @@ def test_an_edited_manifest_is_refused_before_any_file_is_read(
 
 
 def test_a_smaller_shard_size_relabelled_consistently_still_verifies(bundle: Path) -> None:
-    manifest_for(bundle, shard=1000)
+    manifest_for(bundle, shard=4096)
     assert verify_bundle(bundle) == []
-    assert len(load_manifest(bundle / "manifest.json").predicate.resources) == 11 + 2
+    files = [p for p in bundle.rglob("*") if p.is_file() and p.name not in ("manifest.json",)]
+    want = sum(max(1, -(-p.stat().st_size // 4096)) for p in files if p.stat().st_size)
+    assert len(load_manifest(bundle / "manifest.json").predicate.resources) == want > len(files)
 
 
 def test_the_subject_digest_covers_every_resource_in_order(bundle: Path) -> None:
@@ -230,19 +235,29 @@ def test_file_names_with_colons_verify_and_are_checked(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "a:b").write_bytes(b"12345")
     (folder / "a").write_bytes(b"xyz")
-    manifest_for(folder, shard=2)
+    manifest_for(folder, shard=4096)
     assert verify_bundle(folder) == []
     (folder / "a:b").write_bytes(b"12346")
     assert verify_bundle(folder) == ["a:b: changed (sha256 differs from the manifest)"]
 
 
-def test_a_shard_size_of_one_byte_is_valid(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("shard", "ok"),
+    [(4096, True), (4095, False), (2048, False), (10**4, True), (10**9, True), (1 << 34, True),
+     (1 << 35, False), (10**10, False), (1, False), (3 << 20, False)],
+)  # fmt: skip
+def test_the_shard_size_comes_from_the_fixed_set_at_its_boundaries(
+    tmp_path: Path, shard: int, ok: bool
+) -> None:
     folder = tmp_path / "b"
     folder.mkdir()
     (folder / "w").write_bytes(b"abc")
-    manifest_for(folder, shard=1)
-    assert len(load_manifest(folder / "manifest.json").predicate.resources) == 3
-    assert verify_bundle(folder) == []
+    manifest_for(folder, shard=shard)  # consistent with itself: only the size can be wrong
+    problems = verify_bundle(folder)
+    assert problems == ([] if ok else [
+        f"manifest.json: shard_size {shard} is not one Shipyard accepts: a power of two from "
+        "4 KiB to 16 GiB or of ten from 10 kB to 1 GB (fixed in code)"
+    ])  # fmt: skip
 
 
 def test_the_manifest_file_uses_the_oms_field_names(bundle: Path) -> None:
@@ -356,19 +371,20 @@ def test_a_tiny_shard_size_over_a_huge_file_is_refused_before_any_hashing(
     tmp_path: Path,
 ) -> None:
     """shard_size 1 and a 6 GiB file: verify built six billion hash jobs and died of
-    MemoryError before the signature was checked. The shard count is compared first."""
+    MemoryError before the signature was checked. The size is from a fixed set now, and the
+    shard count is compared first: the smallest allowed shards over a grown file."""
     import time
 
     folder = tmp_path / "b"
     folder.mkdir()
-    (folder / "w.bin").write_bytes(bytes(10))
-    manifest_for(folder, shard=1)  # 10 one-byte shards, consistent
+    (folder / "w.bin").write_bytes(bytes(10 * 4096))
+    manifest_for(folder, shard=4096)  # 10 shards, consistent
     assert verify_bundle(folder) == []
     with open(folder / "w.bin", "r+b") as fh:
         fh.truncate(6 << 30)  # sparse: no disk is used
     start = time.perf_counter()
     assert verify_bundle(folder) == [
-        "w.bin: changed (its size makes 6442450944 shards of 1 bytes; the manifest lists 10)"
+        "w.bin: changed (its size makes 1572864 shards of 4096 bytes; the manifest lists 10)"
     ]
     assert time.perf_counter() - start < 5
 
