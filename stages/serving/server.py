@@ -73,12 +73,14 @@ class LocalServer:
         cpus: set[int] | None = None,
         token: str | None = None,
         admin: bool = False,
+        token_file: Path | None = None,
     ) -> None:
         self.tree, self.model, self.log, self.startup = tree, model, log, startup
         self.batching = batching
         self.cpus = cpus  # pin the server (and every thread it starts) to these cores
         # None: --no-auth (loopback only); a token: clients send it as a bearer token
         self.token, self.admin = token, admin
+        self.token_file = token_file  # the token from this file instead of the environment
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = self.grpc = ""
         self.ports: list[int] = []
@@ -129,7 +131,9 @@ class LocalServer:
             *([] if self.token else ["--no-auth"]),
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHIPYARD_API_TOKEN")}
-        if self.token:
+        if self.token_file is not None:
+            env["SHIPYARD_API_TOKEN_FILE"] = str(self.token_file)
+        elif self.token:
             env["SHIPYARD_API_TOKEN"] = self.token
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(

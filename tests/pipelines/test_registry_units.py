@@ -74,6 +74,28 @@ def bundle(tmp_path: Path) -> Path:
     return make_bundle(tmp_path / "bundle")
 
 
+def cli_error(argv: list[str]) -> tuple[int, str]:
+    """`shipyard ARGV` in this process: its exit code and the part of its error that names
+    the refusal (the text after `error: ` up to the registry's own words)."""
+    import contextlib
+    import io
+
+    from pipelines.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    text = err.getvalue()
+    assert code == 0 or (text.startswith("error: ") and "Traceback" not in text), text
+    for known in (
+        "filed as other-model@9.9.9, but its shipyard.json says demo@1.0.1",
+        "manifest.json is not the one published",
+    ):
+        if known in text:
+            return code, known
+    return code, text
+
+
 def published(registry: Registry, tmp_path: Path, *versions: str) -> None:
     for v in versions:
         registry.publish(make_bundle(tmp_path / f"b-{v}", payload=v.encode(), version=v), "demo", v)
@@ -485,6 +507,10 @@ def test_a_file_renamed_inside_a_published_bundle_is_refused(
     with pytest.raises(RegistryError, match="manifest.json is not the one published"):
         registry.promote("demo", "1.0.0", "production", "renamed")
     assert registry.channel("demo", "production") is None
+    where = ["--registry", registry.root]
+    assert cli_error(["promote", "demo@1.0.0", "--to", "production", *where]) == (
+        5, "manifest.json is not the one published"
+    )  # fmt: skip
 
 
 def test_promote_refuses_unpublished_missing_and_replaced_bundles(
@@ -558,6 +584,12 @@ def test_a_signature_policy_refuses_unsigned_and_accepts_a_trusted_signature(
     ):
         registry.promote("other-model", "9.9.9", "production", "refiled")
     assert registry.channel("demo", "production")["version"] == "1.0.1"  # type: ignore[index]
+    # and as a user meets it: the command refuses, naming both, and moves nothing
+    where = ["--registry", str(tmp_path / "registry")]
+    assert cli_error(["promote", "other-model@9.9.9", "--to", "production", *where]) == (
+        5, "filed as other-model@9.9.9, but its shipyard.json says demo@1.0.1"
+    )  # fmt: skip
+    assert registry.channel("other-model", "production") is None
 
 
 # --------------------------------------------------------------------------- history

@@ -184,11 +184,13 @@ def test_a_burst_beyond_the_queue_is_refused_with_503_and_memory_stays_flat(
             assert all("queue full" in t for s, t in results if s == 503)
         # streams past the queue get the same 503 (were 200 with the refusal in-band)
         streams = asyncio.run(burst(40, "infer_stream"))
+        generated = asyncio.run(burst(40, "generate_stream"))  # V2's generate extension too
         after = srv.rss()
-    stream_codes = [s for s, _ in streams]
-    assert set(stream_codes) == {200, 503}, stream_codes
-    assert all(json.loads(t)["error"].startswith("queue full") for s, t in streams if s == 503)
-    assert all(t.startswith("data: ") for s, t in streams if s == 200)
+    for answers in (streams, generated):
+        stream_codes = [s for s, _ in answers]
+        assert set(stream_codes) == {200, 503}, stream_codes
+        assert all(json.loads(t)["error"].startswith("queue full") for s, t in answers if s == 503)
+        assert all(t.startswith("data: ") for s, t in answers if s == 200)
     assert set(codes) <= {200, 503}, sorted(set(codes))
     assert codes.count(503) > 0 and codes.count(200) >= 5
     assert after - before < 40 * 2**20, (before, after)  # no growth with refused requests
@@ -463,7 +465,11 @@ def test_the_admin_api_when_asked_still_needs_the_token(
     built_gpt2: Workspace, tmp_path: Path
 ) -> None:
     tree = tree_with(built_gpt2, tmp_path / "tree")
-    with LocalServer(tree, "tiny-gpt2", tmp_path / "log", 60, token=TOKEN, admin=True) as srv:
+    secret = tmp_path / "token"  # the token from a file (SHIPYARD_API_TOKEN_FILE), not the env
+    secret.write_text(TOKEN + "\n")
+    with LocalServer(
+        tree, "tiny-gpt2", tmp_path / "log", 60, token=TOKEN, admin=True, token_file=secret
+    ) as srv:
         unload = "/v2/repository/models/tiny-gpt2/unload"
         assert asyncio.run(call(srv.url, unload))[0] == 401
         status, text = asyncio.run(call(srv.url, "/v2/repository/index", body={}, headers=AUTH))
