@@ -411,21 +411,13 @@ def test_shipyard_build_refuses_a_forged_run_cache_entry_before_any_stage_reads_
     model = repo / "build" / REL / "export" / "model.onnx"
 
     def forge() -> bytes:
-        forged = model.read_bytes() + b"\0"
-        model.unlink()  # a new file: the old one is a hardlink into DVC's cache
-        model.write_bytes(forged)
-        attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
-        provenance.write(repo, stage(repo, "export"), attacker)
-        sh(["dvc", "commit", "-f", f"export@{REL}"], repo)  # its run-cache entry, as DVC saves
+        forged = forge_export(repo, keys)
         (repo / "dvc.lock").unlink()  # the clone's lock predates the build
         shutil.rmtree(repo / "build" / REL / "export")
         return forged
 
     forged = forge()
-    trusted = {
-        provenance.KEY_ENV: str(keys["builder"]),
-        provenance.TRUST_ENV: str(keys["builder.pub"]),
-    }
+    trusted = trusting(keys)
     done = sh(["shipyard", "build", REL, "--until", "export"], repo, trusted)
     assert f"{REL}: rebuild export@{REL}: not signed by a trusted builder" in done.stdout
     log = (repo / "build" / ".logs" / f"{REL}.log").read_text()
@@ -440,3 +432,65 @@ def test_shipyard_build_refuses_a_forged_run_cache_entry_before_any_stage_reads_
     forged = forge()
     sh(["shipyard", "build", REL, "--until", "export"], repo)
     assert model.read_bytes() == forged
+    sh(["dvc", "repro", "--force", "--single-item", f"export@{REL}"], repo, trusted)  # honest again
+
+
+def trusting(keys: dict[str, Path]) -> dict[str, str]:
+    """A builder's environment: its own key, and the builders it trusts (itself)."""
+    return {
+        provenance.KEY_ENV: str(keys["builder"]),
+        provenance.TRUST_ENV: str(keys["builder.pub"]),
+    }
+
+
+def forge_export(repo: Path, keys: dict[str, Path]) -> bytes:
+    """What someone who can write the run-cache does: their own export output, attested with
+    their key, saved by DVC as the run-cache entry for the honest stage's inputs."""
+    model = repo / "build" / REL / "export" / "model.onnx"
+    forged = model.read_bytes() + b"\0"
+    model.unlink()  # a new file: the old one is a hardlink into DVC's cache
+    model.write_bytes(forged)
+    attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
+    provenance.write(repo, stage(repo, "export"), attacker)
+    sh(["dvc", "commit", "-f", f"export@{REL}"], repo)  # its run-cache entry, as DVC saves one
+    return forged
+
+
+def test_a_forged_run_cache_entry_on_the_shared_s3_remote_is_rebuilt_by_a_fresh_clone(
+    repo: Path, keys: dict[str, Path], tmp_path: Path, s3_server: str
+) -> None:
+    """The issue's attack end to end: the forged entry reaches a real S3 API (moto's server)
+    through `shipyard cache push`, the honest entry for the same inputs deleted; a builder's
+    fresh clone whose dvc.lock predates the build pulls (`cache pull`, then `build --pull`)
+    and builds export itself rather than use what the remote gave."""
+    import boto3
+
+    name = bucket()
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    remote = {"SHIPYARD_DVC_REMOTE": f"s3://{name}/dvc", "SHIPYARD_DVC_ENDPOINT": s3_server}
+
+    def export_dir() -> str:  # the md5 of export's output folder, as dvc.lock has it
+        outs = yaml.safe_load((repo / "dvc.lock").read_text())["stages"][f"export@{REL}"]["outs"]
+        return next(o["md5"] for o in outs if o["path"] == f"build/{REL}/export")
+
+    honest = export_dir()
+    forged = forge_export(repo, keys)
+    assert export_dir() != honest
+    for path in (repo / ".dvc" / "cache" / "runs").rglob("*"):
+        if path.is_file() and honest in {
+            o["md5"] for o in yaml.safe_load(path.read_text())["outs"]
+        }:
+            path.unlink()  # only the forged entry is left for these inputs
+    sh(["shipyard", "cache", "push"], repo, remote)
+    clone = tmp_path / "clone"
+    sh(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
+    (clone / "dvc.lock").unlink(missing_ok=True)
+    env = {**remote, **trusting(keys)}
+    sh(["shipyard", "cache", "pull"], clone, env)
+    done = sh(["shipyard", "build", REL, "--until", "export", "--pull"], clone, env)
+    assert f"{REL}: rebuild export@{REL}: not signed by a trusted builder" in done.stdout
+    built = (clone / "build" / REL / "export" / "model.onnx").read_bytes()
+    assert built != forged and check(clone, "export", keys["builder.pub"])[1] == []
+    log = (clone / "build" / ".logs" / f"{REL}.log").read_text()
+    assert f"trusted pin@{REL}: restored, built by" in log  # the honest entries still serve
+    assert log.index(f"Stage 'export@{REL}' is cached") < log.index(f"rebuild export@{REL}")
