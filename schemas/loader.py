@@ -13,21 +13,47 @@ from pydantic.fields import FieldInfo
 
 from schemas.errors import SpecError
 from schemas.release import ReleaseSpec
+from schemas.spec.model import ModelSource
+from schemas.spec.quantization import Quantization
 
+
+def _literals(union: Any, key: str) -> tuple[str, ...]:
+    """The values of a discriminated union's key, in its members' order (each member a
+    pydantic model whose `key` is a Literal)."""
+    members = get_args(get_args(union)[0])  # Annotated[A | B, Field(discriminator=key)]
+    return tuple(v for m in members for v in get_args(m.model_fields[key].annotation))
+
+
+def _default_hint(field: FieldInfo) -> str | None:
+    """What to write for a required section to take its defaults: `{}` when the section's
+    model accepts an empty mapping, `{<key>: none}` for a discriminated union with a `none`
+    member, else None (the section has no defaults)."""
+    if isinstance(field.discriminator, str):
+        values = [
+            v
+            for m in get_args(field.annotation)
+            for v in get_args(m.model_fields[field.discriminator].annotation)
+        ]
+        return f"{{{field.discriminator}: none}}" if "none" in values else None
+    model = field.annotation
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return None
+    try:
+        model.model_validate({})
+    except ValidationError:
+        return None
+    return "{}"
+
+
+# Derived from the models, never kept by hand (a hand-kept list had drifted: it lacked
+# engine and loadtest, which accept `{}`).
 SECTIONS_WITH_DEFAULTS = {
-    "pins": "{}",
-    "parity": "{}",
-    "bundle": "{}",
-    "quantization": "{method: none}",
+    name: hint
+    for name, field in ReleaseSpec.model_fields.items()
+    if field.is_required() and (hint := _default_hint(field)) is not None
 }
-QUANT_METHODS = (
-    "none",
-    "int8-dynamic",
-    "int8-static",
-    "int4-weight-only",
-    "int8-weight-only",
-    "auto",
-)
+QUANT_METHODS = _literals(Quantization, "method")
+MODEL_KINDS = _literals(ModelSource, "kind")
 # How pydantic names validator wrappers in error locations (never a user's key).
 _VALIDATOR_TAG = re.compile(
     r"^(function-(after|before|wrap|plain)|tagged-union|union|lax-or-strict|constrained-\w+|"
@@ -299,7 +325,7 @@ def _excerpt_long(message: str) -> str:
 def _is_union_tag(part: Any, parent: Any) -> bool:
     """pydantic puts the chosen member of a discriminated union (and validator wrappers)
     into error locations; they are not fields of the spec."""
-    if parent == "model" and part in ("hf", "python"):
+    if parent == "model" and part in MODEL_KINDS:
         return True
     if parent == "quantization" and part in QUANT_METHODS:
         return True

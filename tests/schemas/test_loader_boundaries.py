@@ -142,3 +142,43 @@ def test_an_error_the_describer_cannot_place_still_gets_a_message() -> None:
     odd = {"loc": ("export", 3), "msg": "something odd"}  # no "type": the describer fails
     assert _safe_describe("r.yaml", root, odd) == "r.yaml:1: export.3: something odd"
     assert _safe_describe("r.yaml", root, {}) == "r.yaml:1: (top level): invalid"
+
+
+@pytest.mark.parametrize(
+    ("section", "want"),
+    [
+        ("engine", "engine: required section is missing; write `engine: {}` for the defaults"),
+        (
+            "loadtest",
+            "loadtest: required section is missing; write `loadtest: {}` for the defaults",
+        ),
+        ("parity", "parity: required section is missing; write `parity: {}` for the defaults"),
+        (
+            "quantization",
+            "quantization: required section is missing; write `quantization: {method: none}` "
+            "for the defaults",
+        ),
+        ("export", "export: required field is missing"),  # no defaults: nothing to suggest
+        ("capacity", "capacity: required field is missing"),
+    ],
+)
+def test_a_missing_section_with_defaults_names_what_to_write(
+    tmp_path: Path, section: str, want: str
+) -> None:
+    """The hint comes from the models (every required section whose model takes `{}`, or a
+    union with a `none` member), never a hand-kept list: one had lacked engine and loadtest."""
+    path, _ = _spec_with(tmp_path, lambda s: s.pop(section))
+    with pytest.raises(SpecError) as caught:
+        load_release(path, shown="releases/spec.yaml")
+    assert [p.split(": ", 1)[1] for p in caught.value.problems] == [want]
+
+
+def test_the_union_literals_are_the_models_own() -> None:
+    from typing import get_args
+
+    from schemas.loader import MODEL_KINDS, QUANT_METHODS
+    from schemas.spec.quantization import Quantization
+
+    members = get_args(get_args(Quantization)[0])
+    assert len(QUANT_METHODS) == len(members) and "auto" in QUANT_METHODS
+    assert set(MODEL_KINDS) == {"hf", "python"}
