@@ -315,13 +315,6 @@ def test_an_embedding_release_skips_kvcheck_as_optional(tmp_path: Path) -> None:
     assert report.acceptable()
 
 
-def test_every_stage_file_is_listed_in_pyproject() -> None:
-    from stages import STAGES
-
-    text = (REPO / "pyproject.toml").read_text()
-    assert all(text.count(f'"stages.{name}"') == 2 for name in STAGES)
-
-
 def test_a_kv_graph_must_take_one_token_on_an_empty_past(tmp_path: Path) -> None:
     """The runtime prefills with an empty past and decodes one token a step: an export
     that does not promise those sizes is refused at validate, naming the dim."""

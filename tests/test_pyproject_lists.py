@@ -1,0 +1,36 @@
+"""pyproject.toml names the stage modules and the subsystem packages for import-linter: a
+list kept by hand, so it is held to the stage registry and the folders, both ways (a stage
+missing from a contract would escape it; a name listed there that is gone would be kept
+forever)."""
+
+from __future__ import annotations
+
+import tomllib
+
+from stages import STAGES
+from tests.conftest import REPO
+
+
+def contracts() -> dict[str, dict[str, object]]:
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    return {c["name"]: c for c in data["tool"]["importlinter"]["contracts"]}
+
+
+def test_both_stage_lists_are_the_stage_registry_in_pipeline_order() -> None:
+    found = contracts()
+    want = [f"stages.{name}" for name in STAGES]
+    independent = next(c for n, c in found.items() if n.startswith("no stage imports another"))
+    libraries = next(c for n, c in found.items() if n.startswith("subsystems are libraries"))
+    assert independent["modules"] == want
+    assert libraries["forbidden_modules"] == want
+
+
+def test_every_subsystem_package_is_held_to_being_a_library() -> None:
+    libraries = next(c for n, c in contracts().items() if n.startswith("subsystems are libraries"))
+    packages = {
+        f"stages.{p.name}" for p in (REPO / "stages").iterdir() if (p / "__init__.py").is_file()
+    }
+    private = {f"stages.{p.stem}" for p in (REPO / "stages").glob("_*.py") if p.stem != "__init__"}
+    listed = set(libraries["source_modules"])  # type: ignore[arg-type]
+    assert packages <= listed, packages - listed
+    assert listed <= packages | private, listed - packages - private
