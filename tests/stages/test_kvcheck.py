@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from schemas import SpecError, StageError
-from tests.conftest import REPO, Workspace, gpt2_spec, model_info
+from tests.conftest import Workspace, gpt2_spec, model_info
 from tests.fixtures import architectures as matrix
 from tests.fixtures import kvbugs
 
