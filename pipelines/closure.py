@@ -1,6 +1,8 @@
 """Code dependencies derived from the code, Bazel-style: the files of ours a stage module
 imports, directly or through other modules of ours, at any depth, including imports inside
-functions (stages import heavy libraries lazily, and their helpers the same way).
+functions (stages import heavy libraries lazily, and their helpers the same way), and the
+modules of ours it runs as `python -m <module>` (a list or tuple holding "-m" and the name:
+`in_child`'s stages._child, which no import reaches).
 
 The compiler fingerprints these (pipelines/fingerprint.py) into one file per stage that the
 stage's DVC entry depends on, so a change to what any of them does reruns the stage; a
@@ -89,6 +91,11 @@ def _imports(root: Path, path: str) -> list[str]:
     package = path.rsplit("/", 1)[0].replace("/", ".") if "/" in path else ""
     found: list[str] = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.List | ast.Tuple):  # [python, "-m", "stages._child", ...]
+            words = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+            for flag, name in zip(words, words[1:], strict=False):
+                if flag == "-m" and isinstance(name, str):
+                    found += _with_parents(root, name)
         if isinstance(node, ast.Import):
             for alias in node.names:
                 found += _with_parents(root, alias.name)

@@ -84,6 +84,30 @@ def test_the_closure_follows_lazy_imports_and_packages(tmp_path: Path) -> None:
     ]
 
 
+def test_a_module_run_as_python_dash_m_is_a_dependency_of_who_runs_it(tmp_path: Path) -> None:
+    """`in_child` runs `python -m stages._child`: no import reaches that file, so editing it
+    reran nothing (issue 29). A list or tuple holding "-m" and one of our modules counts."""
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "__init__.py").write_text("")
+    (tmp_path / "stages" / "_child.py").write_text("from stages import _deep\n")
+    (tmp_path / "stages" / "_deep.py").write_text("X = 1\n")
+    (tmp_path / "stages" / "_quiet.py").write_text("Y = 1\n")
+    (tmp_path / "stages" / "a.py").write_text(
+        "import sys\n\ndef run():\n    cmd = [sys.executable, '-m', 'stages._child', 'x']\n"
+        "    other = ('-m', 'json.tool')  # not ours\n"
+        "    words = ['stages._quiet', '-m']  # no module after the flag\n"
+    )
+    assert import_closure(tmp_path, "stages/a.py") == [
+        "stages/__init__.py",
+        "stages/_child.py",
+        "stages/_deep.py",
+        "stages/a.py",
+    ]
+    _, ios = stage_ios(REPO)
+    modules = code_modules(REPO, ios)
+    assert all("stages/_child.py" in modules[s] for s in ("export", "parity", "kvcheck"))
+
+
 def test_a_stage_depends_on_the_spec_modules_of_the_sections_it_declares_only() -> None:
     _, ios = stage_ios(REPO)
     modules = code_modules(REPO, ios)
