@@ -11,7 +11,12 @@ diff`, and the run-cache does not carry uncached outputs between machines.)
 `--stale-lock`: B's dvc.lock and metrics files are removed first, as on a branch whose
 lock predates A's build: only DVC's run-cache (pulled with the outputs) can serve it.
 
-Usage: python benchmarks/bench_shared_cache.py [TARGET] [--stale-lock]   (default
+`--trusted`: provenance on, as CI runs it. A builds with a builder key (each stage signs its
+attestation); B trusts that key and builds with `shipyard build --pull`, which checks every
+output DVC restores against its attestation before the next stage reads it (and rebuilds
+any that fails): the cost of the check, and that honest outputs all pass it.
+
+Usage: python benchmarks/bench_shared_cache.py [TARGET] [--stale-lock] [--trusted]   (default
   bundle@tiny-gpt2; `bundle@gpt2-small` needs its generated checkpoint: `make release` first)
 """
 
@@ -63,11 +68,34 @@ def clone(into: Path, env: dict[str, str], source: Path = REPO) -> Path:
     return into
 
 
+def keypair(folder: Path) -> tuple[Path, Path]:
+    """A builder's EC P-256 key pair (PEM files)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = folder / "builder.pem", folder / "builder.pub"
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return private, public
+
+
 def main() -> None:
     import boto3
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     stale = "--stale-lock" in sys.argv[1:]
+    trusted = "--trusted" in sys.argv[1:]
     target = args[0] if args else "bundle@tiny-gpt2"
     proc, url = moto()
     try:
@@ -84,8 +112,13 @@ def main() -> None:
             "s3", endpoint_url=url, aws_access_key_id="testing", aws_secret_access_key="testing"
         ).create_bucket(Bucket="shipyard-bench")
         with tempfile.TemporaryDirectory() as tmp:
+            env_a, env_b = env, env
+            if trusted:
+                key, public = keypair(Path(tmp))
+                env_a = {**env, "SHIPYARD_BUILDER_KEY": str(key)}
+                env_b = {**env_a, "SHIPYARD_TRUSTED_BUILDERS": str(public)}
             a = clone(Path(tmp) / "a", env)
-            t_a, out_a = timed([["dvc", "repro", target]], a, env)
+            t_a, out_a = timed([["dvc", "repro", target]], a, env_a)
             built = len(re.findall(r"Running stage '", out_a))
             # A commits what it built (dvc.lock, the metrics), as a developer or CI does;
             # B is a fresh clone of that commit
@@ -97,10 +130,20 @@ def main() -> None:
                 (b / "dvc.lock").unlink()
                 for metrics in b.glob("build/*/metrics"):
                     shutil.rmtree(metrics)
-            t_pull, _ = timed([["shipyard", "cache", "pull"]], b, env)
+            t_pull, pulled = timed([["shipyard", "cache", "pull"]], b, env_b)
             # --pull: a stage restored from the run-cache needs its outputs' objects, which
             # `dvc pull` fetches only for what this clone's dvc.lock names
-            t_repro, out_b = timed([["dvc", "repro", "--pull", target]], b, env)
+            if trusted:
+                release = target.split("@", 1)[1]
+                until = target.split("@", 1)[0]
+                t_repro, out_b = timed(
+                    [["shipyard", "build", release, "--pull", "--until", until]], b, env_b
+                )
+                out_b = (b / "build" / ".logs" / f"{release}.log").read_text()
+                checked = out_b.count("trusted ") + pulled.count("trusted ")
+                rebuilt = out_b.count("rebuild ") + pulled.count("rebuild ")
+            else:
+                t_repro, out_b = timed([["dvc", "repro", "--pull", target]], b, env_b)
             rerun = re.findall(r"Running stage '([^']+)'", out_b)
             bundle = f"build/{target.split('@', 1)[1]}/bundle" if "@" in target else None
             if bundle:
@@ -113,6 +156,8 @@ def main() -> None:
     print(f"A (no remote)   : {t_a:7.1f} s  ({built} stages ran); push {t_push:.1f} s")
     print(f"B (pull + repro): {t_b:7.1f} s  (pull {t_pull:.1f} s + repro {t_repro:.1f} s)")
     print(f"stages B reran  : {len(rerun)} {rerun if rerun else ''}")
+    if trusted:
+        print(f"provenance      : {checked} restored outputs checked, {rebuilt} rebuilt")
     print(f"B / A           : {t_b / t_a:.3f}  ({t_a / t_b:.1f}x faster)")
     if rerun:
         sys.exit("B recomputed stages: the shared remote did not restore everything")
