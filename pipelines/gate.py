@@ -49,9 +49,9 @@ def _icon(verdict: str) -> str:
 def gate(
     root: Path, releases: list[ReleaseSpec], registry: Any, require_baseline: bool = False
 ) -> GateResult:
-    """Every release's rows; with `require_baseline`, a production comparison that cannot
-    run (nothing in production, no registry) fails instead of reading n/a."""
-    """Stage reports (missing, failed or skipped = FAIL) and thresholds vs production."""
+    """Every release's rows: stage reports (missing, failed or skipped = FAIL), the bundle,
+    SLOs and thresholds vs production; with `require_baseline`, a production comparison
+    that cannot run (nothing in production, no registry) fails instead of reading n/a."""
     result = GateResult()
     for spec in releases:
         result.rows += _stage_rows(root, spec)
