@@ -238,15 +238,21 @@ REBUILT = "rebuild "  # the line a worker writes for an evicted, untrusted resto
 
 
 def _repro(root: Path, target: str, *flags: str) -> tuple[int, str]:
-    done = subprocess.run(
+    """`dvc repro --single-item` of one stage: its output streamed to the worker's log as it
+    comes (a long stage shows its progress) and returned."""
+    with subprocess.Popen(
         [_dvc(), "--wait-for-lock", "repro", "--single-item", *flags, target],
         cwd=root,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-    )
-    print(done.stdout, end="", flush=True)
-    return done.returncode, done.stdout
+    ) as proc:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+    return proc.returncode, "".join(lines)
 
 
 def reproduce(root: Path, release: str, stages: list[str], pull: bool) -> int:
