@@ -68,28 +68,6 @@ def clone(into: Path, env: dict[str, str], source: Path = REPO) -> Path:
     return into
 
 
-def keypair(folder: Path) -> tuple[Path, Path]:
-    """A builder's EC P-256 key pair (PEM files)."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = folder / "builder.pem", folder / "builder.pub"
-    private.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return private, public
-
-
 def main() -> None:
     import boto3
 
@@ -114,7 +92,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             env_a, env_b = env, env
             if trusted:
-                key, public = keypair(Path(tmp))
+                from tests.keys import keypair  # REPO is on sys.path (moto())
+
+                key, public = keypair(Path(tmp), "builder")
                 env_a = {**env, "SHIPYARD_BUILDER_KEY": str(key)}
                 env_b = {**env_a, "SHIPYARD_TRUSTED_BUILDERS": str(public)}
             a = clone(Path(tmp) / "a", env)

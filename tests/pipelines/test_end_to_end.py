@@ -76,7 +76,7 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_make_release_builds_a_verified_bundle(clone: Path, tmp_path: Path) -> None:
-    from tests.pipelines.test_signing import keypair
+    from tests.keys import keypair
 
     stamp = VENV / ".installed"
     # The 124M example release is built by `make release` and the benchmark, not in CI.

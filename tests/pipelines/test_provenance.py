@@ -20,8 +20,8 @@ from pipelines import cache, provenance
 from pipelines.bundle_provenance import bundle_chain
 from pipelines.cli import main
 from tests.conftest import bucket
+from tests.keys import keypair
 from tests.pipelines.test_end_to_end import commit_all, copy_worktree, ran, sh
-from tests.pipelines.test_signing import keypair
 
 REL = "tiny-gpt2"
 
@@ -54,6 +54,26 @@ def stage(root: Path, name: str) -> provenance.StagePaths:
 
 def check(root: Path, name: str, *trusted: Path) -> tuple[str | None, list[str]]:
     return provenance.check(root, stage(root, name), trust(*trusted))
+
+
+def swap_export(repo: Path, keys: dict[str, Path]) -> bytes:
+    """What a writer of the remote or the run-cache can make: export's model swapped and an
+    attestation of it signed with their own key (consistent with itself)."""
+    model = repo / "build" / REL / "export" / "model.onnx"
+    swapped = model.read_bytes() + b"\0"
+    model.unlink()  # a new file: the old one is a hardlink into DVC's cache
+    model.write_bytes(swapped)
+    attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
+    provenance.write(repo, stage(repo, "export"), attacker)
+    return swapped
+
+
+def forge_export(repo: Path, keys: dict[str, Path]) -> bytes:
+    """The swap saved by DVC as the run-cache entry for the honest stage's inputs (and in
+    dvc.lock and the cache, as DVC has them after a restore)."""
+    forged = swap_export(repo, keys)
+    sh(["dvc", "commit", "-f", f"export@{REL}"], repo)
+    return forged
 
 
 def test_each_stage_run_attests_every_output_and_input_signed_by_the_builder(
@@ -201,12 +221,7 @@ def test_a_pulled_output_no_trusted_builder_attested_is_removed_and_rebuilt(
     monkeypatch.setenv(provenance.TRUST_ENV, str(keys["builder.pub"]))
     assert all(line.startswith("trusted ") for line in cache.screen(repo)), cache.screen(repo)
     # what a writer of the remote can do: outputs and a self-made attestation that match
-    model = repo / "build" / REL / "export" / "model.onnx"
-    swapped = model.read_bytes() + b"\0"
-    model.unlink()  # a new file: the old one is a hardlink into DVC's cache
-    model.write_bytes(swapped)
-    attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
-    provenance.write(repo, stage(repo, "export"), attacker)
+    swap_export(repo, keys)
     lines = cache.screen(repo)
     assert f"rebuild export@{REL}: not signed by a trusted builder" in lines, lines
     assert f"trusted pin@{REL}: built by " in " ".join(lines)
@@ -348,13 +363,7 @@ def test_an_untrusted_output_dvc_restored_is_evicted_with_its_run_cache_entry_an
     """What a forged run-cache entry leaves after `dvc repro --pull`: the attacker's output in
     the workspace, in dvc.lock, in the cache and in a run-cache entry. `shipyard provenance
     --evict` names it and removes all four, so `dvc repro` runs the stage again."""
-    model = repo / "build" / REL / "export" / "model.onnx"
-    swapped = model.read_bytes() + b"\0"
-    model.unlink()  # a new file: the old one is a hardlink into DVC's cache
-    model.write_bytes(swapped)
-    attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
-    provenance.write(repo, stage(repo, "export"), attacker)
-    sh(["dvc", "commit", "-f", f"export@{REL}"], repo)  # lock, cache and run-cache as DVC has them
+    forge_export(repo, keys)  # lock, cache and run-cache as DVC has them
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"][f"export@{REL}"]
     poisoned = {o["md5"] for o in lock["outs"]}
     monkeypatch.setenv("SHIPYARD_ROOT", str(repo))
@@ -441,19 +450,6 @@ def trusting(keys: dict[str, Path]) -> dict[str, str]:
         provenance.KEY_ENV: str(keys["builder"]),
         provenance.TRUST_ENV: str(keys["builder.pub"]),
     }
-
-
-def forge_export(repo: Path, keys: dict[str, Path]) -> bytes:
-    """What someone who can write the run-cache does: their own export output, attested with
-    their key, saved by DVC as the run-cache entry for the honest stage's inputs."""
-    model = repo / "build" / REL / "export" / "model.onnx"
-    forged = model.read_bytes() + b"\0"
-    model.unlink()  # a new file: the old one is a hardlink into DVC's cache
-    model.write_bytes(forged)
-    attacker = provenance.builder_key({provenance.KEY_ENV: str(keys["attacker"])})
-    provenance.write(repo, stage(repo, "export"), attacker)
-    sh(["dvc", "commit", "-f", f"export@{REL}"], repo)  # its run-cache entry, as DVC saves one
-    return forged
 
 
 def test_a_forged_run_cache_entry_on_the_shared_s3_remote_is_rebuilt_by_a_fresh_clone(

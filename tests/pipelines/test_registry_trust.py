@@ -21,7 +21,7 @@ from pipelines.signing import sign
 from schemas import RegistryError
 from stages.bundling.oms import verify_bundle
 from tests.conftest import Workspace, bucket, built_as, gpt2_spec, remanifest, writable_copy
-from tests.pipelines.test_signing import keypair
+from tests.keys import keypair
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
 ONNX = "serving/triton/tiny-gpt2/1/model.onnx"

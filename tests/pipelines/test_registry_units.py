@@ -550,7 +550,7 @@ def test_a_signature_policy_refuses_unsigned_and_accepts_a_trusted_signature(
     registry: Registry, tmp_path: Path, bundle: Path
 ) -> None:
     from pipelines.signing import sign
-    from tests.pipelines.test_signing import keypair
+    from tests.keys import keypair
 
     private, public = keypair(tmp_path, "release")
     _, stranger = keypair(tmp_path, "stranger")
@@ -766,7 +766,7 @@ def test_a_rollback_keeps_its_reason_and_skips_other_releases_entries(
 def test_a_signature_refusal_explains_the_fix(
     registry: Registry, tmp_path: Path, bundle: Path
 ) -> None:
-    from tests.pipelines.test_signing import keypair
+    from tests.keys import keypair
 
     _, public = keypair(tmp_path, "trusted")
     registry.require_signature("production", [public])

@@ -17,26 +17,9 @@ from pipelines.signing import Identity, hashing_config, sign, verify_signed
 from schemas import RegistryError
 from stages.bundling.oms import build_manifest, load_manifest, verify_bundle
 from tests.conftest import Workspace, remanifest, writable_copy
+from tests.keys import keypair
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
-
-
-def keypair(folder: Path, name: str) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = folder / f"{name}.pem", folder / f"{name}.pub"
-    private.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return private, public
 
 
 @pytest.fixture
