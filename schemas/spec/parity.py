@@ -12,6 +12,14 @@ from schemas.spec.base import Strict
 class Tolerance(Strict):
     atol: float = Field(default=1e-4, ge=0, description="Absolute tolerance.")
     rtol: float = Field(default=1e-3, ge=0, description="Relative tolerance (of the reference).")
+    scale: Literal["rms", "none"] = Field(
+        default="rms",
+        description="What atol is measured in. `rms`: atol times the reference tensor's RMS "
+        "where that is above 1, since float32 rounding grows with the magnitude of the values "
+        "a result is computed from, not with the element (an element near zero in a tensor "
+        "of magnitude 100 carries the tensor's rounding); `none`: atol as it is "
+        "(numpy.allclose).",
+    )
 
 
 class KVCheck(Strict):
@@ -54,8 +62,8 @@ class ParityConfig(Strict):
     )
     statistic: Literal["max", "mean", "quantile"] = Field(
         default="max",
-        description="Statistic of the normalized error |a-b| / (atol + rtol*|b|) that must "
-        "stay <= 1 (max = numpy.allclose).",
+        description="Statistic of the normalized error |a-b| / (atol*s + rtol*|b|) that "
+        "must stay <= 1, s the tolerance's scale (max with scale none = numpy.allclose).",
     )
     quantile: float = Field(default=0.99, gt=0, lt=1, description="Quantile for `quantile`.")
     layerwise: Literal["on-failure", "always", "never"] = Field(

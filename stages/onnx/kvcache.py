@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from stages.onnx import shapes as sh
-from stages.onnx.compare import compare
+from stages.onnx.compare import atol_scale, compare, normalized
 
 Run = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 PAST = "past_key_values."
@@ -231,7 +231,7 @@ def judge(probe: Probe, ref: dict[str, np.ndarray], tol: Any, cfg: Any) -> list[
 def first_position(want: np.ndarray, got: np.ndarray, tol: Any) -> int:
     """The first position (axis 2 of [batch, heads, positions, dim]) out of tolerance."""
     diff = np.abs(want.astype(np.float64) - got)
-    norm = diff / (tol.atol + tol.rtol * np.abs(want)) if tol.atol or tol.rtol else diff
+    norm = normalized(diff, want, tol, atol_scale(want, tol))
     bad = np.nonzero((~np.isfinite(norm) | (norm > 1)).any(axis=(0, 1, 3)))[0]
     return int(bad[0]) if bad.size else -1
 

@@ -122,8 +122,10 @@ def test_zero_tolerance_accepts_exact_equality_and_nothing_else(statistic: str) 
 def _naive(ref: np.ndarray, out: np.ndarray, tol: Tolerance, cfg: ParityConfig) -> dict:
     """The comparator's definition in whole-array numpy (what the chunked one must equal)."""
     diff = np.abs(ref.astype(np.float64) - out.astype(np.float64))
+    finite = ref[np.isfinite(ref)].astype(np.float64)
+    scale = max(1.0, float(np.sqrt(np.mean(finite**2)))) if tol.scale == "rms" else 1.0
     with np.errstate(divide="ignore", invalid="ignore"):
-        norm = np.where(diff == 0, 0.0, diff / (tol.atol + tol.rtol * np.abs(ref)))
+        norm = np.where(diff == 0, 0.0, diff / (tol.atol * scale + tol.rtol * np.abs(ref)))
     reduce = {"max": np.max, "mean": np.mean}.get(cfg.statistic)
     error = float(reduce(norm)) if reduce else float(np.quantile(norm, cfg.quantile))
     error = error if np.isfinite(error) and np.isfinite(diff).all() else float("inf")
@@ -133,28 +135,57 @@ def _naive(ref: np.ndarray, out: np.ndarray, tol: Tolerance, cfg: ParityConfig) 
 
 @pytest.mark.parametrize("statistic", ["max", "mean", "quantile"])
 @pytest.mark.parametrize("poison", [None, np.nan, np.inf])
+@pytest.mark.parametrize("scale", ["rms", "none"])
 def test_the_chunked_comparator_equals_the_whole_array_definition(
-    monkeypatch: pytest.MonkeyPatch, statistic: str, poison: float | None
+    monkeypatch: pytest.MonkeyPatch, statistic: str, poison: float | None, scale: str
 ) -> None:
     """Across chunk boundaries (a chunk of 7 elements over 100), with a NaN or inf in the
-    last chunk, every statistic gives what the whole-array formula gives."""
+    last chunk, every statistic gives what the whole-array formula gives, the tensor's RMS
+    (above 20 here: an outlier column) summed chunk by chunk."""
     import stages.onnx.compare as comparator
 
     monkeypatch.setattr(comparator, "CHUNK", 7)
     rng = np.random.default_rng(3)
     ref = rng.standard_normal((4, 25)).astype("f4")
-    out = ref + rng.normal(0, 1e-4, ref.shape).astype("f4")
+    ref[:, 7] *= 150
+    out = ref + rng.normal(0, 1e-3, ref.shape).astype("f4")
     out[0, 3] = ref[0, 3]  # an exact element
     if poison is not None:
         out[3, 24] = poison
     extra = {"quantile": 0.9} if statistic == "quantile" else {}
     cfg = ParityConfig(statistic=statistic, **extra)
-    tol = Tolerance(atol=1e-4, rtol=1e-3)
+    tol = Tolerance(atol=1e-4, rtol=1e-3, scale=scale)
     got, want = compare(ref, out, tol, cfg), _naive(ref, out, tol, cfg)
     assert got["ok"] == want["ok"] and got["max_abs"] == want["max_abs"]
     assert got["error"] == pytest.approx(want["error"], rel=1e-12, abs=0)
     if poison is not None:
         assert got["error"] == float("inf") and not got["ok"]
+    rms = float(np.sqrt(np.mean(ref.astype(np.float64) ** 2)))
+    assert rms > 20 and got.get("atol_scale", 1.0) == (pytest.approx(rms) if scale == "rms" else 1)
+
+
+def test_rms_scale_forgives_rounding_that_follows_the_tensor_and_nothing_more() -> None:
+    """A tensor of magnitude 100 (RMS) whose element near zero is off by 1e-3, what float32
+    rounding of values that size leaves: a fixed atol of 1e-4 fails it, the RMS-scaled one
+    passes. An error of 1% of the tensor's scale (a real defect) fails either way, and a
+    tensor of magnitude below 1 is judged exactly as numpy.allclose judges it."""
+    rng = np.random.default_rng(5)
+    ref = (rng.standard_normal(4096) * 100).astype("f4")
+    ref[0] = 0.01
+    noisy = ref.copy()
+    noisy[0] += 1e-3
+    cfg = ParityConfig()
+    assert not compare(ref, noisy, Tolerance(scale="none"), cfg)["ok"]
+    scaled = compare(ref, noisy, Tolerance(), cfg)
+    assert scaled["ok"] and scaled["atol_scale"] == pytest.approx(100, rel=0.05)
+    broken = ref.copy()
+    broken[0] += 1.0  # 1% of the RMS
+    assert not compare(ref, broken, Tolerance(), cfg)["ok"]
+    small = rng.uniform(-0.5, 0.5, 4096).astype("f4")
+    off = small + rng.normal(0, 2e-4, small.shape).astype("f4")
+    got = compare(small, off, Tolerance(), cfg)
+    assert "atol_scale" not in got
+    assert got["ok"] == bool(np.allclose(off, small, atol=1e-4, rtol=1e-3))
 
 
 def _resident_kb(name: str) -> int:
