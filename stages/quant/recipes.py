@@ -3,13 +3,17 @@
 Recipes are tried in the spec's order (expected gain first: per-channel dynamic INT8,
 per-tensor dynamic INT8, static QDQ INT8, weight-only block-wise INT4). Each is built on
 the whole model and measured: the budget's metrics on the calibration probe and on the
-held-out samples, the file size and the forward-pass latency against FP32 on this machine.
+held-out samples, the file size and the latency against FP32 on this machine (decode steps
+for a KV-cache graph, forward passes otherwise; timed only for a recipe that could ship and
+for the one that falls back).
 The first recipe that meets the budget *with a margin* on both sample sets, is small enough
 and at least `min_speedup` x FP32's speed ships. When none does, the best fast-enough recipe
 keeps whole classes of layers in float (every `mlp.c_proj`, every `down_proj`: where an
 activation outlier lives, it lives in every layer), most damaging class first, ranked by
 quantizing all but one class at a time: one variant per class, not per node, so the cost
-does not grow with depth. Every variant tried is a row of the report, with why it was or
+does not grow with depth (a one-pass ranking by local SNR was tried and missed: on a
+Llama with planted outliers it ranked the MLP classes worst, and keeping v_proj in float
+is what met the budget). Every variant tried is a row of the report, with why it was or
 was not chosen.
 """
 
@@ -38,6 +42,15 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "int8-static": ("int8-static", {}),
     "int8-weight-only": ("int8-weight-only", {"op_types": ["MatMul"]}),
     "int4-weight-only": ("int4-weight-only", {"op_types": ["MatMul"]}),
+}
+# recipe -> the recipe it cannot beat on accuracy: the same scheme on a coarser grid. When
+# that one misses the budget's accuracy, this one is not built (its row says why)
+DOMINATED_BY = {
+    # per-tensor weight scales: no row's step is finer than its own per-channel scale's,
+    # and the activations are quantized alike (dynamic, per tensor)
+    "int8-dynamic": "int8-dynamic-per-channel",
+    # the same blocks and scales' range on 16 levels instead of 256
+    "int4-weight-only": "int8-weight-only",
 }
 IDEAL = {
     "top1_agreement_min": 1.0,
@@ -179,14 +192,16 @@ class Search:
         self.calibration, self.holdout = calibration, holdout
         self.feeds = samples.calibration[: min(4, len(samples.calibration))]
         self.fp32_bytes = fp32_bytes  # the export's files, as the published ratio counts them
-        # what is timed: forward passes over calibration samples and, for a KV-cache graph,
-        # one decode step at batch 1 and at the served batch
-        self.timed: dict[str, tuple[list[dict[str, Any]], int]] = {"forward": (self.feeds, 5)}
+        # what is timed: for a KV-cache graph, one decode step at batch 1 and at the served
+        # batch (what a served causal LM spends its time on, and what decides); otherwise
+        # forward passes over calibration samples
         self.fp32_session = fp32_session or session_for(pre)
+        self.timed: dict[str, tuple[list[dict[str, Any]], int]] = {}
         for rows in sorted({1, served_rows}):
             step = decode_feeds(self.fp32_session, self.feeds[0], rows)
             if step is not None:
                 self.timed[f"decode_batch_{rows}"] = ([step] * 8, 7)
+        self.timed = self.timed or {"forward": (self.feeds, 5)}
         self.fp32_s: dict[str, float] = {}
 
     def run(self) -> Outcome:
@@ -196,9 +211,21 @@ class Search:
         return out
 
     def _search(self, out: Outcome) -> Outcome:
-        fallback: tuple[float, str, Quantizer] | None = None
-        for recipe in self.q.recipes:
+        # a recipe that misses the budget may still become the fallback that keeps layer
+        # classes in float: the best-scoring one that is fast and small enough. Speed is a
+        # third of a recipe's cost and matters only for the one that falls back, so the
+        # best-scoring recipe so far keeps its files untimed, and the others are dropped
+        # (rebuilt only if every better one turns out too slow)
+        best: tuple[tuple[float, int, str], Quantizer, Path] | None = None
+        rest: list[tuple[float, int, str]] = []
+        rows: dict[str, dict[str, Any]] = {}
+        inaccurate: set[str] = set()
+        for order, recipe in enumerate(self.q.recipes):
             cfg = concrete(self.q, recipe)
+            if DOMINATED_BY.get(recipe) in inaccurate:
+                out.table.append(_dominated(recipe, cfg.method, DOMINATED_BY[recipe]))
+                self.ctx.log(f"recipe {recipe}: {out.table[-1]['why']}")
+                continue
             folder = self.ctx.work / "_variants" / recipe
             try:
                 quantizer = Quantizer(self.pre, cfg, self.samples.calibration, folder)
@@ -208,44 +235,52 @@ class Search:
                 out.table.append(_unbuilt(recipe, cfg.method, exc.message))
                 self.ctx.log(f"recipe {recipe}: {exc.message}")
                 continue
-
-            # timed when it could ship or become the fallback: timing is a third of a
-            # recipe's cost, and a recipe that can be neither needs no speed
-            best = fallback[0] if fallback else None
-
-            def worth_timing(accurate: bool, cal: dict[str, float], best: Any = best) -> bool:
-                return accurate or best is None or acc.score(cal) > best
-
-            row, why, cal = self._measure(recipe, cfg.method, path, [], worth_timing)
+            row, why, cal = self._measure(recipe, cfg.method, path, [])
             out.table.append(row)
+            rows[recipe] = row
             if not why:
                 return self._chosen(out, row, path, cfg.method, recipe, [], [])
-            fast = not any(w.startswith(("speed", "size")) for w in why)
-            _remove(path)
-            if fast and (fallback is None or acc.score(cal) > fallback[0]):
-                if fallback is not None:  # each recipe's folder holds a copy of the weights
-                    shutil.rmtree(fallback[2].folder, ignore_errors=True)
-                fallback = (acc.score(cal), recipe, quantizer)
+            if any(w.startswith(("calibration", "held-out")) for w in why):
+                inaccurate.add(recipe)
+            if any(w.startswith(("speed", "size")) for w in why):  # accurate: timed; or big
+                _discard(quantizer, path)
+                continue
+            entry = (acc.score(cal), -order, recipe)  # ties: the earlier recipe
+            if best is None or entry > best[0]:
+                if best is not None:
+                    rest.append(best[0])
+                    _discard(best[1], best[2])
+                best = (entry, quantizer, path)
             else:
-                shutil.rmtree(quantizer.folder, ignore_errors=True)
-        if fallback is None:
-            out.broken = [
-                "no recipe is fast and small enough to fall back on: "
-                + "; ".join(f"{r['recipe']}: {r['why']}" for r in out.table)
-            ]
-            return out
-        return self._by_class(out, fallback[1], fallback[2])
+                rest.append(entry)
+                _discard(quantizer, path)
+        rest.sort(reverse=True)
+        while best is not None:
+            (_, _, recipe), quantizer, path = best
+            fast = self._time(rows[recipe], path)
+            _remove(path)
+            if fast:
+                return self._by_class(out, recipe, quantizer)
+            shutil.rmtree(quantizer.folder, ignore_errors=True)
+            best = None
+            if rest:  # rebuilt: the next best was dropped to save its copy of the weights
+                entry = rest.pop(0)
+                folder = self.ctx.work / "_variants" / entry[2]
+                quantizer = Quantizer(
+                    self.pre, concrete(self.q, entry[2]), self.samples.calibration, folder
+                )
+                best = (entry, quantizer, quantizer.quantize())
+        out.broken = [
+            "no recipe is fast and small enough to fall back on: "
+            + "; ".join(f"{r['recipe']}: {r['why']}" for r in out.table)
+        ]
+        return out
 
     def _measure(
-        self,
-        recipe: str,
-        method: str,
-        path: Path,
-        float_classes: list[str],
-        worth_timing: Any = None,
+        self, recipe: str, method: str, path: Path, float_classes: list[str]
     ) -> tuple[dict[str, Any], list[str], dict[str, float]]:
-        """Accuracy and size, then speed when `worth_timing(accurate, calibration metrics)`
-        says so (default: only when accurate); an untimed row has speedup None."""
+        """Accuracy and size, then speed when the variant meets the budget (it could ship);
+        an untimed row has speedup None (`_time` may time it later)."""
         session = session_for(path)  # one for every measurement of this variant
         cal = self.calibration(session)
         why = [f"calibration (with margin): {b}" for b in acc.violations(self.tight, cal)]
@@ -256,18 +291,9 @@ class Search:
             why += [f"held-out (with margin): {b}" for b in acc.violations(self.tight, held)]
         speeds: dict[str, float] = {}
         speedup: float | None = None
-        if (worth_timing or (lambda ok, _cal: ok))(not why, cal):
-            for k, (feeds, runs) in self.timed.items():
-                speeds[k], self.fp32_s[k] = paired_speedup(self.fp32_session, session, feeds, runs)
-            # a causal LM is served by decode steps: those decide; otherwise the forward pass
-            decisive = [k for k in speeds if k.startswith("decode")] or ["forward"]
-            slowest = min(decisive, key=lambda k: speeds[k])
-            speedup = round(speeds[slowest], 3)
-            if self.q.min_speedup and speedup < self.q.min_speedup:
-                why.append(
-                    f"speed {speedup:.2f}x FP32 ({slowest}), below quantization.min_speedup "
-                    f"{self.q.min_speedup:g}"
-                )
+        if not why:
+            speeds, speedup, slow = self._speed(session)
+            why += [slow] if slow else []
         ratio = _size(path) / self.fp32_bytes
         if ratio > self.q.max_size_ratio:
             why.append(f"size {ratio:.2f}x FP32, above max_size_ratio {self.q.max_size_ratio:g}")
@@ -286,6 +312,34 @@ class Search:
         label = recipe + (f" + float {', '.join(float_classes)}" if float_classes else "")
         self.ctx.log(f"recipe {label}: {row['why']}")
         return row, why, cal
+
+    def _speed(self, session: Any) -> tuple[dict[str, float], float, str | None]:
+        """Speed-ups over FP32 of everything timed, the decisive (slowest) one, and why it
+        is too slow (None: fast enough)."""
+        speeds = {}
+        for k, (feeds, runs) in self.timed.items():
+            speeds[k], self.fp32_s[k] = paired_speedup(self.fp32_session, session, feeds, runs)
+        # a causal LM is served by decode steps: those decide; otherwise the forward pass
+        decisive = [k for k in speeds if k.startswith("decode")] or ["forward"]
+        slowest = min(decisive, key=lambda k: speeds[k])
+        speedup = round(speeds[slowest], 3)
+        slow = None
+        if self.q.min_speedup and speedup < self.q.min_speedup:
+            slow = (
+                f"speed {speedup:.2f}x FP32 ({slowest}), below quantization.min_speedup "
+                f"{self.q.min_speedup:g}"
+            )
+        return speeds, speedup, slow
+
+    def _time(self, row: dict[str, Any], path: Path) -> bool:
+        """Time a variant measured untimed (the fallback candidate) into its row; whether
+        it is fast enough to fall back on."""
+        speeds, speedup, slow = self._speed(session_for(path))
+        row["speedup"], row["speedups"] = speedup, {k: round(v, 3) for k, v in speeds.items()}
+        if slow:
+            row["why"] += f"; {slow}"
+        self.ctx.log(f"recipe {row['recipe']}: timed as the fallback: {speedup:.2f}x FP32")
+        return slow is None
 
     def _chosen(
         self,
@@ -346,6 +400,21 @@ def _unbuilt(recipe: str, method: str, why: str) -> dict[str, Any]:
         "chosen": False,
         "why": f"could not be built: {why}",
     }
+
+
+def _dominated(recipe: str, method: str, by: str) -> dict[str, Any]:
+    """The table row of a recipe not built: a finer one of its scheme missed the accuracy."""
+    return {
+        **_unbuilt(recipe, method, ""),
+        "why": f"not tried: {by} missed the accuracy budget, and {recipe} is the same scheme "
+        "on a coarser grid",
+    }
+
+
+def _discard(quantizer: Quantizer, path: Path) -> None:
+    """A recipe's variant and its folder (each holds a copy of the weights)."""
+    _remove(path)
+    shutil.rmtree(quantizer.folder, ignore_errors=True)
 
 
 def _remove(path: Path) -> None:

@@ -255,12 +255,13 @@ def test_auto_ships_the_first_recipe_that_meets_the_budget_with_its_margin(
     ]
     assert 0.975 <= rows[0]["holdout"]["top1_agreement"] < 0.98, rows[0]  # the margin decided
     assert "held-out (with margin): top1_agreement" in rows[0]["why"]
-    assert all(r["size_ratio"] < 0.9 and r["speedup"] > 0 for r in rows)
-    # timed as it is served: forward passes, and decode steps at batch 1 and the served 3,
-    # the slowest of which decides
-    for r in rows:
-        assert set(r["speedups"]) == {"forward", "decode_batch_1", "decode_batch_3"}
-        assert r["speedup"] == min(r["speedups"]["decode_batch_1"], r["speedups"]["decode_batch_3"])
+    assert all(r["size_ratio"] < 0.9 for r in rows)
+    # timed as it is served: decode steps at batch 1 and the served 3, the slowest of which
+    # decides; int4 missed the budget and nothing fell back on it, so it is not timed
+    assert rows[0]["speedup"] is None and rows[0]["speedups"] == {}
+    r = rows[1]
+    assert set(r["speedups"]) == {"decode_batch_1", "decode_batch_3"}
+    assert r["speedup"] == min(r["speedups"]["decode_batch_1"], r["speedups"]["decode_batch_3"])
     assert report.details["budget_with_margin"]["top1_agreement_min"] == pytest.approx(0.98)
     shipped = info(built_gpt2)
     assert {k: shipped[k] for k in ("method", "dtype", "float_nodes")} == {
