@@ -122,7 +122,7 @@ def paired_speedup(
     return float(np.median(ref) / np.median(got)), float(np.median(ref))
 
 
-PAST, PRESENT = "past_key_values.", "present."
+PAST, PRESENT = acc.PAST, acc.PRESENT
 
 
 def decode_feeds(session: Any, sample: dict[str, np.ndarray], rows: int) -> dict[str, Any] | None:

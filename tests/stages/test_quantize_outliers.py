@@ -227,6 +227,37 @@ def test_batched_greedy_text_equals_one_prompt_at_a_time(
     assert acc.batches(FixedBatch(), [(7,)] * 5, 48) == [[0], [1], [2], [3], [4]]
 
 
+def test_greedy_text_through_the_cache_is_pytorch_full_recompute_greedy(
+    llama: tuple[Workspace, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The FP32 reference text is generated through the graph's KV cache, prompts of mixed
+    lengths left-padded in one batch. Judged by PyTorch's own greedy loop on the checkpoint
+    (no cache, one prompt at a time, the whole sequence each step), and by the graph's full
+    recompute path, which a graph without a cache takes."""
+    import torch
+    import transformers
+
+    ws, _ = llama
+    fp32 = session_for(ws.out(NAME, "export") / "model.onnx")
+    rng = np.random.default_rng(7)
+    lengths = [3, 32, 9, 40, 17]
+    samples = [_feeds(fp32, rng.integers(3, 200, (1, n))) for n in lengths]
+    assert acc._cacheable(fp32, samples[0])
+    cached = acc.greedy_continuations(fp32, samples)
+    model = transformers.AutoModelForCausalLM.from_pretrained(ws.root / "models" / NAME).eval()
+    for (feeds, prompt), s in zip(cached, samples, strict=True):
+        ids = torch.from_numpy(s["input_ids"][:, :prompt])
+        with torch.no_grad():
+            for _ in range(acc.GREEDY_TOKENS):
+                nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+                ids = torch.cat([ids, nxt], dim=1)
+        assert np.array_equal(feeds["input_ids"], ids.numpy())
+    monkeypatch.setattr(acc, "_cacheable", lambda *_: False)
+    recomputed = acc.greedy_continuations(fp32, samples)
+    for (a, pa), (b, pb) in zip(cached, recomputed, strict=True):
+        assert pa == pb and np.array_equal(a["input_ids"], b["input_ids"])
+
+
 def _feeds(session: object, ids: np.ndarray) -> dict[str, np.ndarray]:
     feeds: dict[str, np.ndarray] = {}
     for i in session.get_inputs():  # type: ignore[attr-defined]
