@@ -40,7 +40,10 @@ def cuda_graph_check(
 
 # A replay runs the very kernels of the plain execution: only float reassociation may differ.
 REPLAY = SimpleNamespace(
-    tolerance=SimpleNamespace(atol=1e-6, rtol=1e-5, scale="none"), outputs={}, statistic="max", quantile=0.99
+    tolerance=SimpleNamespace(atol=1e-6, rtol=1e-5, scale="none"),
+    outputs={},
+    statistic="max",
+    quantile=0.99,
 )
 
 
