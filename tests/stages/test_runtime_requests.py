@@ -228,44 +228,58 @@ def in_own_process(scenario: str) -> Any:
     return json.loads(done.stdout)
 
 
+@pytest.mark.parametrize("rows", [8, 1])
 def test_two_concurrent_streams_decode_together_not_one_after_the_other(
-    built_gpt2: Workspace, tmp_path: Path
+    built_gpt2: Workspace, tmp_path: Path, rows: int
 ) -> None:
     """Issue 25: two streams used to finish at 0.25 s and 0.51 s (each held the model). With
-    decode steps batched, the second's tokens interleave with the first's."""
-    tree = tree_with(built_gpt2, tmp_path / "tree")
-    body = ids([1, 2, 3], [1, 3], max_new_tokens=20, ignore_eos=True)
+    decode steps batched, concurrent streams share decode steps: the server's own
+    per-step histogram (shipyard_running_batch_size) shows steps of more than one row. An
+    engine limited to one row (the judge that this can fail) never shows one."""
+    tree = tree_with(built_gpt2, tmp_path / "tree", engine={"max_rows": rows})
+    body = json.dumps(ids([1, 2, 3], [1, 3], max_new_tokens=20, ignore_eos=True))
+    streams = 4
 
-    async def stream() -> list[float]:
-        marks = []
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(
-                f"{srv.url}/v2/models/tiny-gpt2/infer_stream",
-                data=json.dumps(body),
-                headers={"content-type": "application/json"},
-            ) as resp,
-        ):
-            async for line in resp.content:
-                if line.startswith(b"data:"):
-                    marks.append(asyncio.get_running_loop().time())
-        return marks
+    async def stream(session: aiohttp.ClientSession) -> int:
+        async with session.post(
+            f"{srv.url}/v2/models/tiny-gpt2/infer_stream",
+            data=body,
+            headers={"content-type": "application/json"},
+        ) as resp:
+            return sum([line.startswith(b"data:") async for line in resp.content])
 
-    async def both() -> list[list[float]]:
-        return await asyncio.gather(stream(), stream())
-
-    def interleaved(first: list[float], second: list[float]) -> bool:
-        """The later stream's first token comes before the earlier one's last."""
-        assert len(first) == len(second) == 20
-        return max(first[0], second[0]) < min(first[-1], second[-1])
+    async def tries(n: int) -> float:
+        """Steps of more than one row seen over up to `n` tries of `streams` at once."""
+        # connections open and kept alive before the tries: 20 tiny-model steps take about
+        # a millisecond, and a fresh connection's setup (tens of ms on a busy machine) let
+        # one stream finish before the next one even arrived
+        connector = aiohttp.TCPConnector(limit=streams)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            await asyncio.gather(*(stream(session) for _ in range(streams)))  # warm
+            for _ in range(n):
+                before = scrape(srv)
+                got = await asyncio.gather(*(stream(session) for _ in range(streams)))
+                assert got == [20] * streams
+                after = scrape(srv)
+                shared = sum(
+                    after[k] - before.get(k, 0.0)
+                    for k in after
+                    if k[0] == "shipyard_running_batch_size_bucket"
+                    and dict(k[1]).get("le") == "+Inf"
+                ) - sum(
+                    after[k] - before.get(k, 0.0)
+                    for k in after
+                    if k[0] == "shipyard_running_batch_size_bucket"
+                    and dict(k[1]).get("le") == "1.0"
+                )
+                if shared:
+                    return shared
+        return 0.0
 
     with LocalServer(tree, "tiny-gpt2", tmp_path / "log", 60) as srv:
-        asyncio.run(both())  # warm
-        # 20 tiny-model steps take a few ms: on a busy machine the second request can reach
-        # the server after the first is done. Serialized decoding never interleaves; batched
-        # decoding does whenever the two really overlap, so one of three tries must.
-        runs = [asyncio.run(both()) for _ in range(3)]
-    assert any(interleaved(*run) for run in runs), runs
+        shared = asyncio.run(tries(5))
+    # four streams sent at once over open connections overlap in one of five tries at least
+    assert (shared > 0) == (rows > 1), shared
 
 
 def test_a_failed_merge_answers_every_request_of_the_batch_at_once() -> None:
