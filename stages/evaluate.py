@@ -13,6 +13,7 @@ from schemas import ReleaseSpec
 from schemas.artifacts import Evaluation, ModelInfo
 from schemas.tasks import METRIC_SOURCES, TASKS
 from stages._runtime import StageContext, StageIO, StageResult
+from stages.onnx import kvcache as kv
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
 from stages.quant import accuracy as acc
@@ -103,26 +104,16 @@ def reference_values(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def greedy(run: Run, lay: sh.Layout, prompt: np.ndarray, tokens: int) -> list[int]:
-    """Greedy decoding with the KV-cache graph: prefill the prompt, then one token a step."""
+    """Greedy decoding with the KV-cache graph, one prompt alone (kvcache.greedy)."""
     feeds = calib.to_feeds("causal-lm", lay, {"input_ids": prompt[None, :]})  # KV tasks only
+    empty = {t.name: feeds[t.name] for t in lay.inputs if t.name.startswith(kv.PAST)}
     names = [t.name for t in lay.outputs]
-    out: list[int] = []
-    for _ in range(tokens):
-        results = dict(zip(names, run(feeds), strict=True))
-        out.append(int(results["logits"][0, -1].argmax()))
-        total = feeds["attention_mask"].shape[1] + 1
-        feeds = {
-            "input_ids": np.array([[out[-1]]], dtype=np.int64),
-            "attention_mask": np.ones((1, total), dtype=np.int64),
-        }
-        if any(t.name == sh.POSITIONS for t in lay.inputs):
-            feeds[sh.POSITIONS] = sh.positions_from_mask(feeds["attention_mask"], 1)
-        feeds |= {
-            t.name: results[t.name.replace("past_key_values", "present")]
-            for t in lay.inputs
-            if t.name.startswith("past_key_values")
-        }
-    return out
+    positions = any(t.name == sh.POSITIONS for t in lay.inputs)
+
+    def by_name(f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(names, run(f), strict=True))
+
+    return [int(i) for i in kv.greedy(by_name, empty, positions, [prompt], tokens)[0]]
 
 
 def decode_metrics(

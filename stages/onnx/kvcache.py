@@ -34,6 +34,37 @@ Run = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 PAST = "past_key_values."
 
 
+def greedy(
+    run: Run, empty: dict[str, np.ndarray], positions: bool, prompts: list[np.ndarray], tokens: int
+) -> np.ndarray:
+    """Greedy decoding through a KV-cache graph, the one decoder of the checks (evaluate's
+    decode metrics, quantize's reference text): `prompts` prefilled in one run, left-padded
+    to the longest (zeros in the mask, positions from it: kvcheck holds such a row to the
+    same row alone), then one token a step for every row. Returns the [rows, tokens] ids
+    chosen. `empty`: each past input's empty cache for one row ([1, heads, 0, dim]);
+    `positions`: whether the graph takes position_ids. A batch is for a backend whose rows
+    do not depend on each other (FP32); dynamic INT8 decodes one prompt a call."""
+    rows, width = len(prompts), max(p.size for p in prompts)
+    ids = np.zeros((rows, width), np.int64)
+    mask = np.zeros((rows, width), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.size :] = prompt
+        mask[row, width - prompt.size :] = 1
+    feeds = {name: np.repeat(cache, rows, 0) for name, cache in empty.items()}
+    made = np.zeros((rows, tokens), np.int64)
+    step = ids
+    for k in range(tokens):
+        feeds |= {"input_ids": step, "attention_mask": mask}
+        if positions:
+            feeds[sh.POSITIONS] = sh.positions_from_mask(mask, step.shape[1])
+        out = run(feeds)
+        made[:, k] = out["logits"][:, -1].argmax(-1)
+        step = made[:, k : k + 1]
+        mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], axis=1)
+        feeds = {name: out[name.replace(PAST, "present.")] for name in empty}
+    return made
+
+
 @dataclass(frozen=True)
 class Plan:
     prompt: int  # tokens prefilled before the first step

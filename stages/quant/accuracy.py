@@ -214,6 +214,7 @@ def _cacheable(session: Any, sample: dict[str, np.ndarray]) -> bool:
     known = {"input_ids", "attention_mask", "position_ids"}
     return (
         any(i.name.startswith(PAST) for i in inputs)
+        and "logits" in {o.name for o in session.get_outputs()}
         and {"input_ids", "attention_mask"} <= set(sample)
         and all(i.name in known or i.name.startswith(PAST) for i in inputs)
         and all(i.shape and not isinstance(i.shape[0], int) for i in inputs)
@@ -223,39 +224,24 @@ def _cacheable(session: Any, sample: dict[str, np.ndarray]) -> bool:
 def _cached_continuations(
     session: Any, samples: list[dict[str, np.ndarray]], prompts: list[np.ndarray]
 ) -> list[tuple[dict[str, np.ndarray], int]]:
-    """greedy_continuations through the graph's KV cache: the prompts prefilled together,
-    left-padded (kvcheck holds a left-padded row to the same row alone), then one token a
-    step for every row; a sixth of the full recomputes' work at 32 + 16 tokens."""
-    from stages.onnx.shapes import positions_from_mask
+    """greedy_continuations through the graph's KV cache (kvcache.greedy: the prompts
+    prefilled together, left-padded, then one token a step for every row): a sixth of the
+    full recomputes' work at 32 + 16 tokens."""
+    from stages.onnx import kvcache as kv
 
-    name = session.get_outputs()[0].name
     names = [i.name for i in session.get_inputs()]
     pasts = [n for n in names if n.startswith(PAST)]
-    wanted = [name, *(n.replace(PAST, PRESENT) for n in pasts)]
+    wanted = ["logits", *(n.replace(PAST, PRESENT) for n in pasts)]
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(wanted, session.run(wanted, feeds), strict=True))
+
+    empty = {n: samples[0][n][:1, :, :0] for n in pasts}
     width = max(p.size for p in prompts)
     out: list[Any] = [None] * len(prompts)
     for group in batches(session, [0] * len(prompts), width):
-        rows = len(group)
-        ids = np.zeros((rows, width), np.int64)
-        mask = np.zeros((rows, width), np.int64)
-        for row, i in enumerate(group):
-            ids[row, width - prompts[i].size :] = prompts[i]
-            mask[row, width - prompts[i].size :] = 1
-        cache = [np.repeat(samples[group[0]][n][:1, :, :0], rows, 0) for n in pasts]
-        made = np.zeros((rows, GREEDY_TOKENS), np.int64)
-        step = ids
-        for k in range(GREEDY_TOKENS):
-            feeds = {
-                "input_ids": step,
-                "attention_mask": mask,
-                **dict(zip(pasts, cache, strict=True)),
-            }
-            if "position_ids" in names:
-                feeds["position_ids"] = positions_from_mask(mask, step.shape[1])
-            logits, *cache = session.run(wanted, feeds)
-            made[:, k] = logits[:, -1].argmax(-1)
-            step = made[:, k : k + 1]
-            mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], axis=1)
+        chosen = [prompts[i] for i in group]
+        made = kv.greedy(run, empty, "position_ids" in names, chosen, GREEDY_TOKENS)
         for row, i in enumerate(group):
             text = np.concatenate([prompts[i], made[row]])[None, :]
             out[i] = (with_ids(samples[i], text), prompts[i].size)
