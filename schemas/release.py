@@ -243,7 +243,7 @@ class ReleaseSpec(Strict):
 
     def _check_evaluation(self) -> None:
         """Rule: Thresholds name metrics the task computes; causal-lm decode prompt_tokens + tokens
-        - 1 <= past_sequence.max."""
+        - 2 <= past_sequence.max (the past its last step reads: schemas.tasks decode_past)."""
         known = TASKS[self.task].metrics
         for i, t in enumerate(self.evaluation.thresholds):
             if t.metric not in known:
@@ -251,11 +251,13 @@ class ReleaseSpec(Strict):
                     f"evaluation.thresholds[{i}] names unknown metric {t.metric!r} for task "
                     f"{self.task!r}; known: {', '.join(known)}"
                 )
-        d, dims = self.evaluation.decode, self.export.dims
-        if TASKS[self.task].kv_cache and d.prompt_tokens + d.tokens - 1 > dims["past_sequence"].max:
+        d, dims, task = self.evaluation.decode, self.export.dims, TASKS[self.task]
+        past = task.decode_past(d.prompt_tokens, d.tokens)
+        if task.kv_cache and past > dims["past_sequence"].max:
             raise ValueError(
-                f"evaluation.decode prompt_tokens + tokens - 1 = {d.prompt_tokens + d.tokens - 1}"
-                f" exceeds export.dims.past_sequence.max {dims['past_sequence'].max}"
+                f"evaluation.decode prompt_tokens + tokens - 2 = {past} (the past its last "
+                f"step reads) exceeds export.dims.past_sequence.max "
+                f"{dims['past_sequence'].max}; lower them or widen it"
             )
 
     def _check_kv(self) -> None:
@@ -280,26 +282,24 @@ class ReleaseSpec(Strict):
             )
 
     def _check_loadtest(self) -> None:
-        """Rule: causal-lm ramp input_length + output_tokens - 1 <= min(sequence.max,
-        past_sequence.max); each loadtest.ramp.mix entry's input_length + output_tokens - 2
-        <= past_sequence.max (a long prompt is prefilled in chunks)."""
-        r, dims = self.loadtest.ramp, self.export.dims
-        if not TASKS[self.task].kv_cache:
+        """Rule: causal-lm loadtest.ramp input_length + output_tokens - 2 <= past_sequence.max,
+        and so for each loadtest.ramp.mix entry (the past a request's last decode step reads:
+        schemas.tasks decode_past; a long prompt is prefilled in chunks)."""
+        r, dims, task = self.loadtest.ramp, self.export.dims, TASKS[self.task]
+        if not task.kv_cache:
             return
-        if r.input_length + r.output_tokens - 1 > min(
-            dims["sequence"].max, dims["past_sequence"].max
-        ):
-            raise ValueError(
-                f"loadtest.ramp input_length + output_tokens - 1 = "
-                f"{r.input_length + r.output_tokens - 1} exceeds the export's sequence or "
-                "past_sequence max; lower them or widen export.dims"
-            )
-        for i, m in enumerate(r.mix or []):
-            if m.input_length + m.output_tokens - 2 > dims["past_sequence"].max:
+        top = dims["past_sequence"].max
+        shapes = [("loadtest.ramp", r.input_length, r.output_tokens)] + [
+            (f"loadtest.ramp.mix[{i}]", m.input_length, m.output_tokens)
+            for i, m in enumerate(r.mix or [])
+        ]
+        for where, prompt, new in shapes:
+            past = task.decode_past(prompt, new)
+            if past > top:
                 raise ValueError(
-                    f"loadtest.ramp.mix[{i}]: input_length + output_tokens - 2 = "
-                    f"{m.input_length + m.output_tokens - 2} exceeds export.dims."
-                    f"past_sequence.max = {dims['past_sequence'].max}; lower them or widen it"
+                    f"{where}: input_length + output_tokens - 2 = {past} (the past a request's "
+                    f"last decode step reads) exceeds export.dims.past_sequence.max = {top}; "
+                    "lower them or widen it"
                 )
 
     def _check_serving(self) -> None:

@@ -46,6 +46,19 @@ class TaskDef(BaseModel):
     budget_why: str  # why that default (docs/spec-rules.md prints it)
     serving: Literal["generate", "labels", "tensors"]  # what the runtime returns
 
+    def decode_tokens(self, prompt: int, new_tokens: int) -> int:
+        """Tokens the graph reads over a decode of `new_tokens` after `prompt`: the prompt and
+        every generated token but the last (no step reads it back)."""
+        return prompt + new_tokens - 1
+
+    def decode_past(self, prompt: int, new_tokens: int) -> int:
+        """The longest past a cached decode feeds the graph: its last step reads every token
+        before its own, prompt + new_tokens - 2 (a prompt prefilled in chunks, down to one
+        token, reads up to prompt - 1 too). The one KV-length rule: spec validation
+        (evaluation.decode, loadtest.ramp) and the shipped engine's request check apply it
+        (the engine, shipped without schemas, keeps a copy a test holds to this one)."""
+        return self.decode_tokens(prompt, new_tokens) - 1
+
 
 TASKS: dict[str, TaskDef] = {
     t.name: t

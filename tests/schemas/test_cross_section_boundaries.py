@@ -81,10 +81,10 @@ CASES = [
         "the graph is not promised to run there",
     ),
     (
-        decode_tokens(17),  # 8 + 17 - 1 = 24
-        decode_tokens(18),
-        "evaluation.decode: prompt_tokens + tokens - 1 = 25 exceeds "
-        "export.dims.past_sequence.max 24",
+        decode_tokens(18),  # 8 + 18 - 2 = 24: the past the last step reads
+        decode_tokens(19),
+        "evaluation.decode: prompt_tokens + tokens - 2 = 25 (the past its last step reads) "
+        "exceeds export.dims.past_sequence.max 24; lower them or widen it",
     ),
     (
         serving(max_batch_size=3),
@@ -106,16 +106,16 @@ CASES = [
         "each preferred size must be <= it",
     ),
     (
-        ramp(8, 17),  # 8 + 17 - 1 = 24, the past_sequence max (below sequence's 64)
-        ramp(8, 18),
-        "loadtest.ramp: input_length + output_tokens - 1 = 25 exceeds the export's sequence "
-        "or past_sequence max; lower them or widen export.dims",
+        ramp(8, 18),  # 8 + 18 - 2 = 24, the past_sequence max
+        ramp(8, 19),
+        "loadtest.ramp: input_length + output_tokens - 2 = 25 (the past a request's last "
+        "decode step reads) exceeds export.dims.past_sequence.max = 24; lower them or widen it",
     ),
-    (  # the smaller of the two maxima is the limit, here sequence
-        ramp(4, 17, sequence={"min": 1, "opt": 4, "max": 20}),
-        ramp(4, 18, sequence={"min": 1, "opt": 4, "max": 20}),
-        "loadtest.ramp: input_length + output_tokens - 1 = 21 exceeds the export's sequence "
-        "or past_sequence max; lower them or widen export.dims",
+    (  # the engine prefills a long prompt in chunks: sequence max is no limit
+        ramp(20, 6, sequence={"min": 1, "opt": 4, "max": 8}),
+        ramp(20, 7, sequence={"min": 1, "opt": 4, "max": 8}),
+        "loadtest.ramp: input_length + output_tokens - 2 = 25 (the past a request's last "
+        "decode step reads) exceeds export.dims.past_sequence.max = 24; lower them or widen it",
     ),
     (
         profile(batch=(1, 3)),

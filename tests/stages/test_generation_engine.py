@@ -641,3 +641,36 @@ def test_the_batch_keeps_every_rows_cache_through_joins_leaves_and_steps(
             n = len(own[key])
             assert batch.mask[row].sum() == n and batch.mask[row, -n:].all()
             assert batch.past["k"][row, 0, -n:, 0].tolist() == own[key]
+
+
+def test_the_engine_applies_the_task_registrys_kv_length_rule_and_reads_no_more(
+    counting: tuple[Counting, list[Engine]],
+) -> None:
+    """The shipped engine cannot import schemas, so it keeps its own copy of the KV-length
+    rule (schemas.tasks decode_past / decode_tokens, which spec validation applies): every
+    (prompt, max_tokens) up to past the limits is accepted exactly when the task's rule
+    allows it, and a request at the limit makes the graph read exactly that past."""
+    from schemas.tasks import TASKS
+
+    task = TASKS["causal-lm"]
+    graph, made = counting
+    top, context = 12, 14
+    engine = start(graph, made, max_past=top, max_context=context, kv_budget_tokens=400)
+    at_limit = []
+    for n in range(1, context + 3):
+        for t in range(1, context + 3):
+            allowed = task.decode_past(n, t) <= top and task.decode_tokens(n, t) <= context
+            try:
+                engine.check(list(range(n)), parse({"max_tokens": t}))
+                accepted = True
+            except BadParameter:
+                accepted = False
+            assert accepted == allowed, (n, t)
+            if allowed and task.decode_past(n, t) == top:
+                at_limit.append((n, t))
+    assert at_limit
+    for n, t in at_limit[:3]:
+        graph.calls.clear()
+        done = collect(engine, list(range(n)), max_tokens=t, temperature=0)
+        assert len(tokens(done)) == t
+        assert max(past for _, _, past in graph.calls) == task.decode_past(n, t) == top
