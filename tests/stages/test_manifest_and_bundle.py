@@ -230,3 +230,53 @@ def test_the_built_bundles_alert_rules_pass_promtool_with_this_builds_baseline(
     }
     threshold = float(rules["ShipyardTTFTHigh"]["expr"].rsplit(">", 1)[1])
     assert threshold == pytest.approx(p95_ttft * 2 / 1000, rel=1e-3)  # the stated 2x margin
+
+
+def test_the_model_card_tabulates_untimed_and_untried_recipes(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    """An auto search's table as the manifest hands it to the card (None fields dropped):
+    a timed row, one that missed the budget and was never timed, and one not built (a
+    finer recipe of its scheme missed). The card renders each: "not timed", and "-" for
+    the size of a recipe never built (a crash here failed a release's bundle stage)."""
+    from schemas.artifacts import QuantInfo, RecipeRow
+
+    ws = Workspace.copy_of(built_gpt2, tmp_path / "repo")
+    path = ws.out("tiny-gpt2", "quantize") / QuantInfo.FILE
+    info = QuantInfo.model_validate_json(path.read_text())
+    row = {"method": "int8-dynamic", "float_classes": [], "calibration": {}, "holdout": {}}
+    recipes = [
+        RecipeRow(
+            recipe="int8-dynamic-per-channel",
+            **{**row, "calibration": {"greedy_agreement": 0.5}},
+            size_ratio=0.3,
+            chosen=False,
+            why="calibration (with margin): greedy_agreement 0.5 < 0.92",
+        ),
+        RecipeRow(
+            recipe="int8-dynamic",
+            **row,
+            size_ratio=0.0,
+            chosen=False,
+            why="not tried: int8-dynamic-per-channel missed the accuracy budget",
+        ),
+        RecipeRow(
+            recipe="int8-dynamic-smoothquant",
+            **{**row, "holdout": {"greedy_agreement": 0.95}},
+            size_ratio=0.31,
+            speedup=1.4,
+            chosen=True,
+            why="meets the budget with its margin, fast and small enough",
+        ),
+    ]
+    path.write_text(info.model_copy(update={"recipes": recipes}).model_dump_json())
+    for stage in ("manifest", "bundle"):
+        report = ws.run(stage, gpt2_spec())
+        assert report.status.value == "passed", (stage, report.reasons)
+    card = (ws.out("tiny-gpt2", "bundle") / "MODEL_CARD.md").read_text()
+    table = card[card.index("## Quantization recipes tried") :].splitlines()
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table if "int8" in line}
+    assert rows["int8-dynamic-per-channel"][2:4] == ["0.30", "not timed"]
+    assert rows["int8-dynamic"][2:4] == ["-", "not timed"]
+    assert rows["int8-dynamic-smoothquant"][2:4] == ["0.31", "1.40"]
+    assert rows["int8-dynamic-smoothquant"][5] == "yes"
