@@ -153,8 +153,8 @@ def _auto(
 ) -> StageResult:
     """method auto: the recipe search (stages/quant/recipes.py); its table is the report."""
     probe = samples.calibration[: q.calibration.sensitivity_samples]
-    fp32 = search.session_for(pre)  # one session: references, decode feeds, timing
-    outcome = recipes.Search(
+    fp32 = search.session_for(pre)  # one session: references and decode feeds
+    searcher = recipes.Search(
         ctx,
         pre,
         q,
@@ -165,8 +165,9 @@ def _auto(
         sum(f.stat().st_size for f in export.glob("model.onnx*")),
         _served_rows(release),
         fp32,
-    ).run()
-    del fp32
+    )
+    del fp32  # not held while variants are built and measured (peak memory)
+    outcome = searcher.run()
     details: dict[str, Any] = {
         "calibration": {
             "path": samples.source,

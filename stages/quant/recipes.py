@@ -195,13 +195,15 @@ class Search:
         # what is timed: for a KV-cache graph, one decode step at batch 1 and at the served
         # batch (what a served causal LM spends its time on, and what decides); otherwise
         # forward passes over calibration samples
-        self.fp32_session = fp32_session or session_for(pre)
+        fp32 = fp32_session or session_for(pre)
         self.timed: dict[str, tuple[list[dict[str, Any]], int]] = {}
         for rows in sorted({1, served_rows}):
-            step = decode_feeds(self.fp32_session, self.feeds[0], rows)
+            step = decode_feeds(fp32, self.feeds[0], rows)
             if step is not None:
                 self.timed[f"decode_batch_{rows}"] = ([step] * 8, 7)
         self.timed = self.timed or {"forward": (self.feeds, 5)}
+        # no FP32 session is held while variants are built and measured: one is opened for
+        # each timing (one or two a search) and closed after it (issue 26: peak memory)
         self.fp32_s: dict[str, float] = {}
 
     def run(self) -> Outcome:
@@ -317,8 +319,10 @@ class Search:
         """Speed-ups over FP32 of everything timed, the decisive (slowest) one, and why it
         is too slow (None: fast enough)."""
         speeds = {}
+        fp32 = session_for(self.pre)
         for k, (feeds, runs) in self.timed.items():
-            speeds[k], self.fp32_s[k] = paired_speedup(self.fp32_session, session, feeds, runs)
+            speeds[k], self.fp32_s[k] = paired_speedup(fp32, session, feeds, runs)
+        del fp32
         # a causal LM is served by decode steps: those decide; otherwise the forward pass
         decisive = [k for k in speeds if k.startswith("decode")] or ["forward"]
         slowest = min(decisive, key=lambda k: speeds[k])
