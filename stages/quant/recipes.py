@@ -43,14 +43,24 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "int8-weight-only": ("int8-weight-only", {"op_types": ["MatMul"]}),
     "int4-weight-only": ("int4-weight-only", {"op_types": ["MatMul"]}),
 }
-# recipe -> the recipe it cannot beat on accuracy: the same scheme on a coarser grid. When
-# that one misses the budget's accuracy, this one is not built (its row says why)
-DOMINATED_BY = {
+# recipe -> (the recipe it cannot beat on accuracy, why). When that one misses the budget's
+# accuracy, this one is not built (its row says why)
+DOMINATED_BY: dict[str, tuple[str, str]] = {
     # per-tensor weight scales: no row's step is finer than its own per-channel scale's,
     # and the activations are quantized alike (dynamic, per tensor)
-    "int8-dynamic": "int8-dynamic-per-channel",
+    "int8-dynamic": ("int8-dynamic-per-channel", "is the same scheme on a coarser grid"),
     # the same blocks and scales' range on 16 levels instead of 256
-    "int4-weight-only": "int8-weight-only",
+    "int4-weight-only": ("int8-weight-only", "is the same scheme on a coarser grid"),
+    # auto's static QDQ (minmax ranges, per-channel weights: `concrete`): the same weight
+    # scales; an activation's step spans its range over every calibration sample, never
+    # finer than the range of the one input a dynamic scale is computed from, and more is
+    # quantized (activation x activation MatMuls). It may still be faster: it is built when
+    # the dynamic one met the accuracy and was too slow
+    "int8-static": (
+        "int8-dynamic-per-channel",
+        "has the same weight scales and activation steps no finer (one calibrated range "
+        "for every input), and quantizes more",
+    ),
 }
 IDEAL = {
     "top1_agreement_min": 1.0,
@@ -224,9 +234,11 @@ class Search:
         inaccurate: set[str] = set()
         for order, recipe in enumerate(self.q.recipes):
             cfg = concrete(self.q, recipe)
-            if DOMINATED_BY.get(recipe) in inaccurate:
-                out.table.append(_dominated(recipe, cfg.method, DOMINATED_BY[recipe]))
+            by, reason = DOMINATED_BY.get(recipe, ("", ""))
+            if by in inaccurate and _dominates(cfg):
+                out.table.append(_dominated(recipe, cfg.method, by, reason))
                 self.ctx.log(f"recipe {recipe}: {out.table[-1]['why']}")
+                inaccurate.add(recipe)  # what it dominates in turn is not built either
                 continue
             folder = self.ctx.work / "_variants" / recipe
             try:
@@ -390,6 +402,12 @@ class Search:
         return out
 
 
+def _dominates(cfg: Any) -> bool:
+    """Whether DOMINATED_BY's reasoning holds for this recipe's settings: a calibrated
+    static range that clips (entropy, percentile) is not a coarser grid, a different one."""
+    return getattr(cfg, "calibrate_method", "minmax") == "minmax"
+
+
 def _unbuilt(recipe: str, method: str, why: str) -> dict[str, Any]:
     """The table row of a recipe that could not be built."""
     return {
@@ -406,12 +424,11 @@ def _unbuilt(recipe: str, method: str, why: str) -> dict[str, Any]:
     }
 
 
-def _dominated(recipe: str, method: str, by: str) -> dict[str, Any]:
-    """The table row of a recipe not built: a finer one of its scheme missed the accuracy."""
+def _dominated(recipe: str, method: str, by: str, reason: str) -> dict[str, Any]:
+    """The table row of a recipe not built: one it cannot beat missed the accuracy."""
     return {
         **_unbuilt(recipe, method, ""),
-        "why": f"not tried: {by} missed the accuracy budget, and {recipe} is the same scheme "
-        "on a coarser grid",
+        "why": f"not tried: {by} missed the accuracy budget, and {recipe} {reason}",
     }
 
 

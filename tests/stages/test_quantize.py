@@ -292,6 +292,9 @@ def test_auto_never_ships_a_recipe_slower_than_fp32_and_says_so(built_gpt2: Work
     timed = [r for r in rows if r["speedup"] is not None]
     # a row goes untimed only when it failed accuracy and could not become the fallback
     assert all("(with margin)" in r["why"] for r in rows if r["speedup"] is None)
+    by = {r["recipe"]: r for r in rows}
+    if "(with margin)" not in by["int8-dynamic-per-channel"]["why"]:  # accurate, too slow:
+        assert by["int8-static"]["calibration"], by["int8-static"]  # static may be faster
     slow = [r for r in timed if r["speedup"] < 1]
     if len(slow) < len(timed):  # a recipe ran faster here: then it must be the one shipped
         assert report.status.value == "passed" and report.details["chosen"] in {
@@ -336,6 +339,26 @@ def test_auto_keeps_whole_layer_classes_in_float_when_no_recipe_is_enough(
     }
     assert floats and floats <= members  # whole classes, nothing else
     assert len({class_of(n) for n in graph.node if n.name in floats}) == len(classes)
+
+
+def test_a_clipping_calibration_is_not_a_coarser_grid(tmp_path: Path) -> None:
+    """DOMINATED_BY skips static QDQ after dynamic per-channel missed the accuracy only for
+    minmax ranges: entropy and percentile clip outliers, which may help."""
+    from schemas.loader import load_release
+    from schemas.spec.quantization import Int8Static
+    from stages.quant.recipes import _dominates, concrete
+
+    auto = load_release(Workspace(tmp_path).write(auto_spec())).quantization
+    assert _dominates(concrete(auto, "int8-static"))
+    for method in ("entropy", "percentile"):
+        cfg = Int8Static.model_validate(
+            {
+                **auto.model_dump(include={"calibration"}),
+                "method": "int8-static",
+                "calibrate_method": method,
+            }
+        )
+        assert not _dominates(cfg)
 
 
 def test_the_margin_moves_each_bound_toward_its_ideal() -> None:

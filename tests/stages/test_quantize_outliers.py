@@ -123,7 +123,7 @@ def test_per_tensor_int8_fails_and_auto_ships_smoothquant_within_the_default_bud
     assert report.details["selection"][0]["perplexity_increase"] > 0.2  # outliers crush it
     # auto, with min_speedup 0: a 1.6M-parameter model is too small to time INT8 against
     # FP32 reliably (the slow end-to-end test keeps the default on a bigger model)
-    order = ["int8-dynamic-per-channel", "int8-dynamic", "int8-dynamic-smoothquant"]
+    order = ["int8-dynamic-per-channel", "int8-dynamic", "int8-static", "int8-dynamic-smoothquant"]
     auto = {**spec["quantization"], "min_speedup": 0, "recipes": order}
     report = ws.run("quantize", {**spec, "quantization": auto})
     assert report.status.value == "passed", report.reasons
@@ -135,6 +135,10 @@ def test_per_tensor_int8_fails_and_auto_ships_smoothquant_within_the_default_bud
     # on it, and here the smoothquant recipe ships: only it is timed
     assert rows["int8-dynamic"]["why"].startswith("not tried: int8-dynamic-per-channel missed")
     assert rows["int8-dynamic"]["speedup"] is None and rows["int8-dynamic"]["speedups"] == {}
+    # static QDQ has per-channel's weight scales and calibrated activation steps no finer
+    # than a dynamic scale's: not built either
+    assert rows["int8-static"]["why"].startswith("not tried: int8-dynamic-per-channel missed")
+    assert rows["int8-static"]["calibration"] == {}
     assert rows["int8-dynamic-per-channel"]["speedup"] is None
     chosen = rows["int8-dynamic-smoothquant"]
     assert chosen["speedup"] is not None
