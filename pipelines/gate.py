@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schemas import RegistryError, ReleaseSpec, StageReport
+from schemas import RegistryError, ReleaseSpec, StageReport, StageStatus
 from stages import load_stages
 from stages._runtime import report_dir
 from stages.quant.thresholds import check, has_change
@@ -54,9 +53,10 @@ def gate(
     that cannot run (nothing in production, no registry) fails instead of reading n/a."""
     result = GateResult()
     for spec in releases:
-        result.rows += _stage_rows(root, spec)
+        stages, checks = _stage_rows(root, spec)
+        result.rows += stages
         result.rows += _bundle_rows(root, spec.name)
-        result.rows += _slo_rows(root, spec.name)
+        result.rows += checks
         result.rows += _production_rows(root, spec, registry, require_baseline)
     # the report is posted on a pull request: the runner's paths are noise there, and say
     # more about the machine than a reader needs
@@ -76,9 +76,12 @@ def _relative(text: str, root: Path) -> str:
     return text
 
 
-def _stage_rows(root: Path, spec: ReleaseSpec) -> list[Row]:
+def _stage_rows(root: Path, spec: ReleaseSpec) -> tuple[list[Row], list[Row]]:
+    """A row per stage report, and a row per check the reports judged beside their own
+    verdicts (the load test's SLOs). The checks are shown, not trusted: they repeat a
+    stage's own verdict, which its row gates (a failed load test writes only its report)."""
     release = spec.name
-    rows = []
+    rows, checks = [], []
     for stage in load_stages():
         path = report_dir(root / "build" / release, stage) / "report.json"
         if not path.is_file():
@@ -86,19 +89,37 @@ def _stage_rows(root: Path, spec: ReleaseSpec) -> list[Row]:
                 Row(release, stage, "FAIL", f"no report: run `dvc repro {stage}@{release}`")
             )
             continue
-        report = json.loads(path.read_text())
-        status, detail = report["status"], report["summary"]
-        if status == "failed":
-            detail = "; ".join(report["reasons"]) or detail
-        elif status == "skipped" and StageReport.model_validate(report).acceptable(
-            required=_required(spec, stage)
-        ):
-            rows.append(Row(release, stage, "n/a", f"skipped (optional): {report['summary']}"))
+        report = _report(path, f"{stage}@{release}")
+        if isinstance(report, str):
+            rows.append(Row(release, stage, "FAIL", report))
             continue
-        elif status == "skipped":  # skipped is never passed
-            detail = f"skipped, but required: {'; '.join(report['reasons'])}"
-        rows.append(Row(release, stage, "PASS" if status == "passed" else "FAIL", detail))
-    return rows
+        status, detail = report.status, report.summary
+        if status is StageStatus.FAILED:
+            detail = "; ".join(report.reasons) or detail
+        elif status is StageStatus.SKIPPED and report.acceptable(required=_required(spec, stage)):
+            rows.append(Row(release, stage, "n/a", f"skipped (optional): {report.summary}"))
+            continue
+        elif status is StageStatus.SKIPPED:  # skipped is never passed
+            detail = f"skipped, but required: {'; '.join(report.reasons)}"
+        rows.append(Row(release, stage, "PASS" if status is StageStatus.PASSED else "FAIL", detail))
+        checks += [Row(release, c.name, "PASS" if c.ok else "FAIL", c.why) for c in report.checks]
+    return rows, checks
+
+
+def _report(path: Path, target: str) -> StageReport | str:
+    """The stage report at `path`, or why it cannot be read (a FAIL row, not a traceback)."""
+    from pydantic import ValidationError
+
+    try:
+        return StageReport.model_validate_json(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValidationError) as exc:
+        first = exc.errors()[0] if isinstance(exc, ValidationError) else None
+        why = (
+            f"{'.'.join(map(str, first['loc'])) or 'the file'}: {first['msg']}"
+            if first
+            else str(exc)
+        )
+        return f"{path} is not a stage report ({why}): rerun `dvc repro -f {target}`"
 
 
 def _bundle_rows(root: Path, release: str) -> list[Row]:
@@ -119,17 +140,6 @@ def _bundle_rows(root: Path, release: str) -> list[Row]:
 def _required(spec: ReleaseSpec, stage: str) -> bool:
     """Only the engine may skip, and only when the spec (as it is now) does not require it."""
     return spec.engine.required if stage == "engine" else True
-
-
-def _slo_rows(root: Path, release: str) -> list[Row]:
-    """One row per service-level objective the load test judged."""
-    path = root / "build" / release / "loadtest" / "report.json"
-    if not path.is_file():
-        return []  # the stage row already fails
-    # Shown, not trusted: the rows repeat the load test's own verdict, which its stage row
-    # gates (a failed load test writes no artifacts, only its report).
-    slo = json.loads(path.read_text()).get("details", {}).get("slo", [])
-    return [Row(release, f"SLO {r['slo']}", "PASS" if r["ok"] else "FAIL", r["why"]) for r in slo]
 
 
 def _production_rows(

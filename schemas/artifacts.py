@@ -269,6 +269,16 @@ class ServingValues(Artifact):
 
 
 # loadtest ----------------------------------------------------------------------------------
+class SloVerdict(_Model):
+    """One service-level objective as the load test judged it (stages/serving/slo.py)."""
+
+    slo: str = Field(description="The loadtest.slo field, e.g. `p95_latency_ms`.")
+    limit: int | float
+    value: int | float | None = Field(description="What was measured; None: not measured.")
+    ok: bool = Field(description="Met, conclusively (inconclusive is never ok).")
+    why: str
+
+
 class LoadTestSummary(Artifact):
     """The headline numbers, SLO verdicts, plots and ramp the model card and facts show."""
 
@@ -276,7 +286,7 @@ class LoadTestSummary(Artifact):
     FILE: ClassVar[str] = "summary.json"
     SHIPS: ClassVar[bool] = False
     summary: dict[str, float | int | bool | str | None]
-    slo: list[dict[str, object]]
+    slo: list[SloVerdict]
     plots: list[str]
     ramp: list[dict[str, object]]
 

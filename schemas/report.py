@@ -5,13 +5,23 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class StageStatus(StrEnum):
     PASSED = "passed"
     FAILED = "failed"
     SKIPPED = "skipped"
+
+
+class Check(BaseModel):
+    """One verdict a stage judged beside its own (a load test's SLO): the gate lists each."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="What was judged, e.g. `SLO p95_latency_ms`.")
+    ok: bool = Field(description="Whether it holds.")
+    why: str = Field(description="The measured value against its limit, or why none was.")
 
 
 class StageReport(BaseModel):
@@ -27,9 +37,30 @@ class StageReport(BaseModel):
     metrics: dict[str, float] = Field(
         default_factory=dict, description="Numeric results, also written as DVC metrics."
     )
-    details: dict[str, Any] = Field(
-        default_factory=dict, description="Stage-specific structured results."
+    optional: bool = Field(
+        default=False,
+        description="The stage was optional for the release when it ran (the engine where "
+        "`engine.required` is false): a skip is acceptable.",
     )
+    checks: list[Check] = Field(
+        default_factory=list, description="Verdicts judged beside the stage's own (SLOs)."
+    )
+    details: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Stage-specific results for people (the report, the PR comment): no "
+        "code decides anything from them (tests/schemas/test_report_channels.py).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _written_before_optional_was_a_field(cls, data: Any) -> Any:
+        """A report written before `optional` was typed (a published bundle's) carried it
+        as `details.optional`: read there, so an old bundle's skipped engine stays fine."""
+        if isinstance(data, dict) and "optional" not in data:
+            details = data.get("details")
+            if isinstance(details, dict) and details.get("optional") is True:
+                data = {**data, "optional": True}
+        return data
 
     def acceptable(self, required: bool = False) -> bool:
         """The one rule for "this stage is fine" (manifest, registry and gate all ask here):
@@ -37,5 +68,4 @@ class StageReport(BaseModel):
         report says so: the engine where no GPU is) and that is not `required` now."""
         if self.status is StageStatus.PASSED:
             return True
-        optional = self.details.get("optional") is True
-        return self.status is StageStatus.SKIPPED and optional and not required
+        return self.status is StageStatus.SKIPPED and self.optional and not required

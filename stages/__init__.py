@@ -110,6 +110,8 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
         summary=result.summary,
         reasons=result.reasons,
         metrics=result.metrics,
+        optional=result.optional,
+        checks=result.checks,
         details=result.details,
     )
     reports = report_dir(build, name)

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from schemas import StageError, StageReport, StageStatus
 from schemas.artifacts import Artifact
+from schemas.report import Check
 
 A = TypeVar("A", bound=Artifact)
 
@@ -157,7 +158,9 @@ class StageResult:
     summary: str
     reasons: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
-    details: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)  # for people, never read by code
+    optional: bool = False  # a skip is acceptable (StageReport.optional)
+    checks: list[Check] = field(default_factory=list)  # verdicts the gate lists (SLOs)
 
     @classmethod
     def passed(cls, summary: str, **kw: Any) -> StageResult:

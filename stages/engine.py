@@ -46,13 +46,14 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     profiles = derive_profiles(cfg, info)
     source, why = engine_source(ctx.read(QuantInfo).method)  # auto: the recipe it chose
     details: dict[str, Any] = {
-        "optional": not cfg.required,
         "profiles": profiles,
         "source": {"stage": source, "why": why},
     }
     ctx.write(EngineProfiles.model_validate({"profiles": profiles}))
     if cfg.backend == "none":
-        return StageResult.skipped("engine.backend is none", details=details)
+        return StageResult.skipped(
+            "engine.backend is none", details=details, optional=not cfg.required
+        )
     missing = why_unavailable()
     if missing:
         if cfg.required:
@@ -61,7 +62,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
                 f"engine.required is true but {missing}",
                 "run on a machine with an NVIDIA GPU and TensorRT, or set engine.required: false",
             )
-        return StageResult.skipped(missing, details=details)
+        return StageResult.skipped(missing, details=details, optional=not cfg.required)
     from stages.tensorrt import build as trt_build
 
     model = ctx.upstream(source) / "model.onnx"

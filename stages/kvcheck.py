@@ -42,9 +42,7 @@ def io(release: ReleaseSpec) -> StageIO:
 
 def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     if not TASKS[release.task].kv_cache:
-        return StageResult.skipped(
-            f"task {release.task} has no KV cache", details={"optional": True}
-        )
+        return StageResult.skipped(f"task {release.task} has no KV cache", optional=True)
     plan = kv.make_plan(release.export.dims, release.parity.kv)
     with tempfile.TemporaryDirectory(prefix="shipyard-kvcheck-") as tmp:
         # PyTorch in a child: the full-pass references on disk, its own cached decode judged

@@ -13,6 +13,7 @@ from typing import Any
 
 from schemas import ReleaseSpec
 from schemas.artifacts import LoadTestSummary, ModelInfo
+from schemas.report import Check
 from stages._runtime import Plot, StageContext, StageIO, StageResult, write_json
 from stages.serving import measure
 from stages.serving.load_phases import MB
@@ -117,12 +118,16 @@ def verdict(
     keys = ("concurrency", "throughput_rps", "p95_latency_ms", "stable", "window_throughput")
     points = _rows(results["ramp"]["points"], keys)
     head = _headline(results)
-    out = LoadTestSummary(summary=head, slo=slo, plots=plots, ramp=points)
+    out = LoadTestSummary.model_validate(
+        {"summary": head, "slo": slo, "plots": plots, "ramp": points}
+    )
     details = out.model_dump()
     metrics = {k: v for k, v in head.items() if isinstance(v, int | float)}
+    checks = [Check(name=f"SLO {r.slo}", ok=r.ok, why=r.why) for r in out.slo]
+    kw: dict[str, Any] = {"metrics": metrics, "details": details, "checks": checks}
     if reasons:
-        return StageResult.failed(summary, reasons, metrics=metrics, details=details), out
-    return StageResult.passed(summary, metrics=metrics, details=details), out
+        return StageResult.failed(summary, reasons, **kw), out
+    return StageResult.passed(summary, **kw), out
 
 
 def _first_error(results: dict[str, Any]) -> str:

@@ -39,6 +39,8 @@ def report(ws: Workspace, stage: str, status: str = "passed", **extra: Any) -> N
         "summary": f"{stage} summary",
         "reasons": extra.pop("reasons", []),
         "metrics": extra.pop("metrics", {}),
+        "optional": extra.pop("optional", False),
+        "checks": extra.pop("checks", []),
         "details": extra.pop("details", {}),
     }
     (folder / "report.json").write_text(json.dumps(data))
@@ -74,7 +76,7 @@ def test_a_missing_failed_or_skipped_stage_fails_naming_why(ws: Workspace) -> No
     shutil.rmtree(report_dir(ws.root / "build" / RELEASE, "parity"))
     report(ws, "quantize", "failed", reasons=["snr 3 dB < 20", "size 1.0x"])
     report(ws, "evaluate", "failed")  # no reasons: the summary
-    report(ws, "loadtest", "skipped", reasons=["no server"], details={"optional": True})
+    report(ws, "loadtest", "skipped", reasons=["no server"], optional=True)
     rows = {r.check: r for r in gate(ws.root, [spec(ws)], None).rows}
     assert (rows["parity"].verdict, rows["parity"].detail) == (
         "FAIL",
@@ -101,7 +103,7 @@ def test_the_engine_may_skip_only_where_optional_and_not_required(
     ws: Workspace, optional: bool, required: bool, verdict: str
 ) -> None:
     all_passed(ws)
-    report(ws, "engine", "skipped", reasons=["no GPU"], details={"optional": optional})
+    report(ws, "engine", "skipped", reasons=["no GPU"], optional=optional)
     result = gate(ws.root, [spec(ws, engine={"required": required})], None)
     engine = next(r for r in result.rows if r.check == "engine")
     assert engine.verdict == verdict and engine.release == RELEASE
@@ -133,10 +135,10 @@ def test_the_built_bundle_is_verified_and_its_digest_shown(ws: Workspace) -> Non
 def test_each_judged_slo_is_a_row_with_its_verdict(ws: Workspace) -> None:
     all_passed(ws)
     slo = [
-        {"slo": "p95_latency_ms", "ok": True, "why": "p95 80 ms <= 100"},
-        {"slo": "min_throughput_rps", "ok": False, "why": "12 rps < 20"},
+        {"name": "SLO p95_latency_ms", "ok": True, "why": "p95 80 ms <= 100"},
+        {"name": "SLO min_throughput_rps", "ok": False, "why": "12 rps < 20"},
     ]
-    report(ws, "loadtest", details={"slo": slo})
+    report(ws, "loadtest", checks=slo)
     rows = {r.check: r for r in gate(ws.root, [spec(ws)], None).rows}
     assert (rows["SLO p95_latency_ms"].verdict, rows["SLO p95_latency_ms"].detail) == (
         "PASS",
@@ -312,7 +314,7 @@ def test_the_gate_command_exits_4_on_one_failure_and_0_when_all_pass(
 def test_every_row_names_its_release_and_no_release_hides_another(ws: Workspace) -> None:
     all_passed(ws)
     make_bundle(ws.root / "build" / RELEASE / "bundle")
-    report(ws, "loadtest", details={"slo": [{"slo": "p95_latency_ms", "ok": True, "why": "ok"}]})
+    report(ws, "loadtest", checks=[{"name": "SLO p95_latency_ms", "ok": True, "why": "ok"}])
     other = gpt2_spec(name="other-gpt2")
     other["evaluation"]["thresholds"] = []
     ws.write(other)
@@ -326,7 +328,7 @@ def test_every_row_names_its_release_and_no_release_hides_another(ws: Workspace)
 
 def test_an_optional_engine_skip_does_not_end_the_walk(ws: Workspace) -> None:
     all_passed(ws)
-    report(ws, "engine", "skipped", details={"optional": True})
+    report(ws, "engine", "skipped", optional=True)
     report(ws, "bundle", "failed", reasons=["late failure"])
     rows = gate(ws.root, [spec(ws)], None).rows
     assert [r.check for r in rows] == STAGES
@@ -392,3 +394,16 @@ def test_the_report_posted_on_a_pull_request_names_no_runner_paths(ws: Workspace
     detail = next(r.detail for r in result.rows if r.check == "export")
     assert detail == f"build/{RELEASE}/export/model.onnx: bad graph; see ~/.cache/x"
     assert str(ws.root) not in result.markdown() and str(Path.home()) not in result.markdown()
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"stage": "parity"}', '{"status": 3}'])
+def test_a_report_that_is_not_one_is_a_failed_row_naming_the_file(ws: Workspace, text: str) -> None:
+    all_passed(ws)
+    path = report_dir(ws.root / "build" / RELEASE, "parity") / "report.json"
+    path.write_text(text)
+    result = gate(ws.root, [spec(ws)], None)
+    row = next(r for r in result.rows if r.check == "parity")
+    assert row.verdict == "FAIL" and not result.ok
+    assert "is not a stage report (" in row.detail
+    assert row.detail.endswith(f"rerun `dvc repro -f parity@{RELEASE}`")
+    assert "report.json" in row.detail

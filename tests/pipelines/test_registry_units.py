@@ -33,9 +33,11 @@ def make_bundle(
     evaluation: dict[str, float] | None = None,
     name: str = "demo",
     version: str = "1.0.0",
+    optional: tuple[str, ...] = (),
 ) -> Path:
-    """A bundle that verifies: a model file, one report per stage, facts that repeat each
-    verdict (unless `facts` says otherwise) and a manifest over all of it."""
+    """A bundle that verifies: a model file, one report per stage (`optional`: those stages
+    were optional when they ran), facts that repeat each verdict (unless `facts` says
+    otherwise) and a manifest over all of it."""
     statuses = statuses or {"export": "passed", "parity": "passed"}
     (folder / "reports").mkdir(parents=True)
     (folder / "model.onnx").write_bytes(payload)
@@ -47,6 +49,8 @@ def make_bundle(
             "summary": f"{stage} {status}",
             "details": (details or {}).get(stage, {}),
         }
+        if stage in optional:
+            report["optional"] = True
         (folder / "reports" / f"{stage}.json").write_text(json.dumps(report))
     verdicts = {**statuses, **(facts or {})}
     shipyard = {
@@ -236,11 +240,17 @@ def test_only_a_release_whose_stages_passed_is_published(
 
 def test_an_optional_skipped_stage_is_published(registry: Registry, tmp_path: Path) -> None:
     ok = make_bundle(
-        tmp_path / "ok",
-        {"parity": "passed", "engine": "skipped"},
-        details={"engine": {"optional": True}},
+        tmp_path / "ok", {"parity": "passed", "engine": "skipped"}, optional=("engine",)
     )
     assert registry.publish(ok, "demo", "1.0.0")["digest"] == digest_of(ok)
+    # a bundle built before `optional` was a typed field said so in its report's details
+    old = make_bundle(
+        tmp_path / "old",
+        {"parity": "passed", "engine": "skipped"},
+        details={"engine": {"optional": True}},
+        version="1.0.1",
+    )
+    assert registry.publish(old, "demo", "1.0.1")["digest"] == digest_of(old)
 
 
 def test_a_bundle_that_does_not_verify_or_holds_a_foreign_report_is_refused(
