@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import pipelines.registry as reg
+import pipelines.storage as storage
 from pipelines.registry import Registry, check_channel, check_name, check_version
 from schemas import RegistryError
 from stages.bundling.oms import load_manifest
@@ -649,7 +650,7 @@ def test_a_held_lock_times_out_naming_the_lock(
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        monkeypatch.setattr(reg, "LOCK_TIMEOUT_S", 0.3)
+        monkeypatch.setattr(storage, "LOCK_TIMEOUT_S", 0.3)
         with pytest.raises(RegistryError, match=r"registry lock .*\.lock held for over 0 s"):
             registry.publish(bundle, "demo", "1.0.0")
     finally:
