@@ -24,7 +24,6 @@ Guarantees, each with a test in tests/pipelines/test_registry_trust.py:
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 import tempfile
@@ -34,8 +33,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from pipelines.storage import STAGING, Store, _dump, open_store, who
 from schemas import RegistryError, StageReport
+from schemas.registry import ChannelPointer, HistoryEntry, PublishRecord, SignaturePolicy
 from schemas.spec.base import NAME_PATTERN, SEMVER_PATTERN
 from stages.bundling.oms import load_manifest, read_facts, verify_bundle
 
@@ -148,10 +150,8 @@ class Registry:
         if not self.store.exists(path):
             return None
         try:
-            data: dict[str, Any] = json.loads(self.store.read(path))
-            data["digest"]  # noqa: B018 (a record without a digest is not a record)
-            return data
-        except (ValueError, KeyError, TypeError):
+            return _kept(PublishRecord.model_validate_json(self.store.read(path)))
+        except ValueError:  # pydantic's ValidationError is one
             raise RegistryError(
                 f"publish record {path} is unreadable; restore it from a backup "
                 "(published versions are immutable)"
@@ -175,13 +175,16 @@ class Registry:
 
     def _unreadable(self) -> list[str]:
         """Every channel pointer and policy file that cannot be read, named."""
-        found = self.store.glob("channels", "*", "*") + self.store.glob("policy", "*")
+        found: list[tuple[str, type[BaseModel]]] = [
+            *((p, ChannelPointer) for p in self.store.glob("channels", "*", "*")),
+            *((p, SignaturePolicy) for p in self.store.glob("policy", "*")),
+        ]
         problems = []
-        for path in sorted(found):
+        for path, model in sorted(found, key=lambda f: f[0]):
             if path.endswith(".tmp"):
                 continue
             try:
-                self._json(path, ())
+                self._json(path, model)
             except RegistryError as exc:
                 problems.append(str(exc))
         return problems
@@ -270,9 +273,9 @@ class Registry:
     # ------------------------------------------------------------------ channels
     def channel(self, name: str, channel: str) -> dict[str, Any] | None:
         path = self.path("channels", check_name(name), f"{check_channel(channel)}.json")
-        return self._json(path, ("release", "version", "digest"))
+        return self._json(path, ChannelPointer)
 
-    def _json(self, path: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    def _json(self, path: str, model: type[BaseModel]) -> dict[str, Any] | None:
         """A registry JSON file (channel pointer, policy) or None when absent; a folder in
         its place, torn or hand-edited JSON, or missing keys are a clear error naming the
         file, never a traceback."""
@@ -285,16 +288,12 @@ class Registry:
                 "the file from a backup, or promote again)"
             )
         try:
-            data = json.loads(self.store.read(path))
-            if not isinstance(data, dict) or any(k not in data for k in keys):
-                raise ValueError(f"not an object with {', '.join(keys)}")
-        except (ValueError, UnicodeDecodeError) as exc:
+            return _kept(model.model_validate_json(self.store.read(path)))
+        except ValueError as exc:  # pydantic's ValidationError is one
             raise RegistryError(
-                f"{rel} is not valid ({' '.join(str(exc).split())[:120]}): torn or edited by "
+                f"{rel} is not valid ({_first_error(exc)[:120]}): torn or edited by "
                 "hand; restore it from a backup, or promote again to rewrite it"
             ) from None
-        out: dict[str, Any] = data
-        return out
 
     def channels(self) -> list[dict[str, Any]]:
         """Every (release, channel) pointer."""
@@ -302,7 +301,7 @@ class Registry:
         for p in self.store.glob("channels", "*", "*.json"):
             channel = posixpath.basename(p)[: -len(".json")]
             if re.fullmatch(CHANNEL_PATTERN, channel):
-                out.append({"channel": channel, **(self._json(p, ("release",)) or {})})
+                out.append({"channel": channel, **(self._json(p, ChannelPointer) or {})})
         return out
 
     def require_signature(self, channel: str, keys: list[Path]) -> dict[str, Any]:
@@ -317,7 +316,7 @@ class Registry:
 
     def policy(self, channel: str) -> dict[str, Any] | None:
         path = self.path("policy", f"{check_channel(channel)}.json")
-        return self._json(path, ("require_signature",))
+        return self._json(path, SignaturePolicy)
 
     def promote(self, name: str, version: str, channel: str, reason: str) -> dict[str, Any]:
         """Re-verify name@version, then point name's `channel` at it and record why."""
@@ -359,10 +358,8 @@ class Registry:
             if not text.strip():
                 continue
             try:
-                entry = json.loads(text)
-                entry["seq"], entry["channel"], entry["to"], entry["action"]  # noqa: B018
-                entries.append(entry)
-            except (ValueError, KeyError, TypeError):
+                entries.append(_kept(HistoryEntry.model_validate_json(text)))
+            except ValueError:
                 self.warnings.append(
                     f"{place} is torn or not an entry ({text[:60]!r}); skipped. History is "
                     "append-only: the entry it held is lost, later ones are intact"
@@ -561,6 +558,22 @@ def _check_signature(
         f" ({'; '.join(errors[:2]) or 'no trusted keys configured'}). Sign the bundle with "
         "`shipyard sign BUNDLE --private-key KEY` before publishing it as a new version"
     )
+
+
+def _kept(model: BaseModel) -> dict[str, Any]:
+    """A validated registry file as the dict callers read, with exactly the keys it has."""
+    return model.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+def _first_error(exc: ValueError) -> str:
+    """The first thing wrong with a file, in one line."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        e = exc.errors()[0]
+        where = ".".join(map(str, e["loc"]))
+        return f"{where}: {e['msg']}" if where else str(e["msg"])
+    return " ".join(str(exc).split())
 
 
 def _label(entry: dict[str, Any] | None) -> str | None:
