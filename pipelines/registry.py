@@ -1,6 +1,8 @@
 """The registry: immutable published bundles, channel pointers and an append-only history.
 
-Any fsspec URL works (a local folder by default; `s3://bucket/prefix` through s3fs).
+Any fsspec URL works (a local folder by default; `s3://bucket/prefix` through s3fs): this
+module is the protocol, and `pipelines/storage.py` the places it is kept (a folder, an
+object store), behind one interface with no `if local` here.
 Layout:
     releases/<name>/<version>/       the bundle, byte for byte (verifiable with its manifest)
     releases/<name>/<version>.json   the publish record: digest, who, when (the commit point)
@@ -22,36 +24,24 @@ Guarantees, each with a test in tests/pipelines/test_registry_trust.py:
 
 from __future__ import annotations
 
-import getpass
-import json
-import os
 import posixpath
 import re
-import secrets
-import shutil
-import socket
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
+from pipelines.storage import STAGING, Store, _dump, open_store, who
 from schemas import RegistryError, StageReport
+from schemas.registry import ChannelPointer, HistoryEntry, PublishRecord, SignaturePolicy
 from schemas.spec.base import NAME_PATTERN, SEMVER_PATTERN
 from stages.bundling.oms import load_manifest, read_facts, verify_bundle
 
-LOCK_TIMEOUT_S = float(os.environ.get("SHIPYARD_LOCK_TIMEOUT_S", "60"))
-# A remote lock older than this is taken to belong to a crashed holder and is broken.
-LOCK_STALE_S = float(os.environ.get("SHIPYARD_LOCK_STALE_S", "900"))
 CHANNEL_PATTERN = r"[a-z][a-z0-9-]{0,62}"
-STAGING = ".staging-"
-
-
-def who() -> str:
-    return os.environ.get("SHIPYARD_USER") or getpass.getuser()
 
 
 def now() -> str:
@@ -88,28 +78,28 @@ def check_channel(channel: str) -> str:
 
 class Registry:
     def __init__(self, url: str) -> None:
-        from fsspec.core import url_to_fs
-
         self.url = url
-        self.fs, root = url_to_fs(url)
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        self.local = "file" in protocols or "local" in protocols
-        self.root = os.path.realpath(root) if self.local else posixpath.normpath(root)
-        self.fs.makedirs(self.root, exist_ok=True)
-        self.warnings: list[str] = []
-        self._held: tuple[str, str, _Lease] | None = None
+        self.store: Store = open_store(url)
+        # one list: the store's (a stale lock it broke) and the protocol's own warnings
+        self.warnings: list[str] = self.store.warnings
+
+    # the store's, for callers and tests that reach the files themselves
+    @property
+    def fs(self) -> Any:
+        return self.store.fs
+
+    @property
+    def root(self) -> str:
+        return self.store.root
+
+    @property
+    def local(self) -> bool:
+        return self.store.local
 
     # ------------------------------------------------------------------ paths
     def path(self, *parts: str) -> str:
         """A path under the root; refuses any part that could leave it."""
-        for part in parts:
-            if not part or "/" in part or "\\" in part or part in (".", "..") or "\0" in part:
-                raise RegistryError(f"registry path part {part!r} is not allowed")
-        joined = posixpath.normpath("/".join([self.root.rstrip("/"), *parts]))
-        resolved = os.path.realpath(joined) if self.local else joined
-        if resolved != self.root and not resolved.startswith(self.root.rstrip("/") + "/"):
-            raise RegistryError(f"{'/'.join(parts)} resolves outside the registry {self.url}")
-        return joined
+        return self.store.path(*parts)
 
     def _version_dir(self, name: str, version: str) -> str:
         return self.path("releases", check_name(name), check_version(version))
@@ -133,10 +123,16 @@ class Registry:
                     f"{record['digest'][:16]}; this bundle's is {digest[:16]}. Published "
                     "versions are immutable: bump `version` in the release spec"
                 )
-            if self.local:
-                digest, manifest = self._publish_local(bundle, name, version, target)
-            else:
-                digest, manifest = self._publish_remote(bundle, target, (name, version))
+            # nothing is at `target`: `_recover` ran under the same lock, and a version
+            # without its record was finished (then it is published) or removed
+            digest, manifest = self.store.put_tree(
+                bundle,
+                target,
+                lambda copy: (
+                    _verified_digest(copy, f"copied bundle {bundle}", (name, version)),
+                    _manifest_sha(copy),
+                ),
+            )
             record = {
                 "release": name,
                 "version": version,
@@ -145,45 +141,17 @@ class Registry:
                 "by": who(),
                 "at": now(),
             }
-            self._fence()
+            self.store.fence()
             self._create(record_path, record)
             return {**record, "recovered": done}
 
-    def _publish_local(self, bundle: Path, name: str, version: str, target: str) -> tuple[str, str]:
-        staging = self.path("releases", name, f"{STAGING}{version}-{secrets.token_hex(4)}")
-        os.makedirs(os.path.dirname(staging), exist_ok=True)
-        try:
-            shutil.copytree(bundle, staging, symlinks=True)
-            digest = _verified_digest(Path(staging), f"copied bundle {bundle}", (name, version))
-            manifest = _manifest_sha(Path(staging))
-            _read_only(Path(staging))
-            os.rename(staging, target)  # atomic; fails if the target exists
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        return digest, manifest
-
-    def _publish_remote(self, bundle: Path, target: str, bound: tuple[str, str]) -> tuple[str, str]:
-        """Upload a private snapshot: what is verified is what is uploaded. Nothing is at
-        `target`: `_recover` ran under the same lock, and a version without its record was
-        finished (then it is published) or removed."""
-        with tempfile.TemporaryDirectory(prefix="shipyard-publish-") as tmp:
-            snapshot = Path(tmp) / "bundle"
-            shutil.copytree(bundle, snapshot, symlinks=True)
-            digest = _verified_digest(snapshot, f"copied bundle {bundle}", bound)
-            manifest = _manifest_sha(snapshot)
-            self.fs.put(str(snapshot) + "/", target, recursive=True)
-        return digest, manifest
-
     def record(self, name: str, version: str) -> dict[str, Any] | None:
         path = self._record_path(name, version)
-        if not self.fs.exists(path):
+        if not self.store.exists(path):
             return None
         try:
-            data: dict[str, Any] = json.loads(self.fs.cat_file(path))
-            data["digest"]  # noqa: B018 (a record without a digest is not a record)
-            return data
-        except (ValueError, KeyError, TypeError):
+            return _kept(PublishRecord.model_validate_json(self.store.read(path)))
+        except ValueError:  # pydantic's ValidationError is one
             raise RegistryError(
                 f"publish record {path} is unreadable; restore it from a backup "
                 "(published versions are immutable)"
@@ -191,12 +159,7 @@ class Registry:
 
     def check(self) -> list[str]:
         """`shipyard registry check`: finish or remove interrupted publishes, say which."""
-        releases = self.path("releases")
-        names = (
-            [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(releases, detail=False)]
-            if self.fs.exists(releases)
-            else []
-        )
+        names = self.store.names(self.path("releases"))
         actions: list[str] = []
         with self.lock():
             for name in sorted(names):
@@ -212,17 +175,16 @@ class Registry:
 
     def _unreadable(self) -> list[str]:
         """Every channel pointer and policy file that cannot be read, named."""
-        found = []
-        for pattern in (("channels", "*", "*"), ("policy", "*")):
-            base = self.path(pattern[0])
-            if self.fs.exists(base):
-                found += self.fs.glob(posixpath.join(base, *pattern[1:]))
+        found: list[tuple[str, type[BaseModel]]] = [
+            *((p, ChannelPointer) for p in self.store.glob("channels", "*", "*")),
+            *((p, SignaturePolicy) for p in self.store.glob("policy", "*")),
+        ]
         problems = []
-        for path in sorted(found):
+        for path, model in sorted(found, key=lambda f: f[0]):
             if path.endswith(".tmp"):
                 continue
             try:
-                self._json(path, ())
+                self._json(path, model)
             except RegistryError as exc:
                 problems.append(str(exc))
         return problems
@@ -272,25 +234,23 @@ class Registry:
         """Under the lock: staging leftovers go; a version folder without its record is
         finished when it verifies and passed, removed otherwise."""
         folder = self.path("releases", name)
-        if not self.fs.exists(folder):
-            return []
         actions = []
-        for entry in sorted(self.fs.ls(folder, detail=False)):
-            base = posixpath.basename(entry.rstrip("/"))
+        for base in self.store.names(folder):
+            entry = posixpath.join(folder, base)
             if base.startswith(STAGING) or base.endswith(".tmp"):
-                self.fs.rm(entry, recursive=True)
+                self.store.remove(entry)
                 actions.append(f"removed {name}/{base}: leftover of an interrupted publish")
                 continue
             if base.endswith(".json") or not re.fullmatch(SEMVER_PATTERN, base):
                 continue
-            if self.fs.exists(self._record_path(name, base)):
+            if self.store.exists(self._record_path(name, base)):
                 continue
             try:
                 with self._local_copy(name, base) as copy:
                     digest = _verified_digest(copy, f"unrecorded {name}@{base}", (name, base))
                     manifest = _manifest_sha(copy)
             except RegistryError as exc:
-                self.fs.rm(entry, recursive=True)
+                self.store.remove(entry)
                 lines = str(exc).splitlines()
                 why = "; ".join(x.strip() for x in lines[1:4]) or lines[0]
                 actions.append(
@@ -313,41 +273,35 @@ class Registry:
     # ------------------------------------------------------------------ channels
     def channel(self, name: str, channel: str) -> dict[str, Any] | None:
         path = self.path("channels", check_name(name), f"{check_channel(channel)}.json")
-        return self._json(path, ("release", "version", "digest"))
+        return self._json(path, ChannelPointer)
 
-    def _json(self, path: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    def _json(self, path: str, model: type[BaseModel]) -> dict[str, Any] | None:
         """A registry JSON file (channel pointer, policy) or None when absent; a folder in
         its place, torn or hand-edited JSON, or missing keys are a clear error naming the
         file, never a traceback."""
-        if not self.fs.exists(path):
+        if not self.store.exists(path):
             return None
-        rel = posixpath.relpath(path, self.root) if self.local else path
-        if self.fs.isdir(path):
+        rel = self.store.rel(path)
+        if self.store.isdir(path):
             raise RegistryError(
                 f"{rel} is a folder where the registry keeps a file; remove it (and restore "
                 "the file from a backup, or promote again)"
             )
         try:
-            data = json.loads(self.fs.cat_file(path))
-            if not isinstance(data, dict) or any(k not in data for k in keys):
-                raise ValueError(f"not an object with {', '.join(keys)}")
-        except (ValueError, UnicodeDecodeError) as exc:
+            return _kept(model.model_validate_json(self.store.read(path)))
+        except ValueError as exc:  # pydantic's ValidationError is one
             raise RegistryError(
-                f"{rel} is not valid ({' '.join(str(exc).split())[:120]}): torn or edited by "
+                f"{rel} is not valid ({_first_error(exc)[:120]}): torn or edited by "
                 "hand; restore it from a backup, or promote again to rewrite it"
             ) from None
-        out: dict[str, Any] = data
-        return out
 
     def channels(self) -> list[dict[str, Any]]:
         """Every (release, channel) pointer."""
-        folder = self.path("channels")
-        found = self.fs.glob(self.path("channels", "*", "*.json")) if self.fs.exists(folder) else []
         out = []
-        for p in sorted(found):
+        for p in self.store.glob("channels", "*", "*.json"):
             channel = posixpath.basename(p)[: -len(".json")]
             if re.fullmatch(CHANNEL_PATTERN, channel):
-                out.append({"channel": channel, **(self._json(p, ("release",)) or {})})
+                out.append({"channel": channel, **(self._json(p, ChannelPointer) or {})})
         return out
 
     def require_signature(self, channel: str, keys: list[Path]) -> dict[str, Any]:
@@ -362,7 +316,7 @@ class Registry:
 
     def policy(self, channel: str) -> dict[str, Any] | None:
         path = self.path("policy", f"{check_channel(channel)}.json")
-        return self._json(path, ("require_signature",))
+        return self._json(path, SignaturePolicy)
 
     def promote(self, name: str, version: str, channel: str, reason: str) -> dict[str, Any]:
         """Re-verify name@version, then point name's `channel` at it and record why."""
@@ -398,26 +352,14 @@ class Registry:
 
     def history(self) -> list[dict[str, Any]]:
         """Every entry, oldest first; a torn or foreign line is reported and skipped."""
-        self.warnings = [w for w in self.warnings if not w.startswith("history")]
-        if self.local:
-            path = self.path("history.jsonl")
-            if not self.fs.exists(path):
-                return []
-            texts = self.fs.cat_file(path).decode("utf-8", errors="replace").splitlines()
-            where = [f"history.jsonl line {i}" for i in range(1, len(texts) + 1)]
-        else:
-            paths = sorted(self.fs.glob(self.path("history", "*.json")))
-            texts = [self.fs.cat_file(p).decode("utf-8", errors="replace") for p in paths]
-            where = [f"history/{posixpath.basename(p)}" for p in paths]
+        self.warnings[:] = [w for w in self.warnings if not w.startswith("history")]
         entries = []
-        for text, place in zip(texts, where, strict=True):
+        for place, text in self.store.log():
             if not text.strip():
                 continue
             try:
-                entry = json.loads(text)
-                entry["seq"], entry["channel"], entry["to"], entry["action"]  # noqa: B018
-                entries.append(entry)
-            except (ValueError, KeyError, TypeError):
+                entries.append(_kept(HistoryEntry.model_validate_json(text)))
+            except ValueError:
                 self.warnings.append(
                     f"{place} is torn or not an entry ({text[:60]!r}); skipped. History is "
                     "append-only: the entry it held is lost, later ones are intact"
@@ -487,7 +429,7 @@ class Registry:
             "digest": target["digest"],
             "reason": reason,
         }
-        self._fence()
+        self.store.fence()
         self._append(entry)
         self._write(
             self.path("channels", target["release"], f"{channel}.json"),
@@ -512,188 +454,31 @@ class Registry:
         return stack
 
     def _write(self, path: str, data: dict[str, Any]) -> None:
-        """Write JSON next to `path`, then move it over: readers never see half a file."""
-        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        self.fs.pipe_file(tmp, _dump(data))
-        self.fs.mv(tmp, path)
+        """Replace a registry JSON file atomically: readers never see half a file."""
+        self.store.write(path, _dump(data))
 
     def _create(self, path: str, data: dict[str, Any]) -> None:
         """Exclusive create: fails (never overwrites) when `path` exists."""
-        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        if self.local:
-            tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            Path(tmp).write_bytes(_dump(data))
-            try:
-                os.link(tmp, path)  # atomic and exclusive
-            except FileExistsError:
-                raise RegistryError(f"{path} exists already; refusing to overwrite it") from None
-            finally:
-                os.unlink(tmp)
-            return
-        try:
-            with self.fs.open(path, "xb") as fh:
-                fh.write(_dump(data))
-        except FileExistsError:
-            raise RegistryError(f"{path} exists already; refusing to overwrite it") from None
+        self.store.create(path, _dump(data))
 
     def _append(self, entry: dict[str, Any]) -> None:
-        line = json.dumps(entry, sort_keys=True)
-        if self.local:
-            path = self.path("history.jsonl")
-            with open(path, "ab") as fh:
-                # A torn last line (a crash mid-write) must not swallow this entry.
-                if fh.tell() and not _ends_with_newline(path):
-                    fh.write(b"\n")
-                fh.write(line.encode() + b"\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            return
-        # Object stores: one object per entry, created exclusively; nothing is rewritten.
-        self._create(self.path("history", f"{entry['seq']:010d}.json"), entry)
+        self.store.append(entry["seq"], entry)
 
-    @contextmanager
-    def lock(self) -> Iterator[None]:
-        """Serialize writers: filelock locally, an owner-stamped lock object elsewhere."""
-        if self.local:
-            from filelock import FileLock, Timeout
-
-            try:
-                with FileLock(self.path(".lock"), timeout=LOCK_TIMEOUT_S):
-                    yield
-            except Timeout:
-                raise RegistryError(
-                    f"registry lock {self.path('.lock')} held for over {LOCK_TIMEOUT_S:.0f} s; "
-                    "another publish or promotion is running"
-                ) from None
-            return
-        path = self.path(".lock")
-        token = secrets.token_hex(16)
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while not self._try_remote_lock(path, token):
-            if time.monotonic() > deadline:
-                raise RegistryError(
-                    f"registry lock {path} held for over {LOCK_TIMEOUT_S:.0f} s by "
-                    f"{self._lock_owner(path)}; it expires {LOCK_STALE_S:.0f} s after it was "
-                    "last renewed (`shipyard registry unlock` removes one whose holder died)"
-                )
-            time.sleep(0.2)
-        lease = _Lease(self, path, token)
-        lease.start()
-        self._held = (path, token, lease)
-        try:
-            yield
-        finally:
-            self._held = None
-            lease.stop.set()
-            lease.join()
-            if self._lock_owner(path).get("token") == token:
-                self.fs.rm(path)
-
-    def _fence(self) -> None:
-        """Before a commit point (a publish record, a history entry): the lock must still
-        be ours. A holder stalled past its lease (its renewals failed) may have been
-        broken by another writer; it must not commit over that writer's work."""
-        if self._held is None:
-            return
-        path, token, lease = self._held
-        if lease.lost or self._lock_owner(path).get("token") != token:
-            raise RegistryError(
-                f"lost the registry lock {path} (not renewed within {LOCK_STALE_S:.0f} s, then "
-                "taken by another writer); nothing was recorded: run the command again"
-            )
+    def lock(self) -> AbstractContextManager[None]:
+        """Serialize writers (the store's lock)."""
+        return self.store.lock()
 
     def unlock(self, force: bool = False) -> str:
         """`shipyard registry unlock`: remove a lock whose holder died, naming it."""
-        if self.local:
-            return (
-                f"{self.url}: a local registry's lock is an OS file lock, released when its "
-                "holder exits; nothing to unlock"
-            )
-        path = self.path(".lock")
-        held = self._lock_owner(path)
-        if not held and not self.fs.exists(path):
-            return f"{self.url}: not locked"
-        who_ = f"{held.get('owner')}@{held.get('host')} (pid {held.get('pid')})"
-        left = float(held.get("expires", 0)) - time.time()
-        if left > 0 and not force:
-            raise RegistryError(
-                f"the registry lock is held by {who_}, renewed {LOCK_STALE_S - left:.0f} s ago "
-                f"and live for {left:.0f} s more: its holder is working. If you know it is "
-                "dead (the machine is gone), `shipyard registry unlock --force`"
-            )
-        self.fs.rm(path)
-        return f"{self.url}: removed the registry lock held by {who_}" + (
-            " (forced: it was live)" if left > 0 else " (expired)"
-        )
-
-    def _try_remote_lock(self, path: str, token: str) -> bool:
-        stamp = {
-            "owner": who(),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "token": token,
-            "taken": time.time(),
-            "expires": time.time() + LOCK_STALE_S,
-        }
-        try:
-            with self.fs.open(path, "xb") as fh:
-                fh.write(_dump(stamp))
-            return True
-        except FileExistsError:
-            held = self._lock_owner(path)
-            if held and held.get("expires", 0) < time.time():
-                self.warnings.append(
-                    f"broke a stale registry lock held by {held.get('owner')}@{held.get('host')} "
-                    f"since {held.get('taken')}"
-                )
-                self.fs.rm(path)
-            return False
-
-    def _lock_owner(self, path: str) -> dict[str, Any]:
-        try:
-            data: dict[str, Any] = json.loads(self.fs.cat_file(path))
-            return data
-        except (FileNotFoundError, ValueError):
-            return {}
+        return self.store.unlock(force)
 
     @contextmanager
     def _local_copy(self, name: str, version: str) -> Iterator[Path]:
         source = self._version_dir(name, version)
-        if not self.fs.exists(source):
+        if not self.store.exists(source):
             raise RegistryError(f"{name}@{version} has no bundle in {self.url}")
-        if self.local:
-            yield Path(source)
-            return
-        with tempfile.TemporaryDirectory() as tmp:
-            self.fs.get(source + "/", tmp + "/bundle", recursive=True)
-            yield Path(tmp) / "bundle"
-
-
-class _Lease(threading.Thread):
-    """Renews a remote lock's lease while its holder works: every third of LOCK_STALE_S
-    the lock object is rewritten with a new expiry, so a publish longer than the lease is
-    never taken for a dead one (a breaker only breaks a lock past its expiry). A renewal
-    that finds another token stops and marks the lock lost (`Registry._fence`)."""
-
-    def __init__(self, registry: Registry, path: str, token: str) -> None:
-        super().__init__(daemon=True, name="registry-lease")
-        self.registry, self.path, self.token = registry, path, token
-        self.stop = threading.Event()
-        self.lost = False
-
-    def run(self) -> None:
-        while not self.stop.wait(LOCK_STALE_S / 3):
-            held = self.registry._lock_owner(self.path)
-            if held.get("token") != self.token:
-                self.lost = True
-                return
-            now_s = time.time()
-            stamp = {**held, "expires": now_s + LOCK_STALE_S, "renewed": now_s}
-            try:
-                self.registry.fs.pipe_file(self.path, _dump(stamp))
-            except OSError:  # the store is unreachable: the next renewal tries again
-                continue
+        with self.store.local_copy(source) as folder:
+            yield folder
 
 
 def _manifest_sha(folder: Path) -> str:
@@ -775,20 +560,20 @@ def _check_signature(
     )
 
 
-def _read_only(folder: Path) -> None:
-    for p in folder.rglob("*"):
-        if p.is_file() and not p.is_symlink():
-            p.chmod(0o444)
+def _kept(model: BaseModel) -> dict[str, Any]:
+    """A validated registry file as the dict callers read, with exactly the keys it has."""
+    return model.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
-def _ends_with_newline(path: str) -> bool:
-    with open(path, "rb") as fh:
-        fh.seek(-1, os.SEEK_END)
-        return fh.read(1) == b"\n"
+def _first_error(exc: ValueError) -> str:
+    """The first thing wrong with a file, in one line."""
+    from pydantic import ValidationError
 
-
-def _dump(data: dict[str, Any]) -> bytes:
-    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    if isinstance(exc, ValidationError):
+        e = exc.errors()[0]
+        where = ".".join(map(str, e["loc"]))
+        return f"{where}: {e['msg']}" if where else str(e["msg"])
+    return " ".join(str(exc).split())
 
 
 def _label(entry: dict[str, Any] | None) -> str | None:

@@ -75,6 +75,13 @@ GUARANTEES: dict[str, list[str]] = {
         TRUST + "test_attack_4_registry_paths_cannot_leave_the_root",
         TRUST + "test_remote_lock_is_owner_stamped_and_a_stale_one_expires",
     ],
+    # the storage seam under it: each promise on a folder and on moto's S3, and the
+    # registry's units over both
+    "pipelines/storage.py": [
+        "tests/pipelines/test_storage.py",
+        "tests/pipelines/test_registry_units.py",
+        TRUST + "test_remote_lock_is_owner_stamped_and_a_stale_one_expires",
+    ],
     # in-process request checks and batcher (their HTTP tests reach a server process)
     "stages/serving/mlserver_runtime.py": ["tests/runtime/test_runtime_units.py"],
     # verify and the manifest: synthetic bundles, directly and through the registry

@@ -286,11 +286,11 @@ def test_a_remote_lock_is_renewed_while_held_fenced_and_unlocked_by_name(
     holder blocked every writer for the lease, with no unlock command."""
     import threading
 
-    import pipelines.registry as reg
+    import pipelines.storage as storage
     from pipelines.cli import main
 
-    monkeypatch.setattr(reg, "LOCK_STALE_S", 0.6)
-    monkeypatch.setattr(reg, "LOCK_TIMEOUT_S", 10.0)
+    monkeypatch.setattr(storage, "LOCK_STALE_S", 0.6)
+    monkeypatch.setattr(storage, "LOCK_TIMEOUT_S", 10.0)
     url = f"s3://lease-{bucket()}/reg"
     holder, other = Registry(url), Registry(url)
     released: list[float] = []
@@ -300,7 +300,7 @@ def test_a_remote_lock_is_renewed_while_held_fenced_and_unlocked_by_name(
         with holder.lock():
             inside.set()
             time.sleep(2.0)  # over three leases
-            holder._fence()  # still ours: renewed, never broken
+            holder.store.fence()  # still ours: renewed, never broken
             released.append(time.monotonic())
 
     worker = threading.Thread(target=long_publish)
@@ -314,13 +314,13 @@ def test_a_remote_lock_is_renewed_while_held_fenced_and_unlocked_by_name(
 
     # fencing: a holder whose lease lapsed (stalled, then broken and taken) commits nothing
     with holder.lock():
-        path, _, lease = holder._held  # type: ignore[misc]
+        path, _, lease = holder.store._held  # type: ignore[attr-defined]
         lease.stop.set()
         lease.join()
         taken = {"owner": "next", "host": "h", "token": "theirs", "expires": time.time() + 60}
         holder.fs.pipe_file(path, json.dumps(taken).encode())
         with pytest.raises(RegistryError, match="lost the registry lock"):
-            holder._fence()
+            holder.store.fence()
         holder.fs.rm(path)
 
     # unlock: a dead holder's lock is removed, naming it; a live one only with --force
@@ -345,7 +345,7 @@ def test_a_remote_lock_is_renewed_while_held_fenced_and_unlocked_by_name(
 def test_remote_lock_is_owner_stamped_and_a_stale_one_expires(
     s3_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipelines.registry as reg
+    import pipelines.storage as storage
 
     registry = Registry(f"s3://lock-{bucket()}/reg")
     stale = {"owner": "ghost", "host": "gone", "token": "t", "taken": 0, "expires": 1}
@@ -357,7 +357,7 @@ def test_remote_lock_is_owner_stamped_and_a_stale_one_expires(
     assert not registry.fs.exists(registry.path(".lock"))
     live = {**stale, "expires": time.time() + 600}
     registry.fs.pipe_file(registry.path(".lock"), json.dumps(live).encode())
-    monkeypatch.setattr(reg, "LOCK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(storage, "LOCK_TIMEOUT_S", 0.5)
     with pytest.raises(RegistryError, match="held for over 0 s by .*ghost"), registry.lock():
         pass
 
@@ -366,7 +366,7 @@ def test_remote_lock_is_owner_stamped_and_a_stale_one_expires(
 def test_attack_7_publish_hashes_what_it_copied_not_what_it_checked(
     built_gpt2: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipelines.registry as reg
+    import pipelines.storage as storage
 
     real_copytree = shutil.copytree
 
@@ -381,7 +381,7 @@ def test_attack_7_publish_hashes_what_it_copied_not_what_it_checked(
         path.write_bytes(bytes(data))
         return out
 
-    monkeypatch.setattr(reg.shutil, "copytree", copy_then_tamper)
+    monkeypatch.setattr(storage.shutil, "copytree", copy_then_tamper)
     registry = Registry(str(tmp_path / "registry"))
     with pytest.raises(RegistryError, match=f"copied bundle (?s:.*){ONNX}: changed"):
         registry.publish(built_gpt2.out("tiny-gpt2", "bundle"), "tiny-gpt2", "0.1.0")

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import pipelines.registry as reg
+import pipelines.storage as storage
 from pipelines.registry import Registry, check_channel, check_name, check_version
 from schemas import RegistryError
 from stages.bundling.oms import load_manifest
@@ -497,6 +498,66 @@ def test_torn_or_misplaced_channel_and_policy_files_are_named_never_a_traceback(
     assert main(["promote", "demo@1.0.0", "--to", "canary", "--reason", "x", *url]) == 0
 
 
+@pytest.mark.parametrize(
+    ("kind", "edit", "named"),
+    [
+        ("pointer", {"digest": "abc"}, "digest: String should match pattern"),
+        ("pointer", {"version": None}, "version: Input should be a valid string"),
+        ("policy", {"require_signature": "maybe"}, "require_signature: Input should be"),
+        ("policy", {"public_keys": "one key"}, "public_keys: Input should be a valid array"),
+    ],
+)
+def test_a_hand_edited_registry_file_is_refused_by_its_model(
+    registry: Registry, tmp_path: Path, kind: str, edit: dict, named: str
+) -> None:
+    """Pointers and policies were checked for the presence of a few keys (a digest of
+    "abc" or a `require_signature: "maybe"` went through): each is read by its model."""
+    from tests.keys import keypair
+
+    published(registry, tmp_path, "1.0.0")
+    registry.promote("demo", "1.0.0", "production", "first")
+    _, public = keypair(tmp_path, "k")
+    registry.require_signature("production", [public])
+    path = Path(
+        registry.path("channels", "demo", "production.json")
+        if kind == "pointer"
+        else registry.path("policy", "production.json")
+    )
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    read = registry.channel if kind == "pointer" else registry.policy
+    args = ("demo", "production") if kind == "pointer" else ("production",)
+    with pytest.raises(RegistryError, match=f"is not valid \\({named}"):
+        read(*args)  # type: ignore[operator]
+    assert any(named in a for a in registry.check())
+
+
+def test_a_publish_record_or_history_entry_is_read_by_its_model(
+    registry: Registry, tmp_path: Path
+) -> None:
+    published(registry, tmp_path, "1.0.0")
+    registry.promote("demo", "1.0.0", "production", "first")
+    path = Path(registry._record_path("demo", "1.0.0"))
+    good = path.read_text()
+    record = json.loads(good)
+    path.chmod(0o644)
+    for broken in ({**record, "digest": record["digest"][:-1]}, {**record, "by": 7}):
+        path.write_text(json.dumps(broken))
+        with pytest.raises(RegistryError, match="publish record .* is unreadable"):
+            registry.record("demo", "1.0.0")
+    # a key a later version adds is kept, not refused
+    path.write_text(json.dumps({**record, "added_later": 1}))
+    assert registry.record("demo", "1.0.0")["added_later"] == 1  # type: ignore[index]
+    path.write_text(good)
+    assert registry.record("demo", "1.0.0") == record  # exactly its keys, no defaults added
+    # a history line that names no move it knows is skipped with a warning, like a torn one
+    entry = {**registry.history()[0], "seq": 2, "action": "delete"}
+    with open(registry.path("history.jsonl"), "a") as fh:
+        fh.write(json.dumps(entry) + "\n")
+    assert [e["seq"] for e in registry.history()] == [1]
+    assert registry.warnings[-1].startswith("history.jsonl line 2 is torn or not an entry")
+    assert registry.history()[0]["from"] is None  # the alias round-trips
+
+
 def test_a_file_renamed_inside_a_published_bundle_is_refused(
     registry: Registry, bundle: Path
 ) -> None:
@@ -649,7 +710,7 @@ def test_a_held_lock_times_out_naming_the_lock(
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        monkeypatch.setattr(reg, "LOCK_TIMEOUT_S", 0.3)
+        monkeypatch.setattr(storage, "LOCK_TIMEOUT_S", 0.3)
         with pytest.raises(RegistryError, match=r"registry lock .*\.lock held for over 0 s"):
             registry.publish(bundle, "demo", "1.0.0")
     finally:
