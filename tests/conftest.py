@@ -238,6 +238,15 @@ def bucket() -> str:
     return f"t{uuid.uuid4().hex[:20]}"
 
 
+def local_or_s3(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> str:
+    """A registry URL for a test parametrized over ["local", "s3"]: a folder, or a fresh
+    bucket on the module's moto server."""
+    if request.param == "local":
+        return str(tmp_path / "registry")
+    request.getfixturevalue("s3_server")
+    return f"s3://{prefix}-{bucket()}/registry"
+
+
 @pytest.fixture(scope="module")
 def s3_server() -> Iterator[str]:
     """A moto S3 server for the module; SHIPYARD_S3_ENDPOINT names one already running

@@ -20,7 +20,15 @@ from pipelines.registry import Registry
 from pipelines.signing import sign
 from schemas import RegistryError
 from stages.bundling.oms import verify_bundle
-from tests.conftest import Workspace, bucket, built_as, gpt2_spec, remanifest, writable_copy
+from tests.conftest import (
+    Workspace,
+    bucket,
+    built_as,
+    gpt2_spec,
+    local_or_s3,
+    remanifest,
+    writable_copy,
+)
 from tests.keys import keypair
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
@@ -49,10 +57,7 @@ def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
 
 @pytest.fixture(params=["local", "s3"])
 def registry(request: pytest.FixtureRequest, tmp_path: Path) -> Registry:
-    if request.param == "local":
-        return Registry(str(tmp_path / "registry"))
-    request.getfixturevalue("s3_server")
-    return Registry(f"s3://shipyard-{bucket()}/registry")
+    return Registry(local_or_s3(request, tmp_path, "shipyard"))
 
 
 # --------------------------------------------------------------------------- attack 1

@@ -13,17 +13,14 @@ import pytest
 import pipelines.storage as storage
 from pipelines.storage import LocalStore, ObjectStore, Store, open_store
 from schemas import RegistryError
-from tests.conftest import bucket
+from tests.conftest import bucket, local_or_s3
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["local", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
-    if request.param == "local":
-        return open_store(str(tmp_path / "registry"))
-    request.getfixturevalue("s3_server")
-    return open_store(f"s3://store-{bucket()}/registry")
+    return open_store(local_or_s3(request, tmp_path, "store"))
 
 
 def test_the_url_picks_the_store(tmp_path: Path, s3_server: str) -> None:
