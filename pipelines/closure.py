@@ -86,11 +86,27 @@ def _with_parents(root: Path, dotted: str) -> list[str]:
     return found
 
 
+def _type_checking(test: ast.expr) -> bool:
+    """`TYPE_CHECKING` or `typing.TYPE_CHECKING`."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
 def _imports(root: Path, path: str) -> list[str]:
     tree = ast.parse((root / path).read_text(encoding="utf-8"), filename=path)
     package = path.rsplit("/", 1)[0].replace("/", ".") if "/" in path else ""
     found: list[str] = []
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and _type_checking(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }  # `if TYPE_CHECKING:` imports never run: annotations cost no dependency
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.List | ast.Tuple):  # [python, "-m", "stages._child", ...]
             words = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
             for flag, name in zip(words, words[1:], strict=False):

@@ -9,6 +9,13 @@ texts removed, so rewording a field description or a comment changes no fingerpr
 reruns no release stage; any change to what the code does changes the tree, its
 fingerprint, and reruns every stage that imports it.
 
+Type annotations that nothing evaluates are removed too: a function's parameter and return
+annotations, a variable's annotation inside a function, and `if TYPE_CHECKING:` blocks
+(every module has `from __future__ import annotations`, and nothing in the fingerprinted
+code introspects signatures' annotations: tests/pipelines/test_derived_deps.py). Class-body
+annotations stay: they are pydantic's, dataclasses' and NamedTuples' fields. So typing a
+stage (mypy strict) reruns nothing.
+
 Files a stage reads as data (templates, the MLServer runtime it ships byte for byte;
 `io().code`) are not fingerprinted: the same file carries their sha256 over their bytes
 (pipelines/compiler.py `file_digests`), so every change to them, a comment included, reruns
@@ -55,9 +62,53 @@ class _StripDocs(ast.NodeTransformer):
         return node
 
 
+class _StripTypes(ast.NodeTransformer):
+    """Annotations nothing evaluates: signatures, variables inside functions, and
+    `if TYPE_CHECKING:` blocks. Class-body annotations (fields) are kept."""
+
+    def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> ast.AST:
+        node.returns = None
+        a = node.args
+        for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+            if arg is not None:
+                arg.annotation = None
+        node.body = [_Untyped().visit(stmt) for stmt in node.body]
+        self.generic_visit(node)  # nested functions and classes
+        return node
+
+    visit_FunctionDef = _function
+    visit_AsyncFunctionDef = _function
+
+    def visit_If(self, node: ast.If) -> ast.AST:
+        test = node.test
+        name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+        if name == "TYPE_CHECKING":
+            node.body = [ast.Pass()]
+        self.generic_visit(node)
+        return node
+
+
+class _Untyped(ast.NodeTransformer):
+    """Inside a function body: `x: T = v` is `x = v` at run time; a bare `x: T` still makes
+    `x` local, so it stays with its annotation blanked. Nested defs and classes are left to
+    _StripTypes (a class body's annotations are its fields)."""
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.AST:
+        node.annotation = ast.Constant(value=None)
+        return node
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.AST:
+        return node
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> ast.AST:
+        return node
+
+
 def normalized(source: str, filename: str = "<source>") -> str:
     """The module's syntax tree without comments, layout, docstrings or descriptions."""
-    tree = _StripDocs().visit(ast.parse(source, filename=filename))
+    tree = _StripTypes().visit(_StripDocs().visit(ast.parse(source, filename=filename)))
     return ast.dump(tree, annotate_fields=True, include_attributes=False)
 
 

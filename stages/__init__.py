@@ -9,14 +9,17 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
+from typing import cast
 
 from schemas import ReleaseSpec, StageError, StageReport, StageStatus
 from stages._runtime import (
     Plot,
     SpecView,
+    Stage,
     StageContext,
     StageIO,
     StageResult,
+    check_stage,
     publish,
     report_dir,
     write_json,
@@ -45,13 +48,12 @@ STAGES: tuple[str, ...] = (
 def load_stages() -> dict[str, ModuleType]:
     """Stage name -> module, in pipeline order."""
     modules = {name: importlib.import_module(f"stages.{name}") for name in STAGES}
-    wrong = [n for n, m in modules.items() if n != m.NAME]
-    if wrong:
-        raise RuntimeError(f"STAGES maps {wrong} to modules with another NAME")
+    for name, module in modules.items():
+        check_stage(name, module)
     return modules
 
 
-def stage_io(module: ModuleType, release: ReleaseSpec) -> StageIO:
+def stage_io(module: ModuleType | Stage, release: ReleaseSpec) -> StageIO:
     io: StageIO = module.io(release)
     return io
 
@@ -66,7 +68,7 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     if name not in STAGES:
         raise StageError(name, "no such stage", f"choose one of: {', '.join(STAGES)}")
     # Only this stage's module: what a run imports is what its DVC deps declare.
-    module = importlib.import_module(f"stages.{name}")
+    module = check_stage(name, importlib.import_module(f"stages.{name}"))
     build = root / "build" / release.name
     out = build / name
     work = build / f".{name}.{os.getpid()}.tmp"  # per run: two runs never share one
@@ -77,7 +79,9 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     view = SpecView(release, io.params)
     start = time.monotonic()
     try:
-        result: StageResult = module.run(ctx, view)
+        # the one place a SpecView stands for the spec: it answers each declared section
+        # as the ReleaseSpec would, and raises on any other (SpecView)
+        result: StageResult = module.run(ctx, cast(ReleaseSpec, view))
     except StageError as exc:
         reason = exc.message + (f" Fix: {exc.hint}" if exc.hint else "")
         result = StageResult.failed(exc.message, [reason])

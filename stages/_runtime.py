@@ -13,11 +13,14 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from pydantic import ValidationError
 
 from schemas import StageError, StageReport, StageStatus
+
+if TYPE_CHECKING:
+    from schemas import ReleaseSpec
 from schemas.artifacts import Artifact
 from schemas.report import Check
 
@@ -173,6 +176,39 @@ class StageResult:
     @classmethod
     def skipped(cls, reason: str, **kw: Any) -> StageResult:
         return cls(StageStatus.SKIPPED, f"skipped: {reason}", [reason], **kw)
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """What a stage module is (stages/<name>.py): its name, what it declares, what it does.
+    The runner checks each module against it before running one (`check_stage`)."""
+
+    NAME: str
+
+    def io(self, release: ReleaseSpec) -> StageIO: ...
+
+    # `release` is a SpecView presenting ReleaseSpec's sections the stage declared (reading
+    # another raises): typed as the spec it stands for
+    def run(self, ctx: StageContext, release: ReleaseSpec) -> StageResult: ...
+
+
+def check_stage(name: str, module: Any) -> Stage:
+    """`module` as a Stage, or a clear error naming what it lacks."""
+    if not isinstance(module, Stage):
+        lacks = [a for a in ("NAME", "io", "run") if not hasattr(module, a)]
+        raise RuntimeError(f"stages/{name}.py is not a stage: it has no {', '.join(lacks)}")
+    if name != module.NAME:
+        raise RuntimeError(f"stages/{name}.py names itself {module.NAME!r}, not {name!r}")
+    import inspect
+
+    for attr, count in (("io", 1), ("run", 2)):
+        params = inspect.signature(getattr(module, attr)).parameters
+        if len(params) != count:
+            raise RuntimeError(
+                f"stages/{name}.py: {attr}() takes {len(params)} parameter(s), "
+                f"a stage's takes {count} ({'release' if count == 1 else 'ctx, release'})"
+            )
+    return module
 
 
 class SpecView:

@@ -156,7 +156,7 @@ def _shapes(release: Any) -> list[tuple[str, dict[str, int]]]:
     return list({str(s): (k, s) for k, s in shapes.items()}.values())
 
 
-def _reasons(failures: list[tuple[dict, Any]], details: dict[str, Any]) -> list[str]:
+def _reasons(failures: list[tuple[dict[str, Any], Any]], details: dict[str, Any]) -> list[str]:
     reasons = [f"{r['output']} at {r['shape']} {r['sizes']}: {cfg_stat(r)}" for r, _ in failures]
     first = details["layerwise"]["first_divergent"]
     if first:

@@ -248,7 +248,7 @@ def _layer_rows(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"layer": i, **{k: row[k] for k in keys}} for i, row in enumerate(layers)]
 
 
-def _info(q: Any, float_nodes: list[str], ranked: list[dict] | None) -> QuantInfo:
+def _info(q: Any, float_nodes: list[str], ranked: list[dict[str, Any]] | None) -> QuantInfo:
     why = {
         r["node"]: f"rank {i + 1} of {len(ranked or [])} by sensitivity, SNR {r['snr_db']:.1f} dB "
         "when quantized alone"

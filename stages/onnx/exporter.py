@@ -307,7 +307,9 @@ def probe(
     return {"runs": runs, "problems": problems}
 
 
-def _plans(dims: dict[str, Any], trace: dict[str, int], odd: bool) -> list[tuple[str, dict]]:
+def _plans(
+    dims: dict[str, Any], trace: dict[str, int], odd: bool
+) -> list[tuple[str, dict[str, Any]]]:
     at = sh.corners(dims, ("min", "max"), odd_avoid=trace if odd else None)
     plans = [
         (f"only {n}={c[n]}", {**trace, n: c[n]})

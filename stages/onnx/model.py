@@ -328,7 +328,7 @@ def named_run(module: Any, lay: Layout) -> Any:
     return run
 
 
-def traced_run(flat: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> tuple[list, list]:
+def traced_run(flat: Any, lay: Layout, feeds: dict[str, np.ndarray]) -> tuple[list[Any], list[Any]]:
     """Outputs, plus (module name, first input, first output, every tensor output) per
     module in execution order: a module returning several tensors (a rotary embedding's
     cos and sin) is compared output by output.

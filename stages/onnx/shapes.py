@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -154,7 +154,7 @@ def positions_from_mask(mask: np.ndarray, width: int) -> np.ndarray:
     way, as transformers' generate does (cumsum of the mask - 1)."""
     mask = np.asarray(mask)
     positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0) * (mask != 0)
-    return positions[:, positions.shape[-1] - width :].astype(np.int64)
+    return cast(np.ndarray, positions[:, positions.shape[-1] - width :].astype(np.int64))
 
 
 def make_inputs(lay: Layout, sizes: Mapping[str, int], seed: int) -> dict[str, np.ndarray]:

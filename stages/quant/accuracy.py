@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -99,7 +99,7 @@ def _channel_snrs(ref: np.ndarray, got: np.ndarray) -> np.ndarray | None:
     if not live.any():
         return None
     with np.errstate(divide="ignore"):
-        return np.minimum(10 * np.log10(signal[live] / noise[live]), 200.0)
+        return cast(np.ndarray, np.minimum(10 * np.log10(signal[live] / noise[live]), 200.0))
 
 
 def worst_channel_snr_db(ref: np.ndarray, got: np.ndarray) -> float:

@@ -26,7 +26,7 @@ class Samples:
 
 
 def load(
-    stage: str, root: Path, cfg: Any, task: str, lay: sh.Layout, dims: dict, vocab: int
+    stage: str, root: Path, cfg: Any, task: str, lay: sh.Layout, dims: dict[str, Any], vocab: int
 ) -> Samples:
     """Read cfg.path, check every sample, split into calibration and hold-out feeds."""
     path = root / cfg.path

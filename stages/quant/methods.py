@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import itertools
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -202,7 +202,7 @@ class Quantizer:
             g = self.skeleton().graph
             infos = {v.name: v for v in (*g.value_info, *g.input, *g.output)}
             self._by_name = (self.skeleton(), infos, {t.name: t for t in g.initializer})
-        return self._by_name
+        return cast(tuple[Any, dict[str, Any], dict[str, Any]], self._by_name)
 
     def _spliced(self, names: list[str], shared: bool = False) -> Path:
         """The skeleton with the named nodes replaced by their quantized pieces. A piece node

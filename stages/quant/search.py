@@ -8,7 +8,7 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -29,7 +29,7 @@ REMEDIES = (
 )
 
 
-def gains_nothing(q: Any, excluded: list[str], ranked: list[dict], ratio: float) -> str:
+def gains_nothing(q: Any, excluded: list[str], ranked: list[dict[str, Any]], ratio: float) -> str:
     """Why a quantized model that passes its budget is still not worth shipping ("" if it is):
     mixed precision kept every quantizable node in float (FP32 in all but name), or the file
     is not smaller than quantization.max_size_ratio x FP32."""
@@ -171,7 +171,7 @@ class Evaluator:
     to float64 for the comparison, were most of the stage's peak."""
 
     def __init__(
-        self, task: str, fp32: Path | Any, samples: list[dict], greedy: bool = False
+        self, task: str, fp32: Path | Any, samples: list[dict[str, Any]], greedy: bool = False
     ) -> None:
         import tempfile
 
@@ -226,7 +226,7 @@ REFINE_MIN = 16  # nodes measured alone at least (all of them in a model this sm
 
 def sensitivity(
     ctx: StageContext, quantizer: Quantizer, evaluate: Evaluator, refine: int = REFINE_MIN
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Candidates ranked by the damage they do, most damaging (lowest SNR) first.
 
     Up to `refine` nodes, each is quantized alone and evaluated end to end. Beyond that, one
@@ -275,7 +275,7 @@ def sensitivity(
 
 
 def local_snr(
-    quantizer: Quantizer, quantized: Path, nodes: list[str], feeds: dict
+    quantizer: Quantizer, quantized: Path, nodes: list[str], feeds: dict[str, Any]
 ) -> dict[str, float]:
     """Each node's own quantization error in one run of the quantized model: the mean
     per-channel SNR of its output against x @ W_fp32, x being the input it saw there (one
@@ -316,26 +316,26 @@ def _product(node: Any, value: Any) -> np.ndarray:
 
     a, b = value(node.input[0]), value(node.input[1])
     if node.op_type != "Gemm":
-        return a @ b
+        return cast(np.ndarray, a @ b)
     attrs = {x.name: helper.get_attribute_value(x) for x in node.attribute}
     a = a.T if attrs.get("transA", 0) else a
     b = b.T if attrs.get("transB", 0) else b
     out = attrs.get("alpha", 1.0) * (a @ b)
     if len(node.input) > 2 and node.input[2]:
         out = out + attrs.get("beta", 1.0) * value(node.input[2])
-    return out
+    return cast(np.ndarray, out)
 
 
 def mixed_precision(
     ctx: StageContext,
     quantizer: Quantizer,
     evaluate: Evaluator,
-    ranked: list[dict],
+    ranked: list[dict[str, Any]],
     q: Any,
     budget: Any,
-) -> tuple[dict[str, Any], list[dict]]:
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Keep the k most sensitive nodes in float, k = 0, 1, ... until the budget holds."""
-    trace: list[dict] = []
+    trace: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     for k in range(min(q.max_float_nodes, len(ranked)) + 1):
         excluded = [r["node"] for r in ranked[:k]]
@@ -359,7 +359,7 @@ def mixed_precision(
     return best, trace
 
 
-def layerwise(fp32: Path, quant: Path, feeds: dict) -> list[dict[str, Any]]:
+def layerwise(fp32: Path, quant: Path, feeds: dict[str, Any]) -> list[dict[str, Any]]:
     """Where error enters: SNR of each module's last tensor, FP32 vs quantized, in order.
 
     The worst channel's SNR finds an outlier-dominated layer whose overall SNR looks fine

@@ -123,10 +123,10 @@ def _channel_absmax(
 
 def _fold(
     graph: Any,
-    inits: dict,
+    inits: dict[str, Any],
     producer: Any,
-    producers: dict,
-    consumers: dict,
+    producers: dict[str, Any],
+    consumers: dict[str, Any],
     inv: np.ndarray,
     base: Path,
 ) -> bool:
@@ -169,7 +169,7 @@ def _fold(
 
 
 def _scaled_input(
-    graph: Any, inits: dict, node: Any, i: int, inv: np.ndarray, axis: int, base: Path
+    graph: Any, inits: dict[str, Any], node: Any, i: int, inv: np.ndarray, axis: int, base: Path
 ) -> None:
     """node.input[i] (a constant) times inv along `axis`, as a new initializer (the old one
     may feed other nodes)."""
@@ -194,7 +194,7 @@ def _consumers(graph: Any) -> dict[str, list[Any]]:
     return readers
 
 
-def _fresh(inits: dict, name: str) -> str:
+def _fresh(inits: dict[str, Any], name: str) -> str:
     candidate, n = name, 0
     while candidate in inits:
         n += 1
@@ -202,7 +202,7 @@ def _fresh(inits: dict, name: str) -> str:
     return candidate
 
 
-def _add(graph: Any, inits: dict, tensor: Any) -> None:
+def _add(graph: Any, inits: dict[str, Any], tensor: Any) -> None:
     graph.initializer.append(tensor)
     inits[tensor.name] = tensor
 

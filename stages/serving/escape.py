@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -43,7 +43,7 @@ def yaml_scalar(value: Any) -> str:
     if "\n" not in dumped and not dumped.startswith(("'", '"', "|", ">")):
         try:
             if yaml.safe_load(dumped) == value:
-                return dumped
+                return cast(str, dumped)
         except yaml.YAMLError:
             pass
     return '"' + _YAML_UNSAFE.sub(_yaml_escape, value) + '"'

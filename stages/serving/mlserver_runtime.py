@@ -32,7 +32,7 @@ import os
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from fastapi import Request, Response
@@ -120,7 +120,7 @@ def decode(inp: Any) -> np.ndarray:
         raise BadRequest(f"input {name!r}: cannot decode as {datatype} {shape}: {exc}") from None
     if list(array.shape) != shape:
         raise BadRequest(f"input {name!r}: data decodes to {list(array.shape)}, not {shape}")
-    return array
+    return cast(np.ndarray, array)
 
 
 def check_bounds(name: str, array: np.ndarray, bounds: tuple[int, int] | None) -> None:
@@ -770,7 +770,7 @@ class ShipyardOnnxRuntime(MLModel):
                 raise eng.openai_api.ApiError(
                     400, "this bundle ships no tokenizer: send token ids as the prompt", "prompt"
                 )
-            return self.text.encode(prompt)
+            return cast(list[int], self.text.encode(prompt))
         return list(prompt)
 
 

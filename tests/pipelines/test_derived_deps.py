@@ -157,6 +157,75 @@ def test_the_fingerprint_ignores_docs_comments_and_layout_but_not_code() -> None
     assert normalized(keyword) != normalized(keyword.replace("'^a'", "'^b'"))
 
 
+def test_annotations_nothing_evaluates_cost_no_rerun_but_fields_do() -> None:
+    """Typing a stage (issue 29: mypy strict on stages/) must rerun nothing; a pydantic or
+    dataclass field's type decides validation and must."""
+    base = (
+        "from __future__ import annotations\n"
+        "from typing import TYPE_CHECKING, Any\n"
+        "if TYPE_CHECKING:\n"
+        "    from schemas import ReleaseSpec\n"
+        "from pydantic import BaseModel\n"
+        "class A(BaseModel):\n"
+        "    x: int = 1\n"
+        "    def m(self, k: Any) -> Any:\n"
+        "        return k\n"
+        "def f(a: Any, *rest: Any, b: Any = None, **kw: Any) -> Any:\n"
+        "    y: Any = a + 1\n"
+        "    z: Any\n"
+        "    def inner(q: Any) -> Any:\n"
+        "        w: Any = q\n"
+        "        return w\n"
+        "    class Local(BaseModel):\n"
+        "        v: int = 0\n"
+        "    return inner(y)\n"
+    )
+    same = [
+        base.replace("def f(a: Any", "def f(a: ReleaseSpec"),
+        base.replace("*rest: Any", "*rest: int").replace("**kw: Any", "**kw: str"),
+        base.replace("b: Any = None", "b: int | None = None"),
+        base.replace(") -> Any:\n    y", ") -> dict[str, int]:\n    y"),
+        base.replace("    y: Any = a + 1", "    y: int = a + 1"),
+        base.replace("    z: Any\n", "    z: float\n"),
+        base.replace("w: Any = q", "w: str = q").replace("q: Any", "q: str"),
+        base.replace("def m(self, k: Any) -> Any", "def m(self, k: int) -> int"),
+        base.replace("    from schemas import ReleaseSpec\n", "    from schemas import Other\n"),
+    ]
+    for text in same:
+        assert normalized(text) == normalized(base), text
+    different = [
+        base.replace("    x: int = 1", "    x: str = 1"),  # a field's type validates
+        base.replace("        v: int = 0", "        v: str = 0"),  # in a local class too
+        base.replace("    y: Any = a + 1", "    y: Any = a + 2"),  # the value still counts
+        base.replace("    z: Any\n", ""),  # a bare annotation makes z local
+        base.replace("b: Any = None", "b: Any = 0"),  # defaults count
+        base.replace("if TYPE_CHECKING:", "if DEBUG:"),
+    ]
+    for text in different:
+        assert normalized(text) != normalized(base), text
+
+
+def test_imports_under_type_checking_are_no_dependency(tmp_path: Path) -> None:
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "schemas").mkdir()
+    (tmp_path / "stages" / "__init__.py").write_text("")
+    (tmp_path / "schemas" / "__init__.py").write_text("")
+    for name in ("typed", "plain", "other"):
+        (tmp_path / "schemas" / f"{name}.py").write_text("X = 1\n")
+    (tmp_path / "stages" / "a.py").write_text(
+        "import typing\nfrom typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from schemas import typed\nelse:\n    from schemas import plain\n"
+        "if typing.TYPE_CHECKING:\n    import schemas.typed\n"
+        "if True:\n    from schemas import other\n"
+    )
+    assert import_closure(tmp_path, "stages/a.py") == [
+        "schemas/__init__.py",
+        "schemas/other.py",
+        "schemas/plain.py",
+        "stages/a.py",
+    ]
+
+
 def test_a_spec_section_modules_code_is_in_the_fingerprint_of_the_stages_reading_it(
     tmp_path: Path,
 ) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +204,54 @@ def test_a_stage_sealed_by_anything_but_one_of_its_upstreams_is_refused() -> Non
         StageIO(params=(), sealed_by="manifest")
     sealed = StageIO(params=(), upstream=("export", "manifest"), sealed_by="manifest")
     assert sealed.upstream_files() == ("manifest",)
+
+
+def _module(name: str, **attrs: Any) -> Any:
+    import types
+
+    module = types.ModuleType(f"stages.{name}")
+    module.__dict__.update(attrs)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("attrs", "says"),
+    [
+        ({"NAME": "pin", "io": lambda release: None}, "is not a stage: it has no run"),
+        ({"io": lambda r: None, "run": lambda c, r: None}, "is not a stage: it has no NAME"),
+        ({"NAME": "pin", "run": lambda c, r: None}, "is not a stage: it has no io"),
+        (
+            {"NAME": "export", "io": lambda r: None, "run": lambda c, r: None},
+            "names itself 'export', not 'pin'",
+        ),
+        ({"NAME": "pin", "io": lambda r: None, "run": lambda r: None}, "run() takes 1 parameter"),
+        ({"NAME": "pin", "io": lambda: None, "run": lambda c, r: None}, "io() takes 0 parameter"),
+    ],
+)
+def test_the_runner_refuses_a_module_that_is_not_a_stage(
+    ws: Workspace, monkeypatch: pytest.MonkeyPatch, attrs: dict[str, Any], says: str
+) -> None:
+    """The Stage protocol (stages/_runtime.py) is checked before a stage runs, with what
+    the module lacks named: a stage without `run` was an AttributeError mid-run."""
+    import sys
+
+    from schemas.loader import load_release
+    from stages._runtime import check_stage
+
+    fake = _module("pin", **attrs)
+    with pytest.raises(RuntimeError, match=re.escape(says)):
+        check_stage("pin", fake)
+    monkeypatch.setitem(sys.modules, "stages.pin", fake)
+    path = ws.write(gpt2_spec())
+    with pytest.raises(RuntimeError, match=re.escape(says)):
+        stages.execute("pin", load_release(path), path, ws.root)
+    assert not (ws.root / "build").exists()  # refused before anything was written
+    with pytest.raises(RuntimeError):
+        stages.load_stages()
+
+
+def test_every_stage_module_is_a_stage() -> None:
+    from stages._runtime import Stage
+
+    for name, module in stages.load_stages().items():
+        assert isinstance(module, Stage), name

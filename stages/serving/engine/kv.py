@@ -16,6 +16,8 @@ with free slots, 0.5 s (benchmarks/bench_continuous_batching.py).
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 
@@ -29,7 +31,7 @@ def positions_from_mask(mask: np.ndarray, width: int) -> np.ndarray:
     """Position ids of the last `width` tokens of a [rows, total] mask, as transformers'
     generate derives them: a row left-padded by 3 numbers its first real token 0, not 3."""
     positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0) * (mask != 0)
-    return positions[:, positions.shape[-1] - width :].astype(np.int64)
+    return cast(np.ndarray, positions[:, positions.shape[-1] - width :].astype(np.int64))
 
 
 class Batch:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .params import BadParameter, GenerationParams, parse
 from .scheduler import Event
@@ -87,7 +87,7 @@ def _fields(body: Any, fields: set[str], served: str) -> dict[str, Any]:
             f"the model {body.get('model')!r} does not exist; this server serves {served!r}",
             "model",
         )
-    return body
+    return cast(dict[str, Any], body)
 
 
 def _check_common(body: Any, fields: set[str], served: str) -> dict[str, Any]:
@@ -101,7 +101,7 @@ def _check_common(body: Any, fields: set[str], served: str) -> dict[str, Any]:
         raise ApiError(400, "logit_bias is not supported", "logit_bias")
     if not isinstance(body.get("stream", False), bool):
         raise ApiError(400, "stream must be true or false", "stream")
-    return body
+    return cast(dict[str, Any], body)
 
 
 def _params(

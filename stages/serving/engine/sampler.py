@@ -5,6 +5,8 @@ first (argpartition) and sorts the whole vocabulary only when they hold less tha
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from .params import GenerationParams
@@ -25,7 +27,7 @@ def penalize(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     z = logits.astype(np.float64) - float(logits.max())
-    return z - np.log(np.exp(z).sum())
+    return cast(np.ndarray, z - np.log(np.exp(z).sum()))
 
 
 def choose(
