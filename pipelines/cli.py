@@ -154,7 +154,7 @@ def _no_plot_here(root: Path, outs: tuple[str, ...], release: str) -> None:
     """A plot file dvc.yaml declares for this stage (one template for every release) that
     this release does not draw (no quantization, no streaming) is an empty list, so DVC
     finds every output and the plot shows no points."""
-    from stages._runtime import PLOTS_DIR
+    from stages._contract import PLOTS_DIR
 
     for out in outs:
         target = root / out

@@ -14,7 +14,7 @@ from schemas import ReleaseSpec, SpecError
 from schemas.artifacts import VersionLock
 from schemas.loader import load_release
 from stages import load_stages, stage_io
-from stages._runtime import COMMON_CODE, Plot, StageIO, attestation_file, report_dir
+from stages._contract import COMMON_CODE, Plot, StageIO, attestation_file, report_dir
 from stages.onnx.model import model_paths
 
 MODEL_SLOTS = ("model", "model_weights")

@@ -8,7 +8,7 @@ from typing import Any
 
 from schemas import RegistryError, ReleaseSpec, StageReport, StageStatus
 from stages import load_stages
-from stages._runtime import report_dir
+from stages._contract import report_dir
 from stages.quant.thresholds import check, has_change
 
 

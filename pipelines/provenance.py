@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import RegistryError
-from stages._runtime import attestation_file
+from stages._contract import attestation_file
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"

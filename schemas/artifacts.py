@@ -270,7 +270,7 @@ class ServingValues(Artifact):
 
 # loadtest ----------------------------------------------------------------------------------
 class SloVerdict(_Model):
-    """One service-level objective as the load test judged it (stages/serving/slo.py)."""
+    """One service-level objective as the load test judged it (stages/loadtesting/slo.py)."""
 
     slo: str = Field(description="The loadtest.slo field, e.g. `p95_latency_ms`.")
     limit: int | float

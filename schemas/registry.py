@@ -24,8 +24,8 @@ class PublishRecord(_Kept):
     manifest_sha256: str | None = Field(
         default=None, pattern=DIGEST, description="None in records written before it was kept."
     )
-    by: str
-    at: str
+    by: str | None = Field(default=None, description="Who published (informational).")
+    at: str | None = Field(default=None, description="When (informational).")
     recovered: bool = Field(default=False, description="Finished by `registry check`.")
 
 

@@ -12,7 +12,7 @@ from types import ModuleType
 from typing import cast
 
 from schemas import ReleaseSpec, StageError, StageReport, StageStatus
-from stages._runtime import (
+from stages._contract import (
     Plot,
     SpecView,
     Stage,

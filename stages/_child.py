@@ -1,4 +1,4 @@
-"""The child process of `stages._runtime.in_child`: reads a pickled (function, arguments)
+"""The child process of `stages._contract.in_child`: reads a pickled (function, arguments)
 from stdin, runs it, and pickles ("ok", result) or ("error", StageError) to the file named
 by its argument. Anything else it raises is a bug: its traceback goes to stderr and the
 exit status is not 0, which the parent reports."""

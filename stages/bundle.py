@@ -10,7 +10,7 @@ from schemas import ReleaseSpec, StageError
 from schemas.artifacts import LoadTestSummary, ModelInfo
 from schemas.manifest import FACTS_FILE, MANIFEST_FILE, Manifest
 from schemas.tasks import TASKS
-from stages._runtime import (
+from stages._contract import (
     StageContext,
     StageIO,
     StageResult,

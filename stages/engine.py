@@ -16,7 +16,7 @@ from typing import Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import CapacityPlan, EngineProfiles, ModelInfo, QuantInfo
-from stages._runtime import StageContext, StageIO, StageResult
+from stages._contract import StageContext, StageIO, StageResult
 from stages.onnx import shapes as sh
 from stages.tensorrt.triton import (  # noqa: F401 (re-exported)
     TRT_TEMPLATE,

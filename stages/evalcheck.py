@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from schemas import ReleaseSpec
-from stages._runtime import StageContext, StageIO, StageResult, release_memory
+from stages._contract import StageContext, StageIO, StageResult, release_memory
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
 from stages.onnx.graph import constant_values, node_scope

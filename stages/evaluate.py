@@ -12,7 +12,7 @@ import numpy as np
 from schemas import ReleaseSpec
 from schemas.artifacts import Evaluation, ModelInfo
 from schemas.tasks import METRIC_SOURCES, TASKS
-from stages._runtime import StageContext, StageIO, StageResult
+from stages._contract import StageContext, StageIO, StageResult
 from stages.onnx import kvcache as kv
 from stages.onnx import model as m
 from stages.onnx import shapes as sh

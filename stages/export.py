@@ -8,7 +8,7 @@ from typing import Any
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import Arch, DimSizes, ModelInfo, TensorInfo, VersionLock
 from schemas.tasks import TASKS
-from stages._runtime import StageContext, StageIO, StageResult, in_child
+from stages._contract import StageContext, StageIO, StageResult, in_child
 from stages.onnx import exporter, stream
 from stages.onnx import model as m
 from stages.onnx import shapes as sh

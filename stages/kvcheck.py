@@ -22,7 +22,7 @@ import numpy as np
 from schemas import ReleaseSpec
 from schemas.artifacts import QuantInfo
 from schemas.tasks import TASKS
-from stages._runtime import StageContext, StageIO, StageResult, in_child
+from stages._contract import StageContext, StageIO, StageResult, in_child
 from stages.onnx import kvcache as kv
 from stages.onnx import model as m
 from stages.onnx import shapes as sh

@@ -14,10 +14,10 @@ from typing import Any
 from schemas import ReleaseSpec
 from schemas.artifacts import LoadTestSummary, ModelInfo
 from schemas.report import Check
-from stages._runtime import Plot, StageContext, StageIO, StageResult, write_json
-from stages.serving import measure
-from stages.serving.load_phases import MB
-from stages.serving.slo import check_slo
+from stages._contract import Plot, StageContext, StageIO, StageResult, write_json
+from stages.loadtesting import measure
+from stages.loadtesting.load_phases import MB
+from stages.loadtesting.slo import check_slo
 
 NAME = "loadtest"
 RAMP_PLOT = Plot(
@@ -61,7 +61,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             models = sorted(ctx.upstream("quantize").glob("model.onnx*"))
             assemble(tree, models, ctx.upstream("serve"))
         results = measure.measure_all(ctx, release, info, model, tree)
-    from stages.serving.plots import plot_results
+    from stages.loadtesting.plots import plot_results
 
     plots = plot_results(results, ctx.work)
     _plot_data(ctx.work, results)

@@ -17,7 +17,7 @@ from schemas.artifacts import (
     VersionLock,
 )
 from schemas.manifest import FACTS_FILE, MANIFEST_FILE
-from stages._runtime import StageContext, StageIO, StageResult, read_report, write_json
+from stages._contract import StageContext, StageIO, StageResult, read_report, write_json
 from stages.bundling.files import CHECKED, payload
 from stages.bundling.hashing import hash_shards
 from stages.bundling.oms import build_manifest, empty_files, write_manifest

@@ -10,7 +10,7 @@ from typing import Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import GitState, Provenance, VersionLock
-from stages._runtime import StageContext, StageIO, StageResult
+from stages._contract import StageContext, StageIO, StageResult
 from stages.bundling.hashing import hash_files
 from stages.onnx.model import model_paths
 

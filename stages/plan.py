@@ -8,7 +8,7 @@ from schemas import ReleaseSpec, StageError
 from schemas.artifacts import CapacityPlan, MemoryParts, ModelInfo
 from schemas.spec.capacity import KV_BYTES
 from schemas.tasks import TASKS
-from stages._runtime import StageContext, StageIO, StageResult
+from stages._contract import StageContext, StageIO, StageResult
 
 NAME = "plan"
 GIB = 1 << 30

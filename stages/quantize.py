@@ -10,7 +10,7 @@ from schemas import ReleaseSpec
 from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo, RecipeRow
 from schemas.spec.quantization import AccuracyBudget
 from schemas.tasks import TASKS
-from stages._runtime import Plot, StageContext, StageIO, StageResult, link_or_copy, write_json
+from stages._contract import Plot, StageContext, StageIO, StageResult, link_or_copy, write_json
 from stages.onnx import model as m
 from stages.quant import accuracy as acc
 from stages.quant import calibration as calib

@@ -30,7 +30,7 @@ from schemas.artifacts import (
     QuantInfo,
 )
 from schemas.tasks import TASKS
-from stages._runtime import StageContext, StageIO, StageResult
+from stages._contract import StageContext, StageIO, StageResult
 from stages.serving import configs
 from stages.serving.render import render
 

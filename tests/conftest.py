@@ -23,7 +23,7 @@ TINY = REPO / "models" / "tiny-gpt2"
 
 # Stages run their PyTorch step in this process (after pickling it as for the child), not
 # in a child that imports torch again per stage: tests/stages/test_child.py tests the child,
-# and the end-to-end builds set it back to 1 (stages._runtime.in_child).
+# and the end-to-end builds set it back to 1 (stages._contract.in_child).
 os.environ.setdefault("SHIPYARD_STAGE_CHILD", "0")
 TRAPS = Path(__file__).parent / "fixtures" / "traps.py"
 

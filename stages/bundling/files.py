@@ -8,7 +8,7 @@ from pathlib import Path
 from schemas.artifacts import NOT_SHIPPED, ModelInfo, QuantInfo
 from schemas.manifest import PROVENANCE_DIR
 from stages import STAGES
-from stages._runtime import StageContext, attestation_file
+from stages._contract import StageContext, attestation_file
 from stages.serving.layout import MODEL_DIR
 
 DIAGNOSTICS = ("server.log", ".lock")  # stay in the build folder

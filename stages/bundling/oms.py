@@ -36,7 +36,7 @@ from schemas.manifest import (
     algorithm_label,
     resource_order,
 )
-from stages._runtime import write_json
+from stages._contract import write_json
 from stages.bundling.hashing import hash_shards
 
 # Bundles are small in file count; a manifest beyond this is not ours (and not read whole).

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import StageError
-from stages._runtime import StageContext
+from stages._contract import StageContext
 from stages.onnx import shapes as sh
 
 STAGE = "export"

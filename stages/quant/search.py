@@ -14,7 +14,7 @@ import numpy as np
 
 from schemas import StageError
 from schemas.tasks import TASKS
-from stages._runtime import StageContext
+from stages._contract import StageContext
 from stages.onnx.graph import all_tensors, node_scope
 from stages.quant import accuracy as acc
 from stages.quant.methods import Quantizer

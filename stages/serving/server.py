@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from schemas import StageError
-from stages._runtime import link_or_copy
+from stages._contract import link_or_copy
 
 POLL = 0.2
 STOP_SECONDS = 10.0

@@ -14,7 +14,7 @@ from typing import Any
 
 from schemas import StageError
 from schemas.artifacts import CapacityPlan, EngineBuild, ModelInfo
-from stages._runtime import StageContext, StageResult
+from stages._contract import StageContext, StageResult
 from stages.onnx import shapes as sh
 
 

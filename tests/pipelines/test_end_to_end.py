@@ -18,7 +18,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 VENV = Path(sys.executable).parent.parent
-STAGES = list(load_stages())  # the order itself is pinned in tests/stages/test_runtime.py
+STAGES = list(load_stages())  # the order itself is pinned in tests/stages/test_contract.py
 
 
 def sh(

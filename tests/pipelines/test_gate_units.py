@@ -21,7 +21,7 @@ from pipelines.registry import Registry
 from schemas import ReleaseSpec
 from schemas.loader import load_release
 from stages import load_stages
-from stages._runtime import report_dir
+from stages._contract import report_dir
 from tests.conftest import Workspace, gpt2_spec, remanifest
 from tests.pipelines.test_registry_units import make_bundle
 

@@ -540,7 +540,8 @@ def test_a_publish_record_or_history_entry_is_read_by_its_model(
     good = path.read_text()
     record = json.loads(good)
     path.chmod(0o644)
-    for broken in ({**record, "digest": record["digest"][:-1]}, {**record, "by": 7}):
+    without = {k: v for k, v in record.items() if k != "release"}
+    for broken in ({**record, "digest": record["digest"][:-1]}, {**record, "by": 7}, without):
         path.write_text(json.dumps(broken))
         with pytest.raises(RegistryError, match="publish record .* is unreadable"):
             registry.record("demo", "1.0.0")

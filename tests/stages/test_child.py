@@ -1,4 +1,4 @@
-"""The PyTorch step's child process (stages._runtime.in_child): results and StageErrors come
+"""The PyTorch step's child process (stages._contract.in_child): results and StageErrors come
 back, a crash or a kill is a StageError naming the step, and the parent never imports torch."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from schemas import StageError
-from stages._runtime import in_child
+from stages._contract import in_child
 from tests.conftest import REPO, Workspace, gpt2_spec
 
 

@@ -18,7 +18,7 @@ import pytest
 from pipelines.gate import gate
 from schemas import SpecError, StageError
 from schemas.loader import load_release
-from stages.serving import loadgen as lg
+from stages.loadtesting import loadgen as lg
 from stages.serving.render import parse_triton
 from stages.serving.server import LocalServer, assemble
 from tests.conftest import QUICK_LOADTEST, REPO, Workspace, gpt2_spec
@@ -387,7 +387,7 @@ def test_stability_needs_three_agreeing_windows() -> None:
 def _slo_at(itl: float, windows: list[float], stable: bool) -> dict:
     from types import SimpleNamespace
 
-    from stages.serving.slo import check_slo
+    from stages.loadtesting.slo import check_slo
 
     point = {"concurrency": 1, "stable": stable, "p95_itl_ms": itl, "throughput_rps": 100.0}
     point["window_metrics"] = {"p95_itl_ms": windows, "throughput_rps": [100.0] * 3}
@@ -431,7 +431,7 @@ def test_the_release_candidate_soak_is_long_and_strict_unless_the_spec_says_othe
 
 
 def test_soak_growth_flags_a_steady_climb_not_a_warm_up() -> None:
-    from stages.serving.load_phases import growth
+    from stages.loadtesting.load_phases import growth
 
     mb = 1 << 20
     t = np.linspace(0, 60, 61)
@@ -447,7 +447,7 @@ def _pt(c: int, rps: float, p95: float = 10.0) -> dict[str, float]:
 
 
 def test_the_knee_is_the_last_real_gain_and_the_ramp_stops_after_four_flat_steps() -> None:
-    from stages.serving.load_phases import find_knee
+    from stages.loadtesting.load_phases import find_knee
 
     rising = [_pt(1, 100), _pt(2, 190), _pt(4, 300)]
     assert find_knee(rising, 0.05, 4, None) == (4, False)

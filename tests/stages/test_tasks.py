@@ -183,7 +183,7 @@ def test_label_scores_name_the_top_class_with_its_probability() -> None:
 def test_a_classifier_is_served_with_its_labels_over_http(tmp_path: Path) -> None:
     import aiohttp
 
-    from stages.serving import loadgen as lg
+    from stages.loadtesting import loadgen as lg
     from stages.serving.server import LocalServer, assemble
 
     (tmp_path / "repo").mkdir()
@@ -254,7 +254,7 @@ def test_every_bounded_input_of_a_bert_is_refused_past_its_range_with_400(
     it with 400 naming the input, where ONNX Runtime would fail with a 500 (issue 28)."""
     import aiohttp
 
-    from stages.serving import loadgen as lg
+    from stages.loadtesting import loadgen as lg
     from stages.serving.server import LocalServer
 
     tree, slug = served_bert(encoders, tmp_path / "tree")

@@ -54,7 +54,7 @@ def report_dir(build: Path, stage: str) -> Path:
 # (The stage module's own imports are derived from the code: pipelines/closure.py.)
 COMMON_CODE = (
     "stages/__init__.py",
-    "stages/_runtime.py",
+    "stages/_contract.py",
     "schemas/release.py",
     "schemas/loader.py",
     # `shipyard run-stage` attests every stage's outputs (ATTESTATIONS)

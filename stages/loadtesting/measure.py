@@ -10,9 +10,9 @@ from typing import Any
 
 from schemas.artifacts import ModelInfo
 from schemas.tasks import TASKS
-from stages._runtime import StageContext
-from stages.serving import loadgen as lg
-from stages.serving.load_phases import grid, openai_mix, ramp, request, soak
+from stages._contract import StageContext
+from stages.loadtesting import loadgen as lg
+from stages.loadtesting.load_phases import grid, openai_mix, ramp, request, soak
 
 STAGE = "loadtest"
 

@@ -9,7 +9,7 @@ import pytest
 
 import stages
 from schemas import StageError
-from stages._runtime import SpecView
+from stages._contract import SpecView
 from tests.conftest import REPO, Workspace, gpt2_spec
 
 
@@ -158,7 +158,7 @@ def test_the_dvc_metrics_file_says_passed_failed_or_skipped_each_as_itself(
     assert json.loads((metrics / "pin.json").read_text())["passed"] == 1
     ws.run("pin", gpt2_spec(pins={"packages": {"torch": "==1.0"}}))
     assert json.loads((metrics / "pin.json").read_text()) == {"passed": 0}
-    from stages._runtime import StageResult
+    from stages._contract import StageResult
 
     module = importlib.import_module("stages.pin")
     monkeypatch.setattr(module, "run", lambda ctx, release: StageResult.skipped("not here"))
@@ -196,7 +196,7 @@ def test_two_runs_of_one_stage_at_once_do_not_share_a_temp_folder(ws: Workspace)
 def test_a_stage_sealed_by_anything_but_one_of_its_upstreams_is_refused() -> None:
     """`sealed_by` drops the other upstream folders from DVC's deps: sealed by a stage it
     does not read, nothing would rerun it when they change."""
-    from stages._runtime import StageIO
+    from stages._contract import StageIO
 
     with pytest.raises(ValueError, match="sealed_by='manifest' must be one of upstream"):
         StageIO(params=(), upstream=("export", "serve"), sealed_by="manifest")
@@ -231,12 +231,12 @@ def _module(name: str, **attrs: Any) -> Any:
 def test_the_runner_refuses_a_module_that_is_not_a_stage(
     ws: Workspace, monkeypatch: pytest.MonkeyPatch, attrs: dict[str, Any], says: str
 ) -> None:
-    """The Stage protocol (stages/_runtime.py) is checked before a stage runs, with what
+    """The Stage protocol (stages/_contract.py) is checked before a stage runs, with what
     the module lacks named: a stage without `run` was an AttributeError mid-run."""
     import sys
 
     from schemas.loader import load_release
-    from stages._runtime import check_stage
+    from stages._contract import check_stage
 
     fake = _module("pin", **attrs)
     with pytest.raises(RuntimeError, match=re.escape(says)):
@@ -251,7 +251,7 @@ def test_the_runner_refuses_a_module_that_is_not_a_stage(
 
 
 def test_every_stage_module_is_a_stage() -> None:
-    from stages._runtime import Stage
+    from stages._contract import Stage
 
     for name, module in stages.load_stages().items():
         assert isinstance(module, Stage), name

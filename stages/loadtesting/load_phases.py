@@ -12,8 +12,8 @@ import numpy as np
 from schemas import StageError
 from schemas.artifacts import ModelInfo
 from schemas.tasks import TASKS
+from stages.loadtesting import loadgen as lg
 from stages.onnx import shapes as sh
-from stages.serving import loadgen as lg
 
 MB = 1 << 20
 
