@@ -89,7 +89,6 @@ def main() -> None:
         sessions = {k: session(p) for k, p in models.items()}
         lat = {b: latencies(sessions, prefill(lay, b)) for b in (1, 8)}
         samples = calib.load(
-            "bench",
             REPO,
             spec.quantization.calibration,
             spec.task,

@@ -48,7 +48,6 @@ def fp32_pass(ws: Workspace, spec: dict) -> tuple[float, int]:
     info = ModelInfo.model_validate_json((export / ModelInfo.FILE).read_text())
     q = release.quantization
     samples = calib.load(
-        "bench",
         ws.root,
         q.calibration,
         release.task,

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from schemas.errors import GateError, RegistryError, ShipyardError, SpecError, StageError
+from schemas.errors import (
+    GateError,
+    Refused,
+    RegistryError,
+    ShipyardError,
+    SpecError,
+    StageError,
+)
 from schemas.release import ReleaseSpec
 from schemas.report import StageReport, StageStatus
 
@@ -12,6 +19,7 @@ __all__ = [
     "ReleaseSpec",
     "ShipyardError",
     "SpecError",
+    "Refused",
     "StageError",
     "StageReport",
     "StageStatus",

@@ -41,6 +41,23 @@ class StageError(ShipyardError):
         return (type(self), (self.stage, self.message, self.hint))
 
 
+class Refused(StageError):
+    """A stage failed, raised by code several stages share (stages/onnx, quant, serving,
+    loadtesting, tensorrt, bundling). It does not know which stage runs it, and need not:
+    the runner reports it as the running stage's failure."""
+
+    def __init__(self, message: str, hint: str = "", stage: str = "") -> None:
+        self.stage = stage
+        self.message = message
+        self.hint = hint
+        ShipyardError.__init__(
+            self, (f"{stage}: " if stage else "") + message + (f"\n  fix: {hint}" if hint else "")
+        )
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str, str]]:
+        return (type(self), (self.message, self.hint, self.stage))
+
+
 class GateError(ShipyardError):
     """A release did not pass the gate."""
 

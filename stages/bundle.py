@@ -110,5 +110,5 @@ def render(
         "content_digest": content.digest,
         "quant": facts["quantization"],
     }
-    render_templates(ctx.work, RENDERED, context, trim=False, stage=NAME)
+    render_templates(ctx.work, RENDERED, context, trim=False)
     return list(RENDERED)

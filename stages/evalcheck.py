@@ -33,7 +33,7 @@ def io(release: ReleaseSpec) -> StageIO:
 
 
 def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
-    net, lay = m.load_with_layout(NAME, ctx.root, release)
+    net, lay = m.load_with_layout(ctx.root, release)
     flat = m.adapter(release.task, net, lay)
     feeds = sh.make_inputs(lay, sh.trace_sizes(release.export.dims), seed=0)
     problems = _training_modules(flat, "after model.eval()")

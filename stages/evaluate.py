@@ -43,10 +43,10 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     lay = m.layout_from_info(info)
     limit = release.export.dims["sequence"].max if "sequence" in release.export.dims else None
     rows = calib.read_rows(
-        NAME, ctx.root, cfg.dataset, lay, limit, info.arch.vocab, "evaluation.dataset"
+        ctx.root, cfg.dataset, lay, limit, info.arch.vocab, "evaluation.dataset"
     )[: cfg.dataset.samples]
     samples = [calib.to_feeds(task, lay, row) for row in rows]
-    net, _ = m.load_with_layout(NAME, ctx.root, release)
+    net, _ = m.load_with_layout(ctx.root, release)
     flat = m.adapter(task, net, lay)
     session = ort.InferenceSession(
         str(ctx.upstream("quantize") / "model.onnx"), providers=["CPUExecutionProvider"]

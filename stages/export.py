@@ -84,7 +84,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 def _trace(ctx: StageContext, release: ReleaseSpec, trace: dict[str, int]) -> dict[str, Any]:
     """The PyTorch step, run in a child process: load the model, export it with its weights
     in a raw external data file, and say what the parent needs about the model."""
-    net, lay = m.load_with_layout(NAME, ctx.root, release)
+    net, lay = m.load_with_layout(ctx.root, release)
     pooled = getattr(net, "pooling", None)  # set by the embedding wrapper only
     flat = m.adapter(release.task, net, lay)
     raw = exporter.trace_graph(ctx, flat, lay, release.export, trace)

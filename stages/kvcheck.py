@@ -105,7 +105,7 @@ def _pytorch(
     ctx: StageContext, release: Any, plan: kv.Plan, into: Path
 ) -> tuple[sh.Layout, list[dict[str, Any]]]:
     """Full passes saved under `into`; PyTorch's cached decode judged against them."""
-    net, lay = m.load_with_layout(NAME, ctx.root, release)
+    net, lay = m.load_with_layout(ctx.root, release)
     torch_run = m.named_run(m.adapter(release.task, net, lay), lay)
 
     tokens = _tokens(release, kv.vocab_of(lay), plan)

@@ -45,7 +45,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         feeds = (failures[0][1] if failures else _feeds(Path(tmp), 0)) if wanted else None
     details: dict[str, Any] = {"comparisons": rows}
     if feeds is not None:
-        net, lay = m.load_with_layout(NAME, ctx.root, release)
+        net, lay = m.load_with_layout(ctx.root, release)
         flat = m.adapter(release.task, net, lay)
         details["layerwise"] = layerwise(flat, lay, path, feeds, cfg)
     worst = max(r["error"] for r in rows)
@@ -77,7 +77,7 @@ def _reference_outputs(
     """PyTorch's outputs at every shape, saved as .npy under `into` with the inputs both
     sides are fed (run in a child). A KV-cache graph is fed the past the model produces
     from seeded tokens, never random-normal tensors (stages/onnx/kvcache.py)."""
-    net, lay = m.load_with_layout(NAME, ctx.root, release)
+    net, lay = m.load_with_layout(ctx.root, release)
     flat = m.adapter(release.task, net, lay)
     torch_run = m.named_run(flat, lay)
     chunk = release.export.dims["sequence"].max if "sequence" in release.export.dims else 1

@@ -64,7 +64,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     info = ctx.read(ModelInfo)
     lay = m.layout_from_info(info)
     samples = calib.load(
-        NAME, ctx.root, q.calibration, release.task, lay, release.export.dims, info.arch.vocab
+        ctx.root, q.calibration, release.task, lay, release.export.dims, info.arch.vocab
     )
     pre, fallback = search.preprocess(ctx, export / "model.onnx")
     if fallback:

@@ -61,13 +61,13 @@ def provenance(ctx: StageContext, stages: tuple[str, ...]) -> dict[str, Path]:
     return {name: path for name, path in found.items() if path.is_file()}
 
 
-def _outputs(folder: Path, prefix: str, stage: str) -> dict[str, Path]:
-    """Every file a stage wrote but its report (which goes under reports/) and the artifacts
-    that feed the facts instead of shipping."""
+def _outputs(folder: Path, prefix: str, producer: str) -> dict[str, Path]:
+    """Every file the `producer` stage wrote but its report (which goes under reports/) and
+    the artifacts that feed the facts instead of shipping."""
     return {
         prefix + p.relative_to(folder).as_posix(): p
         for p in sorted(folder.rglob("*"))
         if p.is_file()
         and p.name != "report.json"
-        and f"{stage}/{p.relative_to(folder).as_posix()}" not in NOT_SHIPPED
+        and f"{producer}/{p.relative_to(folder).as_posix()}" not in NOT_SHIPPED
     }

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas import StageError
+from schemas import Refused
 from schemas.artifacts import ModelInfo
 from schemas.tasks import TASKS
 from stages.loadtesting import loadgen as lg
@@ -137,8 +137,7 @@ def ramp(
 def require_success(point: dict[str, Any], req: lg.Request) -> dict[str, Any]:
     """A point where no request succeeded ends the load test with the first error."""
     if point["requests"] == 0:
-        raise StageError(
-            "loadtest",
+        raise Refused(
             f"every request to {req.url} failed: {point.get('first_error', 'no response')}",
             "check loadtest.target (URL and model name) or the server log in the report",
         )

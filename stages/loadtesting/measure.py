@@ -14,8 +14,6 @@ from stages._contract import StageContext
 from stages.loadtesting import loadgen as lg
 from stages.loadtesting.load_phases import grid, openai_mix, ramp, request, soak
 
-STAGE = "loadtest"
-
 
 def streams(task: str) -> bool:
     """Whether the load test measures streaming (TTFT/ITL): generating tasks only."""

@@ -10,11 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from schemas import StageError
+from schemas import Refused
 from stages._contract import StageContext
 from stages.onnx import shapes as sh
 
-STAGE = "export"
 STRIPPED_METADATA = ("pkg.torch.onnx.stack_trace",)  # absolute source paths: not reproducible
 
 
@@ -53,8 +52,7 @@ def trace_graph(
             torch.onnx.export(flat, args, str(raw / "model.onnx"), **kwargs)
     except Exception as exc:  # the exporters raise many types; all mean "cannot export"
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-        raise StageError(
-            STAGE,
+        raise Refused(
             f"torch.onnx.export ({export.exporter}) failed: {first[:400]}",
             "a dim the model treats as constant cannot be dynamic; see the "
             "exporter message above, or try the other export.exporter",
@@ -132,8 +130,7 @@ def _weights_to_file(path: Path, weights: dict[str, Any], location: str) -> None
         for name in held:
             value = weights[name].detach().contiguous()
             if value.dtype not in dtypes:
-                raise StageError(
-                    STAGE,
+                raise Refused(
                     f"weight {name} has dtype {value.dtype}, which ONNX cannot store",
                     "cast the model to float32, float16 or bfloat16 before exporting",
                 )
@@ -191,7 +188,7 @@ def finish(
     try:
         onnx.checker.check_model(str(checked))
     except onnx.checker.ValidationError as exc:
-        raise StageError(STAGE, f"exported graph is not valid ONNX: {str(exc)[:300]}") from None
+        raise Refused(f"exported graph is not valid ONNX: {str(exc)[:300]}") from None
     path = ctx.work / "model.onnx"
     outside = _external_names(model, raw) if external else set()
     stream.save(model, raw, path, outside, "model.onnx.data")
@@ -282,8 +279,7 @@ def probe(
     try:
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
-        raise StageError(
-            STAGE,
+        raise Refused(
             f"ONNX Runtime cannot load the exported graph: {str(exc).splitlines()[0][:400]}",
             "try the other export.exporter or another export.opset; report the message",
         ) from None

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas import StageError
+from schemas import Refused
 from schemas.artifacts import ModelInfo
 from schemas.tasks import TASKS
 from stages.onnx.shapes import POSITIONS, TOTAL, Layout, Tensor
@@ -28,68 +28,61 @@ def model_paths(model: Any) -> tuple[str, str]:
     return model.source, model.weights or model.source
 
 
-def load_model(stage: str, root: Path, model: Any, task: str) -> Any:
+def load_model(root: Path, model: Any, task: str) -> Any:
     """Build the nn.Module from the spec and put it in eval mode."""
-    module = (
-        _load_hf(stage, root, model, task) if model.kind == "hf" else _load_py(stage, root, model)
-    )
+    module = _load_hf(root, model, task) if model.kind == "hf" else _load_py(root, model)
     return module.eval()
 
 
-def _load_hf(stage: str, root: Path, model: Any, task: str) -> Any:
+def _load_hf(root: Path, model: Any, task: str) -> Any:
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     folder = root / model.path
     if not (folder / "config.json").is_file():
-        raise StageError(
-            stage,
+        raise Refused(
             f"model.path {model.path}: no config.json in {folder}",
             "point model.path at a Hugging Face folder (config.json + *.safetensors); "
             "for the example run `python scripts/make_checkpoint.py tiny-gpt2`",
         )
     if not list(folder.glob("*.safetensors")):
-        raise StageError(
-            stage,
+        raise Refused(
             f"model.path {model.path}: no *.safetensors checkpoint in {folder}",
             "save the model with safe_serialization=True",
         )
-    _check_shards(stage, folder, model.path)
+    _check_shards(folder, model.path)
     auto = getattr(transformers, TASKS[task].auto_class)
     return auto.from_pretrained(folder, local_files_only=True, attn_implementation="eager")
 
 
-def _check_shards(stage: str, folder: Path, shown: str) -> None:
+def _check_shards(folder: Path, shown: str) -> None:
     """A sharded checkpoint (`*.safetensors.index.json`) must have every shard it lists."""
     for index in sorted(folder.glob("*.safetensors.index.json")):
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             shards = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError):
-            raise StageError(
-                stage,
+            raise Refused(
                 f"model.path {shown}: {index.name} is not a safetensors index "
                 "(no weight_map of tensor -> shard file)",
                 "re-save the checkpoint with save_pretrained(..., safe_serialization=True)",
             ) from None
         missing = [f for f in shards if not (folder / f).is_file()]
         if missing:
-            raise StageError(
-                stage,
+            raise Refused(
                 f"model.path {shown}: {index.name} lists {len(shards)} shard(s); missing: "
                 + ", ".join(missing),
                 "copy every shard of the checkpoint into the folder",
             )
 
 
-def _load_py(stage: str, root: Path, model: Any) -> Any:
+def _load_py(root: Path, model: Any) -> Any:
     import torch
 
     source = root / model.source
     if not source.exists():
-        raise StageError(
-            stage,
+        raise Refused(
             f"model.source {model.source} does not exist",
             "give the file or folder that holds the factory's module",
         )
@@ -100,29 +93,26 @@ def _load_py(stage: str, root: Path, model: Any) -> Any:
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as exc:
-        raise StageError(
-            stage,
+        raise Refused(
             f"model.entrypoint {model.entrypoint}: {exc}",
             f"make {factory_name} importable from {model.source}",
         ) from None
     net = factory()
     if not isinstance(net, torch.nn.Module):
-        raise StageError(
-            stage,
+        raise Refused(
             f"model.entrypoint {model.entrypoint} returned "
             f"{type(net).__name__}, not a torch.nn.Module",
         )
     if model.weights:
-        net.load_state_dict(_read_weights(stage, root / model.weights), strict=True)
+        net.load_state_dict(_read_weights(root / model.weights), strict=True)
     return net
 
 
-def _read_weights(stage: str, path: Path) -> dict[str, Any]:
+def _read_weights(path: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     if not path.is_file():
-        raise StageError(
-            stage,
+        raise Refused(
             f"model.weights {path} does not exist",
             "give the path of a safetensors state dict",
         )
@@ -178,13 +168,13 @@ def arch_of(config: dict[str, Any], lay: Layout) -> dict[str, int]:
     return out
 
 
-def load_with_layout(stage: str, root: Path, release: Any) -> tuple[Any, Layout]:
+def load_with_layout(root: Path, release: Any) -> tuple[Any, Layout]:
     """The model in eval mode and its graph layout (which depends on what forward takes)."""
     import inspect
 
-    net = load_model(stage, root, release.model, release.task)
+    net = load_model(root, release.model, release.task)
     forward = frozenset(inspect.signature(net.forward).parameters)
-    pooled = embedding_pooling(stage, root, release)
+    pooled = embedding_pooling(root, release)
     if pooled:  # the embedding: pooling (+ normalize) inside the graph; net.pooling says which
         from stages.onnx import pooling
 
@@ -193,14 +183,14 @@ def load_with_layout(stage: str, root: Path, release: Any) -> tuple[Any, Layout]
     return net, layout(release.task, release.export, config, forward)
 
 
-def embedding_pooling(stage: str, root: Path, release: Any) -> Any:
+def embedding_pooling(root: Path, release: Any) -> Any:
     """The pooling a text-embedding release exports (None for other tasks)."""
     if not TASKS[release.task].pooled:
         return None
     from stages.onnx import pooling
 
     folder = root / release.model.path if release.model.kind == "hf" else None
-    return pooling.resolve(stage, folder, release.export)
+    return pooling.resolve(folder, release.export)
 
 
 def label_names(config: dict[str, Any]) -> list[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from schemas import StageError
+from schemas import Refused
 
 MODES = ("mean", "cls", "max", "last-token")
 # sentence-transformers' Pooling config key for each mode
@@ -35,7 +35,7 @@ class Pooling:
     source: str  # where the settings came from, for the report
 
 
-def from_folder(stage: str, folder: Path) -> Pooling | None:
+def from_folder(folder: Path) -> Pooling | None:
     """The pooling a sentence-transformers folder declares; None for a plain folder."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
@@ -47,16 +47,14 @@ def from_folder(stage: str, folder: Path) -> Pooling | None:
         pooling = next(m for m in modules if m["type"] == POOLING)
         config = json.loads((folder / pooling["path"] / "config.json").read_text())
     except (OSError, ValueError, KeyError, TypeError, StopIteration) as exc:
-        raise StageError(
-            stage,
+        raise Refused(
             f"{where}: not a readable sentence-transformers pipeline ({exc})",
             "give modules.json with a Pooling module and its config.json",
         ) from None
     modes = [mode for key, mode in ST_KEYS.items() if config.get(key)]
     extra = [t for t in types if t not in (POOLING, NORMALIZE) and not t.endswith(".Transformer")]
     if len(modes) != 1 or extra:
-        raise StageError(
-            stage,
+        raise Refused(
             f"{where}: {'modules ' + ', '.join(extra) if extra else f'pooling modes {modes}'} "
             "cannot be exported",
             "one pooling mode (mean, cls, max or last-token), optionally Normalize, is supported",
@@ -64,25 +62,23 @@ def from_folder(stage: str, folder: Path) -> Pooling | None:
     return Pooling(modes[0], NORMALIZE in types, f"{modules_file.name} (sentence-transformers)")
 
 
-def resolve(stage: str, folder: Path | None, export: Any) -> Pooling:
+def resolve(folder: Path | None, export: Any) -> Pooling:
     """The folder's pooling if it has one (the spec may repeat it, not contradict it), else
     the spec's."""
-    found = from_folder(stage, folder) if folder else None
+    found = from_folder(folder) if folder else None
     mode, normalize = export.pooling, export.normalize
     if found:
         if (mode and mode != found.mode) or (
             normalize is not None and normalize != found.normalize
         ):
-            raise StageError(
-                stage,
+            raise Refused(
                 f"export.pooling/normalize ({mode}, {normalize}) contradict the model folder's "
                 f"sentence-transformers modules ({found.mode}, normalize {found.normalize})",
                 "remove export.pooling and export.normalize: the folder defines the embedding",
             )
         return found
     if not mode:
-        raise StageError(
-            stage,
+        raise Refused(
             "task text-embedding needs a pooling: the model folder has no sentence-transformers "
             "modules.json and export.pooling is not set",
             f"set export.pooling to one of {', '.join(MODES)} (and export.normalize if wanted)",

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas import StageError
+from schemas import Refused
 from schemas.tasks import TASKS
 from stages.bundling.hashing import hash_range
 from stages.onnx import shapes as sh
@@ -26,16 +26,15 @@ class Samples:
 
 
 def load(
-    stage: str, root: Path, cfg: Any, task: str, lay: sh.Layout, dims: dict[str, Any], vocab: int
+    root: Path, cfg: Any, task: str, lay: sh.Layout, dims: dict[str, Any], vocab: int
 ) -> Samples:
     """Read cfg.path, check every sample, split into calibration and hold-out feeds."""
     path = root / cfg.path
     limit = cfg.max_length or (dims["sequence"].max if "sequence" in dims else None)
-    rows = read_rows(stage, root, cfg, lay, limit, vocab, "quantization.calibration")
+    rows = read_rows(root, cfg, lay, limit, vocab, "quantization.calibration")
     need = cfg.samples + cfg.holdout
     if len(rows) < need:
-        raise StageError(
-            stage,
+        raise Refused(
             f"quantization.calibration.path {cfg.path} has {len(rows)} "
             f"sample(s); samples + holdout need {need}",
             "add real samples, or lower calibration.samples / holdout",
@@ -45,7 +44,7 @@ def load(
 
 
 def read_rows(
-    stage: str, root: Path, cfg: Any, lay: sh.Layout, limit: int | None, vocab: int, section: str
+    root: Path, cfg: Any, lay: sh.Layout, limit: int | None, vocab: int, section: str
 ) -> list[dict[str, np.ndarray]]:
     """Every sample of cfg.path (JSONL texts via cfg.tokenizer, or NPZ arrays), checked.
 
@@ -53,25 +52,23 @@ def read_rows(
     """
     path = root / cfg.path
     if not path.is_file():
-        raise StageError(
-            stage,
+        raise Refused(
             f"{section}.path {cfg.path} does not exist",
             "commit the data file; Shipyard never substitutes random data",
         )
     if path.suffix == ".jsonl":
-        return _token_rows(stage, root, cfg, path, limit, vocab, section)
-    return _npz_rows(stage, cfg, path, lay, limit, vocab)
+        return _token_rows(root, cfg, path, limit, vocab, section)
+    return _npz_rows(cfg, path, lay, limit, vocab)
 
 
 def _token_rows(
-    stage: str, root: Path, cfg: Any, path: Path, limit: int | None, vocab: int, section: str
+    root: Path, cfg: Any, path: Path, limit: int | None, vocab: int, section: str
 ) -> list[dict[str, np.ndarray]]:
     from tokenizers import Tokenizer
 
     tok_file = root / cfg.tokenizer / "tokenizer.json"
     if not tok_file.is_file():
-        raise StageError(
-            stage,
+        raise Refused(
             f"{section}.tokenizer: no tokenizer.json in {cfg.tokenizer}",
             "point it at the model's tokenizer folder",
         )
@@ -80,53 +77,49 @@ def _token_rows(
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        ids = np.array(tokenizer.encode(_text(stage, cfg, number, line)).ids, dtype=np.int64)
-        _check_tokens(stage, f"{cfg.path}:{number}", ids, limit, vocab)
+        ids = np.array(tokenizer.encode(_text(cfg, number, line)).ids, dtype=np.int64)
+        _check_tokens(f"{cfg.path}:{number}", ids, limit, vocab)
         rows.append({"input_ids": ids[None, :]})
     if not rows:
-        raise StageError(
-            stage,
+        raise Refused(
             f"{section}.path {cfg.path} is empty",
             "add real samples of the deployment's inputs",
         )
     return rows
 
 
-def _check_tokens(stage: str, where: str, ids: np.ndarray, limit: int | None, vocab: int) -> None:
+def _check_tokens(where: str, ids: np.ndarray, limit: int | None, vocab: int) -> None:
     if ids.size == 0:
-        raise StageError(stage, f"{where}: the sample has no tokens", "remove it")
+        raise Refused(f"{where}: the sample has no tokens", "remove it")
     if limit and ids.size > limit:
-        raise StageError(
-            stage,
+        raise Refused(
             f"{where}: {ids.size} tokens, longer than the limit {limit} "
             "(calibration.max_length / export.dims.sequence.max)",
             "split the sample; samples are never truncated silently",
         )
     if vocab and (ids.min() < 0 or ids.max() >= vocab):  # vocab 0: unknown (python model)
         bad = int(ids.max() if ids.max() >= vocab else ids.min())
-        raise StageError(
-            stage,
+        raise Refused(
             f"{where}: token id {bad} is outside the model's vocabulary of {vocab}",
             "use the tokenizer the model was trained with",
         )
 
 
-def _text(stage: str, cfg: Any, number: int, line: str) -> str:
+def _text(cfg: Any, number: int, line: str) -> str:
     try:
         value = json.loads(line)[cfg.text_field]
     except (ValueError, KeyError, TypeError):
-        raise StageError(
-            stage,
+        raise Refused(
             f"{cfg.path}:{number}: not a JSON object with a {cfg.text_field!r} string",
             'one {"text": ...} object per line',
         ) from None
     if not isinstance(value, str):
-        raise StageError(stage, f"{cfg.path}:{number}: {cfg.text_field!r} is not a string")
+        raise Refused(f"{cfg.path}:{number}: {cfg.text_field!r} is not a string")
     return value
 
 
 def _npz_rows(
-    stage: str, cfg: Any, path: Path, lay: sh.Layout, limit: int | None, vocab: int
+    cfg: Any, path: Path, lay: sh.Layout, limit: int | None, vocab: int
 ) -> list[dict[str, np.ndarray]]:
     with np.load(path) as data:
         arrays = {k: data[k] for k in data.files}
@@ -138,22 +131,20 @@ def _npz_rows(
     ]
     missing = [n for n in wanted if n not in arrays]
     if missing:
-        raise StageError(
-            stage,
+        raise Refused(
             f"{cfg.path}: no array for input(s) {missing}; found {sorted(arrays)}",
             "save one array per graph input, samples first",
         )
     counts = {len(arrays[n]) for n in wanted}
     if len(counts) != 1 or 0 in counts:
-        raise StageError(
-            stage,
+        raise Refused(
             f"{cfg.path}: arrays hold different or zero sample counts {sorted(counts)}",
             "every array's first axis counts the same samples",
         )
     rows = [{n: arrays[n][i : i + 1] for n in wanted} for i in range(counts.pop())]
     for i, row in enumerate(rows):
         if "input_ids" in row:
-            _check_tokens(stage, f"{cfg.path}: sample {i}", row["input_ids"][0], limit, vocab)
+            _check_tokens(f"{cfg.path}: sample {i}", row["input_ids"][0], limit, vocab)
     return rows
 
 

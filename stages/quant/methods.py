@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from schemas import StageError
+from schemas import Refused, StageError
 from stages.onnx import shapes as sh
 from stages.onnx import stream
 from stages.quant import static
@@ -61,8 +61,7 @@ class Quantizer:
                     self.model, folder / "smoothed.onnx", calibration, alpha, SMOOTHED, cfg.op_types
                 )
             except Exception as exc:  # an unforeseen graph: a clear failure, not a traceback
-                raise StageError(
-                    "quantize",
+                raise Refused(
                     f"SmoothQuant could not rewrite the graph: {type(exc).__name__}: "
                     f"{' '.join(str(exc).split())[:300]}",
                     "quantize without smooth_alpha (or drop the int8-dynamic-smoothquant recipe)",
@@ -258,8 +257,7 @@ GROUP_BYTES = 16 << 20  # weights quantized in one onnxruntime call (a few of gp
 
 
 def _failed(method: str, exc: Exception) -> StageError:
-    return StageError(
-        "quantize",
+    return Refused(
         f"onnxruntime's {method} quantizer failed: "
         f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
         "check that the FP32 export is finite and runs (evalcheck, parity); try another method",

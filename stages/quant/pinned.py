@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas import StageError
+from schemas import Refused
 
 DYNAMIC = "DynamicQuantizeLinear"
 LEVELS = 255.0  # uint8: DynamicQuantizeLinear's only output type
@@ -57,8 +57,7 @@ def refuse_unpinnable(path: Path) -> None:
 
     fused = [n for n in skeleton(path).graph.node if n.op_type in INSIDE]
     if fused:
-        raise StageError(
-            "kvcheck",
+        raise Refused(
             f"{path.name}: node {fused[0].name!r} ({fused[0].op_type}, {len(fused)} such) "
             "quantizes its input with a per-call scale inside the kernel, so its cached "
             "decode cannot be compared with a full recompute",

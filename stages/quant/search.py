@@ -12,15 +12,12 @@ from typing import Any, cast
 
 import numpy as np
 
-from schemas import StageError
+from schemas import Refused
 from schemas.tasks import TASKS
 from stages._contract import StageContext
 from stages.onnx.graph import all_tensors, node_scope
 from stages.quant import accuracy as acc
 from stages.quant.methods import Quantizer
-
-STAGE = "quantize"
-
 
 REMEDIES = (
     "Try quantization.per_channel: true (per-tensor scales can be far worse on encoders), "
@@ -78,8 +75,7 @@ def preprocess(ctx: StageContext, model: Path) -> tuple[Path, str]:
                 _preprocess(model.resolve(), scratch.resolve(), out.resolve(), skip)
         except Exception as exc:  # symbolic shape inference raises assorted types
             if skip:
-                raise StageError(
-                    STAGE,
+                raise Refused(
                     f"quantization pre-processing failed with symbolic shape inference "
                     f"({first}) and without it ({' '.join(str(exc).split())[:200]})",
                     "the exported graph needs shapes ONNX or ONNX Runtime can infer",
@@ -182,8 +178,7 @@ class Evaluator:
         for i, feeds in enumerate(samples):
             out = session.run([name], feeds)[0]
             if not np.all(np.isfinite(out)):
-                raise StageError(
-                    STAGE,
+                raise Refused(
                     f"the FP32 model's output on calibration sample {i + 1} is not finite "
                     "(NaN or inf): there is nothing to quantize against",
                     "fix the checkpoint (NaN weights?); evalcheck and parity should fail too",
@@ -237,8 +232,7 @@ def sensitivity(
     scopes = {n.name: node_scope(n) for n in quantizer.skeleton().graph.node}
     nodes = quantizer.candidates()
     if not nodes:
-        raise StageError(
-            STAGE,
+        raise Refused(
             f"no node of types {quantizer.cfg.op_types} to quantize",
             "check quantization.op_types against the exported graph",
         )

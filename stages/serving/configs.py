@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from schemas import StageError
+from schemas import Refused
 from schemas.artifacts import (
     CapacityPlan,
     ModelInfo,
@@ -24,7 +24,6 @@ from stages.serving.engine.text import eos_ids, sampling_defaults
 from stages.serving.layout import MODEL_DIR
 from stages.serving.render import parse_triton
 
-STAGE = "serve"
 TRITON_TYPES = {
     "float32": "TYPE_FP32",
     "float16": "TYPE_FP16",
@@ -155,8 +154,7 @@ def runtime_settings(
 
 def _within(field: str, value: int, limit: int, source: str) -> None:
     if value > limit:
-        raise StageError(
-            STAGE,
+        raise Refused(
             f"{field} = {value} exceeds {source} = {limit}; the exported "
             "graph is not promised to run beyond it",
             f"lower {field} or raise {source} and re-export",
@@ -206,8 +204,7 @@ def parse_back(path: Path, info: ModelInfo, values: ServingValues) -> None:
             else:
                 check_triton(config, info, values)
     except (ValueError, yaml.YAMLError) as exc:
-        raise StageError(
-            STAGE,
+        raise Refused(
             f"rendered {path.name} is not valid: {exc}",
             "fix the template in stages/templates/ that produced it",
         ) from None

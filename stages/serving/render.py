@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from schemas import StageError
+from schemas import Refused
 from stages.serving.escape import FILTERS
 
 TEMPLATES = Path(__file__).parents[1] / "templates"
@@ -18,7 +18,6 @@ def render(
     outputs: dict[str, str],
     context: dict[str, Any],
     trim: bool = True,
-    stage: str = "serve",
 ) -> list[Path]:
     """Render each template in a sandbox; an undefined variable is an error, not ''."""
     from jinja2 import FileSystemLoader, StrictUndefined, TemplateError
@@ -37,8 +36,7 @@ def render(
         try:
             text = env.get_template(template).render(context)
         except TemplateError as exc:
-            raise StageError(
-                stage,
+            raise Refused(
                 f"template stages/templates/{template} does not render: {exc}",
                 "fix the template or the value it names",
             ) from None

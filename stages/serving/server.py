@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from schemas import StageError
+from schemas import Refused, StageError
 from stages._contract import link_or_copy
 
 POLL = 0.2
@@ -116,8 +116,7 @@ class LocalServer:
     def _start(self) -> LocalServer:
         self._configure()
         if not (Path(sys.executable).parent / "mlserver").is_file():
-            raise StageError(
-                "loadtest",
+            raise Refused(
                 f"MLServer is not installed next to {sys.executable}",
                 "install the project (`make release` sets up .venv with mlserver)",
             )
@@ -193,8 +192,7 @@ class LocalServer:
 
     def _fail(self, why: str) -> None:
         self.stop()
-        raise StageError(
-            self.STAGE,
+        raise Refused(
             f"{why} ({self.PRODUCT} from {self.tree.name}, log {self.log.name}):\n"
             f"{log_tail(self.log)}",
             self.HINT,

@@ -15,7 +15,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from schemas import StageError
+from schemas import Refused, StageError
 from stages.serving.server import LocalServer, free_ports
 
 HOME = Path(__file__).resolve().parents[2] / ".triton"
@@ -25,8 +25,7 @@ def home() -> Path:
     """The installed server: SHIPYARD_TRITON_HOME, else the repository's `.triton/`."""
     root = Path(os.environ.get("SHIPYARD_TRITON_HOME") or HOME)
     if not (root / "ready").is_file():
-        raise StageError(
-            "serve",
+        raise Refused(
             f"no Triton server installed at {root}",
             "run `python scripts/install_triton.py .triton` (`make test` does)",
         )

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from schemas import StageError
+from schemas import Refused
 from schemas.artifacts import CapacityPlan, EngineBuild, ModelInfo
 from stages._contract import StageContext, StageResult
 from stages.onnx import shapes as sh
@@ -61,8 +61,7 @@ def build_and_check(
     render_triton(ctx, release, profiles, capability)
     layout = trt_entry.check_trt_layout(model_dir)
     if layout:
-        raise StageError(
-            "engine",
+        raise Refused(
             f"the TensorRT Triton entry is not loadable: {'; '.join(layout)}",
             "fix triton_trt_values / the template so every named file is in version 1",
         )
@@ -113,8 +112,7 @@ def compatibility_level(trt: Any, name: str) -> Any:
     }[name]
     level = getattr(trt.HardwareCompatibilityLevel, attr, None)
     if level is None:
-        raise StageError(
-            "engine",
+        raise Refused(
             f"engine.hardware_compatibility {name!r} needs a newer TensorRT than "
             f"{getattr(trt, '__version__', '?')} (no HardwareCompatibilityLevel.{attr})",
             "upgrade TensorRT (>= 10.9 for same_compute_capability) or choose another level",
@@ -154,8 +152,7 @@ def build(
     try:
         plan = EngineBytesFromNetwork(network, config, save_timing_cache=str(cache))()
     except Exception as exc:  # Polygraphy raises PolygraphyException with the parser's log
-        raise StageError(
-            "engine",
+        raise Refused(
             f"TensorRT could not build {model.name}: {exc}",
             "read the TensorRT log above; unsupported ops need a plugin or a different opset",
         ) from None

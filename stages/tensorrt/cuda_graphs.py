@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas import StageError
+from schemas import Refused
 
 REPLAYS = 50
 
@@ -55,8 +55,7 @@ def deserialize(trt: Any, plan: bytes) -> Any:
         runtime.engine_host_code_allowed = True
     engine = runtime.deserialize_cuda_engine(plan)
     if engine is None:
-        raise StageError(
-            "engine",
+        raise Refused(
             "TensorRT could not deserialize the engine it just built for the CUDA-graph check",
             "read the TensorRT log above (a version-compatible engine needs host code allowed)",
         )
@@ -90,7 +89,7 @@ def _compare(
 def _check(ok: Any, what: str) -> None:
     """TensorRT's context calls return False on failure instead of raising."""
     if ok is False:
-        raise StageError("engine", f"{what} returned False", "read the TensorRT log above")
+        raise Refused(f"{what} returned False", "read the TensorRT log above")
 
 
 class _Bindings:
@@ -104,7 +103,7 @@ class _Bindings:
         self.stream = _ok(cudart.cudaStreamCreate(), "cudaStreamCreate")
         self.context = engine.create_execution_context()
         if self.context is None:
-            raise StageError("engine", "create_execution_context returned None", "check memory")
+            raise Refused("create_execution_context returned None", "check memory")
         _check(
             self.context.set_optimization_profile_async(profile, int(self.stream)),
             f"set_optimization_profile_async({profile})",
@@ -183,5 +182,5 @@ def _ok(result: tuple[Any, ...], what: str) -> Any:
 
     err, *values = result
     if err != cudart.cudaError_t.cudaSuccess:
-        raise StageError("engine", f"{what} failed: {err}", "check the CUDA driver and device")
+        raise Refused(f"{what} failed: {err}", "check the CUDA driver and device")
     return values[0] if len(values) == 1 else (values or None)

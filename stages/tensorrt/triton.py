@@ -6,11 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from schemas import StageError
+from schemas import Refused
 from stages.serving.render import parse_triton, render
-
-NAME = "engine"
-
 
 TRT_TEMPLATE = "triton_trt_config.pbtxt.j2"
 
@@ -27,8 +24,7 @@ def triton_trt_values(
     served = serving.max_batch_size or plan_batch
     batch_max = min(p["dims"].get("batch", {"max": 0})["max"] for p in profiles)
     if served > batch_max:
-        raise StageError(
-            NAME,
+        raise Refused(
             f"bundle.serving.max_batch_size = {served} exceeds the engine profiles' "
             f"batch max = {batch_max}",
             "lower bundle.serving.max_batch_size or widen engine.profiles[*].dims.batch",
@@ -89,11 +85,11 @@ def render_trt_triton(work: Path, release: str, values: dict[str, Any]) -> Path:
     """`serving/triton/<release>-trt/config.pbtxt`, parsed back with Triton's protobuf."""
     context = {"model_name": f"{release}-trt", "release": release, "trt": values}
     out = f"{trt_model_dir(release)}/config.pbtxt"
-    [path] = render(work, {out: TRT_TEMPLATE}, context, stage=NAME)
+    [path] = render(work, {out: TRT_TEMPLATE}, context)
     try:
         config = parse_triton(path.read_text())
     except ValueError as exc:
-        raise StageError(NAME, f"rendered {out} is not valid: {exc}", "fix the template") from None
+        raise Refused(f"rendered {out} is not valid: {exc}", "fix the template") from None
     if config.max_batch_size != values["max_batch_size"]:
-        raise StageError(NAME, f"{out}: max_batch_size did not survive the render", "fix it")
+        raise Refused(f"{out}: max_batch_size did not survive the render", "fix it")
     return path

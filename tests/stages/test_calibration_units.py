@@ -71,12 +71,13 @@ def words(n: int) -> str:
 
 
 def load(root: Path, c: CalibrationData, lay: Layout = LM, task: str = "causal-lm", **kw: Any):
-    return calibration.load("quantize", root, c, task, lay, kw.get("dims", DIMS), VOCAB)
+    return calibration.load(root, c, task, lay, kw.get("dims", DIMS), VOCAB)
 
 
 def error(message: str, fix: str = "") -> str:
-    """How a StageError of the quantize stage reads: stage, message, fix."""
-    return f"quantize: {message}" + (f"\n  fix: {fix}" if fix else "")
+    """How a refusal of the calibration reader reads: message, fix (the runner reports it
+    as the failure of the stage that read the data)."""
+    return message + (f"\n  fix: {fix}" if fix else "")
 
 
 def refusal(root: Path, c: CalibrationData, **kw: Any) -> str:
@@ -176,12 +177,12 @@ def test_token_ids_must_lie_inside_the_vocabulary(root: Path) -> None:
             "use the tokenizer the model was trained with",
         )
     # vocabulary 0 (a python model): unknown, not checked
-    got = calibration.load("quantize", root, cfg("data/ids.npz"), "causal-lm", LM, DIMS, 0)
+    got = calibration.load(root, cfg("data/ids.npz"), "causal-lm", LM, DIMS, 0)
     assert len(got.holdout) == 2
     # texts too: tiny-gpt2's tokenizer gives ids beyond a 10-token vocabulary
     path = texts(root, [words(2)] * 5)
     with pytest.raises(StageError, match="data/c.jsonl:1: token id .* vocabulary of 10"):
-        calibration.load("quantize", root, cfg(path), "causal-lm", LM, DIMS, 10)
+        calibration.load(root, cfg(path), "causal-lm", LM, DIMS, 10)
 
 
 def test_npz_samples_obey_the_length_limit_too(root: Path) -> None:

@@ -123,7 +123,7 @@ def _tiny_net() -> tuple[Any, Any, dict[str, Any]]:
 
     ws_root = REPO
     release = load_release(REPO / "releases" / "tiny-gpt2.yaml")
-    net, lay = m.load_with_layout("parity", ws_root, release)
+    net, lay = m.load_with_layout(ws_root, release)
     flat = m.adapter(release.task, net, lay)
     feeds = sh.make_inputs(lay, sh.trace_sizes(release.export.dims), seed=0)
     return net, (flat, lay), feeds
@@ -166,3 +166,24 @@ def test_a_weight_written_in_memory_is_never_dropped() -> None:
         got = m.torch_outputs(flat, lay, feeds)
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _refuse(_: str) -> None:
+    from schemas import Refused
+
+    raise Refused("no tokenizer.json", "point it at the tokenizer folder")
+
+
+def test_a_refusal_from_shared_code_pickles_and_knows_no_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from schemas import Refused
+
+    error = pickle.loads(pickle.dumps(Refused("message", "hint")))
+    assert (type(error), error.stage, error.message, error.hint) == (Refused, "", "message", "hint")
+    assert str(error) == "message\n  fix: hint"
+    assert isinstance(error, StageError)
+    for child in ("1", "0"):
+        monkeypatch.setenv("SHIPYARD_STAGE_CHILD", child)
+        with pytest.raises(Refused, match="no tokenizer.json"):
+            in_child(_refuse, "x")

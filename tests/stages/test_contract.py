@@ -255,3 +255,36 @@ def test_every_stage_module_is_a_stage() -> None:
 
     for name, module in stages.load_stages().items():
         assert isinstance(module, Stage), name
+
+
+def test_shared_code_raises_without_knowing_its_stage() -> None:
+    """Issue 29: subsystems hard-coded their one stage's name (or were handed it through
+    every helper) to raise. They raise Refused; the runner reports it as the failure of the
+    stage it ran."""
+    import ast
+
+    found = []
+    for folder in ("onnx", "quant", "serving", "loadtesting", "tensorrt", "bundling"):
+        for path in sorted((REPO / "stages" / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                named = isinstance(node, ast.Call) and getattr(node.func, "id", "") == "StageError"
+                param = isinstance(node, ast.arg) and node.arg == "stage"
+                if named or param:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, found
+
+
+def test_a_refusal_is_the_running_stages_failure(
+    ws: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from schemas import Refused
+    from schemas.loader import load_release
+
+    def refuse(ctx: Any, release: Any) -> Any:
+        raise Refused("the data is wrong", "fix the data")
+
+    monkeypatch.setattr(importlib.import_module("stages.pin"), "run", refuse)
+    path = ws.write(gpt2_spec())
+    report = stages.execute("pin", load_release(path), path, ws.root)
+    assert (report.stage, report.status.value) == ("pin", "failed")
+    assert report.reasons == ["the data is wrong Fix: fix the data"]

@@ -204,7 +204,7 @@ def test_a_produced_past_is_the_models_own_cache_over_seeded_tokens(gpt2: Worksp
     from stages.onnx import shapes as sh
 
     release = load_release(gpt2.write(gpt2_spec()))
-    net, lay = m.load_with_layout("parity", gpt2.root, release)
+    net, lay = m.load_with_layout(gpt2.root, release)
     run = m.named_run(m.adapter("causal-lm", net, lay), lay)
 
     random = sh.make_inputs(lay, {"batch": 2, "sequence": 3, "past_sequence": 13}, seed=0)

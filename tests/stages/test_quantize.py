@@ -223,9 +223,7 @@ def test_the_calibration_count_is_samples_plus_holdout_at_its_boundary(ws: Works
         (ws.out("tiny-gpt2", "export") / ModelInfo.FILE).read_text()
     )
     lay = m.layout_from_info(info)
-    samples = _calibration.load(
-        "quantize", ws.root, cfg, spec.task, lay, spec.export.dims, info.arch.vocab
-    )
+    samples = _calibration.load(ws.root, cfg, spec.task, lay, spec.export.dims, info.arch.vocab)
     assert (len(samples.calibration), len(samples.holdout)) == (24, 8)
 
 

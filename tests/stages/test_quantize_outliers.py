@@ -336,7 +336,6 @@ def _samples(ws: Workspace, release) -> list[dict[str, np.ndarray]]:  # type: ig
 
     info = ModelInfo.model_validate_json((ws.out(NAME, "export") / ModelInfo.FILE).read_text())
     loaded = calib.load(
-        "quantize",
         ws.root,
         release.quantization.calibration,
         release.task,
