@@ -173,7 +173,7 @@ def _production_rows(
     metrics = StageReport.model_validate_json(report.read_text()).metrics
     rows = []
     for t in wanted:
-        base = baseline.get("evaluation", {}).get(t.metric)
+        base = baseline.evaluation.get(t.metric)
         label = f"{t.metric} vs production {current['version']}"
         if base is None:
             rows.append(Row(spec.name, label, "FAIL", "production's manifest lacks this metric"))

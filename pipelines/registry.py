@@ -37,6 +37,7 @@ from pydantic import BaseModel
 
 from pipelines.storage import STAGING, Store, _dump, open_store, who
 from schemas import RegistryError, StageReport
+from schemas.facts import FactsHead
 from schemas.registry import ChannelPointer, HistoryEntry, PublishRecord, SignaturePolicy
 from schemas.spec.base import NAME_PATTERN, SEMVER_PATTERN
 from stages.bundling.oms import load_manifest, read_facts, verify_bundle
@@ -366,12 +367,12 @@ class Registry:
                 )
         return entries
 
-    def facts(self, name: str, version: str) -> dict[str, Any]:
+    def facts(self, name: str, version: str) -> FactsHead:
         """`shipyard.json` of a published version, after re-verifying the whole bundle
         against its manifest and its publish record."""
         with self._local_copy(name, version) as folder:
             self._verify_published(folder, name, version)
-            return read_facts(folder)
+            return read_facts(folder, FactsHead)
 
     # ------------------------------------------------------------------ internals
     def _checked(self, name: str, version: str, channel: str) -> dict[str, Any]:
@@ -502,9 +503,12 @@ def _verified_digest(folder: Path, what: str, bound: tuple[str, str]) -> str:
             f"{what} does not match its manifest; refusing it:\n"
             + "\n".join(f"  {p}" for p in problems)
         )
-    facts = read_facts(folder)
+    try:
+        facts = read_facts(folder, FactsHead)
+    except ValueError as exc:
+        raise RegistryError(f"{what}: {exc}; it is not a Shipyard bundle's facts") from None
     label = f"{bound[0]}@{bound[1]}"
-    says = f"{facts.get('release')}@{facts.get('version')}"
+    says = f"{facts.release}@{facts.version}"
     subject = load_manifest(folder / "manifest.json").subject[0].name
     if says != label or subject != label:
         raise RegistryError(
@@ -521,9 +525,9 @@ def _verified_digest(folder: Path, what: str, bound: tuple[str, str]) -> str:
     failed = [f"{n}: {r.status.value}" for n, r in reports.items() if not r.acceptable()]
     # the facts repeat each verdict: both are hashed, and both must say the same
     failed += [
-        f"{n}: {v.get('status')} (shipyard.json)"
-        for n, v in sorted(facts.get("stages", {}).items())
-        if v.get("status") != (reports[n].status.value if n in reports else "passed")
+        f"{n}: {v.status} (shipyard.json)"
+        for n, v in sorted(facts.stages.items())
+        if v.status != (reports[n].status.value if n in reports else "passed")
     ]
     if failed:
         raise RegistryError(

@@ -8,6 +8,7 @@ from typing import Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import LoadTestSummary, ModelInfo
+from schemas.facts import BundleFacts
 from schemas.manifest import FACTS_FILE, MANIFEST_FILE, Manifest
 from schemas.tasks import TASKS
 from stages._contract import (
@@ -50,9 +51,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     for name, source in payload(ctx).items():
         link_or_copy(source, ctx.work / name)
     link_or_copy(ctx.upstream("manifest") / FACTS_FILE, ctx.work / FACTS_FILE)
-    facts = read_facts(ctx.work)
+    facts = read_facts(ctx.work, BundleFacts)  # written by this build's manifest stage
     info = ctx.read(ModelInfo).model_dump()
-    values = facts["serving"]
+    values = facts.serving.model_dump()
     loadtest = ctx.read(LoadTestSummary).model_dump()
     rendered = render(ctx, release, info, values | {"loadtest": loadtest}, content, facts)
     generates = TASKS[release.task].serving == "generate"
@@ -93,7 +94,7 @@ def render(
     info: dict[str, Any],
     values: dict[str, Any],
     content: Manifest,
-    facts: dict[str, Any],
+    facts: BundleFacts,
 ) -> list[str]:
     from stages.serving.render import render as render_templates
 
@@ -104,11 +105,11 @@ def render(
         "task": release.task,
         "info": info,
         "card": release.bundle.model_card.model_dump(),
-        "stages": facts["stages"],
+        "stages": {n: v.model_dump(exclude_none=True) for n, v in facts.stages.items()},
         # The card cannot carry the digest of a bundle that contains the card: it shows the
         # root digest of everything else (the manifest stage's), and says so.
         "content_digest": content.digest,
-        "quant": facts["quantization"],
+        "quant": facts.quantization.model_dump(exclude_none=True),
     }
     render_templates(ctx.work, RENDERED, context, trim=False)
     return list(RENDERED)

@@ -16,6 +16,7 @@ from schemas.artifacts import (
     ServingValues,
     VersionLock,
 )
+from schemas.facts import BundleFacts
 from schemas.manifest import FACTS_FILE, MANIFEST_FILE
 from stages._contract import StageContext, StageIO, StageResult, read_report, write_json
 from stages.bundling.files import CHECKED, payload
@@ -111,4 +112,5 @@ def facts(ctx: StageContext, release: Any, reports: dict[str, Any]) -> dict[str,
     calibration = ctx.read(CalibrationUsed)
     if calibration.path:  # the data the weights were fitted to is part of what ships
         out["calibration"] = calibration.model_dump()
+    BundleFacts.model_validate(out)  # every part typed (schemas/facts.py), as the readers expect
     return out

@@ -18,10 +18,11 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from pydantic import ValidationError
 
+from schemas.facts import FactsHead
 from schemas.manifest import (
     BUNDLE_UNHASHED,
     FACTS_FILE,
@@ -38,6 +39,8 @@ from schemas.manifest import (
 )
 from stages._contract import write_json
 from stages.bundling.hashing import hash_shards
+
+F = TypeVar("F", bound=FactsHead)
 
 # Bundles are small in file count; a manifest beyond this is not ours (and not read whole).
 MAX_MANIFEST_BYTES = 64 << 20
@@ -209,10 +212,16 @@ def manifest_problems(manifest: Manifest) -> list[str]:
     return problems
 
 
-def read_facts(folder: Path) -> dict[str, Any]:
-    """`shipyard.json` of a bundle; only call after `verify_bundle` found nothing."""
-    data: dict[str, Any] = json.loads((folder / FACTS_FILE).read_text(encoding="utf-8"))
-    return data
+def read_facts(folder: Path, model: type[F]) -> F:
+    """`shipyard.json` of a bundle as `model` (FactsHead: what any bundle's facts promise;
+    BundleFacts: all of this version's); only call after `verify_bundle` found nothing. A
+    file that does not match is a ValueError naming it and the field."""
+    try:
+        return model.model_validate_json((folder / FACTS_FILE).read_bytes())
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        where = ".".join(map(str, e["loc"])) or "the file"
+        raise ValueError(f"{FACTS_FILE}: {where}: {e['msg']}") from None
 
 
 def empty_files(files: dict[str, Path]) -> list[str]:

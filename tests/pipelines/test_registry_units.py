@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -205,7 +206,7 @@ def test_a_published_version_is_immutable(registry: Registry, bundle: Path, tmp_
     other = make_bundle(tmp_path / "other", payload=b"other weights")
     with pytest.raises(RegistryError, match="already published with digest .* bump `version`"):
         registry.publish(other, "demo", "1.0.0")
-    assert registry.facts("demo", "1.0.0")["release"] == "demo"
+    assert registry.facts("demo", "1.0.0").release == "demo"
     # a version bump without a rebuild: 1.0.0's content is not 1.0.1
     with pytest.raises(
         RegistryError, match=r"filed as demo@1\.0\.1, but its shipyard.json says demo@1\.0\.0"
@@ -237,6 +238,31 @@ def test_only_a_release_whose_stages_passed_is_published(
         registry.publish(bad, "demo", "1.0.0")
     assert registry.record("demo", "1.0.0") is None
     assert os.listdir(registry.path("releases", "demo")) == []
+
+
+@pytest.mark.parametrize(
+    ("shipyard", "named"),
+    [
+        ({"version": "1.0.0", "stages": {}}, "shipyard.json: release: Field required"),
+        (
+            {"release": "demo", "version": 1},
+            "shipyard.json: version: Input should be a valid string",
+        ),
+        ({"release": "demo", "version": "1.0.0", "stages": {"pin": "passed"}}, "stages.pin"),
+        ({"release": "demo", "version": "1.0.0", "evaluation": {"f1": "high"}}, "evaluation.f1"),
+    ],
+)
+def test_facts_that_are_not_a_bundles_are_refused_naming_the_field(
+    registry: Registry, tmp_path: Path, shipyard: dict[str, Any], named: str
+) -> None:
+    """The registry read shipyard.json with .get(): a bundle without a release said
+    "None@None"; one whose verdicts were strings crashed with an AttributeError."""
+    folder = make_bundle(tmp_path / "odd")
+    (folder / "shipyard.json").write_text(json.dumps(shipyard))
+    remanifest(folder, "demo@1.0.0")
+    with pytest.raises(RegistryError, match=re.escape(named)):
+        registry.publish(folder, "demo", "1.0.0")
+    assert registry.record("demo", "1.0.0") is None
 
 
 def test_an_optional_skipped_stage_is_published(registry: Registry, tmp_path: Path) -> None:
@@ -887,7 +913,7 @@ def test_object_store_publish_promote_rollback_and_history(
     assert sorted(f.rsplit("/1.1.0/", 1)[1] for f in files) == sorted(
         p.relative_to(second).as_posix() for p in second.rglob("*") if p.is_file()
     )
-    assert s3.facts("demo", "1.1.0")["release"] == "demo"
+    assert s3.facts("demo", "1.1.0").release == "demo"
     s3.promote("demo", "1.0.0", "production", "first")
     s3.promote("demo", "1.1.0", "production", "second")
     back = s3.rollback("demo", "production", "back")

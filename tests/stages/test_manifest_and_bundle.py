@@ -107,6 +107,31 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
     assert facts["evaluation"]["greedy_exact_match"] == 1.0
     assert facts["quantization"] == {"method": "int8-dynamic", "dtype": "int8", "float_nodes": []}
     assert len(facts["calibration"]["sha256"]) == 64
+    # the typed view of the same file (schemas/facts.py), every part the artifact it came from
+    from schemas.facts import BundleFacts
+    from stages.bundling.oms import read_facts
+
+    typed = read_facts(built_gpt2.out("tiny-gpt2", "bundle"), BundleFacts)
+    assert typed.serving.max_batch_size == facts["serving"]["max_batch_size"]
+    assert typed.quantization.float_nodes == [] and typed.stages["parity"].status == "passed"
+
+
+def test_the_facts_are_typed_and_a_stray_key_is_refused() -> None:
+    """BundleFacts forbids what it does not type (the manifest validates what it writes);
+    FactsHead, what any version's bundle promises, keeps keys a later version adds."""
+    from pydantic import ValidationError
+
+    from schemas.facts import BundleFacts, FactsHead
+
+    head = FactsHead.model_validate(
+        {"release": "r", "version": "1.0.0", "stages": {"pin": {"status": "passed"}}, "new": 1}
+    )
+    assert head.stages["pin"].status == "passed" and head.evaluation == {}
+    for broken in ({"release": "r"}, {"release": "r", "version": 1}, {"version": "1"}):
+        with pytest.raises(ValidationError):
+            FactsHead.model_validate(broken)
+    with pytest.raises(ValidationError, match="task"):
+        BundleFacts.model_validate({"release": "r", "version": "1.0.0"})
 
 
 def test_verify_accepts_an_intact_bundle(bundle: Path) -> None:
