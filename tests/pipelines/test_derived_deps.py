@@ -200,9 +200,20 @@ def test_annotations_nothing_evaluates_cost_no_rerun_but_fields_do() -> None:
         base.replace("    z: Any\n", ""),  # a bare annotation makes z local
         base.replace("b: Any = None", "b: Any = 0"),  # defaults count
         base.replace("if TYPE_CHECKING:", "if DEBUG:"),
+        base.replace("if TYPE_CHECKING:", "if typing.DEBUG:"),
     ]
     for text in different:
         assert normalized(text) != normalized(base), text
+    # the else branch runs: it counts; `typing.TYPE_CHECKING` is the same block
+    branches = base.replace(
+        "    from schemas import ReleaseSpec\n",
+        "    from schemas import ReleaseSpec\nelse:\n    R = 1\n",
+    )
+    assert normalized(branches) != normalized(branches.replace("R = 1", "R = 2"))
+    dotted = base.replace("if TYPE_CHECKING:", "if typing.TYPE_CHECKING:")
+    assert normalized(dotted) == normalized(
+        dotted.replace("    from schemas import ReleaseSpec\n", "    from schemas import Other\n")
+    )
 
 
 def test_imports_under_type_checking_are_no_dependency(tmp_path: Path) -> None:
@@ -247,3 +258,80 @@ def test_a_spec_section_modules_code_is_in_the_fingerprint_of_the_stages_reading
     after = stage_fingerprint(tmp_path, modules["plan"])
     assert [m for m in before if before[m] != after[m]] == [section]
     assert section not in stage_fingerprint(tmp_path, modules["export"])
+
+
+def test_relative_imports_resolve_against_the_importing_package(tmp_path: Path) -> None:
+    """`from . import x`, `from .sub import y` and `from .. import z` (the repository
+    imports absolutely today; a relative import must not silently drop a dependency)."""
+    for folder in ("stages", "stages/pkg", "stages/pkg/sub", "schemas"):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "stages" / "top.py").write_text("X = 1\n")
+    (tmp_path / "stages" / "pkg" / "sibling.py").write_text("X = 1\n")
+    (tmp_path / "stages" / "pkg" / "sub" / "deep.py").write_text("X = 1\n")
+    (tmp_path / "stages" / "pkg" / "other.py").write_text("X = 1\n")
+    (tmp_path / "stages" / "pkg" / "mod.py").write_text(
+        "from . import sibling\nfrom .sub import deep\nfrom .. import top\n"
+    )
+    assert import_closure(tmp_path, "stages/pkg/mod.py") == [
+        "stages/__init__.py",
+        "stages/pkg/__init__.py",
+        "stages/pkg/mod.py",
+        "stages/pkg/sibling.py",
+        "stages/pkg/sub/__init__.py",
+        "stages/pkg/sub/deep.py",
+        "stages/top.py",
+    ]
+
+
+def test_only_a_module_named_right_after_dash_m_is_run(tmp_path: Path) -> None:
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "__init__.py").write_text("")
+    for name in ("run", "not_run", "also_not"):
+        (tmp_path / "stages" / f"{name}.py").write_text("X = 1\n")
+    (tmp_path / "stages" / "a.py").write_text(
+        "cmd = ['python', '-m', 'stages.run']\n"
+        "other = ['--flag', 'stages.not_run']\n"
+        "third = ('-c', 'stages.also_not')\n"
+    )
+    assert import_closure(tmp_path, "stages/a.py") == [
+        "stages/__init__.py",
+        "stages/a.py",
+        "stages/run.py",
+    ]
+
+
+def test_the_spec_contributes_its_base_and_the_declared_sections_only(tmp_path: Path) -> None:
+    """A dotted param (`bundle.serving`) declares its section's module; the spec root is
+    a leaf (its imports of every section are not followed), but what its rules use besides
+    the sections (the task registry) is."""
+    from pipelines.closure import stage_closure
+
+    for folder in ("stages", "schemas", "schemas/spec"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "__init__.py").write_text("")
+    for section in ("base", "bundle", "export", "loadtest"):
+        (tmp_path / "schemas" / "spec" / f"{section}.py").write_text("X = 1\n")
+    (tmp_path / "schemas" / "tasks.py").write_text("T = 1\n")
+    (tmp_path / "schemas" / "release.py").write_text(
+        "from schemas import tasks\nfrom schemas.spec import bundle, export, loadtest\n"
+    )
+    (tmp_path / "stages" / "s.py").write_text("from schemas.release import R\n")
+    got = stage_closure(tmp_path, ["stages/s.py"], ("bundle.serving", "export"))
+    assert got == [
+        "schemas/__init__.py",
+        "schemas/release.py",
+        "schemas/spec/__init__.py",
+        "schemas/spec/base.py",
+        "schemas/spec/bundle.py",
+        "schemas/spec/export.py",
+        "schemas/tasks.py",
+        "stages/s.py",
+    ]
+    # a stage that never reaches the spec root gets its sections, and nothing of the root's
+    (tmp_path / "stages" / "t.py").write_text("X = 1\n")
+    assert stage_closure(tmp_path, ["stages/t.py"], ("loadtest",)) == [
+        "schemas/spec/base.py",
+        "schemas/spec/loadtest.py",
+        "stages/t.py",
+    ]
