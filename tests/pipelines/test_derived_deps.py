@@ -17,6 +17,14 @@ from pipelines.fingerprint import normalized
 from stages import STAGES
 from tests.conftest import REPO, Workspace, gpt2_spec
 
+
+def tree(root: Path, files: dict[str, str]) -> None:
+    """A synthetic code tree: each path (repo-relative) with its text."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
 ENTRY_POINT = {"pipelines/__init__.py", "pipelines/cli.py"}  # `shipyard run-stage` itself
 
@@ -217,12 +225,8 @@ def test_annotations_nothing_evaluates_cost_no_rerun_but_fields_do() -> None:
 
 
 def test_imports_under_type_checking_are_no_dependency(tmp_path: Path) -> None:
-    (tmp_path / "stages").mkdir()
-    (tmp_path / "schemas").mkdir()
-    (tmp_path / "stages" / "__init__.py").write_text("")
-    (tmp_path / "schemas" / "__init__.py").write_text("")
-    for name in ("typed", "plain", "other"):
-        (tmp_path / "schemas" / f"{name}.py").write_text("X = 1\n")
+    tree(tmp_path, {"stages/__init__.py": "", "schemas/__init__.py": ""})
+    tree(tmp_path, {f"schemas/{name}.py": "X = 1\n" for name in ("typed", "plain", "other")})
     (tmp_path / "stages" / "a.py").write_text(
         "import typing\nfrom typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from schemas import typed\nelse:\n    from schemas import plain\n"
@@ -263,15 +267,18 @@ def test_a_spec_section_modules_code_is_in_the_fingerprint_of_the_stages_reading
 def test_relative_imports_resolve_against_the_importing_package(tmp_path: Path) -> None:
     """`from . import x`, `from .sub import y` and `from .. import z` (the repository
     imports absolutely today; a relative import must not silently drop a dependency)."""
-    for folder in ("stages", "stages/pkg", "stages/pkg/sub", "schemas"):
-        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
-        (tmp_path / folder / "__init__.py").write_text("")
-    (tmp_path / "stages" / "top.py").write_text("X = 1\n")
-    (tmp_path / "stages" / "pkg" / "sibling.py").write_text("X = 1\n")
-    (tmp_path / "stages" / "pkg" / "sub" / "deep.py").write_text("X = 1\n")
-    (tmp_path / "stages" / "pkg" / "other.py").write_text("X = 1\n")
-    (tmp_path / "stages" / "pkg" / "mod.py").write_text(
-        "from . import sibling\nfrom .sub import deep\nfrom .. import top\n"
+    tree(tmp_path, {f"{d}/__init__.py": "" for d in ("stages", "stages/pkg", "stages/pkg/sub")})
+    tree(
+        tmp_path,
+        {
+            **{
+                f"stages/{m}.py": "X = 1\n"
+                for m in ("top", "pkg/sibling", "pkg/sub/deep", "pkg/other")
+            },
+            "stages/pkg/mod.py": (
+                "from . import sibling\nfrom .sub import deep\nfrom .. import top\n"
+            ),
+        },
     )
     assert import_closure(tmp_path, "stages/pkg/mod.py") == [
         "stages/__init__.py",
@@ -285,10 +292,8 @@ def test_relative_imports_resolve_against_the_importing_package(tmp_path: Path) 
 
 
 def test_only_a_module_named_right_after_dash_m_is_run(tmp_path: Path) -> None:
-    (tmp_path / "stages").mkdir()
-    (tmp_path / "stages" / "__init__.py").write_text("")
-    for name in ("run", "not_run", "also_not"):
-        (tmp_path / "stages" / f"{name}.py").write_text("X = 1\n")
+    tree(tmp_path, {"stages/__init__.py": ""})
+    tree(tmp_path, {f"stages/{name}.py": "X = 1\n" for name in ("run", "not_run", "also_not")})
     (tmp_path / "stages" / "a.py").write_text(
         "cmd = ['python', '-m', 'stages.run']\n"
         "other = ['--flag', 'stages.not_run']\n"
@@ -307,12 +312,12 @@ def test_the_spec_contributes_its_base_and_the_declared_sections_only(tmp_path: 
     the sections (the task registry) is."""
     from pipelines.closure import stage_closure
 
-    for folder in ("stages", "schemas", "schemas/spec"):
-        (tmp_path / folder).mkdir(parents=True)
-        (tmp_path / folder / "__init__.py").write_text("")
-    for section in ("base", "bundle", "export", "loadtest"):
-        (tmp_path / "schemas" / "spec" / f"{section}.py").write_text("X = 1\n")
-    (tmp_path / "schemas" / "tasks.py").write_text("T = 1\n")
+    tree(tmp_path, {f"{d}/__init__.py": "" for d in ("stages", "schemas", "schemas/spec")})
+    tree(
+        tmp_path,
+        {f"schemas/spec/{s}.py": "X = 1\n" for s in ("base", "bundle", "export", "loadtest")},
+    )
+    tree(tmp_path, {"schemas/tasks.py": "T = 1\n"})
     (tmp_path / "schemas" / "release.py").write_text(
         "from schemas import tasks\nfrom schemas.spec import bundle, export, loadtest\n"
     )
