@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import RegistryError, ReleaseSpec, StageReport, StageStatus
+from schemas.problems import first_problem
 from stages import load_stages
 from stages._contract import report_dir
 from stages.quant.thresholds import check, has_change
@@ -108,17 +109,10 @@ def _stage_rows(root: Path, spec: ReleaseSpec) -> tuple[list[Row], list[Row]]:
 
 def _report(path: Path, target: str) -> StageReport | str:
     """The stage report at `path`, or why it cannot be read (a FAIL row, not a traceback)."""
-    from pydantic import ValidationError
-
     try:
         return StageReport.model_validate_json(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValidationError) as exc:
-        first = exc.errors()[0] if isinstance(exc, ValidationError) else None
-        why = (
-            f"{'.'.join(map(str, first['loc'])) or 'the file'}: {first['msg']}"
-            if first
-            else str(exc)
-        )
+    except (OSError, ValueError) as exc:  # ValidationError and UnicodeDecodeError are ValueErrors
+        why = first_problem(exc)
         return f"{path} is not a stage report ({why}): rerun `dvc repro -f {target}`"
 
 

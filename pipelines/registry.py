@@ -38,6 +38,7 @@ from pydantic import BaseModel
 from pipelines.storage import STAGING, Store, _dump, open_store, who
 from schemas import RegistryError, StageReport
 from schemas.facts import FactsHead
+from schemas.problems import first_problem
 from schemas.registry import ChannelPointer, HistoryEntry, PublishRecord, SignaturePolicy
 from schemas.spec.base import NAME_PATTERN, SEMVER_PATTERN
 from stages.bundling.oms import load_manifest, read_facts, verify_bundle
@@ -292,7 +293,7 @@ class Registry:
             return _kept(model.model_validate_json(self.store.read(path)))
         except ValueError as exc:  # pydantic's ValidationError is one
             raise RegistryError(
-                f"{rel} is not valid ({_first_error(exc)[:120]}): torn or edited by "
+                f"{rel} is not valid ({first_problem(exc)[:120]}): torn or edited by "
                 "hand; restore it from a backup, or promote again to rewrite it"
             ) from None
 
@@ -567,17 +568,6 @@ def _check_signature(
 def _kept(model: BaseModel) -> dict[str, Any]:
     """A validated registry file as the dict callers read, with exactly the keys it has."""
     return model.model_dump(mode="json", by_alias=True, exclude_unset=True)
-
-
-def _first_error(exc: ValueError) -> str:
-    """The first thing wrong with a file, in one line."""
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError):
-        e = exc.errors()[0]
-        where = ".".join(map(str, e["loc"]))
-        return f"{where}: {e['msg']}" if where else str(e["msg"])
-    return " ".join(str(exc).split())
 
 
 def _label(entry: dict[str, Any] | None) -> str | None:

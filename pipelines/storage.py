@@ -31,8 +31,9 @@ import socket
 import tempfile
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,7 +63,7 @@ def open_store(url: str) -> Store:
     return (LocalStore if local else ObjectStore)(url, fs, root)
 
 
-class Store:
+class Store(ABC):
     """The operations every store has alike (on fsspec); subclasses add the rest."""
 
     local = False
@@ -127,43 +128,39 @@ class Store:
         self.fs.pipe_file(tmp, data)
         self.fs.mv(tmp, path)
 
+    @abstractmethod
     def create(self, path: str, data: bytes) -> None:
         """Exclusive create: a RegistryError (nothing overwritten) when `path` exists."""
-        raise NotImplementedError
 
+    @abstractmethod
     def put_tree(self, src: Path, target: str, verify: Callable[[Path], T]) -> T:
         """Place a copy of folder `src` at `target` (where nothing is) and return what
         `verify` says of the copy: what is verified is what lands, byte for byte."""
-        raise NotImplementedError
 
+    @abstractmethod
     def append(self, seq: int, entry: dict[str, Any]) -> None:
         """Append entry number `seq` to the log; nothing already there is rewritten."""
-        raise NotImplementedError
 
+    @abstractmethod
     def log(self) -> list[tuple[str, str]]:
         """The log's entries as (where, text), oldest first; torn ones included as read."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ locking
-    @contextmanager
-    def lock(self) -> Iterator[None]:
+    @abstractmethod
+    def lock(self) -> AbstractContextManager[None]:
         """One writer at a time."""
-        raise NotImplementedError
-        yield  # pragma: no cover
 
+    @abstractmethod
     def fence(self) -> None:
-        """Before a commit point: the lock must still be ours (a no-op where it cannot be
-        lost)."""
+        """Before a commit point: the lock must still be ours."""
 
+    @abstractmethod
     def unlock(self, force: bool = False) -> str:
         """Remove a lock whose holder died, naming it."""
-        raise NotImplementedError
 
-    @contextmanager
-    def local_copy(self, source: str) -> Iterator[Path]:
+    @abstractmethod
+    def local_copy(self, source: str) -> AbstractContextManager[Path]:
         """The folder at `source` as a local path, for as long as the context lasts."""
-        raise NotImplementedError
-        yield  # pragma: no cover
 
 
 class LocalStore(Store):
@@ -234,6 +231,9 @@ class LocalStore(Store):
                 f"registry lock {path} held for over {LOCK_TIMEOUT_S:.0f} s; "
                 "another publish or promotion is running"
             ) from None
+
+    def fence(self) -> None:
+        """An OS file lock is held until its holder exits: it cannot be lost."""
 
     def unlock(self, force: bool = False) -> str:
         return (

@@ -37,6 +37,7 @@ from schemas.manifest import (
     algorithm_label,
     resource_order,
 )
+from schemas.problems import first_problem
 from stages._contract import write_json
 from stages.bundling.hashing import hash_shards
 
@@ -219,9 +220,7 @@ def read_facts(folder: Path, model: type[F]) -> F:
     try:
         return model.model_validate_json((folder / FACTS_FILE).read_bytes())
     except ValidationError as exc:
-        e = exc.errors()[0]
-        where = ".".join(map(str, e["loc"])) or "the file"
-        raise ValueError(f"{FACTS_FILE}: {where}: {e['msg']}") from None
+        raise ValueError(f"{FACTS_FILE}: {first_problem(exc)}") from None
 
 
 def empty_files(files: dict[str, Path]) -> list[str]:
