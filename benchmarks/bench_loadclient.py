@@ -59,8 +59,8 @@ def wrk(url: str, body: bytes, concurrency: int, seconds: float, cpus: set[int])
 def ours(req: lg.Request, concurrency: int, seconds: float) -> float:
     windows = max(3, round(seconds / WINDOW))
     point = lg.run(lg.measure(req, concurrency, seconds / windows, windows, 1e-9, 60.0))
-    assert point["errors"] == 0, point
-    return float(point["throughput_rps"])
+    assert point.errors == 0, point
+    return point.throughput_rps
 
 
 def compare(

@@ -16,6 +16,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.loadresults import Headline, RampRow, SloVerdict
+from schemas.quantsearch import RecipeRow
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -125,29 +128,6 @@ class ModelInfo(Artifact):
 # quantize ----------------------------------------------------------------------------------
 class FloatNode(_Model):
     node: str
-    why: str
-
-
-class RecipeRow(_Model):
-    """One variant the `auto` recipe search measured (the model card prints the table)."""
-
-    recipe: str
-    method: str
-    float_classes: list[str] = Field(description="Layer classes kept in float.")
-    size_ratio: float = Field(description="Quantized / FP32 file size.")
-    speedup: float | None = Field(
-        default=None,
-        description="FP32 time / quantized time, slowest decisive pass; None: not timed (it "
-        "failed its accuracy budget and could not become the fallback).",
-    )
-    calibration: dict[str, float] = Field(
-        default_factory=dict, description="Budget metrics on the calibration probe."
-    )
-    holdout: dict[str, float] = Field(
-        description="Budget metrics on held-out samples; empty when the calibration probe "
-        "already broke the budget (the variant could not ship: held-out was not measured)."
-    )
-    chosen: bool
     why: str
 
 
@@ -269,26 +249,16 @@ class ServingValues(Artifact):
 
 
 # loadtest ----------------------------------------------------------------------------------
-class SloVerdict(_Model):
-    """One service-level objective as the load test judged it (stages/loadtesting/slo.py)."""
-
-    slo: str = Field(description="The loadtest.slo field, e.g. `p95_latency_ms`.")
-    limit: int | float
-    value: int | float | None = Field(description="What was measured; None: not measured.")
-    ok: bool = Field(description="Met, conclusively (inconclusive is never ok).")
-    why: str
-
-
 class LoadTestSummary(Artifact):
     """The headline numbers, SLO verdicts, plots and ramp the model card and facts show."""
 
     STAGE: ClassVar[str] = "loadtest"
     FILE: ClassVar[str] = "summary.json"
     SHIPS: ClassVar[bool] = False
-    summary: dict[str, float | int | bool | str | None]
+    summary: Headline
     slo: list[SloVerdict]
     plots: list[str]
-    ramp: list[dict[str, object]]
+    ramp: list[RampRow]
 
 
 ARTIFACTS: tuple[type[Artifact], ...] = (

@@ -22,6 +22,7 @@ from schemas.artifacts import (
     ServingValues,
     VersionLock,
 )
+from schemas.loadresults import Headline
 
 
 class StageVerdict(BaseModel):
@@ -71,6 +72,6 @@ class BundleFacts(FactsHead):
     provenance: Provenance
     quantization: QuantInfo
     engine: EngineFacts
-    loadtest: dict[str, float | int | bool | str | None]
+    loadtest: Headline
     serving: ServingValues
     calibration: CalibrationUsed | None = None

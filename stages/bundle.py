@@ -54,11 +54,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     facts = read_facts(ctx.work, BundleFacts)  # written by this build's manifest stage
     info = ctx.read(ModelInfo).model_dump()
     values = facts.serving.model_dump()
-    loadtest = ctx.read(LoadTestSummary).model_dump()
-    rendered = render(ctx, release, info, values | {"loadtest": loadtest}, content, facts)
+    loadtest = ctx.read(LoadTestSummary)
+    shown = loadtest.model_dump(exclude_none=True)  # as summary.json has it
+    rendered = render(ctx, release, info, values | {"loadtest": shown}, content, facts)
     generates = TASKS[release.task].serving == "generate"
     shipped = monitoring.files(
-        ctx.release, loadtest["summary"], int(values["max_queue_depth"]), generates
+        ctx.release, loadtest.summary, facts.serving.max_queue_depth, generates
     )
     for name, text in shipped.items():
         (ctx.work / name).parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,15 @@ from typing import Any
 
 from schemas import ReleaseSpec
 from schemas.artifacts import LoadTestSummary, ModelInfo
+from schemas.loadresults import (
+    Batching,
+    Headline,
+    LoadTestResults,
+    Measured,
+    Point,
+    RampRow,
+    Soak,
+)
 from schemas.report import Check
 from stages._contract import Plot, StageContext, StageIO, StageResult, write_json
 from stages.loadtesting import measure
@@ -60,105 +69,97 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 
             models = sorted(ctx.upstream("quantize").glob("model.onnx*"))
             assemble(tree, models, ctx.upstream("serve"))
-        results = measure.measure_all(ctx, release, info, model, tree)
+        measured = measure.measure_all(ctx, release, info, model, tree)
     from stages.loadtesting.plots import plot_results
 
-    plots = plot_results(results, ctx.work)
-    _plot_data(ctx.work, results)
-    slo = check_slo(cfg.slo, results, release.capacity.device_memory)
-    results["slo"] = slo
-    write_json(ctx.work / "loadtest.json", results)
-    result, summary = verdict(results, slo, plots)
+    plots = plot_results(measured, ctx.work)
+    _plot_data(ctx.work, measured)
+    slo = check_slo(cfg.slo, measured, release.capacity.device_memory)
+    results = LoadTestResults(**dict(measured), slo=slo)
+    write_json(ctx.work / "loadtest.json", results.model_dump(mode="json"))
+    result, summary = verdict(results, plots)
     ctx.write(summary)
     return result
 
 
-def _plot_data(out: Path, results: dict[str, Any]) -> None:
+# The columns of the plot data: fields of Point (a test holds them so).
+RAMP_COLUMNS = ("concurrency", "throughput_rps", "p95_latency_ms", "p50_latency_ms")
+STREAM_COLUMNS = ("concurrency", "p95_ttft_ms", "p95_itl_ms", "throughput_rps")
+
+
+def _plot_data(out: Path, results: Measured) -> None:
     """The curves as rows for `dvc plots` (declared in io().plots)."""
-    ramp = ("concurrency", "throughput_rps", "p95_latency_ms", "p50_latency_ms")
-    write_json(out / RAMP_PLOT.file, _rows(results["ramp"]["points"], ramp))
-    if "streaming" in results:
-        stream = ("concurrency", "p95_ttft_ms", "p95_itl_ms", "throughput_rps")
-        write_json(out / STREAM_PLOT.file, _rows(results["streaming"]["points"], stream))
+    write_json(out / RAMP_PLOT.file, _rows(results.ramp.points, RAMP_COLUMNS))
+    if results.streaming:
+        write_json(out / STREAM_PLOT.file, _rows(results.streaming.points, STREAM_COLUMNS))
 
 
-def _rows(points: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
-    return [{k: p.get(k) for k in keys} for p in points]
+def _rows(points: list[Point], columns: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The points' `columns`, None where not measured."""
+    return [{c: getattr(p, c) for c in columns} for p in points]
 
 
-def verdict(
-    results: dict[str, Any], slo: list[dict[str, Any]], plots: list[str]
-) -> tuple[StageResult, LoadTestSummary]:
-    knee = results["ramp"]["knee_point"]
+def verdict(results: LoadTestResults, plots: list[str]) -> tuple[StageResult, LoadTestSummary]:
+    ramp = results.ramp
+    knee = ramp.knee_point
     summary = (
-        f"knee at concurrency {results['ramp']['knee']}: {knee['throughput_rps']:.1f} req/s, "
-        f"p95 {_round(knee['p95_latency_ms'], 1)} ms"
+        f"knee at concurrency {ramp.knee}: {knee.throughput_rps:.1f} req/s, "
+        f"p95 {_round(knee.p95_latency_ms, 1)} ms"
     )
-    b = results["batching"]
-    if b.get("ratio"):
-        summary += f"; batching on/off {b['ratio']:.2f}x"
-    reasons = [f"SLO {r['slo']}: {r['why']}" for r in slo if not r["ok"]]
-    soak_result = results["soak"]
-    if soak_result.get("growth_ok") is False:
+    batching = results.batching if isinstance(results.batching, Batching) else None
+    if batching and batching.ratio:
+        summary += f"; batching on/off {batching.ratio:.2f}x"
+    reasons = [f"SLO {r.slo}: {r.why}" for r in results.slo if not r.ok]
+    soaked = results.soak if isinstance(results.soak, Soak) else None
+    if soaked and not soaked.growth_ok:
         reasons.append(
-            f"soak: server RSS grew {soak_result['growth_mb_per_min']} MB/min, above "
-            f"{soak_result['growth_limit_mb_per_min']} (leak?)"
+            f"soak: server RSS grew {soaked.growth_mb_per_min} MB/min, above "
+            f"{soaked.growth_limit_mb_per_min} (leak?)"
         )
-    errors = sum(p["errors"] for p in results["ramp"]["points"])
-    if errors:
-        reasons.append(f"{errors} request(s) failed in the ramp: {_first_error(results)}")
     for phase, points in (
-        ("streaming", results.get("streaming", {}).get("points", [])),
-        ("soak", [soak_result["load"]] if "load" in soak_result else []),
+        ("ramp", ramp.points),
+        ("streaming", results.streaming.points if results.streaming else []),
+        ("soak", [soaked.load] if soaked else []),
     ):
-        failed = sum(p["errors"] for p in points)
+        failed = sum(p.errors for p in points)
         if failed:
-            first = next((p["first_error"] for p in points if "first_error" in p), "")
+            first = next((p.first_error for p in points if p.first_error), "")
             reasons.append(f"{failed} request(s) failed in the {phase}: {first}")
-    keys = ("concurrency", "throughput_rps", "p95_latency_ms", "stable", "window_throughput")
-    points = _rows(results["ramp"]["points"], keys)
     head = _headline(results)
-    out = LoadTestSummary.model_validate(
-        {"summary": head, "slo": slo, "plots": plots, "ramp": points}
-    )
-    details = out.model_dump()
-    metrics = {k: v for k, v in head.items() if isinstance(v, int | float)}
+    rows = [RampRow(**p.model_dump(include=set(RampRow.model_fields))) for p in ramp.points]
+    out = LoadTestSummary(summary=head, slo=results.slo, plots=plots, ramp=rows)
     checks = [Check(name=f"SLO {r.slo}", ok=r.ok, why=r.why) for r in out.slo]
-    kw: dict[str, Any] = {"metrics": metrics, "details": details, "checks": checks}
+    kw: dict[str, Any] = {"metrics": head.metrics(), "details": out.model_dump(), "checks": checks}
     if reasons:
         return StageResult.failed(summary, reasons, **kw), out
     return StageResult.passed(summary, **kw), out
 
 
-def _first_error(results: dict[str, Any]) -> str:
-    return next((p["first_error"] for p in results["ramp"]["points"] if "first_error" in p), "")
-
-
-def _headline(results: dict[str, Any]) -> dict[str, Any]:
-    knee = results["ramp"]["knee_point"]
-    judged = results["ramp"].get("judged_at")
-    head = {
-        "target": results["target"],
-        "knee_concurrency": results["ramp"]["knee"],
-        "knee_throughput_rps": _round(knee["throughput_rps"]),
-        "knee_p95_latency_ms": _round(knee["p95_latency_ms"]),
-        "knee_stable": knee["stable"],
-        "slo_judged_at_concurrency": judged,
+def _headline(results: LoadTestResults) -> Headline:
+    ramp = results.ramp
+    knee = ramp.knee_point
+    head: dict[str, Any] = {
+        "target": results.target,
+        "knee_concurrency": ramp.knee,
+        "knee_throughput_rps": _round(knee.throughput_rps),
+        "knee_p95_latency_ms": _round(knee.p95_latency_ms),
+        "knee_stable": knee.stable,
+        "slo_judged_at_concurrency": ramp.judged_at,
     }
-    stream = results.get("streaming", {}).get("points", [])
+    stream = results.streaming.points if results.streaming else []
     if stream:  # the streaming point where the SLOs were judged, else the highest one
-        at = next((p for p in stream if p["concurrency"] == judged), stream[-1])
+        at = next((p for p in stream if p.concurrency == ramp.judged_at), stream[-1])
         head.update(
-            streaming_concurrency=at["concurrency"],
-            p95_ttft_ms=_round(at.get("p95_ttft_ms")),
-            p95_itl_ms=_round(at.get("p95_itl_ms")),
-            tokens_per_s=_round(at["tokens_per_s"]),
+            streaming_concurrency=at.concurrency,
+            p95_ttft_ms=_round(at.p95_ttft_ms),
+            p95_itl_ms=_round(at.p95_itl_ms),
+            tokens_per_s=_round(at.tokens_per_s),
         )
-    if results["batching"].get("ratio"):
-        head["batching_ratio"] = round(results["batching"]["ratio"], 3)
-    if results.get("peak_rss_bytes"):
-        head["peak_rss_mb"] = round(results["peak_rss_bytes"] / MB, 1)
-    return head
+    if isinstance(results.batching, Batching) and results.batching.ratio:
+        head["batching_ratio"] = round(results.batching.ratio, 3)
+    if results.peak_rss_bytes:
+        head["peak_rss_mb"] = round(results.peak_rss_bytes / MB, 1)
+    return Headline(**head)
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:

@@ -106,7 +106,7 @@ def facts(ctx: StageContext, release: Any, reports: dict[str, Any]) -> dict[str,
                 else {}
             ),
         },
-        "loadtest": ctx.read(LoadTestSummary).summary,
+        "loadtest": ctx.read(LoadTestSummary).summary.model_dump(exclude_none=True),
         "serving": ctx.read(ServingValues).model_dump(),
     }
     calibration = ctx.read(CalibrationUsed)

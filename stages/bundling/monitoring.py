@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from schemas.loadresults import Headline
+
 FOLDER = "monitoring/"  # where a bundle carries these files
 MARGIN_LATENCY = 2.0
 MARGIN_MEMORY = 1.5
@@ -32,7 +34,7 @@ def _quantile(metric: str, model: str) -> str:
     )
 
 
-def rules(model: str, baseline: dict[str, Any], max_queue: int, generates: bool) -> dict[str, Any]:
+def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> dict[str, Any]:
     """The alert rule group for `model` (a Prometheus rules file)."""
     out: list[dict[str, Any]] = []
 
@@ -47,8 +49,8 @@ def rules(model: str, baseline: dict[str, Any], max_queue: int, generates: bool)
             }
         )
 
-    rss = baseline.get("peak_rss_mb")
-    if isinstance(rss, int | float) and rss > 0:
+    rss = baseline.peak_rss_mb
+    if rss is not None and rss > 0:
         limit = int(rss * MARGIN_MEMORY * 2**20)
         rule(
             "ShipyardMemoryHigh",
@@ -58,12 +60,21 @@ def rules(model: str, baseline: dict[str, Any], max_queue: int, generates: bool)
             f"load-test peak RSS {rss} MB; alert above {limit} bytes",
         )
     if generates:
-        for key, metric, label in (
-            ("p95_ttft_ms", "shipyard_time_to_first_token_seconds", "time to first token"),
-            ("p95_itl_ms", "shipyard_inter_token_latency_seconds", "inter-token latency"),
+        for value, name, metric, label in (
+            (
+                baseline.p95_ttft_ms,
+                "ShipyardTTFTHigh",
+                "shipyard_time_to_first_token_seconds",
+                "time to first token",
+            ),
+            (
+                baseline.p95_itl_ms,
+                "ShipyardITLHigh",
+                "shipyard_inter_token_latency_seconds",
+                "inter-token latency",
+            ),
         ):
-            value = baseline.get(key)
-            if not isinstance(value, int | float) or value <= 0:
+            if value is None or value <= 0:
                 continue
             from stages.serving.engine.metrics import LATENCY
 
@@ -77,7 +88,6 @@ def rules(model: str, baseline: dict[str, Any], max_queue: int, generates: bool)
                     f"load-test p95 {value} ms; alert above {limit_s} s, the histogram's "
                     f"first bucket ({MARGIN_LATENCY}x the baseline is below what it resolves)"
                 )
-            name = "ShipyardTTFTHigh" if "ttft" in key else "ShipyardITLHigh"
             rule(
                 name,
                 f"{_quantile(metric, model)} > {limit_s}",
@@ -234,7 +244,7 @@ def dashboard(model: str, generates: bool) -> dict[str, Any]:
     }
 
 
-def files(model: str, baseline: dict[str, Any], max_queue: int, generates: bool) -> dict[str, str]:
+def files(model: str, baseline: Headline, max_queue: int, generates: bool) -> dict[str, str]:
     """monitoring/ path -> text."""
     import yaml
 

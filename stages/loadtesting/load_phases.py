@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from schemas import Refused
 from schemas.artifacts import ModelInfo
+from schemas.loadresults import GridPoint, Growth, Point, Ramp, Skipped, Soak, Window
 from schemas.tasks import TASKS
 from stages.loadtesting import loadgen as lg
 from stages.onnx import shapes as sh
 
 MB = 1 << 20
+P = TypeVar("P", bound=Window)
 
 
 def _inputs(info: ModelInfo, batch: int, length: int, seed: int = 0) -> dict[str, Any]:
@@ -56,7 +58,7 @@ def trimmed(values: list[int], limit: int) -> list[int]:
     return sorted({min(v, limit) for v in values})
 
 
-def grid(base: str, release: Any, info: ModelInfo) -> list[dict[str, Any]]:
+def grid(base: str, release: Any, info: ModelInfo) -> list[GridPoint]:
     """Latency per batch x input length at concurrency 1 (prefill only for causal-lm)."""
     g, dims = release.loadtest.grid, info.dims
     batches = trimmed(g.batch_sizes, dims["batch"].max if "batch" in dims else 1)
@@ -68,7 +70,7 @@ def grid(base: str, release: Any, info: ModelInfo) -> list[dict[str, Any]]:
         for n in lengths:
             req = request(base, info, b, n, 1, stream=False)
             point = require_success(lg.run(lg.fixed_count(req, g.requests, timeout)), req)
-            points.append({"batch": b, "input_length": n or None, **point})
+            points.append(GridPoint(**dict(point), batch=b, input_length=n or None))
     return points
 
 
@@ -113,14 +115,14 @@ def ramp(
     stream: bool,
     upto: int | None = None,
     mix: lg.Mix | None = None,
-) -> dict[str, Any]:
+) -> Ramp:
     """Concurrency 1, 2, 4, ... until the knee (Model Analyzer's rule) or the SLO breaks;
     with `mix`, those requests instead of one V2 request."""
     r, slo = release.loadtest.ramp, release.loadtest.slo
     req: lg.Request | lg.Mix = mix or request(
         base, info, 1, r.input_length, r.output_tokens, stream
     )
-    points: list[dict[str, Any]] = []
+    points: list[Point] = []
     knee, c, timeout = 1, 1, release.loadtest.request_timeout_seconds
     while c <= min(r.max_concurrency, upto or r.max_concurrency):
         point = lg.run(lg.measure(req, c, r.window_seconds, r.max_windows, r.stability, timeout))
@@ -131,44 +133,48 @@ def ramp(
         if stop:
             break
         c *= 2
-    return {"points": points, "knee": knee, "knee_point": _at(points, knee)}
+    judged = None if stream else judged_point(points, knee).concurrency
+    return Ramp(points=points, knee=knee, knee_point=_at(points, knee), judged_at=judged)
 
 
-def require_success(point: dict[str, Any], req: lg.Request) -> dict[str, Any]:
+def judged_point(points: list[Point], knee: int) -> Point:
+    """Where the SLOs are judged: the highest stable point at or below the knee, or the knee
+    when none was stable."""
+    steady = [p for p in points if p.stable and p.concurrency <= knee]
+    return steady[-1] if steady else _at(points, knee)
+
+
+def require_success(point: P, req: lg.Request) -> P:
     """A point where no request succeeded ends the load test with the first error."""
-    if point["requests"] == 0:
+    if point.requests == 0:
         raise Refused(
-            f"every request to {req.url} failed: {point.get('first_error', 'no response')}",
+            f"every request to {req.url} failed: {point.first_error or 'no response'}",
             "check loadtest.target (URL and model name) or the server log in the report",
         )
     return point
 
 
 def find_knee(
-    points: list[dict[str, Any]], gain: float, patience: int, slo_ms: float | None
+    points: list[Point], gain: float, patience: int, slo_ms: float | None
 ) -> tuple[int, bool]:
     """(knee concurrency, stop?) after the points so far. The knee is the last point that
     raised throughput by at least `gain`; stop after `patience` points that did not, or at
-    the first point (beyond the first) whose p95 latency breaks the SLO."""
-    best, flat, knee = 0.0, 0, points[0]["concurrency"]
-    for p in points:
-        if (
-            slo_ms
-            and len(points) > 1
-            and (p["p95_latency_ms"] or 0) > slo_ms
-            and p is not points[0]
-        ):
-            p["breaks_slo"] = True
+    the first point (beyond the first) whose p95 latency breaks the SLO (marked so in
+    `points`)."""
+    best, flat, knee = 0.0, 0, points[0].concurrency
+    for i, p in enumerate(points):
+        if slo_ms and i > 0 and (p.p95_latency_ms or 0) > slo_ms:
+            points[i] = p.model_copy(update={"breaks_slo": True})
             return knee, True
-        if p["throughput_rps"] >= best * (1 + gain):
-            best, flat, knee = p["throughput_rps"], 0, p["concurrency"]
+        if p.throughput_rps >= best * (1 + gain):
+            best, flat, knee = p.throughput_rps, 0, p.concurrency
         else:
             flat += 1
     return knee, flat >= patience
 
 
-def _at(points: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
-    return next(p for p in points if p["concurrency"] == concurrency)
+def _at(points: list[Point], concurrency: int) -> Point:
+    return next(p for p in points if p.concurrency == concurrency)
 
 
 def soak(
@@ -178,21 +184,21 @@ def soak(
     server: Any,
     knee: int,
     mix: lg.Mix | None = None,
-) -> dict[str, Any]:
+) -> Soak | Skipped:
     """Load at the knee for `soak.seconds` while sampling the server's RSS; with `mix` (a
     generating task), the streamed OpenAI requests the streaming ramp sends."""
     s, r = release.loadtest.soak, release.loadtest.ramp
     if server is None:
-        return {"skipped": "external target: the server's memory is not observable from here"}
+        return Skipped(skipped="external target: the server's memory is not observable from here")
     if s.seconds == 0:
-        return {"skipped": "loadtest.soak.seconds is 0"}
+        return Skipped(skipped="loadtest.soak.seconds is 0")
     req: lg.Request | lg.Mix = mix or request(
         base, info, 1, r.input_length, r.output_tokens, stream=False
     )
     concurrency = s.concurrency or knee
     samples: list[tuple[float, int]] = []
 
-    async def go() -> dict[str, Any]:
+    async def go() -> Point:
         async def sample() -> None:
             start = time.monotonic()
             while True:
@@ -213,27 +219,27 @@ def soak(
         return point
 
     point = lg.run(go())
-    return {
-        **growth(samples, s.max_growth_mb_per_min),
-        "seconds": s.seconds,
-        "preset": s.preset,
-        "endpoint": "/v1/completions" if mix else "infer",
-        "load": point,
-    }
+    return Soak(
+        **dict(growth(samples, s.max_growth_mb_per_min)),
+        seconds=s.seconds,
+        preset=s.preset,
+        endpoint="/v1/completions" if mix else "infer",
+        load=point,
+    )
 
 
-def growth(samples: list[tuple[float, int]], limit_mb_per_min: float) -> dict[str, Any]:
+def growth(samples: list[tuple[float, int]], limit_mb_per_min: float) -> Growth:
     """Least-squares RSS slope after the first third (warm-up), in MB per minute."""
     t = np.array([s[0] for s in samples])
     rss = np.array([s[1] for s in samples], dtype=float)
     steady = t >= t[-1] / 3 if len(t) else t
     slope = float(np.polyfit(t[steady], rss[steady], 1)[0]) * 60 / MB if steady.sum() > 2 else 0.0
-    return {
-        "samples": len(samples),
-        "rss_start_mb": round(rss[0] / MB, 1) if len(rss) else None,
-        "rss_end_mb": round(rss[-1] / MB, 1) if len(rss) else None,
-        "peak_rss_bytes": int(rss.max()) if len(rss) else 0,
-        "growth_mb_per_min": round(slope, 2),
-        "growth_ok": slope <= limit_mb_per_min,
-        "growth_limit_mb_per_min": limit_mb_per_min,
-    }
+    return Growth(
+        samples=len(samples),
+        rss_start_mb=round(rss[0] / MB, 1) if len(rss) else None,
+        rss_end_mb=round(rss[-1] / MB, 1) if len(rss) else None,
+        peak_rss_bytes=int(rss.max()) if len(rss) else 0,
+        growth_mb_per_min=round(slope, 2),
+        growth_ok=bool(slope <= limit_mb_per_min),
+        growth_limit_mb_per_min=limit_mb_per_min,
+    )

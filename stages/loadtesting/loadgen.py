@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from schemas.loadresults import WINDOW_METRICS, Point, Window, WindowMetrics
+
 STABLE_WINDOWS = 3
 DRAIN_SECONDS = 30.0
-# What an SLO may be judged on; each point keeps these per window (the last three) so that
-# an unstable point can still give a verdict when every window lands on one side of a limit.
-WINDOW_METRICS = ("throughput_rps", "tokens_per_s", "p95_latency_ms", "p95_ttft_ms", "p95_itl_ms")
 
 
 @dataclass
@@ -140,19 +139,20 @@ async def _one(session: Any, req: Request, timeout: float) -> Sample:
     return Sample(end, end - start, ttft, list(np.diff(marks)) if marks else [], tokens=yielded)
 
 
-def summarize(samples: list[Sample], seconds: float, req: Request) -> dict[str, Any]:
+def summarize(samples: list[Sample], seconds: float, req: Request) -> Window:
     """Throughput and latency percentiles (ms) of the successful samples; tokens/s counts
     what each request yielded (a mix has many lengths)."""
     good = [s for s in samples if s.ok]
     lat = np.array([s.latency for s in good]) * 1000
+    rps = len(good) / seconds if seconds > 0 else 0.0
     out: dict[str, Any] = {
         "requests": len(good),
         "errors": len(samples) - len(good),
         "seconds": round(seconds, 3),
-        "throughput_rps": len(good) / seconds if seconds > 0 else 0.0,
+        "throughput_rps": rps,
+        "rows_per_s": rps * req.rows,
+        "tokens_per_s": sum(s.tokens for s in good) / seconds if seconds > 0 else 0.0,
     }
-    out["rows_per_s"] = out["throughput_rps"] * req.rows
-    out["tokens_per_s"] = sum(s.tokens for s in good) / seconds if seconds > 0 else 0.0
     for q in (50, 90, 95, 99):
         out[f"p{q}_latency_ms"] = float(np.percentile(lat, q)) if len(lat) else None
     ttft = [s.ttft * 1000 for s in good if s.ttft is not None]
@@ -161,22 +161,20 @@ def summarize(samples: list[Sample], seconds: float, req: Request) -> dict[str, 
         out["p50_ttft_ms"], out["p95_ttft_ms"] = np.percentile(ttft, [50, 95]).tolist()
     if itl:
         out["p50_itl_ms"], out["p95_itl_ms"] = np.percentile(itl, [50, 95]).tolist()
-    first = next((s.error for s in samples if not s.ok), "")
-    if first:
-        out["first_error"] = first
-    return out
+    out["first_error"] = next((s.error for s in samples if not s.ok), "") or None
+    return Window.model_validate(out)
 
 
-def stable(windows: list[dict[str, Any]], within: float) -> bool:
+def stable(windows: list[Window], within: float) -> bool:
     """The last three windows agree within `within` on throughput and p95 latency."""
     if len(windows) < STABLE_WINDOWS:
         return False
     last = windows[-STABLE_WINDOWS:]
-    for key in ("throughput_rps", "p95_latency_ms"):
-        values = [w[key] for w in last]
-        if any(v is None for v in values) or min(values) <= 0:
+    for values in ([w.throughput_rps for w in last], [w.p95_latency_ms for w in last]):
+        known = [v for v in values if v is not None]
+        if len(known) < len(values) or min(known) <= 0:
             return False
-        if (max(values) - min(values)) / float(np.mean(values)) > within:
+        if (max(known) - min(known)) / float(np.mean(known)) > within:
             return False
     return True
 
@@ -188,7 +186,7 @@ async def measure(
     max_windows: int,
     within: float,
     timeout: float,
-) -> dict[str, Any]:
+) -> Point:
     """Closed loop at `concurrency` until three windows agree or max_windows pass; with a
     Mix, each request is the mix's next."""
     mix = req if isinstance(req, Mix) else Mix([req])
@@ -202,7 +200,7 @@ async def measure(
                 samples.append(await _one(session, mix.take(), timeout))
 
         tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
-        windows: list[dict[str, Any]] = []
+        windows: list[Window] = []
         bounds, begin = [0], time.perf_counter()
         for _ in range(max_windows):
             await asyncio.sleep(window)
@@ -218,18 +216,20 @@ async def measure(
             t.cancel()
     last = windows[-STABLE_WINDOWS:]
     first = bounds[max(0, len(bounds) - 1 - STABLE_WINDOWS)]
-    merged = summarize(samples[first : bounds[-1]], sum(w["seconds"] for w in last), req)
-    merged.update(
+    merged = summarize(samples[first : bounds[-1]], sum(w.seconds for w in last), req)
+    return Point(
+        **dict(merged),
         concurrency=concurrency,
         windows=len(windows),
         stable=stable(windows, within),
-        window_throughput=[round(w["throughput_rps"], 3) for w in windows],
-        window_metrics={k: [w.get(k) for w in last] for k in WINDOW_METRICS},
+        window_throughput=[round(w.throughput_rps, 3) for w in windows],
+        window_metrics=WindowMetrics.model_validate(
+            {k: [getattr(w, k) for w in last] for k in WINDOW_METRICS}
+        ),
     )
-    return merged
 
 
-async def fixed_count(req: Request, count: int, timeout: float) -> dict[str, Any]:
+async def fixed_count(req: Request, count: int, timeout: float) -> Window:
     """`count` requests one after another (concurrency 1): the grid's latency per shape."""
 
     async with session_for(1, timeout) as session:

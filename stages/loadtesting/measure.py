@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.artifacts import ModelInfo
+from schemas.loadresults import Batching, Measured, Ramp, Skipped
 from schemas.tasks import TASKS
 from stages._contract import StageContext
 from stages.loadtesting import loadgen as lg
@@ -22,7 +23,7 @@ def streams(task: str) -> bool:
 
 def measure_all(
     ctx: StageContext, release: Any, info: ModelInfo, model: str, tree: Path
-) -> dict[str, Any]:
+) -> Measured:
     """Everything measured against one server (plus one without batching)."""
     from stages.serving.server import LocalServer
 
@@ -30,23 +31,28 @@ def measure_all(
     local = cfg.target is None
     log = ctx.work / "server.log"
     server: Any = LocalServer(tree, model, log, cfg.startup_seconds) if local else nullcontext()
-    results: dict[str, Any] = {"target": "local MLServer" if local else cfg.target.url}
     with server as srv:
         url = srv.url if local else cfg.target.url
         base = f"{url}/v2/models/{model}"
-        results["grid"] = grid(base, release, info)
-        results["ramp"] = ramp(base, release, info, stream=False)
-        knee = results["ramp"]["knee"]
-        mix = None
+        points = grid(base, release, info)
+        main = ramp(base, release, info, stream=False)
+        mix, streaming = None, None
         if streams(release.task):  # as users meet it: the OpenAI endpoint, streamed
             mix = openai_mix(url, model, release, info)
-            results["streaming"] = ramp(base, release, info, stream=True, upto=knee, mix=mix)
-            results["streaming"]["endpoint"] = "/v1/completions"
-        results["soak"] = soak(base, release, info, srv if local else None, knee, mix)
+            streaming = ramp(base, release, info, stream=True, upto=main.knee, mix=mix)
+            streaming = streaming.model_copy(update={"endpoint": "/v1/completions"})
+        soaked = soak(base, release, info, srv if local else None, main.knee, mix)
         seen = srv.rss() if local else 0
-        results["peak_rss_bytes"] = max(results["soak"].get("peak_rss_bytes", 0), seen)
-    results["batching"] = batching(ctx, release, info, model, tree, knee, results["ramp"])
-    return results
+    soak_peak = soaked.peak_rss_bytes if not isinstance(soaked, Skipped) else 0
+    return Measured(
+        target="local MLServer" if local else cfg.target.url,
+        grid=points,
+        ramp=main,
+        streaming=streaming,
+        soak=soaked,
+        peak_rss_bytes=max(soak_peak, seen),
+        batching=batching(ctx, release, info, model, tree, main),
+    )
 
 
 def batching(
@@ -55,22 +61,23 @@ def batching(
     info: ModelInfo,
     model: str,
     tree: Path,
-    knee: int,
-    ramp_result: dict[str, Any],
-) -> dict[str, Any]:
+    ramp_result: Ramp,
+) -> Batching | Skipped:
     """Throughput at the knee with the server's batching off, against the ramp's (on)."""
     from stages.serving.server import LocalServer
 
     cfg = release.loadtest
     if not cfg.batching_comparison:
-        return {"skipped": "loadtest.batching_comparison is false"}
+        return Skipped(skipped="loadtest.batching_comparison is false")
     if cfg.target is not None:
-        return {"skipped": "external target: its batching cannot be switched from here"}
+        return Skipped(skipped="external target: its batching cannot be switched from here")
     settings = tree / "serving" / "mlserver" / model / "model-settings.json"
-    extra = json.loads(settings.read_text())["parameters"]["extra"]
-    if not (extra["batching"]["enabled"] or (extra.get("engine") or {}).get("max_rows", 1) > 1):
-        return {"skipped": "the served config has dynamic batching off (bundle.serving)"}
-    r = cfg.ramp
+    from stages.serving.engine.settings import RuntimeSettings
+
+    served = RuntimeSettings.model_validate(json.loads(settings.read_text())["parameters"]["extra"])
+    if not (served.batching.enabled or (served.engine and served.engine.max_rows > 1)):
+        return Skipped(skipped="the served config has dynamic batching off (bundle.serving)")
+    r, knee = cfg.ramp, ramp_result.knee
     with LocalServer(
         tree, model, ctx.work / "server.log", cfg.startup_seconds, batching=False
     ) as srv:
@@ -81,11 +88,11 @@ def batching(
                 req, knee, r.window_seconds, r.max_windows, r.stability, cfg.request_timeout_seconds
             )
         )
-    on = ramp_result["knee_point"]
-    return {
-        "concurrency": knee,
-        "on_rps": on["throughput_rps"],
-        "off_rps": off["throughput_rps"],
-        "ratio": on["throughput_rps"] / off["throughput_rps"] if off["throughput_rps"] else None,
-        "off": off,
-    }
+    on = ramp_result.knee_point
+    return Batching(
+        concurrency=knee,
+        on_rps=on.throughput_rps,
+        off_rps=off.throughput_rps,
+        ratio=on.throughput_rps / off.throughput_rps if off.throughput_rps else None,
+        off=off,
+    )

@@ -8,64 +8,74 @@ one trusts. Only a limit that falls among them is inconclusive, and inconclusive
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+from schemas.loadresults import Measured, Point, SloVerdict
+from stages.loadtesting.load_phases import judged_point
+
+Side = Literal["max", "min"]
+Windows = list[float | None]
 
 
-def check_slo(slo: Any, results: dict[str, Any], device_memory: int) -> list[dict[str, Any]]:
+def check_slo(slo: Any, results: Measured, device_memory: int) -> list[SloVerdict]:
     """One row per SLO the spec sets, judged at the knee, or at the highest stable point
     below it when the knee's windows did not agree; inconclusive is never a pass."""
-    points, knee = results["ramp"]["points"], results["ramp"]["knee"]
-    steady = [p for p in points if p["stable"] and p["concurrency"] <= knee]
-    judged = steady[-1] if steady else results["ramp"]["knee_point"]
-    results["ramp"]["judged_at"] = judged["concurrency"]
-    stream = results.get("streaming", {}).get("points", [])
-    steady_stream = [p for p in stream if p["stable"] and p["concurrency"] <= judged["concurrency"]]
+    judged = judged_point(results.ramp.points, results.ramp.knee)
+    stream = results.streaming.points if results.streaming else []
+    steady_stream = [p for p in stream if p.stable and p.concurrency <= judged.concurrency]
     at = steady_stream[-1] if steady_stream else (stream[-1] if stream else None)
-    peak = results.get("peak_rss_bytes", 0)
-    checks = [
-        ("p95_latency_ms", judged, judged.get("p95_latency_ms"), "max"),
-        ("p95_ttft_ms", at, (at or {}).get("p95_ttft_ms"), "max"),
-        ("p95_itl_ms", at, (at or {}).get("p95_itl_ms"), "max"),
-        ("min_throughput_rps", judged, judged.get("throughput_rps"), "min"),
-        ("min_tokens_per_s", judged, judged.get("tokens_per_s"), "min"),
-        ("max_memory_fraction", {"stable": True}, peak / device_memory if peak else None, "max"),
+    peak = results.peak_rss_bytes
+    j, s = judged.window_metrics, at.window_metrics if at else None
+    checks: list[tuple[str, Point | None, float | None, Windows, Side]] = [
+        ("p95_latency_ms", judged, judged.p95_latency_ms, j.p95_latency_ms, "max"),
+        ("p95_ttft_ms", at, at.p95_ttft_ms if at else None, s.p95_ttft_ms if s else [], "max"),
+        ("p95_itl_ms", at, at.p95_itl_ms if at else None, s.p95_itl_ms if s else [], "max"),
+        ("min_throughput_rps", judged, judged.throughput_rps, j.throughput_rps, "min"),
+        ("min_tokens_per_s", judged, judged.tokens_per_s, j.tokens_per_s, "min"),
+        ("max_memory_fraction", None, peak / device_memory if peak else None, [], "max"),
     ]
     rows = []
-    for name, point, value, kind in checks:
+    for name, point, value, windows, kind in checks:
         limit = getattr(slo, name)
         if limit is None:
             continue
-        rows.append(_judge(name, limit, value, kind, point))
+        rows.append(_judge(name, limit, value, kind, point, windows))
     return rows
 
 
-_KEYS = {"min_throughput_rps": "throughput_rps", "min_tokens_per_s": "tokens_per_s"}
-
-
-def _one_side(name: str, limit: float, value: float, kind: str, point: Any) -> bool:
+def _one_side(limit: float, value: float, kind: Side, windows: Windows) -> bool:
     """The merged value and every one of the point's last windows agree on the verdict."""
-    windows = point.get("window_metrics", {}).get(_KEYS.get(name, name))
-    if not windows or any(w is None for w in windows):
+    known = [w for w in windows if w is not None]
+    if not windows or len(known) < len(windows):
         return False
-    verdicts = {(v <= limit) if kind == "max" else (v >= limit) for v in [value, *windows]}
+    verdicts = {(v <= limit) if kind == "max" else (v >= limit) for v in [value, *known]}
     return len(verdicts) == 1
 
 
-def _judge(name: str, limit: float, value: float | None, kind: str, point: Any) -> dict[str, Any]:
+def _judge(
+    name: str,
+    limit: float,
+    value: float | None,
+    kind: Side,
+    point: Point | None,
+    windows: Windows,
+) -> SloVerdict:
+    """`point` None: a value measured over the whole run (peak memory), not at a point;
+    `windows`: the point's last three windows' values of what the SLO limits."""
     if value is None:
-        return {"slo": name, "limit": limit, "value": None, "ok": False, "why": "not measured"}
-    unstable = point is not None and not point.get("stable", False)
-    if unstable and not _one_side(name, limit, value, kind, point):
+        return SloVerdict(slo=name, limit=limit, value=None, ok=False, why="not measured")
+    unstable = point is not None and not point.stable
+    if unstable and not _one_side(limit, value, kind, windows):
         why = (
             f"inconclusive: the last 3 windows disagree and {limit:g} lies among them;"
             " raise loadtest.ramp.window_seconds"
         )
-        return {"slo": name, "limit": limit, "value": value, "ok": False, "why": why}
+        return SloVerdict(slo=name, limit=limit, value=value, ok=False, why=why)
     ok = value <= limit if kind == "max" else value >= limit
     sign = "<=" if kind == "max" else ">="
-    where = f" at concurrency {point['concurrency']}" if "concurrency" in point else ""
+    where = f" at concurrency {point.concurrency}" if point is not None else ""
     why = f"{value:.4g} {sign} {limit:g}" if ok else f"{value:.4g} breaks {sign} {limit:g}"
     why += where
     if unstable:
         why += " (windows disagree, but every one of the last 3 is on this side of the limit)"
-    return {"slo": name, "limit": limit, "value": value, "ok": ok, "why": why}
+    return SloVerdict(slo=name, limit=limit, value=value, ok=ok, why=why)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from schemas.loadresults import LoadTestResults
 from stages import load_stages
 from stages.engine import why_unavailable
 from tests.conftest import REPO
@@ -113,7 +114,8 @@ def test_dvc_plots_render_the_load_test_curves_and_the_per_layer_errors(clone: P
     shown = json.loads(sh(["dvc", "plots", "show", "--json", *PLOT_IDS], clone).stdout)
     assert not shown.get("errors"), shown["errors"]
     build = clone / "build" / "tiny-gpt2"
-    ramp = json.loads((build / "loadtest" / "loadtest.json").read_text())["ramp"]["points"]
+    measured = (build / "loadtest" / "loadtest.json").read_text()
+    ramp = LoadTestResults.model_validate_json(measured).ramp.points
     layers = json.loads((build / "quantize" / "report.json").read_text())["details"]
     ramp_id, stream_id, snr_id = PLOT_IDS
     want = {

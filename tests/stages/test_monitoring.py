@@ -7,14 +7,27 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
+from schemas.loadresults import Headline
 from stages.bundling import monitoring
 
-BASELINE = {"p95_ttft_ms": 21.105, "p95_itl_ms": 6.422, "peak_rss_mb": 177.2}
+
+def baseline(**numbers: float | None) -> Headline:
+    """A load test's headline with these latency and memory numbers."""
+    knee = {"knee_concurrency": 4, "knee_throughput_rps": 50.0, "knee_p95_latency_ms": 80.0}
+    return Headline(
+        target="local MLServer",
+        **knee,
+        knee_stable=True,
+        slo_judged_at_concurrency=4,
+        **numbers,
+    )
+
+
+BASELINE = baseline(p95_ttft_ms=21.105, p95_itl_ms=6.422, peak_rss_mb=177.2)
 PROMTOOL = shutil.which("promtool")
 
 
@@ -24,8 +37,8 @@ def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-def written(folder: Path, baseline: dict[str, Any], generates: bool = True) -> Path:
-    for name, text in monitoring.files("tiny-gpt2", baseline, 64, generates).items():
+def written(folder: Path, head: Headline, generates: bool = True) -> Path:
+    for name, text in monitoring.files("tiny-gpt2", head, 64, generates).items():
         (folder / Path(name).name).write_text(text)
     return folder
 
@@ -60,7 +73,7 @@ def test_thresholds_are_the_baseline_times_the_stated_margins(tmp_path: Path) ->
     assert rules["ShipyardQueueDeep"]["expr"].endswith("> 51")  # 0.8 x max_queue_depth 64
     assert "load-test p95 21.105 ms" in rules["ShipyardTTFTHigh"]["annotations"]["baseline"]
     # a baseline the load test did not measure makes no rule, never a rule at 0
-    partial = monitoring.rules("m", {"p95_ttft_ms": None, "peak_rss_mb": 0}, 64, True)
+    partial = monitoring.rules("m", baseline(p95_ttft_ms=None, peak_rss_mb=0), 64, True)
     assert {r["alert"] for r in partial["groups"][0]["rules"]} == {
         "ShipyardErrorRateHigh", "ShipyardQueueDeep", "ShipyardEmptyResponses",
     }  # fmt: skip
@@ -73,7 +86,7 @@ def test_a_baseline_finer_than_the_histogram_alerts_at_its_first_bucket(tmp_path
     limit is the first bucket, said so in the rule, and promtool's calm case stays quiet."""
     from stages.serving.engine.metrics import LATENCY
 
-    fast = {"p95_ttft_ms": 0.1, "p95_itl_ms": 0.2, "peak_rss_mb": 100.0}
+    fast = baseline(p95_ttft_ms=0.1, p95_itl_ms=0.2, peak_rss_mb=100.0)
     folder = written(tmp_path, fast)
     tested = promtool("test", "rules", "alerts_test.yml", cwd=folder)
     assert tested.returncode == 0, tested.stdout + tested.stderr
@@ -82,7 +95,7 @@ def test_a_baseline_finer_than_the_histogram_alerts_at_its_first_bucket(tmp_path
         assert rules[name]["expr"].endswith(f"> {LATENCY[0]}")
         assert "the histogram's first bucket" in rules[name]["annotations"]["baseline"]
     # at the bucket's edge exactly the baseline's own margin holds
-    edge = {"p95_itl_ms": LATENCY[0] * 1000 / 2}
+    edge = baseline(p95_itl_ms=LATENCY[0] * 1000 / 2)
     (rule,) = monitoring.rules("m", edge, 64, True)["groups"][0]["rules"][:1]
     assert rule["expr"].endswith(f"> {LATENCY[0]}") and "first bucket" not in str(rule)
 

@@ -17,11 +17,26 @@ import pytest
 
 from pipelines.gate import gate
 from schemas import SpecError, StageError
+from schemas.artifacts import LoadTestSummary
 from schemas.loader import load_release
+from schemas.loadresults import (
+    LoadTestResults,
+    Point,
+    Skipped,
+    SloVerdict,
+    Soak,
+    WindowMetrics,
+)
 from stages.loadtesting import loadgen as lg
 from stages.serving.render import parse_triton
 from stages.serving.server import LocalServer, assemble
 from tests.conftest import QUICK_LOADTEST, REPO, Workspace, gpt2_spec
+
+
+def measured(ws: Workspace) -> LoadTestResults:
+    """The load test's loadtest.json, parsed."""
+    path = ws.out("tiny-gpt2", "loadtest") / "loadtest.json"
+    return LoadTestResults.model_validate_json(path.read_text())
 
 
 def _tree(ws: Workspace, dest: Path) -> Path:
@@ -236,16 +251,17 @@ def test_streaming_is_measured_on_the_openai_endpoint_with_the_specs_mix(
     }
     report = built_gpt2.run("loadtest", spec)
     assert report.status.value == "passed", report.reasons
-    data = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").read_text())
-    stream = data["streaming"]
-    assert stream["endpoint"] == "/v1/completions"
+    data = measured(built_gpt2)
+    stream = data.streaming
+    assert stream is not None and stream.endpoint == "/v1/completions"
     # the soak streams the same mix through the same endpoint
-    soaked = data["soak"]["load"]
-    assert data["soak"]["endpoint"] == "/v1/completions" and soaked["errors"] == 0
-    assert 2 < soaked["tokens_per_s"] / soaked["throughput_rps"] < 6
-    for p in stream["points"]:
-        assert p["errors"] == 0 and p["p95_itl_ms"] > 0
-        per_request = p["tokens_per_s"] / p["throughput_rps"]
+    assert isinstance(data.soak, Soak)
+    soaked = data.soak.load
+    assert data.soak.endpoint == "/v1/completions" and soaked.errors == 0
+    assert 2 < soaked.tokens_per_s / soaked.throughput_rps < 6
+    for p in stream.points:
+        assert p.errors == 0 and (p.p95_itl_ms or 0) > 0
+        per_request = p.tokens_per_s / p.throughput_rps
         assert 2 < per_request < 6  # a mix, mostly the short shape (3:1 gives 3.0 on average)
     assert built_gpt2.run("loadtest", gpt2_spec()).status.value == "passed"
 
@@ -269,37 +285,83 @@ def test_a_mix_entry_beyond_the_past_is_refused_at_validate_and_one_at_it_is_acc
         assert "loadtest.ramp.mix[1]: input_length + output_tokens - 2 = 25" in str(exc.value)
 
 
+def point(concurrency: int = 1, **fields: object) -> Point:
+    """A measured point: 10 req/s at p95 5 ms over three agreeing windows, unless told."""
+    values: dict[str, object] = {
+        "concurrency": concurrency,
+        "requests": 9,
+        "errors": 0,
+        "seconds": 0.9,
+        "throughput_rps": 10.0,
+        "rows_per_s": 10.0,
+        "tokens_per_s": 40.0,
+        "p50_latency_ms": 4.0,
+        "p90_latency_ms": 5.0,
+        "p95_latency_ms": 5.0,
+        "p99_latency_ms": 5.0,
+        "windows": 3,
+        "stable": True,
+        "window_throughput": [10.0, 10.0, 10.0],
+        "window_metrics": WindowMetrics(
+            throughput_rps=[10.0] * 3,
+            tokens_per_s=[40.0] * 3,
+            p95_latency_ms=[5.0] * 3,
+            p95_ttft_ms=[None] * 3,
+            p95_itl_ms=[None] * 3,
+        ),
+    }
+    return Point.model_validate(values | fields)
+
+
+def results(**parts: object) -> LoadTestResults:
+    """A load test's results with one ramp point, a clean soak and no SLOs, unless told."""
+    from schemas.loadresults import Growth, Ramp
+
+    p = point()
+    growth = Growth(
+        samples=40,
+        rss_start_mb=100.0,
+        rss_end_mb=100.0,
+        peak_rss_bytes=100 << 20,
+        growth_mb_per_min=0.0,
+        growth_ok=True,
+        growth_limit_mb_per_min=50.0,
+    )
+    values: dict[str, object] = {
+        "target": "local MLServer",
+        "grid": [],
+        "ramp": Ramp(points=[p], knee=1, knee_point=p, judged_at=1),
+        "streaming": Ramp(points=[p], knee=1, knee_point=p, endpoint="/v1/completions"),
+        "soak": Soak(**dict(growth), seconds=1.0, preset=None, endpoint="infer", load=p),
+        "peak_rss_bytes": 0,
+        "batching": Skipped(skipped="loadtest.batching_comparison is false"),
+        "slo": [],
+    }
+    return LoadTestResults.model_validate(values | parts)
+
+
 def test_errors_in_the_soak_or_the_streaming_ramp_fail_the_stage() -> None:
+    from schemas.loadresults import Ramp
     from stages.loadtest import verdict
 
-    point = {
-        "concurrency": 1,
-        "throughput_rps": 10.0,
-        "p95_latency_ms": 5.0,
-        "stable": True,
-        "window_throughput": [10.0],
-        "errors": 0,
-        "requests": 9,
-        "tokens_per_s": 40.0,
-    }
-    bad = {**point, "errors": 2, "first_error": "HTTP 500"}
-    results = {
-        "ramp": {"points": [point], "knee": 1, "knee_point": point},
-        "streaming": {"points": [point]},
-        "soak": {"growth_ok": True, "load": bad},
-        "batching": {},
-        "target": "local MLServer",
-        "peak_rss_bytes": 0,
-    }
-    result, _ = verdict(results, [], [])
+    bad = point(errors=2, first_error="HTTP 500")
+    good = results()
+    assert isinstance(good.soak, Soak)
+    result, _ = verdict(
+        good.model_copy(update={"soak": good.soak.model_copy(update={"load": bad})}), []
+    )
     assert result.status.value == "failed"
     assert result.reasons == ["2 request(s) failed in the soak: HTTP 500"]
-    results["soak"] = {"growth_ok": True, "load": point}
-    results["streaming"] = {"points": [bad]}
-    result, _ = verdict(results, [], [])
+    streaming = Ramp(points=[bad], knee=1, knee_point=bad)
+    result, _ = verdict(good.model_copy(update={"streaming": streaming}), [])
     assert result.reasons == ["2 request(s) failed in the streaming: HTTP 500"]
-    results["streaming"] = {"points": [point]}
-    assert verdict(results, [], [])[0].status.value == "passed"
+    ramp = Ramp(points=[bad], knee=1, knee_point=bad, judged_at=1)
+    result, _ = verdict(good.model_copy(update={"ramp": ramp}), [])
+    assert result.reasons == ["2 request(s) failed in the ramp: HTTP 500"]
+    leak = good.soak.model_copy(update={"growth_ok": False, "growth_mb_per_min": 80.0})
+    result, _ = verdict(good.model_copy(update={"soak": leak}), [])
+    assert result.reasons == ["soak: server RSS grew 80.0 MB/min, above 50.0 (leak?)"]
+    assert verdict(good, [])[0].status.value == "passed"
 
 
 def test_an_slo_that_cannot_be_met_fails_the_stage_and_turns_the_gate_red(
@@ -315,8 +377,8 @@ def test_an_slo_that_cannot_be_met_fails_the_stage_and_turns_the_gate_red(
     kept = built_gpt2.root / "build" / "tiny-gpt2" / "failed" / "loadtest"
     assert "kept in build/tiny-gpt2/failed/loadtest/" in report.reasons[-1]
     assert (kept / "server.log").stat().st_size > 0
-    measured = json.loads((kept / "loadtest.json").read_text())
-    assert [r["ok"] for r in measured["slo"]] == [False]
+    failed = LoadTestResults.model_validate_json((kept / "loadtest.json").read_text())
+    assert [r.ok for r in failed.slo] == [False]
     result = gate(built_gpt2.root, [load_release(built_gpt2.write(spec))], None)
     rows = {r.check: r for r in result.rows}
     assert rows["loadtest"].verdict == "FAIL"
@@ -327,19 +389,20 @@ def test_an_slo_that_cannot_be_met_fails_the_stage_and_turns_the_gate_red(
 
 
 def test_load_test_measures_streaming_and_writes_plots(built_gpt2: Workspace) -> None:
-    report = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "report.json").read_text())
-    head = report["details"]["summary"]
-    assert head["target"] == "local MLServer"
-    assert head["p95_ttft_ms"] > 0 and head["p95_itl_ms"] > 0 and head["tokens_per_s"] > 0
+    summary = built_gpt2.out("tiny-gpt2", "loadtest") / LoadTestSummary.FILE
+    head = LoadTestSummary.model_validate_json(summary.read_text()).summary
+    assert head.target == "local MLServer"
+    assert (head.p95_ttft_ms or 0) > 0 and (head.p95_itl_ms or 0) > 0
+    assert (head.tokens_per_s or 0) > 0
     for name in ("latency_throughput.png", "latency_throughput.svg", "ttft_itl.png"):
         assert (built_gpt2.out("tiny-gpt2", "loadtest") / name).stat().st_size > 1000
-    data = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").read_text())
-    assert [p["concurrency"] for p in data["ramp"]["points"]] == [1, 2]
-    assert data["streaming"]["endpoint"] == "/v1/completions"
-    for p in data["ramp"]["points"] + data["streaming"]["points"]:  # what an SLO is judged on
-        assert all(len(v) == 3 for v in p["window_metrics"].values())
-    assert all(v > 0 for v in data["streaming"]["points"][0]["window_metrics"]["p95_itl_ms"])
-    assert data["grid"][0]["batch"] == 2 and data["grid"][0]["errors"] == 0
+    data = measured(built_gpt2)
+    assert [p.concurrency for p in data.ramp.points] == [1, 2]
+    assert data.streaming is not None and data.streaming.endpoint == "/v1/completions"
+    for p in data.ramp.points + data.streaming.points:  # what an SLO is judged on
+        assert all(len(v) == 3 for v in dict(p.window_metrics).values())
+    assert all((v or 0) > 0 for v in data.streaming.points[0].window_metrics.p95_itl_ms)
+    assert data.grid[0].batch == 2 and data.grid[0].errors == 0
     # the plot data DVC reads is committed beside the metrics, the same bytes
     out = built_gpt2.out("tiny-gpt2", "loadtest")
     for name in ("latency_throughput.json", "streaming.json"):
@@ -356,9 +419,9 @@ def test_an_external_target_is_measured_without_starting_a_server(
         spec["loadtest"] = {**QUICK_LOADTEST, "target": {"url": srv.url}}
         report = built_gpt2.run("loadtest", spec)
     assert report.status.value == "passed", report.reasons
-    assert report.details["summary"]["target"] == srv.url
-    data = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "loadtest.json").read_text())
-    assert data["soak"]["skipped"].startswith("external target")
+    data = measured(built_gpt2)
+    assert data.target == srv.url
+    assert isinstance(data.soak, Skipped) and data.soak.skipped.startswith("external target")
     assert not (built_gpt2.out("tiny-gpt2", "loadtest") / "server.log").exists()
     assert built_gpt2.run("loadtest", gpt2_spec()).status.value == "passed"
 
@@ -377,8 +440,8 @@ def test_a_target_that_answers_only_errors_fails_the_stage_cleanly(
 
 
 def test_stability_needs_three_agreeing_windows() -> None:
-    def w(rps: float, p95: float = 10.0) -> dict[str, float]:
-        return {"throughput_rps": rps, "p95_latency_ms": p95}
+    def w(rps: float, p95: float = 10.0) -> Point:
+        return point(throughput_rps=rps, p95_latency_ms=p95)
 
     assert lg.stable([w(100), w(104), w(98)], 0.10)
     assert not lg.stable([w(100), w(104)], 0.10)
@@ -386,38 +449,39 @@ def test_stability_needs_three_agreeing_windows() -> None:
     assert not lg.stable([w(100), w(100, 10), w(100, 20)], 0.10)
 
 
-def _slo_at(itl: float, windows: list[float], stable: bool) -> dict:
+def _slo_at(itl: float, windows: list[float], stable: bool) -> SloVerdict:
     from types import SimpleNamespace
 
+    from schemas.loadresults import Ramp
     from stages.loadtesting.slo import check_slo
 
-    point = {"concurrency": 1, "stable": stable, "p95_itl_ms": itl, "throughput_rps": 100.0}
-    point["window_metrics"] = {"p95_itl_ms": windows, "throughput_rps": [100.0] * 3}
-    results = {
-        "ramp": {"points": [point], "knee": 1, "knee_point": point},
-        "streaming": {"points": [point]},
-    }
+    metrics = point().window_metrics.model_copy(update={"p95_itl_ms": windows})
+    p = point(stable=stable, p95_itl_ms=itl, throughput_rps=100.0, window_metrics=metrics)
+    measured = results(
+        ramp=Ramp(points=[p], knee=1, knee_point=p, judged_at=1),
+        streaming=Ramp(points=[p], knee=1, knee_point=p),
+    )
     names = ("p95_latency_ms", "p95_ttft_ms", "min_tokens_per_s", "max_memory_fraction")
     slo = SimpleNamespace(p95_itl_ms=20.0, min_throughput_rps=None, **dict.fromkeys(names))
-    return check_slo(slo, results, device_memory=1)[0]
+    return check_slo(slo, measured, device_memory=1)[0]
 
 
 def test_an_unstable_point_is_judged_only_when_every_window_lies_on_one_side_of_the_limit() -> None:
     # Windows 1-3 ms apart (unstable) against a 20 ms limit: a verdict either way is the same.
     far = _slo_at(2.0, [1.0, 2.0, 3.0], stable=False)
-    assert far["ok"] and "every one of the last 3" in far["why"]
+    assert far.ok and "every one of the last 3" in far.why
     # Exactly at the limit counts as meeting it (<=) in every window: still conclusive.
-    assert _slo_at(20.0, [20.0, 19.0, 20.0], stable=False)["ok"]
+    assert _slo_at(20.0, [20.0, 19.0, 20.0], stable=False).ok
     # One window past the limit: the verdict depends on the window, so it is inconclusive.
     among = _slo_at(19.0, [18.0, 19.0, 20.5], stable=False)
-    assert not among["ok"] and among["why"].startswith("inconclusive")
+    assert not among.ok and among.why.startswith("inconclusive")
     # Every window breaks it: a conclusive failure, not an inconclusive one.
     broken = _slo_at(30.0, [25.0, 30.0, 40.0], stable=False)
-    assert not broken["ok"] and "breaks" in broken["why"]
+    assert not broken.ok and "breaks" in broken.why
     # A point without per-window numbers (older results) stays inconclusive when unstable.
     bare = _slo_at(2.0, [], stable=False)
-    assert not bare["ok"] and bare["why"].startswith("inconclusive")
-    assert _slo_at(2.0, [1.0, 2.0, 30.0], stable=True)["ok"]  # stable: the merged value rules
+    assert not bare.ok and bare.why.startswith("inconclusive")
+    assert _slo_at(2.0, [1.0, 2.0, 30.0], stable=True).ok  # stable: the merged value rules
 
 
 def test_the_release_candidate_soak_is_long_and_strict_unless_the_spec_says_otherwise() -> None:
@@ -439,13 +503,13 @@ def test_soak_growth_flags_a_steady_climb_not_a_warm_up() -> None:
     t = np.linspace(0, 60, 61)
     warm = [(x, int((100 + (50 if x > 5 else 10 * x)) * mb)) for x in t]  # jump, then flat
     leak = [(x, int((100 + 2 * x) * mb)) for x in t]  # +2 MB every second
-    assert growth(warm, 50)["growth_ok"]
+    assert growth(warm, 50).growth_ok
     climbing = growth(leak, 50)
-    assert not climbing["growth_ok"] and climbing["growth_mb_per_min"] == pytest.approx(120, 1)
+    assert not climbing.growth_ok and climbing.growth_mb_per_min == pytest.approx(120, 1)
 
 
-def _pt(c: int, rps: float, p95: float = 10.0) -> dict[str, float]:
-    return {"concurrency": c, "throughput_rps": rps, "p95_latency_ms": p95}
+def _pt(c: int, rps: float, p95: float = 10.0) -> Point:
+    return point(c, throughput_rps=rps, p95_latency_ms=p95)
 
 
 def test_the_knee_is_the_last_real_gain_and_the_ramp_stops_after_four_flat_steps() -> None:
@@ -458,5 +522,6 @@ def test_the_knee_is_the_last_real_gain_and_the_ramp_stops_after_four_flat_steps
     assert find_knee(flat, 0.05, 4, None) == (4, True)
     slo_break = [*rising, _pt(8, 400, p95=250)]
     assert find_knee(slo_break, 0.05, 4, 200) == (4, True)
-    assert slo_break[-1]["breaks_slo"] is True
+    assert slo_break[-1].breaks_slo is True and slo_break[-1].concurrency == 8
+    assert '"breaks_slo"' not in rising[-1].model_dump_json()  # only where it broke
     assert find_knee([_pt(1, 100, p95=250)], 0.05, 4, 200) == (1, False)  # judged by the SLO
