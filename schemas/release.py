@@ -33,6 +33,7 @@ from schemas.spec.bundle import (
     ModelCard,
     OrtSessionConfig,
     ServingConfig,
+    batch_limits,
 )
 from schemas.spec.capacity import KV_BYTES, CapacityConfig
 from schemas.spec.engine import CudaGraphs, EngineConfig, EngineProfile
@@ -303,23 +304,14 @@ class ReleaseSpec(Strict):
                 )
 
     def _check_serving(self) -> None:
-        """Rule: bundle.serving.max_batch_size <= export.dims.batch.max; each preferred batch size
-        <= the served max."""
+        """Rule: bundle.serving.max_batch_size <= export.dims.batch.max (1 without a batch axis);
+        each preferred batch size <= the served max (schemas.spec.bundle.batch_limits, which
+        the serve stage applies to the batch it chose)."""
         s, dims = self.bundle.serving, self.export.dims
-        batch_max = dims["batch"].max if "batch" in dims else None
-        if s.max_batch_size is not None and batch_max is not None and s.max_batch_size > batch_max:
-            raise ValueError(
-                f"bundle.serving.max_batch_size: {s.max_batch_size} exceeds "
-                f"export.dims.batch.max ({batch_max}); the exported graph is not promised to "
-                "run beyond it: lower max_batch_size or raise the export's batch max"
-            )
-        served = s.max_batch_size or batch_max
-        for size in s.preferred_batch_sizes or []:
-            if served is not None and size > served:
-                raise ValueError(
-                    f"bundle.serving.preferred_batch_sizes: {size} is beyond the served "
-                    f"max_batch_size {served}; each preferred size must be <= it"
-                )
+        export_max = dims["batch"].max if "batch" in dims else None
+        problem, fix = batch_limits(s.max_batch_size, s.preferred_batch_sizes or [], export_max)
+        if problem:
+            raise ValueError(f"{problem}; {fix}")
 
     def _check_engine(self) -> None:
         """Rule: Engine profile names are unique; profile dims are declared and inside the export's

@@ -40,6 +40,38 @@ ORT_PROVIDERS = (
 DERIVED_PORTS = {"grpc": 1, "metrics": 2}
 
 
+def batch_limits(
+    served: int | None, preferred: list[int], export_max: int | None
+) -> tuple[str, str]:
+    """Rule: the served max batch <= export.dims.batch.max; each preferred batch size <= the
+    served max. One rule for the spec (`served`: bundle.serving.max_batch_size, None when
+    unset) and the serve stage (`served`: what it chose from the plan); `export_max` None:
+    the export declares no batch axis (the graph runs one row). Returns (problem, fix), or
+    ("", "") when the limits hold."""
+    limit = 1 if export_max is None else export_max
+    if served is not None and served > limit:
+        if export_max is None:
+            return (
+                f"bundle.serving.max_batch_size: {served} exceeds 1: the export declares no "
+                "batch axis, so the server runs one row at a time",
+                "drop max_batch_size or export a `batch` dim",
+            )
+        return (
+            f"bundle.serving.max_batch_size: {served} exceeds export.dims.batch.max ({limit}); "
+            "the exported graph is not promised to run beyond it",
+            "lower max_batch_size or raise the export's batch max",
+        )
+    served = limit if served is None else served
+    for size in preferred:
+        if size > served:
+            return (
+                f"bundle.serving.preferred_batch_sizes: {size} is beyond the served "
+                f"max_batch_size {served}",
+                f"list sizes up to {served} only, or raise max_batch_size",
+            )
+    return "", ""
+
+
 class ServingConfig(Strict):
     port: int = Field(
         default=8000,

@@ -16,6 +16,7 @@ from schemas.artifacts import (
     ServingValues,
     TensorInfo,
 )
+from schemas.spec.bundle import batch_limits
 from schemas.tasks import TASKS
 from stages.onnx import shapes as sh
 from stages.serving.engine.scheduler import EngineSettings
@@ -40,19 +41,21 @@ def serving_values(release: Any, info: ModelInfo, plan: CapacityPlan, dtype: str
     """Serving keys from the spec, defaulted from the capacity plan and checked against it
     and against the export's ranges; `dtype` is the served model's (the quantize stage's)."""
     s, dims = release.bundle.serving, info.dims
-    batch_max = dims["batch"].max if "batch" in dims else 1
+    export_max = dims["batch"].max if "batch" in dims else None
+    batch_max = export_max or 1
     context = s.max_context_length or plan.context
     fits = plan.max_batch_that_fits if context == plan.context else batch_max
     batch = s.max_batch_size or max(1, min(batch_max, plan.batch, fits))
-    _within("bundle.serving.max_batch_size", batch, batch_max, "export.dims.batch.max")
+    # the spec's rule (checked at validate) on the batch chosen here from the plan
+    problem, fix = batch_limits(batch, s.preferred_batch_sizes or [], export_max)
+    if problem:
+        raise Refused(problem, fix)
     _within(
         "bundle.serving.max_batch_size",
         batch,
         fits,
         f"the largest batch the capacity plan fits at {context} tokens",
     )
-    for size in s.preferred_batch_sizes or []:
-        _within("bundle.serving.preferred_batch_sizes", size, batch, "the served max_batch_size")
     if plan.context:
         _within(
             "bundle.serving.max_context_length",

@@ -90,20 +90,20 @@ CASES = [
         serving(max_batch_size=3),
         serving(max_batch_size=4),
         "bundle.serving.max_batch_size: 4 exceeds export.dims.batch.max (3); the exported "
-        "graph is not promised to run beyond it: lower max_batch_size or raise the export's "
+        "graph is not promised to run beyond it; lower max_batch_size or raise the export's "
         "batch max",
     ),
     (
         serving(max_batch_size=2, preferred_batch_sizes=[2]),
         serving(max_batch_size=2, preferred_batch_sizes=[3]),
         "bundle.serving.preferred_batch_sizes: 3 is beyond the served max_batch_size 2; "
-        "each preferred size must be <= it",
+        "list sizes up to 2 only, or raise max_batch_size",
     ),
     (
         serving(preferred_batch_sizes=[3]),  # no max_batch_size: the export's batch max
         serving(preferred_batch_sizes=[4]),
         "bundle.serving.preferred_batch_sizes: 4 is beyond the served max_batch_size 3; "
-        "each preferred size must be <= it",
+        "list sizes up to 3 only, or raise max_batch_size",
     ),
     (
         ramp(8, 18),  # 8 + 18 - 2 = 24, the past_sequence max
@@ -231,10 +231,19 @@ def test_a_model_without_a_kv_cache_has_no_ramp_length_limit(tmp_path: Path) -> 
     assert check(tmp_path, spec) == []
 
 
-def test_a_model_without_a_batch_dim_has_no_served_batch_limit(tmp_path: Path) -> None:
+def test_a_model_without_a_batch_dim_is_served_one_row_at_a_time(tmp_path: Path) -> None:
+    """No `batch` axis: the server cannot batch requests, so it serves one row per run, and
+    a batch limit above one is refused at validate, as the serve stage would (one rule:
+    schemas.spec.bundle.batch_limits)."""
     spec = generic_spec("gen", "small")
     spec["export"]["dims"] = {"rows": {"min": 1, "opt": 2, "max": 4}}
     spec["export"]["inputs"][0]["shape"] = ["rows", 4, 8]
     spec["export"]["outputs"][0]["shape"] = ["rows"]
-    spec["bundle"]["serving"] = {"preferred_batch_sizes": [64]}
+    spec["bundle"]["serving"] = {"preferred_batch_sizes": [1]}
     assert check(tmp_path, spec) == []
+    spec["bundle"]["serving"] = {"preferred_batch_sizes": [64]}
+    [problem] = check(tmp_path, spec)
+    assert "preferred_batch_sizes: 64 is beyond the served max_batch_size 1" in problem
+    spec["bundle"]["serving"] = {"max_batch_size": 2}
+    [problem] = check(tmp_path, spec)
+    assert "max_batch_size: 2 exceeds 1: the export declares no batch axis" in problem

@@ -88,6 +88,16 @@ def test_serving_batch_beyond_the_plan_is_refused() -> None:
         serving_values(release(max_batch_size=6), INFO, PLAN, "int8")
 
 
+def test_preferred_sizes_beyond_the_batch_the_plan_chose_are_refused_at_serve() -> None:
+    """The spec allows preferred sizes up to the export's batch max (8 here); the plan
+    serves 5, and the serve stage applies the spec's rule (batch_limits) to that."""
+    assert serving_values(release(preferred_batch_sizes=[5]), INFO, PLAN, "int8")
+    with pytest.raises(
+        StageError, match="preferred_batch_sizes: 6 is beyond the served max_batch_size 5"
+    ):
+        serving_values(release(preferred_batch_sizes=[6]), INFO, PLAN, "int8")
+
+
 def test_a_generic_model_whose_weights_exceed_the_device_fits_no_batch() -> None:
     """Nothing grows with the batch (no KV cache, no vocabulary): the plan must still say
     the weights do not fit, not 'lower max_batch to' the batch it already has."""
