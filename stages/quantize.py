@@ -7,7 +7,15 @@ import shutil
 from typing import Any
 
 from schemas import ReleaseSpec
-from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo, RecipeRow
+from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo
+from schemas.quantsearch import (
+    CalibrationSummary,
+    LayerPlotRow,
+    LayerRow,
+    PerNodeDetails,
+    RecipeSearchDetails,
+    SensitivityRow,
+)
 from schemas.spec.quantization import AccuracyBudget
 from schemas.tasks import TASKS
 from stages._contract import Plot, StageContext, StageIO, StageResult, link_or_copy, write_json
@@ -79,33 +87,28 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     refine = max(2 * q.max_float_nodes, search.REFINE_MIN)
     ranked = search.sensitivity(ctx, quantizer, evaluate, refine)
     chosen, trace = search.mixed_precision(ctx, quantizer, evaluate, ranked, q, budget)
-    held = search.Evaluator(release.task, pre, samples.holdout, greedy=True)(chosen["path"])
-    details = {
-        "calibration": {
-            "path": samples.source,
-            "sha256": samples.sha256,
-            "samples": len(samples.calibration),
-            "holdout": len(samples.holdout),
-        },
-        "sensitivity": ranked,
-        "selection": trace,
-        "holdout": held,
-        "float_nodes": chosen["excluded"],
-        "layerwise": search.layerwise(pre, chosen["path"], samples.holdout[0]),
-        "preprocess": fallback or "quant_pre_process with symbolic shape inference",
-        "budget": budget.model_dump(exclude_none=True),
-    }
+    held = search.Evaluator(release.task, pre, samples.holdout, greedy=True)(chosen.path)
+    details = PerNodeDetails(
+        calibration=_calibration(samples),
+        sensitivity=ranked,
+        selection=trace,
+        holdout=held,
+        float_nodes=chosen.excluded,
+        layerwise=search.layerwise(pre, chosen.path, samples.holdout[0]),
+        preprocess=fallback or "quant_pre_process with symbolic shape inference",
+        budget=budget,
+    )
     metrics = {f"holdout_{k}": v for k, v in held.items()}
-    write_json(ctx.work / LAYER_PLOT.file, _layer_rows(details["layerwise"]))
-    if not chosen["ok"]:
+    write_json(ctx.work / LAYER_PLOT.file, _layer_rows(details.layerwise or []))
+    if not chosen.ok:
         return StageResult.failed(
             f"accuracy budget not met with the cap of {q.max_float_nodes} float node(s)",
             [
-                f"best on calibration samples with {len(chosen['excluded'])} node(s) in float: "
-                f"{'; '.join(chosen['broken'])}. Raise quantization.max_float_nodes, relax "
+                f"best on calibration samples with {len(chosen.excluded)} node(s) in float: "
+                f"{'; '.join(chosen.broken)}. Raise quantization.max_float_nodes, relax "
                 "quantization.budget, or choose a gentler method"
             ],
-            details=details,
+            details=details.model_dump(),
             metrics=metrics,
         )
     broken = acc.violations(budget, held)
@@ -116,28 +119,28 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
                 f"held-out: {'; '.join(broken)} (calibration samples passed; "
                 "add calibration data that covers the held-out inputs)"
             ],
-            details=details,
+            details=details.model_dump(),
             metrics=metrics,
         )
-    sizes = search.publish(ctx, chosen["path"], export)
-    gains = search.gains_nothing(q, chosen["excluded"], ranked, sizes["ratio"])
+    details.size = sizes = search.publish(ctx, chosen.path, export)
+    gains = search.gains_nothing(q, chosen.excluded, ranked, sizes.ratio)
     if gains:
         return StageResult.failed(
             f"{q.method} gains nothing worth shipping: {gains}",
             [f"{gains}. {search.REMEDIES}"],
-            details={**details, "size": sizes},
-            metrics={**metrics, "size_ratio": sizes["ratio"]},
+            details=details.model_dump(),
+            metrics={**metrics, "size_ratio": sizes.ratio},
         )
-    ctx.write(_info(q, chosen["excluded"], ranked))
+    ctx.write(_info(q, chosen.excluded, ranked))
     ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))
     shutil.rmtree(ctx.work / "_variants")
     shutil.rmtree(pre.parent)
     return StageResult.passed(
-        f"{DTYPE[q.method]} ({q.method}), {len(chosen['excluded'])} of {len(ranked)} node(s) "
-        f"kept in float; held-out {search.brief(held)}; size {sizes['ratio']:.2f}x FP32"
+        f"{DTYPE[q.method]} ({q.method}), {len(chosen.excluded)} of {len(ranked)} node(s) "
+        f"kept in float; held-out {search.brief(held)}; size {sizes.ratio:.2f}x FP32"
         + (" (pre-processed without symbolic shape inference)" if fallback else ""),
-        details={**details, "size": sizes},
-        metrics={**metrics, "size_ratio": sizes["ratio"]},
+        details=details.model_dump(),
+        metrics={**metrics, "size_ratio": sizes.ratio},
     )
 
 
@@ -168,21 +171,16 @@ def _auto(
     )
     del fp32  # not held while variants are built and measured (peak memory)
     outcome = searcher.run()
-    details: dict[str, Any] = {
-        "calibration": {
-            "path": samples.source,
-            "sha256": samples.sha256,
-            "samples": len(samples.calibration),
-            "holdout": len(samples.holdout),
-        },
-        "recipes": outcome.table,
-        "fp32": outcome.fp32,
-        "budget": budget.model_dump(exclude_none=True),
-        "budget_with_margin": recipes.tightened(budget, q.margin).model_dump(exclude_none=True),
-        "preprocess": fallback or "quant_pre_process with symbolic shape inference",
-    }
+    details = RecipeSearchDetails(
+        calibration=_calibration(samples),
+        recipes=outcome.table,
+        fp32=outcome.fp32,
+        budget=budget,
+        budget_with_margin=recipes.tightened(budget, q.margin),
+        preprocess=fallback or "quant_pre_process with symbolic shape inference",
+    )
     if not outcome.ok or outcome.path is None:
-        tried = ", ".join(dict.fromkeys(r["recipe"] for r in outcome.table))
+        tried = ", ".join(dict.fromkeys(r.recipe for r in outcome.table))
         return StageResult.failed(
             f"no recipe meets the accuracy budget with its margin ({tried} tried)",
             [
@@ -191,21 +189,21 @@ def _auto(
                 "slower), add recipes, or add calibration data that covers the held-out "
                 "inputs; method none ships FP32"
             ],
-            details=details,
+            details=details.model_dump(),
         )
-    details["layerwise"] = search.layerwise(pre, outcome.path, samples.holdout[0])
-    write_json(ctx.work / LAYER_PLOT.file, _layer_rows(details["layerwise"]))
-    sizes = search.publish(ctx, outcome.path, export)
+    details.layerwise = search.layerwise(pre, outcome.path, samples.holdout[0])
+    write_json(ctx.work / LAYER_PLOT.file, _layer_rows(details.layerwise))
+    details.size = sizes = search.publish(ctx, outcome.path, export)
     metrics = {f"holdout_{k}": v for k, v in outcome.holdout.items()}
-    metrics["size_ratio"] = sizes["ratio"]
-    if sizes["ratio"] > q.max_size_ratio:  # measured in the search; checked on what ships
+    metrics["size_ratio"] = sizes.ratio
+    if sizes.ratio > q.max_size_ratio:  # measured in the search; checked on what ships
         return StageResult.failed(
             f"recipe {outcome.recipe} gains nothing worth shipping",
             [
-                f"the quantized file is {sizes['ratio']:.2f}x the FP32 file, above "
+                f"the quantized file is {sizes.ratio:.2f}x the FP32 file, above "
                 f"quantization.max_size_ratio {q.max_size_ratio:g}. {search.REMEDIES}"
             ],
-            details={**details, "size": sizes},
+            details=details.model_dump(),
             metrics=metrics,
         )
     why = ", ".join(outcome.float_classes)
@@ -217,21 +215,22 @@ def _auto(
                 FloatNode(node=n, why=f"its layer class ({why}) kept in float by the recipe search")
                 for n in outcome.excluded
             ],
-            recipes=[RecipeRow(**{k: r[k] for k in RecipeRow.model_fields}) for r in outcome.table],
+            recipes=[r.shipped() for r in outcome.table],
         )
     )
     ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))
     shutil.rmtree(ctx.work / "_variants")
     shutil.rmtree(pre.parent)
-    chosen = next(r for r in outcome.table if r["chosen"])
+    chosen = next(r for r in outcome.table if r.chosen)
+    details.chosen = outcome.recipe
     return StageResult.passed(
         f"recipe {outcome.recipe} ({DTYPE[outcome.method]})"
         + (f" with {why} in float" if why else "")
-        + f"; held-out {search.brief(outcome.holdout)}; size {sizes['ratio']:.2f}x FP32, "
-        f"{chosen['speedup']:.2f}x FP32 speed ("
-        + ", ".join(f"{k} {v:.2f}x" for k, v in chosen["speedups"].items())
+        + f"; held-out {search.brief(outcome.holdout)}; size {sizes.ratio:.2f}x FP32, "
+        f"{chosen.speedup:.2f}x FP32 speed ("
+        + ", ".join(f"{k} {v:.2f}x" for k, v in chosen.speedups.items())
         + ")",
-        details={**details, "size": sizes, "chosen": outcome.recipe},
+        details=details.model_dump(),
         metrics=metrics,
     )
 
@@ -242,18 +241,34 @@ def _served_rows(release: ReleaseSpec) -> int:
     return release.bundle.serving.max_batch_size or (batch.max if batch else 1)
 
 
-def _layer_rows(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _calibration(samples: calib.Samples) -> CalibrationSummary:
+    return CalibrationSummary(
+        path=samples.source,
+        sha256=samples.sha256,
+        samples=len(samples.calibration),
+        holdout=len(samples.holdout),
+    )
+
+
+def _layer_rows(layers: list[LayerRow]) -> list[dict[str, Any]]:
     """The per-layer SNR as DVC plot rows (x: position in execution order)."""
-    keys = ("module", "snr_db", "worst_channel_snr_db")
-    return [{"layer": i, **{k: row[k] for k in keys}} for i, row in enumerate(layers)]
+    return [
+        LayerPlotRow(
+            layer=i,
+            module=row.module,
+            snr_db=row.snr_db,
+            worst_channel_snr_db=row.worst_channel_snr_db,
+        ).model_dump()
+        for i, row in enumerate(layers)
+    ]
 
 
-def _info(q: Any, float_nodes: list[str], ranked: list[dict[str, Any]] | None) -> QuantInfo:
+def _info(q: Any, float_nodes: list[str], ranked: list[SensitivityRow] | None) -> QuantInfo:
     why = {
-        r["node"]: f"rank {i + 1} of {len(ranked or [])} by sensitivity, SNR {r['snr_db']:.1f} dB "
+        r.node: f"rank {i + 1} of {len(ranked or [])} by sensitivity, SNR {r.snr_db:.1f} dB "
         "when quantized alone"
         for i, r in enumerate(ranked or [])
-        if "snr_db" in r  # only nodes measured alone can be kept in float
+        if r.snr_db is not None  # only nodes measured alone can be kept in float
     }
     return QuantInfo(
         method=q.method,

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from schemas import StageError
+from schemas.quantsearch import RecipeTrial
 from stages.onnx.graph import node_scope
 from stages.quant import accuracy as acc
 from stages.quant.methods import Quantizer
@@ -179,8 +180,8 @@ class Outcome:
     ok: bool = False
     broken: list[str] = field(default_factory=list)
     holdout: dict[str, float] = field(default_factory=dict)
-    table: list[dict[str, Any]] = field(default_factory=list)
-    fp32: dict[str, float] = field(default_factory=dict)
+    table: list[RecipeTrial] = field(default_factory=list)
+    fp32: dict[str, int | float] = field(default_factory=dict)
 
 
 class Search:
@@ -230,14 +231,14 @@ class Search:
         # (rebuilt only if every better one turns out too slow)
         best: tuple[tuple[float, int, str], Quantizer, Path] | None = None
         rest: list[tuple[float, int, str]] = []
-        rows: dict[str, dict[str, Any]] = {}
+        rows: dict[str, RecipeTrial] = {}
         inaccurate: set[str] = set()
         for order, recipe in enumerate(self.q.recipes):
             cfg = concrete(self.q, recipe)
             by, reason = DOMINATED_BY.get(recipe, ("", ""))
             if by in inaccurate and _dominates(cfg):
                 out.table.append(_dominated(recipe, cfg.method, by, reason))
-                self.ctx.log(f"recipe {recipe}: {out.table[-1]['why']}")
+                self.ctx.log(f"recipe {recipe}: {out.table[-1].why}")
                 inaccurate.add(recipe)  # what it dominates in turn is not built either
                 continue
             folder = self.ctx.work / "_variants" / recipe
@@ -286,13 +287,13 @@ class Search:
                 best = (entry, quantizer, quantizer.quantize())
         out.broken = [
             "no recipe is fast and small enough to fall back on: "
-            + "; ".join(f"{r['recipe']}: {r['why']}" for r in out.table)
+            + "; ".join(f"{r.recipe}: {r.why}" for r in out.table)
         ]
         return out
 
     def _measure(
         self, recipe: str, method: str, path: Path, float_classes: list[str]
-    ) -> tuple[dict[str, Any], list[str], dict[str, float]]:
+    ) -> tuple[RecipeTrial, list[str], dict[str, float]]:
         """Accuracy and size, then speed when the variant meets the budget (it could ship);
         an untimed row has speedup None (`_time` may time it later)."""
         session = session_for(path)  # one for every measurement of this variant
@@ -311,20 +312,20 @@ class Search:
         ratio = _size(path) / self.fp32_bytes
         if ratio > self.q.max_size_ratio:
             why.append(f"size {ratio:.2f}x FP32, above max_size_ratio {self.q.max_size_ratio:g}")
-        row = {
-            "recipe": recipe,
-            "method": method,
-            "float_classes": float_classes,
-            "size_ratio": round(ratio, 4),
-            "speedup": speedup,
-            "speedups": {k: round(v, 3) for k, v in speeds.items()},
-            "calibration": cal,
-            "holdout": held,
-            "chosen": False,
-            "why": "; ".join(why) or "meets the budget with its margin, fast and small enough",
-        }
+        row = RecipeTrial(
+            recipe=recipe,
+            method=method,
+            float_classes=float_classes,
+            size_ratio=round(ratio, 4),
+            speedup=speedup,
+            speedups={k: round(v, 3) for k, v in speeds.items()},
+            calibration=cal,
+            holdout=held,
+            chosen=False,
+            why="; ".join(why) or "meets the budget with its margin, fast and small enough",
+        )
         label = recipe + (f" + float {', '.join(float_classes)}" if float_classes else "")
-        self.ctx.log(f"recipe {label}: {row['why']}")
+        self.ctx.log(f"recipe {label}: {row.why}")
         return row, why, cal
 
     def _speed(self, session: Any) -> tuple[dict[str, float], float, str | None]:
@@ -347,29 +348,29 @@ class Search:
             )
         return speeds, speedup, slow
 
-    def _time(self, row: dict[str, Any], path: Path) -> bool:
+    def _time(self, row: RecipeTrial, path: Path) -> bool:
         """Time a variant measured untimed (the fallback candidate) into its row; whether
         it is fast enough to fall back on."""
         speeds, speedup, slow = self._speed(session_for(path))
-        row["speedup"], row["speedups"] = speedup, {k: round(v, 3) for k, v in speeds.items()}
+        row.speedup, row.speedups = speedup, {k: round(v, 3) for k, v in speeds.items()}
         if slow:
-            row["why"] += f"; {slow}"
-        self.ctx.log(f"recipe {row['recipe']}: timed as the fallback: {speedup:.2f}x FP32")
+            row.why += f"; {slow}"
+        self.ctx.log(f"recipe {row.recipe}: timed as the fallback: {speedup:.2f}x FP32")
         return slow is None
 
     def _chosen(
         self,
         out: Outcome,
-        row: dict[str, Any],
+        row: RecipeTrial,
         path: Path,
         method: str,
         recipe: str,
         excluded: list[str],
         classes: list[str],
     ) -> Outcome:
-        row["chosen"] = True
+        row.chosen = True
         out.path, out.method, out.recipe, out.ok = path, method, recipe, True
-        out.excluded, out.float_classes, out.holdout = excluded, classes, row["holdout"]
+        out.excluded, out.float_classes, out.holdout = excluded, classes, row.holdout
         return out
 
     def _by_class(self, out: Outcome, recipe: str, quantizer: Quantizer) -> Outcome:
@@ -408,28 +409,31 @@ def _dominates(cfg: Any) -> bool:
     return getattr(cfg, "calibrate_method", "minmax") == "minmax"
 
 
-def _unbuilt(recipe: str, method: str, why: str) -> dict[str, Any]:
+def _unbuilt(recipe: str, method: str, why: str) -> RecipeTrial:
     """The table row of a recipe that could not be built."""
-    return {
-        "recipe": recipe,
-        "method": method,
-        "float_classes": [],
-        "size_ratio": 0.0,
-        "speedup": None,
-        "speedups": {},
-        "calibration": {},
-        "holdout": {},
-        "chosen": False,
-        "why": f"could not be built: {why}",
-    }
+    return _not_built(recipe, method, f"could not be built: {why}")
 
 
-def _dominated(recipe: str, method: str, by: str, reason: str) -> dict[str, Any]:
+def _dominated(recipe: str, method: str, by: str, reason: str) -> RecipeTrial:
     """The table row of a recipe not built: one it cannot beat missed the accuracy."""
-    return {
-        **_unbuilt(recipe, method, ""),
-        "why": f"not tried: {by} missed the accuracy budget, and {recipe} {reason}",
-    }
+    return _not_built(
+        recipe, method, f"not tried: {by} missed the accuracy budget, and {recipe} {reason}"
+    )
+
+
+def _not_built(recipe: str, method: str, why: str) -> RecipeTrial:
+    """A row with nothing measured: no size, not timed, no metrics."""
+    return RecipeTrial(
+        recipe=recipe,
+        method=method,
+        float_classes=[],
+        size_ratio=0.0,
+        speedup=None,
+        calibration={},
+        holdout={},
+        chosen=False,
+        why=why,
+    )
 
 
 def _discard(quantizer: Quantizer, path: Path) -> None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
 from schemas import Refused
+from schemas.quantsearch import FileSize, LayerRow, SelectionRow, SensitivityRow
 from schemas.tasks import TASKS
 from stages._contract import StageContext
 from stages.onnx.graph import all_tensors, node_scope
@@ -26,7 +28,7 @@ REMEDIES = (
 )
 
 
-def gains_nothing(q: Any, excluded: list[str], ranked: list[dict[str, Any]], ratio: float) -> str:
+def gains_nothing(q: Any, excluded: list[str], ranked: list[SensitivityRow], ratio: float) -> str:
     """Why a quantized model that passes its budget is still not worth shipping ("" if it is):
     mixed precision kept every quantizable node in float (FP32 in all but name), or the file
     is not smaller than quantization.max_size_ratio x FP32."""
@@ -221,7 +223,7 @@ REFINE_MIN = 16  # nodes measured alone at least (all of them in a model this sm
 
 def sensitivity(
     ctx: StageContext, quantizer: Quantizer, evaluate: Evaluator, refine: int = REFINE_MIN
-) -> list[dict[str, Any]]:
+) -> list[SensitivityRow]:
     """Candidates ranked by the damage they do, most damaging (lowest SNR) first.
 
     Up to `refine` nodes, each is quantized alone and evaluated end to end. Beyond that, one
@@ -243,29 +245,28 @@ def sensitivity(
         _remove(full)
         ctx.log(f"one pass ranked {len(nodes)} nodes by local SNR; refining the {refine} worst")
     chosen = sorted(nodes, key=lambda n: local[n])[:refine] if local else nodes
-    rows = []
+    rows: list[tuple[float, SensitivityRow]] = []
     with ctx.progress(f"sensitivity of {len(chosen)} nodes", len(chosen)) as advance:
         for node in chosen:
             path = quantizer.alone(node)
-            row: dict[str, Any] = {
-                "node": node,
-                "module": scopes.get(node, ""),
-                "measured": "alone",
-            }
-            row |= evaluate(path) | ({"local_snr_db": local[node]} if local else {})
-            rows.append(row)
+            metrics = evaluate(path)
+            row = SensitivityRow.model_validate(
+                {
+                    "node": node,
+                    "module": scopes.get(node, ""),
+                    "measured": "alone",
+                    **metrics,
+                    "local_snr_db": local.get(node),
+                }
+            )
+            rows.append((acc.score(metrics), row))
             _remove(path)
             advance()
     rest = [
-        {
-            "node": n,
-            "module": scopes.get(n, ""),
-            "measured": "one pass",
-            "local_snr_db": local[n],
-        }
+        SensitivityRow(node=n, module=scopes.get(n, ""), measured="one pass", local_snr_db=local[n])
         for n in sorted(set(nodes) - set(chosen), key=lambda n: local[n])
     ]
-    return sorted(rows, key=acc.score) + rest
+    return [row for _, row in sorted(rows, key=lambda scored: scored[0])] + rest
 
 
 def local_snr(
@@ -320,32 +321,40 @@ def _product(node: Any, value: Any) -> np.ndarray:
     return cast(np.ndarray, out)
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A mixed-precision variant: its file, the nodes it keeps in float, and whether it meets
+    the budget on the calibration probe (else the bounds it breaks)."""
+
+    path: Path
+    excluded: list[str]
+    ok: bool
+    broken: list[str]
+    score: float
+
+
 def mixed_precision(
     ctx: StageContext,
     quantizer: Quantizer,
     evaluate: Evaluator,
-    ranked: list[dict[str, Any]],
+    ranked: list[SensitivityRow],
     q: Any,
     budget: Any,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[Choice, list[SelectionRow]]:
     """Keep the k most sensitive nodes in float, k = 0, 1, ... until the budget holds."""
-    trace: list[dict[str, Any]] = []
-    best: dict[str, Any] | None = None
+    trace: list[SelectionRow] = []
+    best: Choice | None = None
     for k in range(min(q.max_float_nodes, len(ranked)) + 1):
-        excluded = [r["node"] for r in ranked[:k]]
+        excluded = [r.node for r in ranked[:k]]
         path = quantizer.quantize(exclude=excluded)
         metrics = evaluate(path)
         broken = acc.violations(budget, metrics)
-        trace.append({"float_nodes": k, **metrics, "meets_budget": not broken})
+        trace.append(
+            SelectionRow.model_validate({"float_nodes": k, **metrics, "meets_budget": not broken})
+        )
         ctx.log(f"{k} node(s) in float: {brief(metrics)}{' (meets budget)' if not broken else ''}")
-        current = {
-            "path": path,
-            "excluded": excluded,
-            "ok": not broken,
-            "broken": broken,
-            "score": acc.score(metrics),
-        }
-        if best is None or not broken or current["score"] > best["score"]:
+        current = Choice(path, excluded, not broken, broken, acc.score(metrics))
+        if best is None or not broken or current.score > best.score:
             best = current
         if not broken:
             break
@@ -353,7 +362,7 @@ def mixed_precision(
     return best, trace
 
 
-def layerwise(fp32: Path, quant: Path, feeds: dict[str, Any]) -> list[dict[str, Any]]:
+def layerwise(fp32: Path, quant: Path, feeds: dict[str, Any]) -> list[LayerRow]:
     """Where error enters: SNR of each module's last tensor, FP32 vs quantized, in order.
 
     The worst channel's SNR finds an outlier-dominated layer whose overall SNR looks fine
@@ -376,17 +385,17 @@ def layerwise(fp32: Path, quant: Path, feeds: dict[str, Any]) -> list[dict[str, 
             ):
                 last[scope] = out
     return [
-        {
-            "module": scope,
-            "tensor": t,
-            "snr_db": acc.snr_db(ref[t], got[t]),
-            "worst_channel_snr_db": acc.worst_channel_snr_db(ref[t], got[t]),
-        }
+        LayerRow(
+            module=scope,
+            tensor=t,
+            snr_db=acc.snr_db(ref[t], got[t]),
+            worst_channel_snr_db=acc.worst_channel_snr_db(ref[t], got[t]),
+        )
         for scope, t in last.items()
     ]
 
 
-def publish(ctx: StageContext, path: Path, export: Path) -> dict[str, float]:
+def publish(ctx: StageContext, path: Path, export: Path) -> FileSize:
     data = path.with_name(path.name + ".data")
     os.replace(path, ctx.work / "model.onnx")
     if data.exists():
@@ -394,7 +403,7 @@ def publish(ctx: StageContext, path: Path, export: Path) -> dict[str, float]:
         _relocate(ctx.work / "model.onnx", data.name)
     size = sum(f.stat().st_size for f in ctx.work.glob("model.onnx*"))
     fp32 = sum(f.stat().st_size for f in export.glob("model.onnx*"))
-    return {"bytes": size, "fp32_bytes": fp32, "ratio": size / fp32}
+    return FileSize(bytes=size, fp32_bytes=fp32, ratio=size / fp32)
 
 
 def _relocate(model: Path, old: str) -> None:
