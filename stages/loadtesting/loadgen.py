@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from schemas.loadresults import WINDOW_METRICS, Point, Window, WindowMetrics
+from stages.serving.engine.dtypes import V2_OF_NUMPY
 
 STABLE_WINDOWS = 3
 DRAIN_SECONDS = 30.0
@@ -64,13 +65,12 @@ class Mix:
 
 def v2_body(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None = None) -> bytes:
     """A V2 inference request body."""
-    types = {"int64": "INT64", "int32": "INT32", "float32": "FP32", "float16": "FP16"}
     body: dict[str, Any] = {
         "inputs": [
             {
                 "name": name,
                 "shape": list(value.shape),
-                "datatype": types[str(value.dtype)],
+                "datatype": V2_OF_NUMPY[str(value.dtype)],
                 "data": value.ravel().tolist(),
             }
             for name, value in inputs.items()

@@ -19,22 +19,12 @@ from schemas.artifacts import (
 from schemas.spec.bundle import batch_limits
 from schemas.tasks import TASKS
 from stages.onnx import shapes as sh
+from stages.serving.engine.dtypes import TRITON_OF_NUMPY
 from stages.serving.engine.scheduler import EngineSettings
 from stages.serving.engine.settings import BatchingSettings, RuntimeSettings
 from stages.serving.engine.text import eos_ids, sampling_defaults
 from stages.serving.layout import MODEL_DIR
 from stages.serving.render import parse_triton
-
-TRITON_TYPES = {
-    "float32": "TYPE_FP32",
-    "float16": "TYPE_FP16",
-    "bfloat16": "TYPE_BF16",
-    "int64": "TYPE_INT64",
-    "int32": "TYPE_INT32",
-    "int8": "TYPE_INT8",
-    "uint8": "TYPE_UINT8",
-    "bool": "TYPE_BOOL",
-}
 
 
 def serving_values(release: Any, info: ModelInfo, plan: CapacityPlan, dtype: str) -> ServingValues:
@@ -175,7 +165,7 @@ def triton_values(info: ModelInfo, values: ServingValues) -> dict[str, Any]:
         dims = [sh.axis_size(a, opt) if warm else a for a in axes]
         return {
             "name": t.name,
-            "data_type": TRITON_TYPES[t.dtype],
+            "data_type": TRITON_OF_NUMPY[t.dtype],
             "dims": [d if isinstance(d, int) else -1 for d in dims],
         }
 

@@ -222,6 +222,7 @@ class FrontDoor:
 # ------------------------------------------------------------------ binary tensor data
 HEADER_LENGTH = b"inference-header-content-length"
 INFER_SUFFIXES = ("/infer",)
+# stages/serving/engine/dtypes.py's WIRE_OF_V2 (this file ships alone; a test holds them equal)
 NUMPY = {
     "BOOL": "?", "UINT8": "u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
     "INT8": "i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",

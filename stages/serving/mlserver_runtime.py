@@ -69,19 +69,6 @@ class TimedOut(MLServerError):
         super().__init__(message, status_code=504)
 
 
-# Open Inference Protocol datatypes of the ONNX tensor types a graph may take.
-V2_TYPES = {
-    "tensor(float)": "FP32",
-    "tensor(float16)": "FP16",
-    "tensor(double)": "FP64",
-    "tensor(int64)": "INT64",
-    "tensor(int32)": "INT32",
-    "tensor(int16)": "INT16",
-    "tensor(int8)": "INT8",
-    "tensor(uint8)": "UINT8",
-    "tensor(bool)": "BOOL",
-}
-INTEGER_TYPES = {"INT64", "INT32", "INT16", "INT8", "UINT8", "UINT16", "UINT32", "UINT64"}
 MAX_ELEMENTS = 1 << 24  # per input; far beyond any shape the export allows
 
 
@@ -294,6 +281,10 @@ try:  # in a bundle: the engine ships beside this file as shipyard_engine/
     import shipyard_engine as eng  # type: ignore[import-not-found]
 except ModuleNotFoundError:  # in the repository
     from stages.serving import engine as eng
+
+# Open Inference Protocol datatypes of the ONNX tensor types a graph may take (engine.dtypes)
+V2_TYPES: dict[str, str] = eng.dtypes.V2_OF_ONNX
+INTEGER_TYPES: frozenset[str] = eng.dtypes.INTEGER_V2
 
 
 class ShipyardOnnxRuntime(MLModel):

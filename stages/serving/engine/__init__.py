@@ -1,6 +1,7 @@
 """The generation engine the bundle ships (as the package `shipyard_engine`, next to the
 server entry that uses it): one scheduler that batches decode steps, not requests.
 
+- `dtypes`: the tensor datatypes, in the ONNX, numpy, V2, Triton and wire spellings;
 - `params`: what a request may ask (sampling, stops, limits), refused when unknown;
 - `sampler`: temperature, top-k, top-p, repetition penalty, seeded;
 - `text`: the shipped tokenizer, incremental detokenization, stop strings, chat templates;
@@ -14,9 +15,10 @@ It imports only numpy, onnxruntime, pydantic, tokenizers and jinja2: the front e
 MLServer runtime, the Triton python model) are thin adapters over `scheduler.Engine`.
 """
 
-from . import kv, metrics, openai_api, params, sampler, scheduler, session, settings, text
+from . import dtypes, kv, metrics, openai_api, params, sampler, scheduler, session, settings, text
 
 __all__ = [
+    "dtypes",
     "kv",
     "metrics",
     "openai_api",
