@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import itertools
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from schemas import Refused, StageError
 from stages.onnx import shapes as sh
 from stages.onnx import stream
 from stages.quant import static
+
+if TYPE_CHECKING:
+    from stages.quant.smooth import Smoothing
 
 TWO_GB = 2 << 30
 WEIGHTS = "weights.data"
@@ -52,7 +55,7 @@ class Quantizer:
         # MatMulNBits only takes MatMul, and a spliced piece is a MatMul's.
         alpha = getattr(cfg, "smooth_alpha", None)  # SmoothQuant smooths MatMul inputs too
         self.model = _gemm_as_matmul(model, folder / "fp32.onnx")
-        self.smoothing: dict[str, Any] = {}
+        self.smoothing: Smoothing | None = None  # what SmoothQuant did, when it ran
         if alpha is not None:  # SmoothQuant: same function in float, evened-out activations
             from stages.quant.smooth import smooth
 

@@ -17,6 +17,7 @@ ONNX Runtime's own SmoothQuant needs neural_compressor, which is not a dependenc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,19 @@ SHAPE_ONLY = {"Shape", "Size"}
 LIMIT = 1e4  # s is clipped to [1/LIMIT, LIMIT]: a dead channel must not blow up its weight row
 
 
+@dataclass
+class Smoothing:
+    """What `smooth` did: activation tensors smoothed, how many had 1/s folded into their
+    producer and how many got a Mul inserted, and the largest channel ratio (max / median
+    of a tensor's per-channel max |x|) over the smoothed tensors before and after."""
+
+    tensors: int = 0
+    folded: int = 0
+    inserted: int = 0
+    max_ratio_before: float = 0.0
+    max_ratio_after: float = 0.0
+
+
 def smooth(
     src: Path,
     dst: Path,
@@ -33,7 +47,7 @@ def smooth(
     alpha: float,
     data: str,
     op_types: Sequence[str] = ("MatMul",),
-) -> dict[str, Any]:
+) -> Smoothing:
     """Write the smoothed model to dst (weights in the external file `data` beside it);
     returns what was done: tensors smoothed, folded vs inserted, the largest channel ratio
     before and after. The source's weights are read memory-mapped, and only the smoothed
@@ -59,7 +73,7 @@ def smooth(
     consumers = _consumers(graph)
     producers = {o: n for n in graph.node for o in n.output}
     outputs = {o.name for o in graph.output}
-    report = {"tensors": 0, "folded": 0, "inserted": 0, "max_ratio_before": 0.0}
+    report = Smoothing()
     after = 0.0
     new_nodes: dict[str, Any] = {}  # activation -> Mul node to insert after its producer
     for x, matmuls in groups.items():
@@ -75,7 +89,7 @@ def smooth(
         )
         scale = np.clip(scale, 1 / LIMIT, LIMIT).astype(np.float32)
         median = float(np.median(act)) or 1.0
-        report["max_ratio_before"] = max(report["max_ratio_before"], float(act.max()) / median)
+        report.max_ratio_before = max(report.max_ratio_before, float(act.max()) / median)
         smoothed = act / scale
         after = max(after, float(smoothed.max()) / (float(np.median(smoothed)) or 1.0))
         for node, w in zip(matmuls, weights, strict=True):
@@ -89,7 +103,7 @@ def smooth(
         if only_ours and _fold(
             graph, inits, producers.get(x), producers, consumers, 1 / scale, base
         ):
-            report["folded"] += 1
+            report.folded += 1
         else:
             inv = _fresh(inits, x + "_smooth_inv")
             _add(graph, inits, onnx.numpy_helper.from_array((1 / scale).astype(np.float32), inv))
@@ -97,11 +111,11 @@ def smooth(
             new_nodes[x] = onnx.helper.make_node("Mul", [x, inv], [out], name=f"{x}_SmoothQuant")
             for node in matmuls:
                 node.input[0] = out
-            report["inserted"] += 1
-        report["tensors"] += 1
+            report.inserted += 1
+        report.tensors += 1
     _insert(graph, new_nodes)
     _drop_unused(graph)
-    report["max_ratio_after"] = after
+    report.max_ratio_after = after
     big = {t.name for t in graph.initializer if stream.nbytes(t) > 1024}
     stream.save(model, base, dst, big, data)
     return report

@@ -89,10 +89,10 @@ def test_smoothquant_keeps_the_function_folds_where_it_can_and_evens_the_channel
     # per layer: q/k/v and gate/up share RMSNorm outputs (folded into its weight), down_proj's
     # input is SwiGLU's product (folded into up_proj), o_proj's input is a reshape (a Mul)
     layers = outliers.LLAMA["num_hidden_layers"]
-    assert report["tensors"] == 4 * layers + 1  # + lm_head after the final norm
-    assert report["folded"] == 3 * layers + 1 and report["inserted"] == layers
-    assert report["max_ratio_before"] > 500
-    assert report["max_ratio_after"] < report["max_ratio_before"] / 10
+    assert report.tensors == 4 * layers + 1  # + lm_head after the final norm
+    assert report.folded == 3 * layers + 1 and report.inserted == layers
+    assert report.max_ratio_before > 500
+    assert report.max_ratio_after < report.max_ratio_before / 10
 
 
 def test_smoothquant_on_gpt2_keeps_the_function_where_it_cannot_fold(
@@ -104,7 +104,7 @@ def test_smoothquant_on_gpt2_keeps_the_function_where_it_cannot_fold(
     feeds = _feeds(fp32, np.arange(3, 40, dtype=np.int64)[None, :])
     report = smooth(src, tmp_path / "s.onnx", [feeds], 0.8, "s.data")
     # GPT-2's Conv1D reads a Reshape of each LayerNorm: nothing to fold, a Mul per input
-    assert report["tensors"] == 4 * 2 and report["inserted"] == 4 * 2
+    assert report.tensors == 4 * 2 and report.inserted == 4 * 2 and report.folded == 0
     got = session_for(tmp_path / "s.onnx").run(None, feeds)
     np.testing.assert_allclose(got[0], fp32.run(None, feeds)[0], rtol=1e-3, atol=1e-4)
 
@@ -170,8 +170,7 @@ def test_greedy_agreement_is_one_for_the_same_model_and_falls_with_noise(
     assert acc.greedy_agreement(fp32, generated) == 1.0
     report = smooth(src, tmp_path / "s.onnx", samples, 0.5, "s.data")  # exact in float
     assert (
-        report["tensors"]
-        and acc.greedy_agreement(session_for(tmp_path / "s.onnx"), generated) > 0.99
+        report.tensors and acc.greedy_agreement(session_for(tmp_path / "s.onnx"), generated) > 0.99
     )
 
     class Shuffled:  # a model that answers with another position's logits
