@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from schemas.loader import load_release  # noqa: E402
+from schemas.quantsearch import RecipeSearchDetails  # noqa: E402
 from stages.onnx import model as m  # noqa: E402
 from stages.quant import calibration as calib  # noqa: E402
 from stages.quant.search import session_for  # noqa: E402
@@ -72,8 +73,9 @@ def measure(ws: Workspace, spec: dict, label: str) -> dict:
     start = time.perf_counter()
     report = ws.run("quantize", spec)
     auto = time.perf_counter() - start
-    rows = report.details.get("recipes", [])
-    chosen = next((r for r in rows if r["chosen"]), None)
+    # a search that ran reports its table; one refused before it (no details) has none
+    rows = RecipeSearchDetails.model_validate(report.details).recipes if report.details else []
+    chosen = next((r for r in rows if r.chosen), None)
     return {
         "model": label,
         "samples": count,
@@ -82,7 +84,7 @@ def measure(ws: Workspace, spec: dict, label: str) -> dict:
         "ratio": round(auto / base, 1),
         "status": report.status.value,
         "variants": len(rows),
-        "chosen": chosen and (chosen["recipe"], chosen["float_classes"]),
+        "chosen": chosen and (chosen.recipe, chosen.float_classes),
     }
 
 

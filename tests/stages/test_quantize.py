@@ -7,6 +7,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from schemas import StageReport
+from schemas.artifacts import QuantInfo
+from schemas.quantsearch import PerNodeDetails, RecipeSearchDetails
 from tests.conftest import Workspace, generic_spec, gpt2_spec
 
 CALIBRATION = {
@@ -28,8 +31,18 @@ def quant_spec(**quantization) -> dict:
     return spec
 
 
-def info(ws: Workspace, release: str = "tiny-gpt2") -> dict:
-    return json.loads((ws.out(release, "quantize") / "quant_info.json").read_text())
+def info(ws: Workspace, release: str = "tiny-gpt2") -> QuantInfo:
+    return QuantInfo.model_validate_json((ws.out(release, "quantize") / QuantInfo.FILE).read_text())
+
+
+def per_node(report: StageReport) -> PerNodeDetails:
+    """An explicit method's report details, typed (a misspelled field fails here)."""
+    return PerNodeDetails.model_validate(report.details)
+
+
+def searched(report: StageReport) -> RecipeSearchDetails:
+    """Method auto's report details, typed."""
+    return RecipeSearchDetails.model_validate(report.details)
 
 
 @pytest.mark.parametrize(
@@ -49,20 +62,22 @@ def test_each_method_quantizes_tiny_gpt2_within_budget(
 
     report = built_gpt2.run("quantize", quant_spec(method=method, **extra))
     assert report.status.value == "passed", report.reasons
-    assert info(built_gpt2)["dtype"] == dtype
+    assert info(built_gpt2).dtype == dtype
     model = built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
     assert op in {n.op_type for n in onnx.load(model).graph.node}
-    assert report.details["size"]["ratio"] < 0.9
+    details = per_node(report)
+    assert details.size is not None and details.size.ratio < 0.9
     assert (
-        report.details["calibration"]["sha256"]
+        details.calibration.sha256
         == __import__("hashlib")
         .sha256((built_gpt2.root / CALIBRATION["path"]).read_bytes())
         .hexdigest()
     )
-    sensitivity = report.details["sensitivity"]
-    assert [r["snr_db"] for r in sensitivity] == sorted(r["snr_db"] for r in sensitivity)
+    sensitivity = details.sensitivity
+    assert all(r.measured == "alone" for r in sensitivity)  # 9 nodes: none ranked in one pass
+    assert [r.snr_db for r in sensitivity] == sorted(r.snr_db for r in sensitivity)
     # every node was really quantized when measured alone (identical output = 200 dB)
-    assert len(sensitivity) >= 9 and all(r["snr_db"] < 150 for r in sensitivity)
+    assert len(sensitivity) >= 9 and all(r.snr_db < 150 for r in sensitivity)
     ort.InferenceSession(str(model))  # loads and runs in ONNX Runtime
 
 
@@ -72,7 +87,7 @@ def test_method_none_ships_the_fp32_model(built_gpt2: Workspace) -> None:
     assert built_gpt2.run("quantize", spec).status.value == "passed"
     same = (built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx").read_bytes()
     assert same == (built_gpt2.out("tiny-gpt2", "export") / "model.onnx").read_bytes()
-    assert info(built_gpt2) == {"method": "none", "dtype": "float32", "float_nodes": []}
+    assert info(built_gpt2) == QuantInfo(method="none", dtype="float32", float_nodes=[])
 
 
 def test_unreachable_budget_fails_with_the_best_figure(built_gpt2: Workspace) -> None:
@@ -117,13 +132,15 @@ def test_outlier_layer_is_ranked_first_and_kept_in_float(outlier_ws) -> None:
     ws, spec = outlier_ws
     report = ws.run("quantize", spec)
     assert report.status.value == "passed", report.reasons
-    ranked = report.details["sensitivity"]
-    assert ranked[0]["module"] == "layers.2"
-    assert ranked[0]["snr_db"] < ranked[1]["snr_db"] - 10
-    assert [n["node"] for n in info(ws, "outlier")["float_nodes"]] == [ranked[0]["node"]]
-    trace = report.details["selection"]
-    assert [t["meets_budget"] for t in trace] == [False, True]
-    assert trace[1]["snr_db"] > trace[0]["snr_db"] + 10  # the exclusion really took effect
+    details = per_node(report)
+    ranked = details.sensitivity
+    assert ranked[0].module == "layers.2"
+    assert ranked[0].snr_db < ranked[1].snr_db - 10
+    assert [n.node for n in info(ws, "outlier").float_nodes] == [ranked[0].node]
+    assert details.float_nodes == [ranked[0].node]
+    trace = details.selection
+    assert [(t.float_nodes, t.meets_budget) for t in trace] == [(0, False), (1, True)]
+    assert trace[1].snr_db > trace[0].snr_db + 10  # the exclusion really took effect
 
 
 def test_layerwise_view_shows_where_the_error_enters(outlier_ws) -> None:
@@ -131,7 +148,7 @@ def test_layerwise_view_shows_where_the_error_enters(outlier_ws) -> None:
     spec["quantization"]["max_float_nodes"] = 0
     spec["quantization"]["budget"] = {"snr_db_min": 1.0}
     report = ws.run("quantize", spec)
-    worst = {row["module"]: row["worst_channel_snr_db"] for row in report.details["layerwise"]}
+    worst = {row.module: row.worst_channel_snr_db for row in per_node(report).layerwise or []}
     assert worst["layers.1"] > 25 > 10 > worst["layers.2"]
 
 
@@ -246,29 +263,29 @@ def test_auto_ships_the_first_recipe_that_meets_the_budget_with_its_margin(
     )
     report = built_gpt2.run("quantize", spec)
     assert report.status.value == "passed", report.reasons
-    rows = report.details["recipes"]
-    assert [(r["recipe"], r["chosen"]) for r in rows] == [
+    details = searched(report)
+    rows = details.recipes
+    assert [(r.recipe, r.chosen) for r in rows] == [
         ("int4-weight-only", False),
         ("int8-dynamic", True),
     ]
-    assert 0.975 <= rows[0]["holdout"]["top1_agreement"] < 0.98, rows[0]  # the margin decided
-    assert "held-out (with margin): top1_agreement" in rows[0]["why"]
-    assert all(r["size_ratio"] < 0.9 for r in rows)
+    assert details.chosen == "int8-dynamic"
+    assert 0.975 <= rows[0].holdout["top1_agreement"] < 0.98, rows[0]  # the margin decided
+    assert "held-out (with margin): top1_agreement" in rows[0].why
+    assert all(r.size_ratio < 0.9 for r in rows)
     # timed as it is served: decode steps at batch 1 and the served 3, the slowest of which
     # decides; int4 missed the budget and nothing fell back on it, so it is not timed
-    assert rows[0]["speedup"] is None and rows[0]["speedups"] == {}
+    assert rows[0].speedup is None and rows[0].speedups == {}
     r = rows[1]
-    assert set(r["speedups"]) == {"decode_batch_1", "decode_batch_3"}
-    assert r["speedup"] == min(r["speedups"]["decode_batch_1"], r["speedups"]["decode_batch_3"])
-    assert report.details["budget_with_margin"]["top1_agreement_min"] == pytest.approx(0.98)
+    assert set(r.speedups) == {"decode_batch_1", "decode_batch_3"}
+    assert r.speedup == min(r.speedups["decode_batch_1"], r.speedups["decode_batch_3"])
+    assert details.budget_with_margin.top1_agreement_min == pytest.approx(0.98)
     shipped = info(built_gpt2)
-    assert {k: shipped[k] for k in ("method", "dtype", "float_nodes")} == {
-        "method": "int8-dynamic",
-        "dtype": "int8",
-        "float_nodes": [],
-    }
-    # the table ships with it (the model card prints it): one row per variant measured
-    assert [(r["recipe"], r["chosen"]) for r in shipped["recipes"]] == [
+    assert (shipped.method, shipped.dtype, shipped.float_nodes) == ("int8-dynamic", "int8", [])
+    # the table ships with it (the model card prints it): one row per variant measured, as
+    # the report has it but for the per-pass speed-ups
+    assert shipped.recipes == [r.shipped() for r in rows]
+    assert [(r.recipe, r.chosen) for r in shipped.recipes] == [
         ("int4-weight-only", False),
         ("int8-dynamic", True),
     ]
@@ -278,27 +295,29 @@ def test_auto_ships_the_first_recipe_that_meets_the_budget_with_its_margin(
     report = built_gpt2.run(
         "quantize", {**spec, "quantization": {**spec["quantization"], "margin": 0}}
     )
-    assert report.status.value == "passed" and report.details["chosen"] == "int4-weight-only"
-    assert info(built_gpt2)["dtype"] == "int4"
+    assert report.status.value == "passed" and searched(report).chosen == "int4-weight-only"
+    assert info(built_gpt2).dtype == "int4"
 
 
 def test_auto_never_ships_a_recipe_slower_than_fp32_and_says_so(built_gpt2: Workspace) -> None:
     """At 64 channels INT8's quantize/dequantize costs more than the matmuls it speeds up:
     every recipe is slower than FP32 on tiny-gpt2, so with min_speedup 1 none ships."""
     report = built_gpt2.run("quantize", auto_spec(min_speedup=1.0))
-    rows = report.details["recipes"]
-    timed = [r for r in rows if r["speedup"] is not None]
+    details = searched(report)
+    rows = details.recipes
+    timed = [r for r in rows if r.speedup is not None]
     # a row goes untimed only when it failed accuracy and could not become the fallback
-    assert all("(with margin)" in r["why"] for r in rows if r["speedup"] is None)
-    by = {r["recipe"]: r for r in rows}
-    if "(with margin)" not in by["int8-dynamic-per-channel"]["why"]:  # accurate, too slow:
-        assert by["int8-static"]["calibration"], by["int8-static"]  # static may be faster
-    slow = [r for r in timed if r["speedup"] < 1]
+    assert all("(with margin)" in r.why for r in rows if r.speedup is None)
+    by = {r.recipe: r for r in rows}
+    if "(with margin)" not in by["int8-dynamic-per-channel"].why:  # accurate, too slow:
+        assert by["int8-static"].calibration, by["int8-static"]  # static may be faster
+    slow = [r for r in timed if r.speedup < 1]
     if len(slow) < len(timed):  # a recipe ran faster here: then it must be the one shipped
-        assert report.status.value == "passed" and report.details["chosen"] in {
-            r["recipe"] for r in timed if r["speedup"] >= 1
+        assert report.status.value == "passed" and details.chosen in {
+            r.recipe for r in timed if r.speedup >= 1
         }
         return
+    assert details.chosen is None
     assert report.status.value == "failed"
     assert "below quantization.min_speedup 1" in report.reasons[0]
     assert "min_speedup (0: ship INT8 even when slower)" in report.reasons[0]
@@ -321,16 +340,16 @@ def test_auto_keeps_whole_layer_classes_in_float_when_no_recipe_is_enough(
         max_size_ratio=1.5,
     )
     report = built_gpt2.run("quantize", spec)
-    rows = report.details["recipes"]
-    assert rows[0]["float_classes"] == [] and not rows[0]["chosen"]
-    assert len(rows) >= 2 and all(r["float_classes"] for r in rows[1:])
+    rows = searched(report).recipes
+    assert rows[0].float_classes == [] and not rows[0].chosen
+    assert len(rows) >= 2 and all(r.float_classes for r in rows[1:])
     assert all(
-        len(b["float_classes"]) == len(a["float_classes"]) + 1
+        len(b.float_classes) == len(a.float_classes) + 1
         for a, b in zip(rows[1:], rows[2:], strict=False)
     )
     assert report.status.value == "passed", report.reasons
-    floats = {n["node"] for n in info(built_gpt2)["float_nodes"]}
-    classes = set(next(r for r in rows if r["chosen"])["float_classes"])
+    floats = {n.node for n in info(built_gpt2).float_nodes}
+    classes = set(next(r for r in rows if r.chosen).float_classes)
     graph = onnx.load(built_gpt2.out("tiny-gpt2", "export") / "model.onnx").graph
     members = {
         n.name for n in graph.node if n.op_type in ("MatMul", "Gemm") and class_of(n) in classes

@@ -16,6 +16,7 @@ import pytest
 
 from pipelines.init import build_spec
 from schemas.artifacts import QuantInfo
+from schemas.quantsearch import PerNodeDetails, RecipeSearchDetails
 from stages.quant import accuracy as acc
 from stages.quant.methods import _gemm_as_matmul
 from stages.quant.search import session_for
@@ -120,32 +121,35 @@ def test_per_tensor_int8_fails_and_auto_ships_smoothquant_within_the_default_bud
     report = ws.run("quantize", {**spec, "quantization": plain})
     assert report.status.value == "failed"
     assert "greedy_agreement" in report.reasons[0] and "perplexity_increase" in report.reasons[0]
-    assert report.details["selection"][0]["perplexity_increase"] > 0.2  # outliers crush it
+    selection = PerNodeDetails.model_validate(report.details).selection
+    assert selection[0].perplexity_increase > 0.2  # outliers crush it
     # auto, with min_speedup 0: a 1.6M-parameter model is too small to time INT8 against
     # FP32 reliably (the slow end-to-end test keeps the default on a bigger model)
     order = ["int8-dynamic-per-channel", "int8-dynamic", "int8-static", "int8-dynamic-smoothquant"]
     auto = {**spec["quantization"], "min_speedup": 0, "recipes": order}
     report = ws.run("quantize", {**spec, "quantization": auto})
     assert report.status.value == "passed", report.reasons
-    rows = {r["recipe"]: r for r in report.details["recipes"]}
-    assert rows["int8-dynamic-per-channel"]["chosen"] is False
-    assert "perplexity_increase" in rows["int8-dynamic-per-channel"]["why"]
+    details = RecipeSearchDetails.model_validate(report.details)
+    assert details.chosen == "int8-dynamic-smoothquant"
+    rows = {r.recipe: r for r in details.recipes}
+    assert rows["int8-dynamic-per-channel"].chosen is False
+    assert "perplexity_increase" in rows["int8-dynamic-per-channel"].why
     # per-tensor is per-channel on a coarser grid: per-channel missed the accuracy, so
     # per-tensor is not built; a recipe that misses is timed only if the search falls back
     # on it, and here the smoothquant recipe ships: only it is timed
-    assert rows["int8-dynamic"]["why"].startswith("not tried: int8-dynamic-per-channel missed")
-    assert rows["int8-dynamic"]["speedup"] is None and rows["int8-dynamic"]["speedups"] == {}
+    assert rows["int8-dynamic"].why.startswith("not tried: int8-dynamic-per-channel missed")
+    assert rows["int8-dynamic"].speedup is None and rows["int8-dynamic"].speedups == {}
     # static QDQ has per-channel's weight scales and calibrated activation steps no finer
     # than a dynamic scale's: not built either
-    assert rows["int8-static"]["why"].startswith("not tried: int8-dynamic-per-channel missed")
-    assert rows["int8-static"]["calibration"] == {}
-    assert rows["int8-dynamic-per-channel"]["speedup"] is None
+    assert rows["int8-static"].why.startswith("not tried: int8-dynamic-per-channel missed")
+    assert rows["int8-static"].calibration == {}
+    assert rows["int8-dynamic-per-channel"].speedup is None
     chosen = rows["int8-dynamic-smoothquant"]
-    assert chosen["speedup"] is not None
-    assert chosen["chosen"] and chosen["float_classes"] == []
-    assert chosen["holdout"]["greedy_agreement"] >= 0.92  # the default 0.9 with its margin
-    assert chosen["holdout"]["perplexity_increase"] <= 0.016
-    assert chosen["size_ratio"] < 0.35
+    assert chosen.speedup is not None
+    assert chosen.chosen and chosen.float_classes == []
+    assert chosen.holdout["greedy_agreement"] >= 0.92  # the default 0.9 with its margin
+    assert chosen.holdout["perplexity_increase"] <= 0.016
+    assert chosen.size_ratio < 0.35
     model = ws.out(NAME, "quantize") / "model.onnx"
     import onnx
 
@@ -153,9 +157,8 @@ def test_per_tensor_int8_fails_and_auto_ships_smoothquant_within_the_default_bud
     assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
     quant = QuantInfo.model_validate_json((ws.out(NAME, "quantize") / QuantInfo.FILE).read_text())
     assert (quant.method, quant.dtype, quant.float_nodes) == ("int8-dynamic", "int8", [])
-    assert quant.recipes and [r.recipe for r in quant.recipes if r.chosen] == [
-        "int8-dynamic-smoothquant"
-    ]
+    assert quant.recipes == [r.shipped() for r in details.recipes]
+    assert [r.recipe for r in quant.recipes if r.chosen] == ["int8-dynamic-smoothquant"]
 
 
 def test_greedy_agreement_is_one_for_the_same_model_and_falls_with_noise(
@@ -299,15 +302,19 @@ def test_one_pass_sensitivity_refines_only_the_worst_and_finds_the_same_culprits
     full = sensitivity(ctx, quantizer, evaluate, refine=len(quantizer.candidates()))
     fast = sensitivity(ctx, quantizer, evaluate, refine=8)
     assert len(fast) == len(full) == 29
-    assert [r["measured"] for r in fast] == ["alone"] * 8 + ["one pass"] * 21
-    alone = {r["node"] for r in fast[:8]}
+    assert [r.measured for r in fast] == ["alone"] * 8 + ["one pass"] * 21
+    alone = {r.node for r in fast[:8]}
     # one pass approximates: the worst node is refined, and most of the worst four
-    assert full[0]["node"] in alone
-    assert len({r["node"] for r in full[:4]} & alone) >= 3
+    assert full[0].node in alone
+    assert len({r.node for r in full[:4]} & alone) >= 3
     # the planted layers do the most damage: down_proj's massive inputs and up_proj's
     # outlier rows (which crush a per-tensor weight scale; one SNR over its output hid that)
-    assert fast[0]["module"].endswith(("mlp.down_proj", "mlp.up_proj"))
-    assert all("snr_db" not in r for r in fast[8:])
+    assert fast[0].module.endswith(("mlp.down_proj", "mlp.up_proj"))
+    # a node ranked in one pass was never measured alone: no end-to-end metric, in the
+    # report's JSON too (absent, not null)
+    assert all(r.snr_db is None and r.local_snr_db is not None for r in fast[8:])
+    assert all("snr_db" not in r.model_dump() for r in fast[8:])
+    assert all(r.local_snr_db is None for r in full)  # every node measured alone
 
 
 class _Ctx:
@@ -358,12 +365,13 @@ def test_a_recipe_onnxruntime_cannot_build_is_a_row_and_the_search_goes_on(
     q = {**spec["quantization"], "recipes": ["int4-weight-only", "int8-dynamic-smoothquant"]}
     report = ws.run("quantize", {**spec, "quantization": {**q, "min_speedup": 0}})
     assert report.status.value == "passed", report.reasons
-    first, second = report.details["recipes"]
-    assert first["why"] == (
+    first, second = RecipeSearchDetails.model_validate(report.details).recipes
+    assert first.why == (
         "could not be built: onnxruntime's int4-weight-only quantizer failed: "
         "AssertionError: scale issue"
     )
-    assert not first["chosen"] and second["chosen"]
+    assert (first.size_ratio, first.speedup, first.calibration) == (0.0, None, {})
+    assert not first.chosen and second.chosen
     # an explicit method: the same failure is a clear stage failure, not a traceback
     plain = {k: v for k, v in spec["quantization"].items() if k != "recipes"}
     report = ws.run("quantize", {**spec, "quantization": {**plain, "method": "int4-weight-only"}})
@@ -384,8 +392,8 @@ def test_a_graph_smoothquant_cannot_rewrite_is_a_row_too(
     q = {**spec["quantization"], "recipes": ["int8-dynamic-smoothquant"], "min_speedup": 0}
     report = ws.run("quantize", {**spec, "quantization": q})
     assert report.status.value == "failed"  # the only recipe could not be built
-    (row,) = report.details["recipes"]
-    assert row["why"] == (
+    (row,) = RecipeSearchDetails.model_validate(report.details).recipes
+    assert row.why == (
         "could not be built: SmoothQuant could not rewrite the graph: "
         "ValueError: unexpected producer"
     )
@@ -629,12 +637,12 @@ def test_the_fallback_is_the_best_scoring_recipe_fast_enough_timed_only_when_nee
         "max_size_ratio": 0.95,
     }
     report = ws.run("quantize", {**spec, "quantization": auto})
-    rows = report.details["recipes"]
-    first = {r["recipe"]: r for r in rows[: len(order)]}
-    scores = {k: r["calibration"]["snr_db"] for k, r in first.items()}
+    rows = RecipeSearchDetails.model_validate(report.details).recipes
+    first = {r.recipe: r for r in rows[: len(order)]}
+    scores = {k: r.calibration["snr_db"] for k, r in first.items()}
     ranked = sorted(order, key=lambda k: -scores[k])
-    assert first[ranked[0]]["speedup"] == 0.5 and "(forced)" in first[ranked[0]]["why"]
-    assert first[ranked[1]]["speedup"] not in (None, 0.5)  # rebuilt and timed
+    assert first[ranked[0]].speedup == 0.5 and "(forced)" in first[ranked[0]].why
+    assert first[ranked[1]].speedup not in (None, 0.5)  # rebuilt and timed
     assert len(timings) == 2
-    assert rows[len(order)]["recipe"] == ranked[1] and rows[len(order)]["float_classes"]
+    assert rows[len(order)].recipe == ranked[1] and rows[len(order)].float_classes
     assert report.status.value == "failed"  # the budget is out of reach
