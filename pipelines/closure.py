@@ -19,7 +19,7 @@ from pathlib import Path
 PACKAGES = ("schemas", "stages", "pipelines")
 
 
-# The spec assembles every section; a stage sees only the sections it declares (SpecView
+# The spec assembles every section; a stage sees only the sections it declares (`scoped`
 # raises on any other), so it depends on those sections' modules, not on all of them.
 SPEC_ROOT = "schemas/release.py"
 SPEC_SECTIONS = "schemas/spec"

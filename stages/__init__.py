@@ -9,12 +9,10 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import cast
 
 from schemas import ReleaseSpec, StageError, StageReport, StageStatus
 from stages._contract import (
     Plot,
-    SpecView,
     Stage,
     StageContext,
     StageIO,
@@ -22,6 +20,7 @@ from stages._contract import (
     check_stage,
     publish,
     report_dir,
+    scoped,
     write_json,
 )
 
@@ -64,7 +63,7 @@ FAILED_DIR = "failed"
 
 
 def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> StageReport:
-    """Run one stage: temp folder, restricted spec view, report, atomic publish."""
+    """Run one stage: temp folder, the spec scoped to its params, report, atomic publish."""
     if name not in STAGES:
         raise StageError(name, "no such stage", f"choose one of: {', '.join(STAGES)}")
     # Only this stage's module: what a run imports is what its DVC deps declare.
@@ -76,12 +75,10 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     work.mkdir(parents=True)
     io = stage_io(module, release)
     ctx = StageContext(name, release.name, root, work, spec_path, io.reads)
-    view = SpecView(release, io.params)
+    view = scoped(release, io.params)  # a ReleaseSpec: undeclared sections raise
     start = time.monotonic()
     try:
-        # the one place a SpecView stands for the spec: it answers each declared section
-        # as the ReleaseSpec would, and raises on any other (SpecView)
-        result: StageResult = module.run(ctx, cast(ReleaseSpec, view))
+        result: StageResult = module.run(ctx, view)
     except StageError as exc:
         reason = exc.message + (f" Fix: {exc.hint}" if exc.hint else "")
         result = StageResult.failed(exc.message, [reason])

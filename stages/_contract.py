@@ -13,9 +13,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from schemas import StageError, StageReport, StageStatus
 
@@ -187,8 +187,8 @@ class Stage(Protocol):
 
     def io(self, release: ReleaseSpec) -> StageIO: ...
 
-    # `release` is a SpecView presenting ReleaseSpec's sections the stage declared (reading
-    # another raises): typed as the spec it stands for
+    # `release` is the ReleaseSpec scoped to the sections the stage declared (`scoped`:
+    # reading another raises)
     def run(self, ctx: StageContext, release: ReleaseSpec) -> StageResult: ...
 
 
@@ -211,33 +211,88 @@ def check_stage(name: str, module: Any) -> Stage:
     return module
 
 
-class SpecView:
+M = TypeVar("M", bound=BaseModel)
+# What a scoped section refuses besides its undeclared fields: the ways to read it whole.
+WHOLE_READS = frozenset({"model_dump", "model_dump_json", "model_copy"})
+
+
+def scoped(spec: M, sections: Iterable[str], prefix: str = "") -> M:
     """The release spec as a stage sees it: only the sections its StageIO declares.
 
-    Reading an undeclared section is a bug (DVC would not rerun the stage when it changes),
-    so it raises at once instead of silently working. A dotted param (`bundle.serving`)
-    declares one sub-section: the stage then sees `release.bundle.serving` and nothing else
-    of `bundle`, and DVC reruns it only when that sub-section changes.
+    It is the spec's own type (a ReleaseSpec for `run(ctx, release: ReleaseSpec)`: an
+    instance of a subclass made once per type and section set, holding the same values),
+    whose undeclared sections raise when read: reading one is a bug (DVC would not rerun
+    the stage when it changes). A dotted param (`bundle.serving`) declares one sub-section:
+    the stage then sees `release.bundle.serving` and nothing else of `bundle`, and DVC
+    reruns it only when that sub-section changes. Dumping or copying a scoped section
+    whole is refused too (it would read the undeclared ones).
     """
+    declared = frozenset(sections) | (frozenset(ALWAYS_VISIBLE) if not prefix else frozenset())
+    values: dict[str, Any] = {}
+    for name in type(spec).model_fields:
+        value = getattr(spec, name)
+        nested = [s.split(".", 1)[1] for s in declared if s.startswith(name + ".")]
+        if name not in declared and nested:
+            value = scoped(value, nested, f"{prefix}{name}.")
+        values[name] = value
+    visible = frozenset(s.split(".", 1)[0] for s in declared)
+    cls = _scoped_class(type(spec), visible, prefix)
+    return cls.model_construct(_fields_set=set(spec.model_fields_set), **values)
 
-    def __init__(self, spec: Any, sections: Iterable[str], prefix: str = "") -> None:
-        self._spec = spec
-        self._prefix = prefix
-        declared = frozenset(sections) | (frozenset(ALWAYS_VISIBLE) if not prefix else frozenset())
-        self._allowed = declared
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if name in self._allowed:
-            return getattr(self._spec, name)
-        nested = [s.split(".", 1)[1] for s in self._allowed if s.startswith(name + ".")]
-        if nested:
-            return SpecView(getattr(self._spec, name), nested, f"{self._prefix}{name}.")
-        raise AttributeError(
-            f"stage reads spec section {self._prefix + name!r} without declaring it in "
-            f"io().params (declared: {sorted(self._prefix + s for s in self._allowed)})"
-        )
+_SCOPED: dict[tuple[type[BaseModel], frozenset[str], str], type[Any]] = {}
+
+
+def _rebuild(
+    base: type[M], visible: frozenset[str], prefix: str, values: dict[str, Any], given: set[str]
+) -> M:
+    return _scoped_class(base, visible, prefix).model_construct(_fields_set=given, **values)
+
+
+def _scoped_class(base: type[M], visible: frozenset[str], prefix: str) -> type[M]:
+    key = (base, visible, prefix)
+    if key in _SCOPED:
+        return cast("type[M]", _SCOPED[key])
+    hidden = frozenset(base.model_fields) - visible
+    shown = sorted(prefix + s for s in visible)
+
+    def refusal(name: str) -> str | None:
+        if name in hidden:
+            return (
+                f"stage reads spec section {prefix + name!r} without declaring it in "
+                f"io().params (declared: {shown})"
+            )
+        if name in WHOLE_READS:
+            return (
+                f"stage reads spec {prefix.rstrip('.') or 'release'!r} whole ({name}) but "
+                f"declares only {shown} in io().params"
+            )
+        return None
+
+    def __getattribute__(self: BaseModel, name: str) -> Any:  # noqa: N807
+        if refusal(name):
+            raise AttributeError(name)  # on to __getattr__, which says why
+        return base.__getattribute__(self, name)
+
+    def __getattr__(self: BaseModel, name: str) -> Any:  # noqa: N807
+        why = refusal(name)
+        if why:
+            raise AttributeError(why)
+        return base.__getattr__(self, name)  # type: ignore[attr-defined]
+
+    def __reduce__(self: BaseModel) -> tuple[Any, ...]:
+        # the class is made at run time: pickle (a stage's child process) rebuilds it
+        fields = base.__getattribute__(self, "__dict__")
+        return (_rebuild, (base, visible, prefix, dict(fields), set(self.model_fields_set)))
+
+    methods = {
+        "__getattribute__": __getattribute__,
+        "__getattr__": __getattr__,
+        "__reduce__": __reduce__,
+    }
+    sub = type(f"Scoped{base.__name__}", (base,), methods)
+    _SCOPED[key] = sub
+    return cast("type[M]", sub)
 
 
 @dataclass

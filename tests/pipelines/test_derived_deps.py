@@ -43,7 +43,7 @@ def declared(stage: str) -> set[str]:
 
 
 # schemas/release.py assembles every section, so every section module is imported at run
-# time; SpecView lets the stage read only its declared sections (it raises on any other),
+# time; the scoped spec lets the stage read only its declared sections (it raises on any other),
 # so only those sections' modules are its dependencies (tests below check both halves).
 def via_spec_root(loaded: set[str]) -> set[str]:
     return {p for p in loaded if p.startswith("schemas/spec/")}

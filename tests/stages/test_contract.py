@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -8,8 +9,10 @@ from typing import Any
 import pytest
 
 import stages
-from schemas import StageError
-from stages._contract import SpecView
+from schemas import ReleaseSpec, StageError
+from schemas.spec.bundle import BundleConfig
+from stages import STAGES, load_stages
+from stages._contract import scoped
 from tests.conftest import REPO, Workspace, gpt2_spec
 
 
@@ -45,18 +48,56 @@ def test_every_stage_declares_params_that_exist_in_the_spec(ws: Workspace) -> No
         assert all((REPO / c).exists() for c in io.code), name
 
 
-def test_spec_view_refuses_an_undeclared_section(ws: Workspace) -> None:
-    view = SpecView(ws.spec(gpt2_spec()), ["export"])
-    assert view.export.opset == 18
-    with pytest.raises(AttributeError, match="without declaring it in io"):
+def test_the_scoped_spec_is_a_release_spec_that_refuses_an_undeclared_section(
+    ws: Workspace,
+) -> None:
+    spec = ws.spec(gpt2_spec())
+    view = scoped(spec, ["export"])
+    assert isinstance(view, ReleaseSpec)  # what run(ctx, release: ReleaseSpec) promises
+    assert view.export == spec.export and view.export.opset == 18 and view.name == spec.name
+    with pytest.raises(AttributeError, match="reads spec section 'parity' without declaring"):
         _ = view.parity
+    assert not hasattr(view, "loadtest")  # getattr's default, hasattr: the same refusal
+    for whole in ("model_dump", "model_dump_json", "model_copy"):  # no way around it
+        with pytest.raises(AttributeError, match=f"reads spec 'release' whole \\({whole}\\)"):
+            getattr(view, whole)()
+    assert spec.parity is not None  # the spec itself is untouched
+    assert type(scoped(spec, ["export"])) is type(view)  # one class per section set
+    again = pickle.loads(pickle.dumps(view))  # as a stage's child process receives it
+    assert type(again) is type(view) and again.export == spec.export
+    with pytest.raises(AttributeError, match="reads spec section 'parity' without declaring"):
+        _ = again.parity
 
 
 def test_a_dotted_param_shows_only_that_sub_section(ws: Workspace) -> None:
-    view = SpecView(ws.spec(gpt2_spec()), ["bundle.serving", "task"])
+    view = scoped(ws.spec(gpt2_spec()), ["bundle.serving", "task"])
     assert view.bundle.serving.port == 8000 and view.task == "causal-lm"
+    assert isinstance(view.bundle, BundleConfig)
     with pytest.raises(AttributeError, match="reads spec section 'bundle.model_card' without"):
         _ = view.bundle.model_card
+    with pytest.raises(AttributeError, match="reads spec 'bundle' whole"):
+        view.bundle.model_dump()
+    assert view.bundle.serving.model_dump()["port"] == 8000  # a declared section is whole
+
+
+def test_every_stage_reads_only_what_it_declares_through_a_real_spec(ws: Workspace) -> None:
+    """Each stage's io().params, scoped: every declared param resolves on the scoped spec,
+    and one section it does not declare raises (the runner passes exactly this)."""
+    spec = ws.spec(gpt2_spec())
+    for name in STAGES:
+        io = load_stages()[name].io(spec)
+        view = scoped(spec, io.params)
+        for param in io.params:
+            node: object = view
+            for part in param.split("."):
+                node = getattr(node, part)
+        undeclared = [
+            s for s in ReleaseSpec.model_fields if s not in {p.split(".")[0] for p in io.params}
+        ]
+        undeclared = [s for s in undeclared if s not in ("name",)]
+        if undeclared:
+            with pytest.raises(AttributeError, match="without declaring"):
+                getattr(view, undeclared[0])
 
 
 def test_failed_stage_leaves_only_its_report(ws: Workspace) -> None:
