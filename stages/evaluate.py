@@ -11,6 +11,7 @@ import numpy as np
 
 from schemas import ReleaseSpec
 from schemas.artifacts import Evaluation, ModelInfo
+from schemas.details import EvaluateDetails
 from schemas.tasks import METRIC_SOURCES, TASKS
 from stages._contract import StageContext, StageIO, StageResult
 from stages.onnx import kvcache as kv
@@ -73,7 +74,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     ]
     failed = [r["message"] for r in results if not r["ok"]]
     ctx.write(Evaluation(metrics=metrics))
-    details = {"metrics": metrics, "thresholds": results, "samples": len(samples)}
+    found = {"metrics": metrics, "thresholds": results, "samples": len(samples)}
+    details = EvaluateDetails.model_validate(found).dump()
     summary = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
     if failed:
         _keep_worst_samples(ctx.work / "failed_samples.jsonl", agree.per_sample)

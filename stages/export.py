@@ -7,6 +7,7 @@ from typing import Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import Arch, DimSizes, ModelInfo, TensorInfo, VersionLock
+from schemas.details import ExportDetails
 from schemas.tasks import TASKS
 from stages._contract import StageContext, StageIO, StageResult, in_child
 from stages.onnx import exporter, stream
@@ -63,11 +64,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         )
     )
     shipped = _model_files(ctx, release)
-    details = {"trace_sizes": trace, "probed": probes["runs"], "model_files": shipped}
+    found: dict[str, Any] = {"trace_sizes": trace, "probed": probes["runs"], "model_files": shipped}
     if tied:
-        details["tied_weights"] = tied
+        found["tied_weights"] = tied
     if pooled:
-        details["embedding"] = pooled
+        found["embedding"] = pooled
+    details = ExportDetails.model_validate(found).dump()
     if problems:
         return StageResult.failed(
             f"{len(problems)} dynamic-axis problem(s)", problems, details=details

@@ -21,6 +21,7 @@ import numpy as np
 
 from schemas import ReleaseSpec
 from schemas.artifacts import QuantInfo
+from schemas.details import KvcheckDetails
 from schemas.tasks import TASKS
 from stages._contract import StageContext, StageIO, StageResult, in_child
 from stages.onnx import kvcache as kv
@@ -55,19 +56,21 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     rows = torch_rows + onnx_rows + shipped_rows
     worst = max((r["error"] for r in rows), default=0.0)
     metrics = {"worst_normalized_error": worst, "comparisons": float(len(rows))}
-    details: dict[str, Any] = {
-        "plan": {
-            "prompt": plan.prompt,
-            "steps": plan.steps,
-            "past_lengths": list(plan.pasts),
-            "prefill_chunk": plan.chunk,
-            "padded": plan.padded,
-            "full_pass_lengths": plan.lengths(),
-        },
-        "pytorch": torch_rows,
-        "onnx": onnx_rows,
-        "shipped": {"graph": shipped, "rows": shipped_rows},
-    }
+    details = KvcheckDetails.model_validate(
+        {
+            "plan": {
+                "prompt": plan.prompt,
+                "steps": plan.steps,
+                "past_lengths": list(plan.pasts),
+                "prefill_chunk": plan.chunk,
+                "padded": plan.padded,
+                "full_pass_lengths": plan.lengths(),
+            },
+            "pytorch": torch_rows,
+            "onnx": onnx_rows,
+            "shipped": {"graph": shipped, "rows": shipped_rows},
+        }
+    ).dump()
     if failures:
         # the token sequences every comparison decoded: evidence, kept in failed/kvcheck/
         tokens = _tokens(release, kv.vocab_of(lay), plan)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from schemas import ReleaseSpec
+from schemas.details import ParityDetails
 from stages._contract import StageContext, StageIO, StageResult, in_child
 from stages.onnx import kvcache as kv
 from stages.onnx import model as m
@@ -43,11 +44,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         wanted = failures or cfg.layerwise == "always"
         # the layerwise view runs on the first failure's inputs, else on the first shape's
         feeds = (failures[0][1] if failures else _feeds(Path(tmp), 0)) if wanted else None
-    details: dict[str, Any] = {"comparisons": rows}
+    found: dict[str, Any] = {"comparisons": rows}
     if feeds is not None:
         net, lay = m.load_with_layout(ctx.root, release)
         flat = m.adapter(release.task, net, lay)
-        details["layerwise"] = layerwise(flat, lay, path, feeds, cfg)
+        found["layerwise"] = layerwise(flat, lay, path, feeds, cfg)
+    details = ParityDetails.model_validate(found)
     worst = max(r["error"] for r in rows)
     metrics = {"worst_normalized_error": worst, "max_abs_diff": max(r["max_abs"] for r in rows)}
     if failures:
@@ -60,13 +62,13 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         return StageResult.failed(
             f"{len(failures)} output(s) out of tolerance",
             _reasons(failures, details),
-            details=details,
+            details=details.dump(),
             metrics=metrics,
         )
     return StageResult.passed(
         f"{len(rows)} comparisons at {len(shapes)} shapes within tolerance "
         f"({cfg.statistic} normalized error {worst:.3g} <= 1)",
-        details=details,
+        details=details.dump(),
         metrics=metrics,
     )
 
@@ -156,13 +158,13 @@ def _shapes(release: Any) -> list[tuple[str, dict[str, int]]]:
     return list({str(s): (k, s) for k, s in shapes.items()}.values())
 
 
-def _reasons(failures: list[tuple[dict[str, Any], Any]], details: dict[str, Any]) -> list[str]:
+def _reasons(failures: list[tuple[dict[str, Any], Any]], details: ParityDetails) -> list[str]:
     reasons = [f"{r['output']} at {r['shape']} {r['sizes']}: {cfg_stat(r)}" for r, _ in failures]
-    first = details["layerwise"]["first_divergent"]
+    first = details.layerwise.first_divergent if details.layerwise else None
     if first:
         reasons.append(
-            f"first diverging layer: {first['module']} (ONNX tensor {first['tensor']},"
-            f" normalized error {first['error']:.3g}, max |diff| {first['max_abs']:.3g})"
+            f"first diverging layer: {first.module} (ONNX tensor {first.tensor},"
+            f" normalized error {first.error:.3g}, max |diff| {first.max_abs:.3g})"
         )
     else:
         reasons.append(

@@ -10,6 +10,7 @@ from typing import Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import GitState, Provenance, VersionLock
+from schemas.details import PinDetails
 from stages._contract import StageContext, StageIO, StageResult
 from stages.bundling.hashing import hash_files
 from stages.onnx.model import model_paths
@@ -58,7 +59,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     lock = VersionLock(python=python, packages=packages, checkpoints=checkpoints, files=files)
     ctx.write(lock)
     ctx.write(Provenance(git=GitState(**git)))
-    details = {**lock.model_dump(), "git": git}
+    details = PinDetails(**dict(lock), git=GitState(**git)).dump()
     if problems:
         return StageResult.failed(f"{len(problems)} pin(s) do not match", problems, details=details)
     summary = (

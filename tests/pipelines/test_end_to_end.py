@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from schemas import StageReport
 from schemas.loadresults import LoadTestResults
+from schemas.quantsearch import PerNodeDetails
 from stages import load_stages
 from stages.engine import why_unavailable
 from tests.conftest import REPO
@@ -116,12 +118,13 @@ def test_dvc_plots_render_the_load_test_curves_and_the_per_layer_errors(clone: P
     build = clone / "build" / "tiny-gpt2"
     measured = (build / "loadtest" / "loadtest.json").read_text()
     ramp = LoadTestResults.model_validate_json(measured).ramp.points
-    layers = json.loads((build / "quantize" / "report.json").read_text())["details"]
+    quantized = StageReport.model_validate_json((build / "quantize" / "report.json").read_text())
+    layers = PerNodeDetails.model_validate(quantized.details).layerwise or []
     ramp_id, stream_id, snr_id = PLOT_IDS
     want = {
         ramp_id: ("throughput_rps", "p95_latency_ms", len(ramp)),
         stream_id: ("concurrency", "p95_ttft_ms", None),
-        snr_id: ("layer", "snr_db", len(layers["layerwise"])),
+        snr_id: ("layer", "snr_db", len(layers)),
     }
     for plot_id, (x, y, rows) in want.items():
         content = shown["data"][plot_id][0]["content"]

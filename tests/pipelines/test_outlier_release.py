@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from schemas import StageReport
+from schemas.facts import BundleFacts
+from schemas.quantsearch import RecipeSearchDetails
+from stages.bundling.oms import read_facts
 from tests.fixtures import outliers
 from tests.pipelines.test_end_to_end import commit_all, copy_worktree, ran, sh
 
@@ -43,24 +47,23 @@ def test_init_and_repro_ship_int8_on_a_model_with_outliers(repo: Path) -> None:
     done = sh(["dvc", "repro", f"bundle@{NAME}"], repo, timeout=1800)  # ~6 min here
     assert "quantize" in ran(done.stdout)
     build = repo / "build" / NAME
-    report = json.loads((build / "quantize" / "report.json").read_text())
-    assert report["status"] == "passed", report["reasons"]
-    rows = {r["recipe"]: r for r in report["details"]["recipes"]}
-    chosen = [r for r in report["details"]["recipes"] if r["chosen"]]
-    assert len(chosen) == 1 and chosen[0]["method"] != "none"
+    report = StageReport.model_validate_json((build / "quantize" / "report.json").read_text())
+    assert report.status.value == "passed", report.reasons
+    recipes = RecipeSearchDetails.model_validate(report.details).recipes
+    rows = {r.recipe: r for r in recipes}
+    chosen = [r for r in recipes if r.chosen]
+    assert len(chosen) == 1 and chosen[0].method != "none"
     pick = chosen[0]
-    assert pick["recipe"] != "int8-dynamic"  # per-tensor cannot hold the outliers
-    assert pick["holdout"]["greedy_agreement"] >= 0.92  # the default 0.9 with its margin
-    assert pick["holdout"]["perplexity_increase"] <= 0.016
-    assert pick["speedup"] >= 1.0 and pick["size_ratio"] < 0.6
+    assert pick.recipe != "int8-dynamic"  # per-tensor cannot hold the outliers
+    assert pick.holdout["greedy_agreement"] >= 0.92  # the default 0.9 with its margin
+    assert pick.holdout["perplexity_increase"] <= 0.016
+    assert (pick.speedup or 0) >= 1.0 and pick.size_ratio < 0.6
     if "int8-dynamic" in rows:  # tried only if no earlier recipe shipped
-        assert not rows["int8-dynamic"]["chosen"]
+        assert not rows["int8-dynamic"].chosen
     sh(["shipyard", "verify", f"build/{NAME}/bundle"], repo)
     card = (build / "bundle" / "MODEL_CARD.md").read_text()
     table = card[card.index("## Quantization recipes tried") :]
-    assert f"| {pick['recipe']} |" in table and "| yes |" in table
-    facts = json.loads((build / "bundle" / "shipyard.json").read_text())
-    assert facts["quantization"]["dtype"] == "int8"
-    assert [r["recipe"] for r in facts["quantization"]["recipes"] if r["chosen"]] == [
-        pick["recipe"]
-    ]
+    assert f"| {pick.recipe} |" in table and "| yes |" in table
+    facts = read_facts(build / "bundle", BundleFacts)
+    assert facts.quantization.dtype == "int8"
+    assert [r.recipe for r in facts.quantization.recipes or [] if r.chosen] == [pick.recipe]

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from schemas.details import ParityDetails
 from schemas.release import ParityConfig, Tolerance
 from stages.onnx.compare import compare, tolerance
 from tests.conftest import Workspace, generic_spec, gpt2_spec
@@ -13,19 +14,20 @@ from tests.conftest import Workspace, generic_spec, gpt2_spec
 def test_parity_passes_at_min_opt_max_and_odd_shapes(built_gpt2: Workspace) -> None:
     report = built_gpt2.run("parity", gpt2_spec())
     assert report.status.value == "passed"
-    shapes = {row["shape"] for row in report.details["comparisons"]}
-    assert shapes == {"min", "opt", "max", "odd"}
-    assert "layerwise" not in report.details  # on-failure only
+    details = ParityDetails.model_validate(report.details)
+    assert {row.shape for row in details.comparisons} == {"min", "opt", "max", "odd"}
+    assert details.layerwise is None and "layerwise" not in report.details  # on-failure only
 
 
 def test_layerwise_always_maps_every_gpt2_block_to_an_onnx_tensor(built_gpt2: Workspace) -> None:
     spec = gpt2_spec(parity={"layerwise": "always"})
-    layers = built_gpt2.run("parity", spec).details["layerwise"]
-    modules = [row["module"] for row in layers["layers"]]
+    layers = ParityDetails.model_validate(built_gpt2.run("parity", spec).details).layerwise
+    assert layers is not None
+    modules = [row.module for row in layers.layers]
     assert {"transformer.h.0.attn[0]", "transformer.h.1.mlp", "transformer.ln_f", "lm_head"} <= set(
         modules
     )
-    assert layers["first_divergent"] is None
+    assert layers.first_divergent is None
 
 
 def test_divergent_layer_is_named_first(ws: Workspace) -> None:
@@ -41,8 +43,11 @@ def test_divergent_layer_is_named_first(ws: Workspace) -> None:
     with np.load(kept / "failed_inputs_0.npz") as feeds:
         assert list(feeds) == ["x"] and feeds["x"].ndim == 3
     assert sorted(p.name for p in ws.out("divergent", "parity").iterdir()) == ["report.json"]
-    first = report.details["layerwise"]["layers"][0]
-    assert first["module"] == "first" and first["ok"]
+    layers = ParityDetails.model_validate(report.details).layerwise
+    assert layers is not None and layers.first_divergent is not None
+    first = layers.layers[0]
+    assert first.module == "first" and first.ok
+    assert layers.first_divergent.module == "skew" and not layers.first_divergent.ok
 
 
 def test_tight_tolerance_turns_a_pass_into_a_failure(built_gpt2: Workspace) -> None:

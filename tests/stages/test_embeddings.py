@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from schemas.details import Embedding, ExportDetails
 from stages.onnx.pooling import MODES, pool
 from tests.conftest import REPO, Workspace
 from tests.fixtures import architectures as matrix
@@ -100,11 +101,11 @@ def test_a_sentence_transformers_folder_exports_the_embedding_the_library_comput
         report = ws.run(stage, spec)
         assert report.status.value == "passed", (stage, report.reasons)
         if stage == "export":
-            assert report.details["embedding"] == {
-                "pooling": mode,
-                "normalize": normalize,
-                "from": "modules.json (sentence-transformers)",
-            }
+            embedding = ExportDetails.model_validate(report.details).embedding
+            assert embedding == Embedding(
+                pooling=mode, normalize=normalize, source="modules.json (sentence-transformers)"
+            )
+            assert report.details["embedding"]["from"] == embedding.source  # its JSON name
     library = SentenceTransformer(str(folder), device="cpu")
     want = library.encode(TEXTS, convert_to_numpy=True, batch_size=len(TEXTS))
     batch = library.tokenize(TEXTS)  # padded to the longest text: pooling must ignore padding

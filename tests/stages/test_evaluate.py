@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from schemas.details import EvaluateDetails
 from schemas.release import MetricThreshold
 from stages.evaluate import check
 from tests.conftest import Workspace, gpt2_spec
@@ -12,7 +13,7 @@ from tests.conftest import Workspace, gpt2_spec
 def test_evaluate_reports_task_metrics_and_decodes_with_the_cache(built_gpt2: Workspace) -> None:
     report = built_gpt2.run("evaluate", gpt2_spec())
     assert report.status.value == "passed", report.reasons
-    metrics = report.details["metrics"]
+    metrics = EvaluateDetails.model_validate(report.details).metrics
     assert set(metrics) == {
         "perplexity",
         "perplexity_reference",
@@ -42,7 +43,9 @@ def test_threshold_broken_vs_reference_fails_the_stage(built_gpt2: Workspace) ->
     kept = built_gpt2.root / "build" / "tiny-gpt2" / "failed" / "evaluate"
     assert "kept in build/tiny-gpt2/failed/evaluate/" in report.reasons[-1]
     rows = [json.loads(x) for x in (kept / "failed_samples.jsonl").read_text().splitlines()]
-    assert sorted(r["sample"] for r in rows) == list(range(report.details["samples"]))
+    details = EvaluateDetails.model_validate(report.details)
+    assert sorted(r["sample"] for r in rows) == list(range(details.samples))
+    assert [t.ok for t in details.thresholds] == [False]
     top1 = [r["top1_agreement"] for r in rows]
     assert top1 == sorted(top1) and top1[0] < 1.0
     # each sample weighs by its tokens in the metric; equal-length samples: the plain mean

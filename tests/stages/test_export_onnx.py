@@ -7,6 +7,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from schemas import StageReport
+from schemas.details import ExportDetails
 from tests.conftest import Workspace, generic_spec, gpt2_spec
 
 
@@ -26,13 +28,16 @@ def test_causal_lm_export_has_kv_cache_io_with_named_dims(built_gpt2: Workspace)
 
 
 def test_export_probes_min_max_and_odd_sizes_including_empty_cache(built_gpt2: Workspace) -> None:
-    report = json.loads((built_gpt2.out("tiny-gpt2", "export") / "report.json").read_text())
-    probed = {r["shape"]: r["sizes"] for r in report["details"]["probed"]}
+    report = StageReport.model_validate_json(
+        (built_gpt2.out("tiny-gpt2", "export") / "report.json").read_text()
+    )
+    details = ExportDetails.model_validate(report.details)
+    probed = {r.shape: r.sizes for r in details.probed}
     assert probed["all min"] == {"batch": 1, "sequence": 1, "past_sequence": 0}
     assert probed["all max"] == {"batch": 3, "sequence": 64, "past_sequence": 24}
-    assert "only batch=3" in probed and all(r["ok"] for r in report["details"]["probed"])
+    assert "only batch=3" in probed and all(r.ok for r in details.probed)
     # and at an odd size strictly inside each range, unlike the trace's (export.odd_sizes)
-    trace = report["details"]["trace_sizes"]
+    trace = details.trace_sizes
     odd = probed["all odd"]
     assert odd != trace and any(odd[d] % 2 == 1 and odd[d] != trace[d] for d in odd)
 
@@ -215,9 +220,10 @@ def test_the_tied_embedding_is_stored_once(built_gpt2: Workspace) -> None:
     """GPT-2 ties lm_head to the token embedding: the graph holds it once, so the file is
     below the weights plus one more vocab x hidden."""
     out = built_gpt2.out("tiny-gpt2", "export")
-    report = json.loads((out / "report.json").read_text())
-    tied = report["details"]["tied_weights"]
-    assert [t["how"] for t in tied] == ["transpose"] and "wte" in tied[0]["kept"]
+    report = StageReport.model_validate_json((out / "report.json").read_text())
+    tied = ExportDetails.model_validate(report.details).tied_weights
+    assert tied is not None
+    assert [t.how for t in tied] == ["transpose"] and "wte" in tied[0].kept
     graph = onnx.load(str(out / "model.onnx"))
     shapes = [tuple(t.dims) for t in graph.graph.initializer]
     assert (512, 64) in shapes and (64, 512) not in shapes

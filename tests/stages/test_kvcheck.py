@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from schemas import SpecError, StageError
+from schemas.details import KvcheckDetails, ParityDetails
 from tests.conftest import Workspace, gpt2_spec, model_info
 from tests.fixtures import architectures as matrix
 from tests.fixtures import kvbugs
@@ -85,10 +86,10 @@ def test_the_same_decoder_without_a_bug_passes_with_the_same_probes(bugs: Worksp
         assert bugs.run(stage, spec).status.value == "passed"
     report = bugs.run("kvcheck", spec)
     assert report.status.value == "passed", report.reasons
-    plan = report.details["plan"]
-    assert plan["past_lengths"] == [13, 25, 37, 48]  # odd ones spread out, the max included
-    assert list(plan["padded"]) == [6, 3, 4]  # rows of 6 and 3 tokens, 4 steps
-    probes = {r["probe"] for r in report.details["onnx"]}
+    details = KvcheckDetails.model_validate(report.details)
+    assert details.plan.past_lengths == [13, 25, 37, 48]  # odd ones spread out, max included
+    assert details.plan.padded == [6, 3, 4]  # rows of 6 and 3 tokens, 4 steps
+    probes = {r.probe for r in details.onnx}
     assert {"step 0", "step 3", "past 48", "padded row 1 (3 pads) step 4"} <= probes
     assert report.metrics["worst_normalized_error"] < 0.1
 
@@ -134,7 +135,8 @@ def test_tiny_gpt2_exports_position_ids_and_passes_kvcheck(gpt2: Workspace) -> N
     assert names[:3] == ["input_ids", "attention_mask", "position_ids"]
     report = gpt2.run("kvcheck", gpt2_spec())
     assert report.status.value == "passed", report.reasons
-    assert report.details["plan"]["past_lengths"][-1] == 24  # past_sequence.max
+    plan = KvcheckDetails.model_validate(report.details).plan
+    assert plan.past_lengths[-1] == 24  # past_sequence.max
 
 
 def test_a_left_padded_tiny_gpt2_batch_matches_each_row_alone_in_onnx_runtime(
@@ -230,12 +232,13 @@ def test_layerwise_compares_each_rotary_output_with_its_own_tensor(tmp_path: Pat
     spec["parity"]["layerwise"] = "always"
     for stage in ("pin", "export"):
         assert ws.run(stage, spec).status.value == "passed"
-    layers = ws.run("parity", spec).details["layerwise"]
-    rotary = {r["module"]: r for r in layers["layers"] if "rotary_emb" in r["module"]}
+    layers = ParityDetails.model_validate(ws.run("parity", spec).details).layerwise
+    assert layers is not None
+    rotary = {r.module: r for r in layers.layers if "rotary_emb" in r.module}
     assert set(rotary) == {"model.rotary_emb[0]", "model.rotary_emb[1]"}
-    assert rotary["model.rotary_emb[0]"]["tensor"] != rotary["model.rotary_emb[1]"]["tensor"]
-    assert all(r["ok"] and r["max_abs"] < 1e-5 for r in rotary.values())
-    assert layers["first_divergent"] is None
+    assert rotary["model.rotary_emb[0]"].tensor != rotary["model.rotary_emb[1]"].tensor
+    assert all(r.ok and r.max_abs < 1e-5 for r in rotary.values())
+    assert layers.first_divergent is None
 
 
 # ---------------------------------------------------------------- derived dims, the plan
@@ -377,7 +380,8 @@ def test_without_a_padded_batch_the_report_says_padded_rows_were_not_checked(
     report = gpt2.run("kvcheck", gpt2_spec(parity={"kv": {"padded": False}}))
     assert report.status.value == "passed"
     assert "padded rows not checked" in report.summary
-    assert not any(r["probe"].startswith("padded") for r in report.details["onnx"])
+    onnx_rows = KvcheckDetails.model_validate(report.details).onnx
+    assert onnx_rows and not any(r.probe.startswith("padded") for r in onnx_rows)
 
 
 # ------------------------------------------------------------------ the shipped graph
@@ -503,7 +507,7 @@ def test_a_release_shipping_the_export_checks_it_once(tmp_path: Path) -> None:
     report = ws.run("kvcheck", spec)
     assert report.status.value == "passed", report.reasons
     assert "the shipped graph (the export itself: quantization.method none)" in report.summary
-    assert report.details["shipped"]["rows"] == []
+    assert KvcheckDetails.model_validate(report.details).shipped.rows == []
 
 
 def test_a_fused_dynamic_kernel_cannot_be_pinned_and_is_refused_naming_the_node(

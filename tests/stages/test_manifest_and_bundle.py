@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from schemas import SpecError
+from schemas.artifacts import LoadTestSummary
 from stages.bundling.hashing import hash_range, hash_shards, shard_ranges
 from stages.bundling.oms import load_manifest, verify_bundle
 from stages.engine import why_unavailable
@@ -247,8 +248,9 @@ def test_the_built_bundles_alert_rules_pass_promtool_with_this_builds_baseline(
             [promtool, *args], cwd=folder, capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0, done.stdout + done.stderr
-    summary = json.loads((built_gpt2.out("tiny-gpt2", "loadtest") / "report.json").read_text())
-    p95_ttft = summary["details"]["summary"]["p95_ttft_ms"]
+    summary = built_gpt2.out("tiny-gpt2", "loadtest") / LoadTestSummary.FILE
+    p95_ttft = LoadTestSummary.model_validate_json(summary.read_text()).summary.p95_ttft_ms
+    assert p95_ttft is not None
     rules = {
         r["alert"]: r
         for r in yaml.safe_load((folder / "alerts.yml").read_text())["groups"][0]["rules"]

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from schemas import SpecError
+from schemas.details import PinDetails
 from tests.conftest import TINY, Workspace, gpt2_spec
 
 DIGEST = hashlib.sha256((TINY / "model.safetensors").read_bytes()).hexdigest()
@@ -17,7 +18,8 @@ def test_pin_records_versions_and_checkpoint_digests(ws: Workspace) -> None:
     lock = json.loads((ws.out("tiny-gpt2", "pin") / "lock.json").read_text())
     assert lock["checkpoints"]["model.safetensors"] == DIGEST
     assert lock["packages"]["torch"].startswith("2.13.0")
-    assert "git" in report.details and "git" not in lock  # provenance stays out of deps
+    details = PinDetails.model_validate(report.details)  # the pins and the repository's state
+    assert details.git.commit and "git" not in lock  # provenance stays out of deps
 
 
 def test_pin_checkpoint_mismatch_shows_expected_and_found(ws: Workspace) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
+from schemas.quantsearch import PerNodeDetails
 from schemas.tasks import TASKS, Task
 from tests.conftest import REPO, Workspace
 from tests.fixtures import architectures as matrix
@@ -88,7 +89,9 @@ def test_every_method_quantizes_every_encoder_family(
     assert report.status.value == "passed", report.reasons
     model = encoders.out(matrix.slug_of(arch), "quantize") / "model.onnx"
     assert op in {n.op_type for n in onnx.load(model).graph.node}
-    assert report.details["budget"] == TASKS["text-embedding"].default_budget  # spec gave none
+    budget = PerNodeDetails.model_validate(report.details).budget
+    given = budget.model_dump(exclude_none=True)
+    assert given == TASKS["text-embedding"].default_budget  # the spec gave none
 
 
 def test_bert_pre_processing_falls_back_and_the_report_says_so(
@@ -104,12 +107,14 @@ def test_bert_pre_processing_falls_back_and_the_report_says_so(
     report = encoders.run("quantize", spec)
     assert list(cwd.iterdir()) == []
     assert report.status.value == "passed"
-    assert report.details["preprocess"].startswith("symbolic shape inference failed (")
-    assert "skip_symbolic_shape" in report.details["preprocess"]
+    preprocess = PerNodeDetails.model_validate(report.details).preprocess
+    assert preprocess.startswith("symbolic shape inference failed (")
+    assert "skip_symbolic_shape" in preprocess
     assert report.summary.endswith("(pre-processed without symbolic shape inference)")
     roberta = prepare(encoders, encoder("RoBERTa", "text-embedding"), method="int8-dynamic")
     other = encoders.run("quantize", roberta)  # its graph infers symbolically
-    assert other.details["preprocess"] == "quant_pre_process with symbolic shape inference"
+    preprocess = PerNodeDetails.model_validate(other.details).preprocess
+    assert preprocess == "quant_pre_process with symbolic shape inference"
 
 
 def test_bert_takes_token_type_ids_and_distilbert_does_not(encoders: Workspace) -> None:
