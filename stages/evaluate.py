@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from stages.onnx import shapes as sh
 from stages.quant import accuracy as acc
 from stages.quant import calibration as calib
 from stages.quant.thresholds import check, has_change  # noqa: F401
+
+if TYPE_CHECKING:
+    from schemas.spec.evaluation import DecodeConfig
 
 NAME = "evaluate"
 Run = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
@@ -122,7 +125,11 @@ def greedy(run: Run, lay: sh.Layout, prompt: np.ndarray, tokens: int) -> list[in
 
 
 def decode_metrics(
-    reference: Run, candidate: Run, lay: sh.Layout, samples: list[dict[str, np.ndarray]], cfg: Any
+    reference: Run,
+    candidate: Run,
+    lay: sh.Layout,
+    samples: list[dict[str, np.ndarray]],
+    cfg: DecodeConfig,
 ) -> dict[str, float]:
     """Exact-match rate of whole continuations, and of tokens, vs the reference's."""
     prompts = [s["input_ids"][0, : cfg.prompt_tokens] for s in samples][: cfg.prompts]

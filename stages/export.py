@@ -103,7 +103,7 @@ def _trace(ctx: StageContext, release: ReleaseSpec, trace: dict[str, int]) -> di
     }
 
 
-def _check_context(release: Any, config: dict[str, Any]) -> None:
+def _check_context(release: ReleaseSpec, config: dict[str, Any]) -> None:
     dims, positions = release.export.dims, m.arch(config)["positions"]
     if not positions or "sequence" not in dims:
         return
@@ -147,7 +147,7 @@ MODEL_FILES = (
 )
 
 
-def _model_files(ctx: StageContext, release: Any) -> list[str]:
+def _model_files(ctx: StageContext, release: ReleaseSpec) -> list[str]:
     """Copy the config and tokenizer files of an HF folder into `model_files/`."""
     if release.model.kind != "hf":
         return []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from stages.onnx import kvcache as kv
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
 from stages.quant import pinned as pq
+
+if TYPE_CHECKING:
+    from schemas.spec.parity import ParityConfig, Tolerance
 
 NAME = "kvcheck"
 
@@ -95,7 +98,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     )
 
 
-def _tokens(release: Any, vocab: int, plan: kv.Plan) -> np.ndarray:
+def _tokens(release: ReleaseSpec, vocab: int, plan: kv.Plan) -> np.ndarray:
     need = max([*plan.lengths(), *(n for _, n in plan.padded_lengths()), 1])
     return kv.sequences(vocab, need, release.parity.kv.seed)
 
@@ -105,7 +108,7 @@ def _file(into: Path, kind: str, row: int, n: int, who: str = "pytorch") -> Path
 
 
 def _pytorch(
-    ctx: StageContext, release: Any, plan: kv.Plan, into: Path
+    ctx: StageContext, release: ReleaseSpec, plan: kv.Plan, into: Path
 ) -> tuple[sh.Layout, list[dict[str, Any]]]:
     """Full passes saved under `into`; PyTorch's cached decode judged against them."""
     net, lay = m.load_with_layout(ctx.root, release)
@@ -120,7 +123,7 @@ def _pytorch(
 
 
 def _onnx(
-    ctx: StageContext, release: Any, plan: kv.Plan, lay: sh.Layout, into: Path
+    ctx: StageContext, release: ReleaseSpec, plan: kv.Plan, lay: sh.Layout, into: Path
 ) -> list[dict[str, Any]]:
     onnx_run = _session(ctx.upstream("export") / "model.onnx")
     tokens = _tokens(release, kv.vocab_of(lay), plan)
@@ -128,7 +131,7 @@ def _onnx(
 
 
 def _shipped(
-    ctx: StageContext, release: Any, plan: kv.Plan, lay: sh.Layout, into: Path
+    ctx: StageContext, release: ReleaseSpec, plan: kv.Plan, lay: sh.Layout, into: Path
 ) -> tuple[list[dict[str, Any]], str]:
     """The shipped graph's cached decode against its own full passes, its dynamic scales
     pinned to ranges that cover every pass of the check (gathered by a first run)."""
@@ -174,5 +177,5 @@ def _loader(into: Path, who: str = "pytorch") -> Any:
     return load
 
 
-def _tol(release: Any) -> tuple[Any, Any]:
+def _tol(release: ReleaseSpec) -> tuple[Tolerance, ParityConfig]:
     return release.parity.kv.tolerance, release.parity

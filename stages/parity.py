@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from stages.onnx import model as m
 from stages.onnx import shapes as sh
 from stages.onnx.compare import compare, tolerance
 from stages.onnx.layerwise import layerwise
+
+if TYPE_CHECKING:
+    from schemas.spec.parity import ParityConfig
 
 NAME = "parity"
 
@@ -74,7 +77,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 
 
 def _reference_outputs(
-    ctx: StageContext, release: Any, shapes: list[tuple[str, dict[str, int]]], into: Path
+    ctx: StageContext, release: ReleaseSpec, shapes: list[tuple[str, dict[str, int]]], into: Path
 ) -> sh.Layout:
     """PyTorch's outputs at every shape, saved as .npy under `into` with the inputs both
     sides are fed (run in a child). A KV-cache graph is fed the past the model produces
@@ -100,7 +103,7 @@ def _reference_outputs(
 
 def _compare_all(
     ctx: StageContext,
-    cfg: Any,
+    cfg: ParityConfig,
     path: Path,
     lay: sh.Layout,
     shapes: list[tuple[str, dict[str, int]]],
@@ -147,7 +150,7 @@ def _feeds(saved: Path, i: int) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
-def _shapes(release: Any) -> list[tuple[str, dict[str, int]]]:
+def _shapes(release: ReleaseSpec) -> list[tuple[str, dict[str, int]]]:
     dims = release.export.dims
     if release.parity.shapes:
         return [
