@@ -291,6 +291,29 @@ def test_relative_imports_resolve_against_the_importing_package(tmp_path: Path) 
     ]
 
 
+def test_a_plain_import_depends_on_the_module_and_the_packages_above_it(tmp_path: Path) -> None:
+    """`import stages.pkg.leaf` runs stages/__init__.py, stages/pkg/__init__.py and the
+    leaf; `import stages.top as t` the same for its own path (the repository spells its
+    imports as `from`, so this form had no test)."""
+    tree(tmp_path, {f"{d}/__init__.py": "" for d in ("stages", "stages/pkg")})
+    tree(
+        tmp_path,
+        {
+            "stages/pkg/leaf.py": "X = 1\n",
+            "stages/top.py": "Y = 2\n",
+            "stages/unused.py": "Z = 3\n",
+            "stages/main.py": "import json\nimport stages.pkg.leaf\nimport stages.top as t\n",
+        },
+    )
+    assert import_closure(tmp_path, "stages/main.py") == [
+        "stages/__init__.py",
+        "stages/main.py",
+        "stages/pkg/__init__.py",
+        "stages/pkg/leaf.py",
+        "stages/top.py",
+    ]
+
+
 def test_only_a_module_named_right_after_dash_m_is_run(tmp_path: Path) -> None:
     tree(tmp_path, {"stages/__init__.py": ""})
     tree(tmp_path, {f"stages/{name}.py": "X = 1\n" for name in ("run", "not_run", "also_not")})
