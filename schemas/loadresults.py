@@ -107,8 +107,9 @@ class Growth(_Row):
     rss_end_mb: float | None
     peak_rss_bytes: int
     growth_mb_per_min: float
-    growth_ok: bool
+    growth_ok: bool | None = Field(description="None: not judged (`growth_note` says why).")
     growth_limit_mb_per_min: float
+    growth_note: str | None = _optional("Why growth was not judged.")
 
 
 class Soak(Growth):

@@ -111,7 +111,7 @@ def verdict(results: LoadTestResults, plots: list[str]) -> tuple[StageResult, Lo
         summary += f"; batching on/off {batching.ratio:.2f}x"
     reasons = [f"SLO {r.slo}: {r.why}" for r in results.slo if not r.ok]
     soaked = results.soak if isinstance(results.soak, Soak) else None
-    if soaked and not soaked.growth_ok:
+    if soaked and soaked.growth_ok is False:
         reasons.append(
             f"soak: server RSS grew {soaked.growth_mb_per_min} MB/min, above "
             f"{soaked.growth_limit_mb_per_min} (leak?)"

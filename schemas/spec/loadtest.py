@@ -67,6 +67,10 @@ class LoadRamp(Strict):
 # What a preset sets, unless the spec sets it itself: `release-candidate` is the long soak a
 # release candidate runs before it ships (30 minutes, a growth limit a leak of a few KB per
 # request would break).
+# A memory-growth slope fitted to a few seconds of RSS samples is allocator noise (one
+# second of a streaming soak read 51 MB/min): growth is judged only over a steady part (the
+# soak after its first third) at least this long.
+GROWTH_MIN_STEADY_SECONDS = 20.0
 SOAK_PRESETS: dict[str, dict[str, float]] = {
     "release-candidate": {"seconds": 1800.0, "max_growth_mb_per_min": 5.0},
 }
@@ -81,7 +85,11 @@ class LoadSoak(Strict):
     seconds: float = Field(default=10.0, ge=0, description="Soak length; 0 skips the soak.")
     concurrency: int | None = Field(default=None, ge=1, description="Default: the knee.")
     max_growth_mb_per_min: float = Field(
-        default=50.0, gt=0, description="Steady RSS growth of the server above this fails."
+        default=50.0,
+        gt=0,
+        description="Steady RSS growth of the server above this fails; judged only when the "
+        f"soak's steady part (after its first third) lasts {GROWTH_MIN_STEADY_SECONDS:g} s or "
+        "more, else reported as not judged.",
     )
 
     @model_validator(mode="before")

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from schemas import Refused
 from schemas.artifacts import ModelInfo
 from schemas.loadresults import GridPoint, Growth, Point, Ramp, Skipped, Soak, Window
+from schemas.spec.loadtest import GROWTH_MIN_STEADY_SECONDS
 from schemas.tasks import TASKS
 from stages.loadtesting import loadgen as lg
 from stages.onnx import shapes as sh
+
+if TYPE_CHECKING:
+    from schemas import ReleaseSpec
+    from stages.serving.server import LocalServer
 
 MB = 1 << 20
 P = TypeVar("P", bound=Window)
@@ -58,7 +63,7 @@ def trimmed(values: list[int], limit: int) -> list[int]:
     return sorted({min(v, limit) for v in values})
 
 
-def grid(base: str, release: Any, info: ModelInfo) -> list[GridPoint]:
+def grid(base: str, release: ReleaseSpec, info: ModelInfo) -> list[GridPoint]:
     """Latency per batch x input length at concurrency 1 (prefill only for causal-lm)."""
     g, dims = release.loadtest.grid, info.dims
     batches = trimmed(g.batch_sizes, dims["batch"].max if "batch" in dims else 1)
@@ -74,7 +79,7 @@ def grid(base: str, release: Any, info: ModelInfo) -> list[GridPoint]:
     return points
 
 
-def openai_mix(url: str, model: str, release: Any, info: ModelInfo) -> lg.Mix:
+def openai_mix(url: str, model: str, release: ReleaseSpec, info: ModelInfo) -> lg.Mix:
     """Streamed /v1/completions requests as users' clients send them (token-id prompts, a
     fixed output length: ignore_eos, as vLLM's and genai-perf's benchmarks ask it), one per
     entry of loadtest.ramp.mix, drawn by weight."""
@@ -110,7 +115,7 @@ def openai_mix(url: str, model: str, release: Any, info: ModelInfo) -> lg.Mix:
 
 def ramp(
     base: str,
-    release: Any,
+    release: ReleaseSpec,
     info: ModelInfo,
     stream: bool,
     upto: int | None = None,
@@ -179,9 +184,9 @@ def _at(points: list[Point], concurrency: int) -> Point:
 
 def soak(
     base: str,
-    release: Any,
+    release: ReleaseSpec,
     info: ModelInfo,
-    server: Any,
+    server: LocalServer | None,
     knee: int,
     mix: lg.Mix | None = None,
 ) -> Soak | Skipped:
@@ -229,17 +234,29 @@ def soak(
 
 
 def growth(samples: list[tuple[float, int]], limit_mb_per_min: float) -> Growth:
-    """Least-squares RSS slope after the first third (warm-up), in MB per minute."""
+    """Least-squares RSS slope after the first third (warm-up), in MB per minute; judged
+    against the limit only over a steady part of GROWTH_MIN_STEADY_SECONDS or more."""
     t = np.array([s[0] for s in samples])
     rss = np.array([s[1] for s in samples], dtype=float)
     steady = t >= t[-1] / 3 if len(t) else t
     slope = float(np.polyfit(t[steady], rss[steady], 1)[0]) * 60 / MB if steady.sum() > 2 else 0.0
+    span = float(t[steady][-1] - t[steady][0]) if steady.sum() else 0.0
+    judged: bool | None = bool(slope <= limit_mb_per_min)
+    note = None
+    if span < GROWTH_MIN_STEADY_SECONDS:
+        judged = None
+        note = (
+            f"not judged: the soak's steady part lasted {span:.1f} s, under "
+            f"{GROWTH_MIN_STEADY_SECONDS:g} s (a slope over so few samples is allocator "
+            f"noise); set loadtest.soak.seconds to {1.5 * GROWTH_MIN_STEADY_SECONDS + 5:g} or more"
+        )
     return Growth(
         samples=len(samples),
         rss_start_mb=round(rss[0] / MB, 1) if len(rss) else None,
         rss_end_mb=round(rss[-1] / MB, 1) if len(rss) else None,
         peak_rss_bytes=int(rss.max()) if len(rss) else 0,
         growth_mb_per_min=round(slope, 2),
-        growth_ok=bool(slope <= limit_mb_per_min),
+        growth_ok=judged,
         growth_limit_mb_per_min=limit_mb_per_min,
+        growth_note=note,
     )

@@ -245,9 +245,8 @@ def test_streaming_is_measured_on_the_openai_endpoint_with_the_specs_mix(
     spec["loadtest"] = {
         **QUICK_LOADTEST,
         "ramp": {**QUICK_LOADTEST["ramp"], "mix": mix},
-        # what the soak streams is the subject here, not a leak: a slope fitted to one
-        # second of RSS samples read 51 MB/min once (above the default 50)
-        "soak": {"seconds": 1.5, "concurrency": 2, "max_growth_mb_per_min": 1000.0},
+        # what the soak streams is the subject here; its growth is too short to judge
+        "soak": {"seconds": 1.5, "concurrency": 2},
     }
     report = built_gpt2.run("loadtest", spec)
     assert report.status.value == "passed", report.reasons
@@ -258,6 +257,7 @@ def test_streaming_is_measured_on_the_openai_endpoint_with_the_specs_mix(
     assert isinstance(data.soak, Soak)
     soaked = data.soak.load
     assert data.soak.endpoint == "/v1/completions" and soaked.errors == 0
+    assert data.soak.growth_ok is None and (data.soak.growth_note or "").startswith("not judged")
     assert 2 < soaked.tokens_per_s / soaked.throughput_rps < 6
     for p in stream.points:
         assert p.errors == 0 and (p.p95_itl_ms or 0) > 0
@@ -361,6 +361,8 @@ def test_errors_in_the_soak_or_the_streaming_ramp_fail_the_stage() -> None:
     leak = good.soak.model_copy(update={"growth_ok": False, "growth_mb_per_min": 80.0})
     result, _ = verdict(good.model_copy(update={"soak": leak}), [])
     assert result.reasons == ["soak: server RSS grew 80.0 MB/min, above 50.0 (leak?)"]
+    unjudged = leak.model_copy(update={"growth_ok": None, "growth_note": "not judged: short"})
+    assert verdict(good.model_copy(update={"soak": unjudged}), [])[0].status.value == "passed"
     assert verdict(good, [])[0].status.value == "passed"
 
 
@@ -505,7 +507,16 @@ def test_soak_growth_flags_a_steady_climb_not_a_warm_up() -> None:
     leak = [(x, int((100 + 2 * x) * mb)) for x in t]  # +2 MB every second
     assert growth(warm, 50).growth_ok
     climbing = growth(leak, 50)
-    assert not climbing.growth_ok and climbing.growth_mb_per_min == pytest.approx(120, 1)
+    assert climbing.growth_ok is False
+    assert climbing.growth_mb_per_min == pytest.approx(120, 1)
+    # the same climb over two seconds: a slope from so few samples is noise, not a verdict
+    short = [(x / 30, rss) for x, rss in leak]
+    brief = growth(short, 50)
+    assert brief.growth_ok is None and brief.growth_mb_per_min > 50
+    assert "under 20 s" in (brief.growth_note or "") and "35 or more" in (brief.growth_note or "")
+    # a steady part of exactly the minimum is judged: 30 s of samples, 20 s after the first third
+    edge = growth([(x / 2, rss) for x, rss in leak], 50)
+    assert edge.growth_ok is False and edge.growth_note is None
 
 
 def _pt(c: int, rps: float, p95: float = 10.0) -> Point:
