@@ -66,6 +66,12 @@ def _token_rows(
 ) -> list[dict[str, np.ndarray]]:
     from tokenizers import Tokenizer
 
+    if cfg.tokenizer is None:  # the spec requires it for calibration, not (yet) for evaluation
+        raise Refused(
+            f"{section}.tokenizer is not set: {section}.path {cfg.path} is JSONL text, "
+            "which only the model's tokenizer turns into token ids",
+            f"set {section}.tokenizer to the folder with the model's tokenizer.json",
+        )
     tok_file = root / cfg.tokenizer / "tokenizer.json"
     if not tok_file.is_file():
         raise Refused(

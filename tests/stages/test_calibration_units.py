@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from schemas import StageError
+from schemas.spec.evaluation import EvalData
 from schemas.spec.export import DimRange
 from schemas.spec.quantization import CalibrationData
 from stages.bundling.hashing import hash_range
@@ -162,6 +163,26 @@ def test_missing_file_and_tokenizer_are_named(root: Path) -> None:
         "quantization.calibration.tokenizer: no tokenizer.json in tok",
         "point it at the model's tokenizer folder",
     )
+
+
+def test_a_jsonl_evaluation_set_without_tokenizer_is_refused_naming_its_section(
+    root: Path,
+) -> None:
+    # evaluation.dataset validates without a tokenizer (quantization.calibration does not):
+    # the reader refuses it by name instead of failing on `root / None` (a TypeError)
+    path = texts(root, [words(2)] * 5)
+    with pytest.raises(StageError) as exc:
+        calibration.read_rows(root, EvalData(path=path), LM, 16, VOCAB, "evaluation.dataset")
+    assert str(exc.value) == error(
+        "evaluation.dataset.tokenizer is not set: evaluation.dataset.path data/c.jsonl is "
+        "JSONL text, which only the model's tokenizer turns into token ids",
+        "set evaluation.dataset.tokenizer to the folder with the model's tokenizer.json",
+    )
+    # with the tokenizer, the same file reads
+    rows = calibration.read_rows(
+        root, EvalData(path=path, tokenizer="tok"), LM, 16, VOCAB, "evaluation.dataset"
+    )
+    assert [r["input_ids"].shape for r in rows] == [(1, 2)] * 5
 
 
 def test_token_ids_must_lie_inside_the_vocabulary(root: Path) -> None:
