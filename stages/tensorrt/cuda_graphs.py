@@ -8,12 +8,12 @@ The outputs are zeroed before the replays so a graph that did nothing cannot "ma
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from schemas import Refused
+from schemas.spec.parity import ParityConfig, Tolerance
 
 REPLAYS = 50
 
@@ -39,8 +39,9 @@ def cuda_graph_check(
 
 
 # A replay runs the very kernels of the plain execution: only float reassociation may differ.
-REPLAY = SimpleNamespace(
-    tolerance=SimpleNamespace(atol=1e-6, rtol=1e-5, scale="none"),
+# The comparator's settings as the spec's model (validated, and what compare_outputs takes).
+REPLAY = ParityConfig(
+    tolerance=Tolerance(atol=1e-6, rtol=1e-5, scale="none"),
     outputs={},
     statistic="max",
     quantile=0.99,
