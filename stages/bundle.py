@@ -91,7 +91,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 
 def render(
     ctx: StageContext,
-    release: Any,
+    release: ReleaseSpec,
     info: dict[str, Any],
     values: dict[str, Any],
     content: Manifest,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import CapacityPlan, EngineProfiles, ModelInfo, QuantInfo
@@ -27,6 +27,9 @@ from stages.tensorrt.triton import (  # noqa: F401 (re-exported)
     triton_trt_values,
     trt_model_dir,
 )
+
+if TYPE_CHECKING:
+    from schemas.spec.engine import EngineConfig
 
 NAME = "engine"
 
@@ -158,7 +161,7 @@ def cuda_devices() -> tuple[int, str]:
     return 0, "neither libnvidia-ml.so.1 nor libcuda.so.1 loads: no NVIDIA driver"
 
 
-def derive_profiles(cfg: Any, info: ModelInfo) -> list[dict[str, Any]]:
+def derive_profiles(cfg: EngineConfig, info: ModelInfo) -> list[dict[str, Any]]:
     """Per profile, per graph input: min/opt/max shapes from the named axes.
 
     A dim a profile does not set takes the export's range; `total_sequence` (the attention

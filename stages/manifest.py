@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import (
@@ -22,6 +22,9 @@ from stages._contract import StageContext, StageIO, StageResult, read_report, wr
 from stages.bundling.files import CHECKED, payload
 from stages.bundling.hashing import hash_shards
 from stages.bundling.oms import build_manifest, empty_files, write_manifest
+
+if TYPE_CHECKING:
+    from schemas.report import StageReport
 
 NAME = "manifest"
 
@@ -80,7 +83,9 @@ FACT_SOURCES = (
 )
 
 
-def facts(ctx: StageContext, release: Any, reports: dict[str, Any]) -> dict[str, Any]:
+def facts(
+    ctx: StageContext, release: ReleaseSpec, reports: dict[str, StageReport]
+) -> dict[str, Any]:
     """Everything the gate, the registry or a reader trusts: shipped as `shipyard.json`,
     hashed (and signed) like every other bundle file."""
     lock, engine = ctx.read(VersionLock), ctx.read(EngineBuild, optional=True)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import CapacityPlan, MemoryParts, ModelInfo
 from schemas.spec.capacity import KV_BYTES
 from schemas.tasks import TASKS
 from stages._contract import StageContext, StageIO, StageResult
+
+if TYPE_CHECKING:
+    from schemas.spec.capacity import CapacityConfig
 
 NAME = "plan"
 GIB = 1 << 30
@@ -65,7 +68,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     )
 
 
-def compute(cap: Any, info: ModelInfo, task: str, weights: int) -> CapacityPlan:
+def compute(cap: CapacityConfig, info: ModelInfo, task: str, weights: int) -> CapacityPlan:
     """The memory plan; linear in batch, so the largest fitting batch is exact."""
     dims, arch = info.dims, info.arch
     export_context = sum(dims[d].max for d in ("sequence", "past_sequence") if d in dims)

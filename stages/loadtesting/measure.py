@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas.artifacts import ModelInfo
 from schemas.loadresults import Batching, Measured, Ramp, Skipped
@@ -15,6 +15,9 @@ from stages._contract import StageContext
 from stages.loadtesting import loadgen as lg
 from stages.loadtesting.load_phases import grid, openai_mix, ramp, request, soak
 
+if TYPE_CHECKING:
+    from schemas import ReleaseSpec
+
 
 def streams(task: str) -> bool:
     """Whether the load test measures streaming (TTFT/ITL): generating tasks only."""
@@ -22,7 +25,7 @@ def streams(task: str) -> bool:
 
 
 def measure_all(
-    ctx: StageContext, release: Any, info: ModelInfo, model: str, tree: Path
+    ctx: StageContext, release: ReleaseSpec, info: ModelInfo, model: str, tree: Path
 ) -> Measured:
     """Everything measured against one server (plus one without batching)."""
     from stages.serving.server import LocalServer
@@ -32,7 +35,7 @@ def measure_all(
     log = ctx.work / "server.log"
     server: Any = LocalServer(tree, model, log, cfg.startup_seconds) if local else nullcontext()
     with server as srv:
-        url = srv.url if local else cfg.target.url
+        url = srv.url if cfg.target is None else cfg.target.url
         base = f"{url}/v2/models/{model}"
         points = grid(base, release, info)
         main = ramp(base, release, info, stream=False)
@@ -45,7 +48,7 @@ def measure_all(
         seen = srv.rss() if local else 0
     soak_peak = soaked.peak_rss_bytes if not isinstance(soaked, Skipped) else 0
     return Measured(
-        target="local MLServer" if local else cfg.target.url,
+        target="local MLServer" if cfg.target is None else cfg.target.url,
         grid=points,
         ramp=main,
         streaming=streaming,
@@ -57,7 +60,7 @@ def measure_all(
 
 def batching(
     ctx: StageContext,
-    release: Any,
+    release: ReleaseSpec,
     info: ModelInfo,
     model: str,
     tree: Path,

@@ -8,16 +8,19 @@ one trusts. Only a limit that falls among them is inconclusive, and inconclusive
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from schemas.loadresults import Measured, Point, SloVerdict
 from stages.loadtesting.load_phases import judged_point
+
+if TYPE_CHECKING:
+    from schemas.spec.loadtest import LoadSlo
 
 Side = Literal["max", "min"]
 Windows = list[float | None]
 
 
-def check_slo(slo: Any, results: Measured, device_memory: int) -> list[SloVerdict]:
+def check_slo(slo: LoadSlo, results: Measured, device_memory: int) -> list[SloVerdict]:
     """One row per SLO the spec sets, judged at the knee, or at the highest stable point
     below it when the knee's windows did not agree; inconclusive is never a pass."""
     judged = judged_point(results.ramp.points, results.ramp.knee)

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
-def tolerance(cfg: Any, output: str) -> Any:
+    from schemas.spec.parity import ParityConfig, Tolerance
+
+
+def tolerance(cfg: ParityConfig, output: str) -> Tolerance:
     """The per-output tolerance whose key (name or glob) matches, else the default."""
     return next(
         (tol for pattern, tol in cfg.outputs.items() if fnmatch.fnmatchcase(output, pattern)),
@@ -31,7 +36,9 @@ def tolerance(cfg: Any, output: str) -> Any:
 CHUNK = 1 << 20  # elements per step: ~40 MB of float64 temporaries, whatever the tensor
 
 
-def atol_scale(ref: np.ndarray, tol: Any, done_with: Any = None) -> float:
+def atol_scale(
+    ref: np.ndarray, tol: Tolerance, done_with: Callable[[int, int], None] | None = None
+) -> float:
     """What atol is multiplied by: 1, or under scale `rms` max(1, RMS of the reference's
     finite elements), summed in float64 a chunk at a time (`done_with` pages a chunk out)."""
     if tol.scale == "none" or not tol.atol:
@@ -48,14 +55,14 @@ def atol_scale(ref: np.ndarray, tol: Any, done_with: Any = None) -> float:
     return max(1.0, math.sqrt(squares / count)) if count else 1.0
 
 
-def normalized(diff: np.ndarray, ref: np.ndarray, tol: Any, scale: float) -> np.ndarray:
+def normalized(diff: np.ndarray, ref: np.ndarray, tol: Tolerance, scale: float) -> np.ndarray:
     """|a-b| / (atol*scale + rtol*|ref|) per element; 0 where equal (a zero tolerance: an
     exact element 0, any other inf). |ref| in its own dtype, as the formula always had it."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(diff == 0, 0.0, diff / (tol.atol * scale + tol.rtol * np.abs(ref)))
 
 
-def compare(ref: np.ndarray, out: np.ndarray, tol: Any, cfg: Any) -> dict[str, Any]:
+def compare(ref: np.ndarray, out: np.ndarray, tol: Tolerance, cfg: ParityConfig) -> dict[str, Any]:
     """Normalized error |a-b| / (atol*s + rtol*|ref|), reduced by the spec's statistic.
 
     Computed in float64 a chunk at a time, so a big output (a 7B model's logits) costs a few
@@ -106,7 +113,7 @@ def compare(ref: np.ndarray, out: np.ndarray, tol: Any, cfg: Any) -> dict[str, A
     return {**result, "atol_scale": scale} if scale != 1.0 else result
 
 
-def _pager(ref: Any) -> Any:
+def _pager(ref: np.ndarray) -> Callable[[int, int], None]:
     """For a C-contiguous read-only np.memmap: a function dropping the pages of elements
     [start, stop) from the resident set (they fault back from the file if read again);
     otherwise a no-op. A writable mapping is left alone: dropping could lose a write."""
@@ -128,7 +135,7 @@ def _pager(ref: Any) -> Any:
 
 
 def compare_outputs(
-    want: dict[str, Any], have: dict[str, Any], cfg: Any, default: Any = None
+    want: dict[str, Any], have: dict[str, Any], cfg: ParityConfig, default: Tolerance | None = None
 ) -> list[dict[str, Any]]:
     """One row per reference output, in its order; `default` replaces cfg.tolerance for
     outputs no per-output key matches (e.g. engine.parity)."""

@@ -8,17 +8,20 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import Refused
 from stages._contract import StageContext
 from stages.onnx import shapes as sh
 
+if TYPE_CHECKING:
+    from schemas.spec.export import DimRange, ExportConfig
+
 STRIPPED_METADATA = ("pkg.torch.onnx.stack_trace",)  # absolute source paths: not reproducible
 
 
 def trace_graph(
-    ctx: StageContext, flat: Any, lay: sh.Layout, export: Any, trace: dict[str, int]
+    ctx: StageContext, flat: Any, lay: sh.Layout, export: ExportConfig, trace: dict[str, int]
 ) -> Path:
     """torch.onnx.export into a scratch folder, every weight in an external data file there;
     `finish` turns it into the shipped graph. Two steps so that the caller can free the
@@ -217,7 +220,7 @@ def _external_names(model: Any, base: Path) -> set[str]:
     return names
 
 
-def _legacy_axes(lay: sh.Layout, dims: dict[str, Any]) -> dict[str, dict[int, str]]:
+def _legacy_axes(lay: sh.Layout, dims: dict[str, DimRange]) -> dict[str, dict[int, str]]:
     static = {n for n, d in dims.items() if d.min == d.max}
     return {
         name: {i: a for i, a in axes.items() if a not in static}
@@ -225,7 +228,7 @@ def _legacy_axes(lay: sh.Layout, dims: dict[str, Any]) -> dict[str, dict[int, st
     }
 
 
-def _dynamic_shapes(lay: sh.Layout, dims: dict[str, Any]) -> tuple[dict[int, Any], ...]:
+def _dynamic_shapes(lay: sh.Layout, dims: dict[str, DimRange]) -> tuple[dict[int, Any], ...]:
     from torch.export import Dim
 
     made = {n: Dim(n, min=d.min, max=d.max) for n, d in dims.items() if d.min < d.max}
@@ -269,7 +272,7 @@ def probe(
     ctx: StageContext,
     path: Path,
     lay: sh.Layout,
-    dims: dict[str, Any],
+    dims: dict[str, DimRange],
     trace: dict[str, int],
     odd: bool,
 ) -> dict[str, Any]:
@@ -304,8 +307,8 @@ def probe(
 
 
 def _plans(
-    dims: dict[str, Any], trace: dict[str, int], odd: bool
-) -> list[tuple[str, dict[str, Any]]]:
+    dims: dict[str, DimRange], trace: dict[str, int], odd: bool
+) -> list[tuple[str, dict[str, int]]]:
     at = sh.corners(dims, ("min", "max"), odd_avoid=trace if odd else None)
     plans = [
         (f"only {n}={c[n]}", {**trace, n: c[n]})

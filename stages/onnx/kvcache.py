@@ -23,12 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from stages.onnx import shapes as sh
 from stages.onnx.compare import atol_scale, compare, normalized
+
+if TYPE_CHECKING:
+    from schemas.spec.export import DimRange
+    from schemas.spec.parity import KVCheck, ParityConfig, Tolerance
 
 Run = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 PAST = "past_key_values."
@@ -89,7 +93,7 @@ class Plan:
         ]
 
 
-def make_plan(dims: Any, cfg: Any) -> Plan:
+def make_plan(dims: dict[str, DimRange], cfg: KVCheck) -> Plan:
     """The probes for export.dims and parity.kv (spec rules: past_sequence.min 0, sequence.min
     1; past_lengths within past_sequence)."""
     seq, past, batch = dims["sequence"], dims["past_sequence"], dims.get("batch")
@@ -236,7 +240,9 @@ def padded(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan) -> Iterator
         out = run(feeds(lay, step, mask, presents(lay, out)))
 
 
-def judge(probe: Probe, ref: dict[str, np.ndarray], tol: Any, cfg: Any) -> list[dict[str, Any]]:
+def judge(
+    probe: Probe, ref: dict[str, np.ndarray], tol: Tolerance, cfg: ParityConfig
+) -> list[dict[str, Any]]:
     """Compare a probe's last logits (and, unpadded, its presents) with the full pass. A
     failed row names the first diverging position along the sequence."""
     rows = list(probe.rows) if probe.rows is not None else None
@@ -259,7 +265,7 @@ def judge(probe: Probe, ref: dict[str, np.ndarray], tol: Any, cfg: Any) -> list[
     return out
 
 
-def first_position(want: np.ndarray, got: np.ndarray, tol: Any) -> int:
+def first_position(want: np.ndarray, got: np.ndarray, tol: Tolerance) -> int:
     """The first position (axis 2 of [batch, heads, positions, dim]) out of tolerance."""
     diff = np.abs(want.astype(np.float64) - got)
     norm = normalized(diff, want, tol, atol_scale(want, tol))
@@ -273,8 +279,8 @@ def check(
     tokens: np.ndarray,
     plan: Plan,
     refs: Callable[[str, int, int], dict[str, np.ndarray]],
-    tol: Any,
-    cfg: Any,
+    tol: Tolerance,
+    cfg: ParityConfig,
 ) -> list[dict[str, Any]]:
     """Every probe of the walk and of the padded batch, judged against its full pass.
     `refs(kind, row, length)`: the reference of `kind` ("walk" | "padded") at that length."""

@@ -4,7 +4,7 @@ name where a parity failure enters (Polygraphy's layerwise comparison, on module
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,9 +13,12 @@ from stages.onnx import shapes as sh
 from stages.onnx.compare import compare
 from stages.onnx.graph import all_tensors, boundary_outputs, scoped_outputs
 
+if TYPE_CHECKING:
+    from schemas.spec.parity import ParityConfig
+
 
 def layerwise(
-    flat: Any, lay: sh.Layout, path: Path, feeds: dict[str, np.ndarray], cfg: Any
+    flat: Any, lay: sh.Layout, path: Path, feeds: dict[str, np.ndarray], cfg: ParityConfig
 ) -> dict[str, Any]:
     """Compare each PyTorch module's output with the ONNX tensor of the same scope: for a
     module with one output, the last tensor computed inside it or its children (GPT-2's
@@ -48,12 +51,18 @@ def layerwise(
     return {"compared": len(layers), "first_divergent": first, "layers": layers}
 
 
-def _row(module: str, tensor: str, ref: np.ndarray, got: np.ndarray, cfg: Any) -> dict[str, Any]:
+def _row(
+    module: str, tensor: str, ref: np.ndarray, got: np.ndarray, cfg: ParityConfig
+) -> dict[str, Any]:
     return {"module": module, "tensor": tensor, **compare(ref, got, cfg.tolerance, cfg)}
 
 
 def _several(
-    module: str, outs: list[np.ndarray], leaving: list[str], tensors: dict[str, Any], cfg: Any
+    module: str,
+    outs: list[np.ndarray],
+    leaving: list[str],
+    tensors: dict[str, np.ndarray],
+    cfg: ParityConfig,
 ) -> list[dict[str, Any]]:
     """Output k of a multi-output module against the leaving tensor of its shape that it is
     closest to, each tensor used once: the graph does not keep the module's return order,

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,21 +20,27 @@ from schemas.artifacts import ModelInfo
 from schemas.tasks import TASKS
 from stages.onnx.shapes import POSITIONS, TOTAL, Layout, Tensor
 
+if TYPE_CHECKING:
+    from schemas import ReleaseSpec
+    from schemas.spec.export import ExportConfig
+    from schemas.spec.model import HfModel, ModelSource, PythonModel
+    from stages.onnx.pooling import Pooling
 
-def model_paths(model: Any) -> tuple[str, str]:
+
+def model_paths(model: ModelSource) -> tuple[str, str]:
     """The two DVC dependencies of a model: its code/config and its weights (may coincide)."""
     if model.kind == "hf":
         return model.path, model.path
     return model.source, model.weights or model.source
 
 
-def load_model(root: Path, model: Any, task: str) -> Any:
+def load_model(root: Path, model: ModelSource, task: str) -> Any:
     """Build the nn.Module from the spec and put it in eval mode."""
     module = _load_hf(root, model, task) if model.kind == "hf" else _load_py(root, model)
     return module.eval()
 
 
-def _load_hf(root: Path, model: Any, task: str) -> Any:
+def _load_hf(root: Path, model: HfModel, task: str) -> Any:
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -77,7 +83,7 @@ def _check_shards(folder: Path, shown: str) -> None:
             )
 
 
-def _load_py(root: Path, model: Any) -> Any:
+def _load_py(root: Path, model: PythonModel) -> Any:
     import torch
 
     source = root / model.source
@@ -119,7 +125,7 @@ def _read_weights(path: Path) -> dict[str, Any]:
     return load_file(path)
 
 
-def model_config(model: Any, root: Path) -> dict[str, Any]:
+def model_config(model: ModelSource, root: Path) -> dict[str, Any]:
     """The HF config.json as a dict (empty for python models)."""
     if model.kind != "hf":
         return {}
@@ -168,7 +174,7 @@ def arch_of(config: dict[str, Any], lay: Layout) -> dict[str, int]:
     return out
 
 
-def load_with_layout(root: Path, release: Any) -> tuple[Any, Layout]:
+def load_with_layout(root: Path, release: ReleaseSpec) -> tuple[Any, Layout]:
     """The model in eval mode and its graph layout (which depends on what forward takes)."""
     import inspect
 
@@ -183,7 +189,7 @@ def load_with_layout(root: Path, release: Any) -> tuple[Any, Layout]:
     return net, layout(release.task, release.export, config, forward)
 
 
-def embedding_pooling(root: Path, release: Any) -> Any:
+def embedding_pooling(root: Path, release: ReleaseSpec) -> Pooling | None:
     """The pooling a text-embedding release exports (None for other tasks)."""
     if not TASKS[release.task].pooled:
         return None
@@ -200,7 +206,7 @@ def label_names(config: dict[str, Any]) -> list[str]:
 
 
 def layout(
-    task: str, export: Any, config: dict[str, Any], forward: frozenset[str] = frozenset()
+    task: str, export: ExportConfig, config: dict[str, Any], forward: frozenset[str] = frozenset()
 ) -> Layout:
     """Inputs/outputs of the exported graph: declared by the spec, or derived from the task
     (TASKS) and the config. `forward`: the model forward's parameter names; token_type_ids

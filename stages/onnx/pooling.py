@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import Refused
+
+if TYPE_CHECKING:
+    from schemas.spec.export import ExportConfig
 
 MODES = ("mean", "cls", "max", "last-token")
 # sentence-transformers' Pooling config key for each mode
@@ -62,7 +65,7 @@ def from_folder(folder: Path) -> Pooling | None:
     return Pooling(modes[0], NORMALIZE in types, f"{modules_file.name} (sentence-transformers)")
 
 
-def resolve(folder: Path | None, export: Any) -> Pooling:
+def resolve(folder: Path | None, export: ExportConfig) -> Pooling:
     """The folder's pooling if it has one (the spec may repeat it, not contradict it), else
     the spec's."""
     found = from_folder(folder) if folder else None

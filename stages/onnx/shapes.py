@@ -10,11 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from schemas.spec.export import DERIVED_DIM
+
+if TYPE_CHECKING:
+    from schemas.artifacts import DimSizes
+    from schemas.spec.export import DimRange
+
+    # a dim's min/opt/max: the spec's range, the export's record of it, or a plain dict
+    DimBounds = DimRange | DimSizes | dict[str, int]
 
 TOTAL = DERIVED_DIM  # past_sequence + sequence; derived, never declared in the spec
 BOUNDS = ("min", "opt", "max")
@@ -52,12 +59,12 @@ def with_total(sizes: Mapping[str, int]) -> dict[str, int]:
     return dict(sizes)
 
 
-def ranges_of(dims: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+def ranges_of(dims: Mapping[str, DimBounds]) -> dict[str, dict[str, int]]:
     """Named dim -> {min, opt, max}, from spec DimRanges or plain dicts."""
     return {n: d if isinstance(d, dict) else d.model_dump() for n, d in dims.items()}
 
 
-def trace_sizes(dims: Mapping[str, Any]) -> dict[str, int]:
+def trace_sizes(dims: Mapping[str, DimBounds]) -> dict[str, int]:
     """Sizes to trace at: opt, but never 0 or 1 (exporters specialize those) when max allows."""
     out = {}
     for n, r in ranges_of(dims).items():
@@ -73,7 +80,7 @@ def odd_size(low: int, high: int, avoid: int | None = None) -> int:
 
 
 def corners(
-    dims: Mapping[str, Any],
+    dims: Mapping[str, DimBounds],
     which: Iterable[str] = BOUNDS,
     odd_avoid: Mapping[str, int] | None = None,
 ) -> dict[str, dict[str, int]]:

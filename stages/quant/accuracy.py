@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from schemas.tasks import TASKS
+
+if TYPE_CHECKING:
+    from schemas.spec.quantization import AccuracyBudget
 
 
 def outputs(session: Any, samples: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
@@ -279,7 +282,7 @@ BOUNDS = {  # budget field -> (metric, "min" or "max")
 }
 
 
-def violations(budget: Any, metrics: dict[str, float]) -> list[str]:
+def violations(budget: AccuracyBudget, metrics: dict[str, float]) -> list[str]:
     """Each budget bound that the metrics break, as `metric 0.97 < 0.99`."""
     broken = []
     for field, (metric, kind) in BOUNDS.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,6 +13,14 @@ from schemas import Refused
 from schemas.tasks import TASKS
 from stages.bundling.hashing import hash_range
 from stages.onnx import shapes as sh
+
+if TYPE_CHECKING:
+    from schemas.spec.evaluation import EvalData
+    from schemas.spec.export import DimRange
+    from schemas.spec.quantization import CalibrationData
+
+    # a data file named in the spec: quantization.calibration or evaluation.dataset
+    DataFile = CalibrationData | EvalData
 
 
 @dataclass(frozen=True)
@@ -26,7 +34,12 @@ class Samples:
 
 
 def load(
-    root: Path, cfg: Any, task: str, lay: sh.Layout, dims: dict[str, Any], vocab: int
+    root: Path,
+    cfg: CalibrationData,
+    task: str,
+    lay: sh.Layout,
+    dims: dict[str, DimRange],
+    vocab: int,
 ) -> Samples:
     """Read cfg.path, check every sample, split into calibration and hold-out feeds."""
     path = root / cfg.path
@@ -44,7 +57,7 @@ def load(
 
 
 def read_rows(
-    root: Path, cfg: Any, lay: sh.Layout, limit: int | None, vocab: int, section: str
+    root: Path, cfg: DataFile, lay: sh.Layout, limit: int | None, vocab: int, section: str
 ) -> list[dict[str, np.ndarray]]:
     """Every sample of cfg.path (JSONL texts via cfg.tokenizer, or NPZ arrays), checked.
 
@@ -62,7 +75,7 @@ def read_rows(
 
 
 def _token_rows(
-    root: Path, cfg: Any, path: Path, limit: int | None, vocab: int, section: str
+    root: Path, cfg: DataFile, path: Path, limit: int | None, vocab: int, section: str
 ) -> list[dict[str, np.ndarray]]:
     from tokenizers import Tokenizer
 
@@ -111,7 +124,7 @@ def _check_tokens(where: str, ids: np.ndarray, limit: int | None, vocab: int) ->
         )
 
 
-def _text(cfg: Any, number: int, line: str) -> str:
+def _text(cfg: DataFile, number: int, line: str) -> str:
     try:
         value = json.loads(line)[cfg.text_field]
     except (ValueError, KeyError, TypeError):
@@ -125,7 +138,7 @@ def _text(cfg: Any, number: int, line: str) -> str:
 
 
 def _npz_rows(
-    cfg: Any, path: Path, lay: sh.Layout, limit: int | None, vocab: int
+    cfg: DataFile, path: Path, lay: sh.Layout, limit: int | None, vocab: int
 ) -> list[dict[str, np.ndarray]]:
     with np.load(path) as data:
         arrays = {k: data[k] for k in data.files}

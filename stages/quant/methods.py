@@ -32,7 +32,11 @@ from stages.onnx import stream
 from stages.quant import static
 
 if TYPE_CHECKING:
+    from schemas.spec.quantization import Int4WeightOnly, Int8Dynamic, Int8Static, Int8WeightOnly
     from stages.quant.smooth import Smoothing
+
+    # an explicit method's spec: what a Quantizer builds (auto's recipes become one of these)
+    Method = Int8Dynamic | Int8Static | Int4WeightOnly | Int8WeightOnly
 
 TWO_GB = 2 << 30
 WEIGHTS = "weights.data"
@@ -43,7 +47,7 @@ class Quantizer:
     """Writes quantized variants of one pre-processed FP32 model into `folder`."""
 
     def __init__(
-        self, model: Path, cfg: Any, calibration: list[dict[str, np.ndarray]], folder: Path
+        self, model: Path, cfg: Method, calibration: list[dict[str, np.ndarray]], folder: Path
     ) -> None:
         self.cfg, self.calibration, self.folder = cfg, calibration, folder
         self.counter = itertools.count()
@@ -135,12 +139,13 @@ class Quantizer:
 
         if name not in self._pieces:
             if self.static and not (self.folder / static.CACHE).is_file():
+                cfg = cast("Int8Static", self.cfg)  # self.static: cfg.method is int8-static
                 static.calibrate(
                     self.model,
                     static.tensors(self.skeleton(), self.candidates()),
                     _packed(self.calibration),
-                    self.cfg.calibrate_method,
-                    self.cfg.percentile,
+                    cfg.calibrate_method,
+                    cfg.percentile,
                     self.folder / static.CACHE,
                 )
             group = self._groups().get(name, [name])
@@ -283,11 +288,12 @@ def _dynamic(
 ) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    cfg = cast("Int8Dynamic", q.cfg)  # _METHODS: only its methods come here
     quantize_dynamic(
         src,
         out,
-        op_types_to_quantize=q.cfg.op_types,
-        per_channel=q.cfg.per_channel,
+        op_types_to_quantize=cfg.op_types,
+        per_channel=cfg.per_channel,
         weight_type=QuantType.QInt8,
         nodes_to_quantize=only,
         nodes_to_exclude=exclude,
@@ -300,19 +306,20 @@ def _static(
 ) -> None:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
+    cfg = cast("Int8Static", q.cfg)  # _METHODS: only its methods come here
     method = {
         "minmax": CalibrationMethod.MinMax,
         "entropy": CalibrationMethod.Entropy,
         "percentile": CalibrationMethod.Percentile,
-    }[q.cfg.calibrate_method]
+    }[cfg.calibrate_method]
     # Ranges are calibrated once (on every candidate) and reused from the cache file.
     quantize_static(
         src,
         out,
         _Reader(q.calibration),
         quant_format=QuantFormat.QDQ,
-        op_types_to_quantize=q.cfg.op_types,
-        per_channel=q.cfg.per_channel,
+        op_types_to_quantize=cfg.op_types,
+        per_channel=cfg.per_channel,
         # Signed INT8 with zero points fixed at 0 for activations and weights: TensorRT builds
         # INT8 from these Q/DQ nodes and refuses any other zero point ("TensorRT only supports
         # symmetric quantization"); asymmetric QUInt8 activations gave zero points like 202.
@@ -324,7 +331,7 @@ def _static(
         calibrate_method=method,
         calibration_cache_path=q.folder / static.CACHE,
         extra_options={
-            "CalibPercentile": q.cfg.percentile,
+            "CalibPercentile": cfg.percentile,
             "ActivationSymmetric": True,
             "WeightSymmetric": True,
         },
@@ -339,12 +346,13 @@ def _int4(
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    cfg = cast("Int4WeightOnly | Int8WeightOnly", q.cfg)  # _METHODS: only its methods come here
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     quantizer = MatMulNBitsQuantizer(
         onnx.load(str(src)),
-        bits=8 if q.cfg.method == "int8-weight-only" else 4,
-        block_size=q.cfg.block_size,
-        is_symmetric=q.cfg.symmetric,
+        bits=8 if cfg.method == "int8-weight-only" else 4,
+        block_size=cfg.block_size,
+        is_symmetric=cfg.symmetric,
         nodes_to_exclude=exclude,
         nodes_to_include=only,
         op_types_to_quantize=("MatMul",),
@@ -353,6 +361,8 @@ def _int4(
     quantizer.model.save_model_to_file(str(out), use_external_data_format=large)
 
 
+# Each function is called only for its own methods, so it reads q.cfg as that method's spec
+# (the casts at their tops).
 _METHODS = {
     "int8-dynamic": _dynamic,
     "int8-static": _static,

@@ -24,7 +24,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,13 @@ from stages.onnx.graph import node_scope
 from stages.quant import accuracy as acc
 from stages.quant.methods import Quantizer
 from stages.quant.search import session_for
+
+if TYPE_CHECKING:
+    from schemas.spec.quantization import AccuracyBudget, AutoQuantization, Recipe
+    from stages._contract import StageContext
+    from stages.quant.calibration import Samples
+    from stages.quant.methods import Method
+    from stages.quant.search import Evaluator
 
 # recipe -> (method, its settings)
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -70,7 +77,7 @@ IDEAL = {
 }  # the best a metric can be
 
 
-def concrete(q: Any, recipe: str) -> Any:
+def concrete(q: AutoQuantization, recipe: str) -> Method:
     """The explicit method spec a recipe stands for, with auto's shared settings."""
     from schemas.spec.quantization import Int4WeightOnly, Int8Dynamic, Int8Static, Int8WeightOnly
 
@@ -92,7 +99,7 @@ def concrete(q: Any, recipe: str) -> Any:
     return kinds[method].model_validate({**base, "method": method, **settings})
 
 
-def tightened(budget: Any, margin: float) -> Any:
+def tightened(budget: AccuracyBudget, margin: float) -> AccuracyBudget:
     """The budget with a margin: a min bound moves `margin` of the way to its ideal (1 for
     agreement and cosine; SNR by margin x its own size), a max bound shrinks by `margin`."""
     changes: dict[str, float] = {}
@@ -187,13 +194,13 @@ class Outcome:
 class Search:
     def __init__(
         self,
-        ctx: Any,
+        ctx: StageContext,
         pre: Path,
-        q: Any,
-        samples: Any,
-        budget: Any,
-        calibration: Any,
-        holdout: Any,
+        q: AutoQuantization,
+        samples: Samples,
+        budget: AccuracyBudget,
+        calibration: Evaluator,
+        holdout: Evaluator,
         fp32_bytes: int,
         served_rows: int = 1,
         fp32_session: Any = None,
@@ -229,8 +236,8 @@ class Search:
         # third of a recipe's cost and matters only for the one that falls back, so the
         # best-scoring recipe so far keeps its files untimed, and the others are dropped
         # (rebuilt only if every better one turns out too slow)
-        best: tuple[tuple[float, int, str], Quantizer, Path] | None = None
-        rest: list[tuple[float, int, str]] = []
+        best: tuple[tuple[float, int, Recipe], Quantizer, Path] | None = None
+        rest: list[tuple[float, int, Recipe]] = []
         rows: dict[str, RecipeTrial] = {}
         inaccurate: set[str] = set()
         for order, recipe in enumerate(self.q.recipes):
@@ -403,7 +410,7 @@ class Search:
         return out
 
 
-def _dominates(cfg: Any) -> bool:
+def _dominates(cfg: Method) -> bool:
     """Whether DOMINATED_BY's reasoning holds for this recipe's settings: a calibrated
     static range that clips (entropy, percentile) is not a coarser grid, a different one."""
     return getattr(cfg, "calibrate_method", "minmax") == "minmax"

@@ -9,7 +9,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from stages.onnx.graph import all_tensors, node_scope
 from stages.quant import accuracy as acc
 from stages.quant.methods import Quantizer
 
+if TYPE_CHECKING:
+    from schemas.spec.quantization import AccuracyBudget, QuantizedBase
+
 REMEDIES = (
     "Try quantization.per_channel: true (per-tensor scales can be far worse on encoders), "
     "method int8-static with calibration data, or relax quantization.budget; or raise "
@@ -28,7 +31,9 @@ REMEDIES = (
 )
 
 
-def gains_nothing(q: Any, excluded: list[str], ranked: list[SensitivityRow], ratio: float) -> str:
+def gains_nothing(
+    q: QuantizedBase, excluded: list[str], ranked: list[SensitivityRow], ratio: float
+) -> str:
     """Why a quantized model that passes its budget is still not worth shipping ("" if it is):
     mixed precision kept every quantizable node in float (FP32 in all but name), or the file
     is not smaller than quantization.max_size_ratio x FP32."""
@@ -338,8 +343,8 @@ def mixed_precision(
     quantizer: Quantizer,
     evaluate: Evaluator,
     ranked: list[SensitivityRow],
-    q: Any,
-    budget: Any,
+    q: QuantizedBase,
+    budget: AccuracyBudget,
 ) -> tuple[Choice, list[SelectionRow]]:
     """Keep the k most sensitive nodes in float, k = 0, 1, ... until the budget holds."""
     trace: list[SelectionRow] = []

@@ -3,11 +3,14 @@ reference baseline) and the gate (the production baseline)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from schemas.spec.evaluation import MetricThreshold
 
 
 def check(
-    t: Any, metrics: dict[str, float], baseline: float | None, absolute: bool = True
+    t: MetricThreshold, metrics: dict[str, float], baseline: float | None, absolute: bool = True
 ) -> dict[str, Any]:
     """MLflow MetricThreshold semantics: an absolute bound (when `absolute`) and the
     min absolute / relative change vs `baseline` (when given)."""
@@ -39,5 +42,5 @@ def check(
     }
 
 
-def has_change(t: Any) -> bool:
+def has_change(t: MetricThreshold) -> bool:
     return t.min_absolute_change is not None or t.min_relative_change is not None

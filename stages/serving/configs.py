@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -26,8 +26,13 @@ from stages.serving.engine.text import eos_ids, sampling_defaults
 from stages.serving.layout import MODEL_DIR
 from stages.serving.render import parse_triton
 
+if TYPE_CHECKING:
+    from schemas import ReleaseSpec
 
-def serving_values(release: Any, info: ModelInfo, plan: CapacityPlan, dtype: str) -> ServingValues:
+
+def serving_values(
+    release: ReleaseSpec, info: ModelInfo, plan: CapacityPlan, dtype: str
+) -> ServingValues:
     """Serving keys from the spec, defaulted from the capacity plan and checked against it
     and against the export's ranges; `dtype` is the served model's (the quantize stage's)."""
     s, dims = release.bundle.serving, info.dims
@@ -89,7 +94,7 @@ def serving_values(release: Any, info: ModelInfo, plan: CapacityPlan, dtype: str
 
 
 def runtime_settings(
-    release: Any,
+    release: ReleaseSpec,
     info: ModelInfo,
     plan: CapacityPlan,
     values: ServingValues,

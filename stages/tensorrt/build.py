@@ -10,17 +10,22 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import Refused
 from schemas.artifacts import CapacityPlan, EngineBuild, ModelInfo
 from stages._contract import StageContext, StageResult
 from stages.onnx import shapes as sh
 
+if TYPE_CHECKING:
+    from schemas import ReleaseSpec
+    from schemas.spec.engine import EngineConfig
+    from schemas.spec.parity import ParityConfig, Tolerance
+
 
 def build_and_check(
     ctx: StageContext,
-    release: Any,
+    release: ReleaseSpec,
     info: ModelInfo,
     profiles: list[dict[str, Any]],
     model: Path,
@@ -121,7 +126,7 @@ def compatibility_level(trt: Any, name: str) -> Any:
 
 
 def build(
-    model: Path, profiles: list[dict[str, Any]], cfg: Any, shared: Path | None, cache: Path
+    model: Path, profiles: list[dict[str, Any]], cfg: EngineConfig, shared: Path | None, cache: Path
 ) -> tuple[bytes, float]:
     """Parse strongly typed, add the profiles, build; the timing cache is read from the
     shared one (when given) and written to `cache` in the stage's own folder."""
@@ -190,8 +195,8 @@ def engine_parity(
     model: Path,
     profiles: list[dict[str, Any]],
     info: ModelInfo,
-    parity: Any,
-    default: Any = None,
+    parity: ParityConfig,
+    default: Tolerance | None = None,
 ) -> list[dict[str, Any]]:
     """TensorRT vs ONNX Runtime per profile at min/opt/max/odd; names the first bad layer."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
@@ -221,8 +226,8 @@ def judge(
     label: str,
     want: dict[str, Any],
     have: dict[str, Any],
-    parity: Any,
-    default: Any = None,
+    parity: ParityConfig,
+    default: Tolerance | None = None,
 ) -> dict[str, Any]:
     """One parity row from the shared comparator: a NaN, a missing output or a shape
     mismatch fails, and the first failing output is named."""
@@ -264,8 +269,8 @@ def first_diverging_layer(
     profiles: list[dict[str, Any]],
     info: ModelInfo,
     rows: list[dict[str, Any]],
-    parity: Any,
-    default: Any = None,
+    parity: ParityConfig,
+    default: Tolerance | None = None,
 ) -> dict[str, Any]:
     """Rebuild with every tensor marked as an output at the first failing shape; the first
     tensor in graph order that disagrees with ONNX Runtime's is the diverging layer."""
@@ -304,7 +309,7 @@ def first_diverging_layer(
 
 
 def render_triton(
-    ctx: StageContext, release: Any, profiles: list[dict[str, Any]], capability: str
+    ctx: StageContext, release: ReleaseSpec, profiles: list[dict[str, Any]], capability: str
 ) -> None:
     from stages.tensorrt import triton as trt_entry
 

@@ -4,19 +4,23 @@ inside the version folder). Used by the engine stage and the TensorRT build."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import Refused
 from stages.serving.render import parse_triton, render
+
+if TYPE_CHECKING:
+    from schemas.spec.bundle import ServingConfig
+    from schemas.spec.engine import CudaGraphs
 
 TRT_TEMPLATE = "triton_trt_config.pbtxt.j2"
 
 
 def triton_trt_values(
     profiles: list[dict[str, Any]],
-    serving: Any,
+    serving: ServingConfig,
     plan_batch: int,
-    graphs: Any,
+    graphs: CudaGraphs,
     capability: str,
     portable: bool = False,
 ) -> dict[str, Any]:
