@@ -10,11 +10,12 @@ reruns no release stage; any change to what the code does changes the tree, its
 fingerprint, and reruns every stage that imports it.
 
 Type annotations that nothing evaluates are removed too: a function's parameter and return
-annotations, a variable's annotation inside a function, and `if TYPE_CHECKING:` blocks
-(every module has `from __future__ import annotations`, and nothing in the fingerprinted
-code introspects signatures' annotations: tests/pipelines/test_derived_deps.py). Class-body
-annotations stay: they are pydantic's, dataclasses' and NamedTuples' fields. So typing a
-stage (mypy strict) reruns nothing.
+annotations, a variable's annotation inside a function, and `if TYPE_CHECKING:` blocks with
+the `TYPE_CHECKING` import itself (every module has `from __future__ import annotations`,
+and nothing in the fingerprinted code introspects signatures' annotations:
+tests/pipelines/test_derived_deps.py). Class-body annotations stay: they are pydantic's,
+dataclasses' and NamedTuples' fields. So typing a stage (mypy strict) reruns nothing, the
+first typing-only import of a module included.
 
 Files a stage reads as data (templates, the MLServer runtime it ships byte for byte;
 `io().code`) are not fingerprinted: the same file carries their sha256 over their bytes
@@ -64,7 +65,8 @@ class _StripDocs(ast.NodeTransformer):
 
 class _StripTypes(ast.NodeTransformer):
     """Annotations nothing evaluates: signatures, variables inside functions, and
-    `if TYPE_CHECKING:` blocks. Class-body annotations (fields) are kept."""
+    `if TYPE_CHECKING:` blocks (their else branch is what runs) with the name they test.
+    Class-body annotations (fields) are kept."""
 
     def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> ast.AST:
         node.returns = None
@@ -79,12 +81,20 @@ class _StripTypes(ast.NodeTransformer):
     visit_FunctionDef = _function
     visit_AsyncFunctionDef = _function
 
-    def visit_If(self, node: ast.If) -> ast.AST:
+    def visit_If(self, node: ast.If) -> ast.AST | list[ast.stmt]:
         test = node.test
         name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
-        if name == "TYPE_CHECKING":
-            node.body = [ast.Pass()]
+        if name == "TYPE_CHECKING":  # at run time: the else branch, if any
+            return [self.visit(stmt) for stmt in node.orelse]
         self.generic_visit(node)
+        return node
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> ast.AST | None:
+        """`TYPE_CHECKING` imported from typing serves only the blocks removed above."""
+        if node.module == "typing":
+            node.names = [a for a in node.names if a.name != "TYPE_CHECKING"]
+            if not node.names:
+                return None
         return node
 
 

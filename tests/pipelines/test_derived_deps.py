@@ -222,6 +222,25 @@ def test_annotations_nothing_evaluates_cost_no_rerun_but_fields_do() -> None:
     assert normalized(dotted) == normalized(
         dotted.replace("    from schemas import ReleaseSpec\n", "    from schemas import Other\n")
     )
+    # adding the first typing-only import to an untyped module costs nothing either: the
+    # block and the name it tests go, the else branch stays in its place
+    untyped = base.replace("from typing import TYPE_CHECKING, Any\n", "from typing import Any\n")
+    untyped = untyped.replace("if TYPE_CHECKING:\n    from schemas import ReleaseSpec\n", "")
+    assert normalized(untyped) == normalized(base)
+    alone = base.replace(
+        "from typing import TYPE_CHECKING, Any\n", "from typing import TYPE_CHECKING\n"
+    )
+    assert normalized(alone) == normalized(untyped.replace("from typing import Any\n", ""))
+    assert normalized(branches) == normalized(
+        untyped.replace(
+            "from pydantic import BaseModel\n", "R = 1\nfrom pydantic import BaseModel\n"
+        )
+    )
+    assert normalized(base) != normalized(
+        base.replace(
+            "from typing import TYPE_CHECKING, Any", "from typing import TYPE_CHECKING, cast"
+        )
+    )
 
 
 def test_imports_under_type_checking_are_no_dependency(tmp_path: Path) -> None:
