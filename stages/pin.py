@@ -6,7 +6,7 @@ import platform
 import subprocess
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import GitState, Provenance, VersionLock
@@ -14,6 +14,9 @@ from schemas.details import PinDetails
 from stages._contract import StageContext, StageIO, StageResult
 from stages.bundling.hashing import hash_files
 from stages.onnx.model import model_paths
+
+if TYPE_CHECKING:
+    from schemas.spec.model import HfModel, PythonModel
 
 NAME = "pin"
 RECORDED = (
@@ -102,7 +105,9 @@ def _check_packages(wanted: dict[str, str], found: dict[str, str | None]) -> lis
     return problems
 
 
-def _hash_model(ctx: StageContext, model: Any) -> tuple[dict[str, str], dict[str, str]]:
+def _hash_model(
+    ctx: StageContext, model: HfModel | PythonModel
+) -> tuple[dict[str, str], dict[str, str]]:
     """sha256 of every file under the model's paths, by repo-relative name: the stages that
     load the model depend on lock.json, not on the folders, so nothing in them may be left
     out (tokenizer, generation config, custom code). And of the checkpoint among them, named

@@ -4,7 +4,7 @@ precision, or (method auto) a recipe search (stages/quant/recipes.py)."""
 from __future__ import annotations
 
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import ReleaseSpec
 from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo
@@ -24,6 +24,11 @@ from stages.quant import accuracy as acc
 from stages.quant import calibration as calib
 from stages.quant import recipes, search
 from stages.quant.methods import Quantizer
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from schemas.spec.quantization import AutoQuantization, Quantization
 
 NAME = "quantize"
 LAYER_PLOT = Plot(
@@ -147,12 +152,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 def _auto(
     ctx: StageContext,
     release: ReleaseSpec,
-    q: Any,
-    pre: Any,
+    q: AutoQuantization,
+    pre: Path,
     fallback: str,
-    samples: Any,
+    samples: calib.Samples,
     budget: AccuracyBudget,
-    export: Any,
+    export: Path,
 ) -> StageResult:
     """method auto: the recipe search (stages/quant/recipes.py); its table is the report."""
     probe = samples.calibration[: q.calibration.sensitivity_samples]
@@ -263,7 +268,9 @@ def _layer_rows(layers: list[LayerRow]) -> list[dict[str, Any]]:
     ]
 
 
-def _info(q: Any, float_nodes: list[str], ranked: list[SensitivityRow] | None) -> QuantInfo:
+def _info(
+    q: Quantization, float_nodes: list[str], ranked: list[SensitivityRow] | None
+) -> QuantInfo:
     why = {
         r.node: f"rank {i + 1} of {len(ranked or [])} by sensitivity, SNR {r.snr_db:.1f} dB "
         "when quantized alone"

@@ -19,6 +19,16 @@ class EvalData(Strict):
     text_field: str = Field(default="text", description="JSONL key holding the text.")
     samples: int = Field(default=64, ge=1, description="Samples to evaluate.")
 
+    @model_validator(mode="after")
+    def _readable(self) -> EvalData:
+        """Rule: a .jsonl evaluation set needs `tokenizer`; the path ends in .jsonl or .npz (as
+        for quantization.calibration: the same reader)."""
+        if self.path.endswith(".jsonl") and not self.tokenizer:
+            raise ValueError("a JSONL evaluation set needs `tokenizer` (a tokenizer.json folder)")
+        if not self.path.endswith((".jsonl", ".npz")):
+            raise ValueError(f"path {self.path!r}: use a .jsonl (texts) or .npz (tensors) file")
+        return self
+
 
 class DecodeConfig(Strict):
     prompts: int = Field(default=8, ge=1, description="Prompts to decode greedily (causal-lm).")

@@ -168,11 +168,15 @@ def test_missing_file_and_tokenizer_are_named(root: Path) -> None:
 def test_a_jsonl_evaluation_set_without_tokenizer_is_refused_naming_its_section(
     root: Path,
 ) -> None:
-    # evaluation.dataset validates without a tokenizer (quantization.calibration does not):
-    # the reader refuses it by name instead of failing on `root / None` (a TypeError)
+    # the spec refuses it (EvalData's rule, as quantization.calibration's); the reader
+    # refuses it by name too, instead of failing on `root / None` (a TypeError), for a
+    # config that did not come through validation
     path = texts(root, [words(2)] * 5)
+    with pytest.raises(ValueError, match="a JSONL evaluation set needs `tokenizer`"):
+        EvalData(path=path)
+    unchecked = EvalData.model_construct(path=path, tokenizer=None, text_field="text", samples=64)
     with pytest.raises(StageError) as exc:
-        calibration.read_rows(root, EvalData(path=path), LM, 16, VOCAB, "evaluation.dataset")
+        calibration.read_rows(root, unchecked, LM, 16, VOCAB, "evaluation.dataset")
     assert str(exc.value) == error(
         "evaluation.dataset.tokenizer is not set: evaluation.dataset.path data/c.jsonl is "
         "JSONL text, which only the model's tokenizer turns into token ids",
