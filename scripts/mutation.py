@@ -41,6 +41,9 @@ PLAN = "tests/stages/test_plan_capacity.py::"
 TRUST = "tests/pipelines/test_registry_trust.py::"
 DEPS = "tests/pipelines/test_derived_deps.py::"
 COMPILER = "tests/pipelines/test_compiler.py::"
+EVALCHECK = "tests/stages/test_check_eval_mode.py::"
+EXPORT = "tests/stages/test_export_onnx.py::"
+EXPORT_UNITS = "tests/stages/test_export_mutants.py::"
 GUARANTEES: dict[str, list[str]] = {
     "schemas/loader.py": [
         "tests/schemas",
@@ -113,6 +116,66 @@ GUARANTEES: dict[str, list[str]] = {
         DEPS + "test_a_stage_depends_on_the_spec_modules_of_the_sections_it_declares_only",
         COMPILER + "test_each_stage_depends_on_a_file_of_only_its_own_spec_sections",
         COMPILER + "test_stages_depend_on_their_code_and_upstream_artifacts",
+    ],
+    # dvc.yaml and the params files with the import closure stubbed (about ten seconds a
+    # call here; pipelines/closure.py has its own tests): the committed dvc.yaml compared
+    # whole, the params files, the foreach items; test_compiler.py's tests on the real
+    # closure are left out (a minute per mutant)
+    "pipelines/compiler.py": [
+        "tests/pipelines/test_compiler_mutants.py",
+        COMPILER + "test_compile_reports_every_bad_release_together",
+    ],
+    # export's dynamic-axis guarantees: the probe plans (min, max, odd), the blame of a baked
+    # dim, the static-axis check, on graphs made by hand and on the small trap models; the
+    # held-back weights against torch's own graph; tied weights. tiny-gpt2's export (the
+    # built_gpt2 tests, the sharded checkpoint) and dynamo with external data are left out:
+    # half a minute or more per mutant
+    "stages/onnx/exporter.py": [
+        "tests/stages/test_export_mutants.py",
+        EXPORT + "test_baked_batch_fails_export_naming_the_dim",
+        EXPORT + "test_a_baked_dim_after_the_first_is_the_one_named",
+        EXPORT + "test_dynamo_exporter_gives_the_same_named_dims",
+        EXPORT + "test_dynamo_exporter_baked_batch_fails_naming_the_axis",
+        EXPORT + "test_external_data_always_writes_a_side_file_that_runs",
+        EXPORT + "test_tied_and_copied_weights_are_shared_and_the_graph_computes_the_same",
+        EXPORT + "test_a_nearly_tied_weight_is_kept",
+        "tests/stages/test_stream.py::test_held_back_weights_make_the_same_graph_as_torch",
+        "tests/stages/test_stream.py::test_an_unstorable_weight_dtype_is_a_stage_error",
+    ],
+    # the export stage around that machinery: model_info.json, the side-file decision, the
+    # context checks against the model's positions, the files an HF folder ships, the
+    # accepted range of integer inputs; on the small trap models (tiny-gpt2's export left
+    # out, as above)
+    "stages/export.py": [
+        "tests/stages/test_export_stage_mutants.py",
+        EXPORT_UNITS + "test_a_small_models_export_probes_the_odd_sizes_and_says_so",
+        EXPORT_UNITS + "test_the_report_json_of_a_baked_length_blames_it_only",
+        EXPORT + "test_baked_batch_fails_export_naming_the_dim",
+        EXPORT + "test_a_baked_dim_after_the_first_is_the_one_named",
+        EXPORT + "test_dynamo_exporter_baked_batch_fails_naming_the_axis",
+        EXPORT + "test_external_data_always_writes_a_side_file_that_runs",
+        EXPORT + "test_context_beyond_model_positions_is_refused",
+        EXPORT + "test_a_missing_shard_is_refused_naming_it",
+    ],
+    # the shared DVC cache on a small DVC project of its own (remote config, eviction, the
+    # screen with provenance's verdicts stubbed, push/pull with the run-cache) and on moto's
+    # S3; test_provenance.py's tests are left out: a built release per mutant (`repo`), or
+    # a DVC project on S3 per mutant for what these check in the remote's config
+    "pipelines/cache.py": ["tests/pipelines/test_cache_mutants.py"],
+    # the trap models (forced dropout, a random op, a module stuck in or switched to
+    # training mode) and a passing one built and checked in-process, and the blame, the
+    # one-thread rerun and the graph's nodes at unit level; tiny-gpt2's passing run is left
+    # out (a whole release per mutant)
+    "stages/evalcheck.py": [
+        "tests/stages/test_evalcheck_mutants.py",
+        EVALCHECK + "test_forced_dropout_fails_naming_where_randomness_enters",
+        EVALCHECK + "test_random_submodule_is_named_as_the_source",
+        EVALCHECK + "test_forced_dropout_in_dynamo_graph_is_named_as_an_active_dropout_node",
+        EVALCHECK + "test_random_op_in_the_graph_is_named",
+        EVALCHECK + "test_module_stuck_in_training_mode_is_named",
+        EVALCHECK + "test_a_forward_pass_that_switches_a_module_to_training_mode_is_named",
+        EVALCHECK + "test_dropout_node_with_constant_false_training_mode_is_inert",
+        EVALCHECK + "test_dropout_whose_training_mode_is_a_graph_input_is_flagged",
     ],
     "pipelines/fingerprint.py": [
         DEPS + "test_the_fingerprint_ignores_docs_comments_and_layout_but_not_code",
@@ -230,6 +293,7 @@ def run_module(module: str, keep: Path | None, minutes: float) -> dict[str, obje
             "PATH": f"{BIN}:{os.environ['PATH']}",
             "PYTHONPATH": f"{root / 'mutants' / 'src'}:{root / 'mutation_site'}",
             "SHIPYARD_RUNTIME_TESTS": "1",  # tests/runtime: only collected in their own run
+            "DVC_NO_ANALYTICS": "1",  # no analytics daemon per `dvc` command a test runs
         }
         start = time.monotonic()
         try:
