@@ -194,6 +194,16 @@ RULES_DOC = (
 EXTRA_ARGS: dict[str, list[str]] = {
     "schemas/loader.py": ["--deselect", RULES_DOC],
     "schemas/release.py": ["--deselect", RULES_DOC],
+    # added after the last measurement; with them the mutants of `_trace` hung in mutmut's
+    # forks (futex wait: a lock held at fork time), which the timeout would count as kills
+    "stages/export.py": [
+        "--deselect",
+        "tests/stages/test_export_stage_mutants.py::"
+        "test_a_tied_weight_is_stored_once_and_the_report_says_which",
+        "--deselect",
+        "tests/stages/test_export_stage_mutants.py::"
+        "test_a_failed_export_keeps_its_probes_in_the_report",
+    ],
 }
 
 # Imported at start-up by every Python process the tests spawn (on their PYTHONPATH). While
