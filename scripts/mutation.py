@@ -111,6 +111,7 @@ GUARANTEES: dict[str, list[str]] = {
         DEPS + "test_a_module_run_as_python_dash_m_is_a_dependency_of_who_runs_it",
         DEPS + "test_imports_under_type_checking_are_no_dependency",
         DEPS + "test_relative_imports_resolve_against_the_importing_package",
+        DEPS + "test_a_plain_import_depends_on_the_module_and_the_packages_above_it",
         DEPS + "test_only_a_module_named_right_after_dash_m_is_run",
         DEPS + "test_the_spec_contributes_its_base_and_the_declared_sections_only",
         DEPS + "test_a_stage_depends_on_the_spec_modules_of_the_sections_it_declares_only",

@@ -16,6 +16,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from schemas.details import ExportDetails
 from stages.onnx import exporter
 from stages.onnx import shapes as sh
 from tests.conftest import Workspace, generic_spec
@@ -65,7 +66,8 @@ def test_a_small_models_export_probes_the_odd_sizes_and_says_so(ws: Workspace) -
     ws.run("pin", spec)
     report = ws.run("export", spec)
     assert report.status.value == "passed", report.reasons
-    probed = [(r["shape"], r["sizes"], r["ok"]) for r in report.details["probed"]]
+    details = ExportDetails.model_validate(report.details)
+    probed = [(r.shape, r.sizes, r.ok) for r in details.probed]
     assert probed == [
         ("only batch=1", {"batch": 1}, True),
         ("only batch=4", {"batch": 4}, True),
@@ -79,10 +81,10 @@ def test_a_small_models_export_probes_the_odd_sizes_and_says_so(ws: Workspace) -
         f"1 inputs, 1 dims symbolic, ran at 6 shapes in ONNX Runtime ({size / 1e6:.1f} MB)"
     )
     assert report.metrics == {"onnx_bytes": size, "shapes_run": 6}
-    assert report.details["trace_sizes"] == {"batch": 2}
+    assert details.trace_sizes == {"batch": 2}
     spec["export"]["odd_sizes"] = False
     report = ws.run("export", spec)
-    assert [r["shape"] for r in report.details["probed"]] == [
+    assert [r.shape for r in ExportDetails.model_validate(report.details).probed] == [
         "only batch=1",
         "only batch=4",
         "all min",

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from schemas import StageError
+from schemas.details import ExportDetails, TiedWeight
 from stages import export
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
@@ -52,8 +53,8 @@ def test_model_info_describes_the_exported_graph(
         "weight_bytes": (8 * 16 + 16 + 16 * 4 + 4) * 4,
     }
     assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model_info.json", "report.json"]
-    assert report.details["model_files"] == []
-    assert "tied_weights" not in report.details and "embedding" not in report.details
+    assert ExportDetails.model_validate(report.details).model_files == []
+    assert "tied_weights" not in report.details and "embedding" not in report.details  # unset
 
 
 @pytest.mark.parametrize(
@@ -218,8 +219,8 @@ def test_a_tied_weight_is_stored_once_and_the_report_says_which(ws: Workspace) -
     report = ws.run("export", spec)
     assert report.status.value == "passed", report.reasons
     # legacy export stores Linear weights transposed, as MatMul inputs: one is the other's
-    assert report.details["tied_weights"] == [
-        {"dropped": "onnx::MatMul_8", "kept": "onnx::MatMul_7", "how": "transpose"}
+    assert ExportDetails.model_validate(report.details).tied_weights == [
+        TiedWeight(dropped="onnx::MatMul_8", kept="onnx::MatMul_7", how="transpose")
     ]
 
 
@@ -228,7 +229,7 @@ def test_a_failed_export_keeps_its_probes_in_the_report(ws: Workspace) -> None:
     ws.run("pin", spec)
     report = ws.run("export", spec)
     assert report.status.value == "failed"
-    assert report.details["trace_sizes"] == {"batch": 2}
-    probed = report.details["probed"]
-    assert len(probed) == 6 and not all(r["ok"] for r in probed)
-    assert report.details["model_files"] == []
+    details = ExportDetails.model_validate(report.details)
+    assert details.trace_sizes == {"batch": 2}
+    assert len(details.probed) == 6 and not all(r.ok for r in details.probed)
+    assert details.model_files == []
