@@ -148,8 +148,15 @@ def _evict(root: Path, stage: str, release: str, outs: list[str]) -> None:
             data = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
         except (OSError, yaml.YAMLError):
             continue
-        named = {str(o.get("md5")) for o in (data or {}).get("outs", []) if isinstance(o, dict)}
-        if isinstance(data, dict) and named & gone:
+        if not isinstance(data, dict):  # not a run-cache entry DVC wrote: not ours to judge
+            continue
+        listed = data.get("outs")
+        named = (
+            {str(o.get("md5")) for o in listed if isinstance(o, dict)}
+            if isinstance(listed, list)
+            else set()
+        )
+        if named & gone:
             path.unlink()
     for rel in outs:
         target = root / rel

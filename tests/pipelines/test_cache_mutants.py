@@ -175,7 +175,11 @@ def test_evict_removes_the_outputs_their_objects_and_the_run_cache_entries_namin
     broken = run_entry(root, "a0", "outs: [unclosed\n")  # scanned first: skipped
     empty = run_entry(root, "r4", "")
     unhashed = run_entry(root, "r6", {"outs": [{"path": "build/rel/metrics/export.json"}]})
+    # entries a writer of the remote could plant: a YAML list, outs not a list
+    planted = run_entry(root, "r7", "- outs\n- " + MD5_A + "\n")
+    odd = run_entry(root, "r8", {"outs": MD5_A})
     cache.evict(root, "export", "rel")
+    assert planted.exists() and odd.exists()  # not entries DVC wrote: left alone, no crash
     assert not (root / "build/rel/export").exists()
     assert not (root / "build/rel/attestations/export.json").exists()
     assert (root / "build/other/export/model.onnx").is_file()

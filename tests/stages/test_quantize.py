@@ -309,8 +309,11 @@ def test_auto_never_ships_a_recipe_slower_than_fp32_and_says_so(built_gpt2: Work
     # a row goes untimed only when it failed accuracy and could not become the fallback
     assert all("(with margin)" in r.why for r in rows if r.speedup is None)
     by = {r.recipe: r for r in rows}
-    if "(with margin)" not in by["int8-dynamic-per-channel"].why:  # accurate, too slow:
-        assert by["int8-static"].calibration, by["int8-static"]  # static may be faster
+    # per-channel accurate but too slow: static may be faster, so the search builds it,
+    # unless a recipe before it in the order shipped (per-tensor int8-dynamic can measure
+    # at FP32's speed on a busy machine: the search then stops there)
+    if "(with margin)" not in by["int8-dynamic-per-channel"].why and details.chosen is None:
+        assert by["int8-static"].calibration, by["int8-static"]
     slow = [r for r in timed if r.speedup < 1]
     if len(slow) < len(timed):  # a recipe ran faster here: then it must be the one shipped
         assert report.status.value == "passed" and details.chosen in {
