@@ -84,9 +84,9 @@ class _StripTypes(ast.NodeTransformer):
     def visit_If(self, node: ast.If) -> ast.AST | list[ast.stmt]:
         test = node.test
         name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+        self.generic_visit(node)  # nested blocks first, their statement lists flattened
         if name == "TYPE_CHECKING":  # at run time: the else branch, if any
-            return [self.visit(stmt) for stmt in node.orelse]
-        self.generic_visit(node)
+            return node.orelse
         return node
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> ast.AST | None:

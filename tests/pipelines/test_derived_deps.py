@@ -231,6 +231,8 @@ def test_annotations_nothing_evaluates_cost_no_rerun_but_fields_do() -> None:
         "from typing import TYPE_CHECKING, Any\n", "from typing import TYPE_CHECKING\n"
     )
     assert normalized(alone) == normalized(untyped.replace("from typing import Any\n", ""))
+    nested = branches.replace("    R = 1\n", "    if TYPE_CHECKING:\n        pass\n    R = 1\n")
+    assert normalized(nested) == normalized(branches)  # a block inside the else goes too
     assert normalized(branches) == normalized(
         untyped.replace(
             "from pydantic import BaseModel\n", "R = 1\nfrom pydantic import BaseModel\n"
