@@ -112,6 +112,19 @@ class CalibrationSummary(_Row):
     holdout: int
 
 
+class SpeedCheck(_Row):
+    """One timed pass of a variant against FP32 (stages/quant/speed.py): the timed median
+    ratio with its 95 % interval, the cost model's prediction, and which of them decided."""
+
+    ratio: float = Field(description="Median over interleaved rounds of FP32 time / variant time.")
+    interval: tuple[float, float] = Field(description="95 % interval of that median.")
+    predicted: float = Field(description="The deterministic cost model's FP32 cost / variant's.")
+    decided_by: Literal["timing", "cost model"] = Field(
+        description="timing: the interval cleared the bar by the band; else the cost model."
+    )
+    fast: bool = Field(description="At least quantization.min_speedup by what decided.")
+
+
 class RecipeRow(_Row):
     """One variant the `auto` recipe search measured (the model card prints the table)."""
 
@@ -123,6 +136,11 @@ class RecipeRow(_Row):
         default=None,
         description="FP32 time / quantized time, slowest decisive pass; None: not timed (it "
         "failed its accuracy budget and could not become the fallback).",
+    )
+    speed_decided_by: Literal["timing", "cost model"] | None = Field(
+        default=None,
+        description="What decided the slowest decisive pass's verdict (None: not timed); "
+        "`speedup` is the timed median, or the cost model's prediction when it decided.",
     )
     calibration: dict[str, float] = Field(
         default_factory=dict, description="Budget metrics on the calibration probe."
@@ -144,6 +162,9 @@ class RecipeTrial(RecipeRow):
 
     speedups: dict[str, float] = Field(
         default_factory=dict, description="FP32 time / quantized time of each pass timed."
+    )
+    speed: dict[str, SpeedCheck] = Field(
+        default_factory=dict, description="Each pass timed: interval, prediction, verdict."
     )
 
     def shipped(self) -> RecipeRow:

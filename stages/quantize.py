@@ -185,9 +185,8 @@ def _auto(
         preprocess=fallback or "quant_pre_process with symbolic shape inference",
     )
     if not outcome.ok or outcome.path is None:
-        tried = ", ".join(dict.fromkeys(r.recipe for r in outcome.table))
         return StageResult.failed(
-            f"no recipe meets the accuracy budget with its margin ({tried} tried)",
+            recipes.no_recipe_headline(outcome.table),
             [
                 f"{'; '.join(outcome.broken)}. Relax quantization.budget or "
                 "quantization.margin, lower quantization.min_speedup (0: ship INT8 even when "

@@ -3,9 +3,10 @@
 Recipes are tried in the spec's order (expected gain first: per-channel dynamic INT8,
 per-tensor dynamic INT8, static QDQ INT8, weight-only block-wise INT4). Each is built on
 the whole model and measured: the budget's metrics on the calibration probe and on the
-held-out samples, the file size and the latency against FP32 on this machine (decode steps
-for a KV-cache graph, forward passes otherwise; timed only for a recipe that could ship and
-for the one that falls back).
+held-out samples, the file size and the speed against FP32 (decode steps for a KV-cache
+graph, forward passes otherwise; timed only for a recipe that could ship and for the one
+that falls back), decided by interleaved timing with an interval or, where the interval
+decides nothing, by a deterministic cost model (stages/quant/speed.py).
 The first recipe that meets the budget *with a margin* on both sample sets, is small enough
 and at least `min_speedup` x FP32's speed ships. When none does, the best fast-enough recipe
 keeps whole classes of layers in float (every `mlp.c_proj`, every `down_proj`: where an
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from schemas import StageError
-from schemas.quantsearch import RecipeTrial
+from schemas.quantsearch import RecipeTrial, SpeedCheck
 from stages.onnx.graph import node_scope
 from stages.quant import accuracy as acc
+from stages.quant import speed as sp
 from stages.quant.methods import Quantizer
 from stages.quant.search import session_for
 
@@ -116,30 +118,6 @@ def tightened(budget: AccuracyBudget, margin: float) -> AccuracyBudget:
     return budget.model_copy(update=changes)
 
 
-def paired_speedup(
-    fp32: Any, variant: Any, feeds: list[dict[str, np.ndarray]], runs: int
-) -> tuple[float, float]:
-    """FP32 time / variant time for one pass over the feeds, and FP32's median seconds.
-
-    The two sessions are timed in alternation, pass by pass, after a warm-up of each: a
-    shared VM's speed drifts by tens of percent over seconds, and timing FP32 once at the
-    start and each variant later would report that drift as a speed-up or a slow-down.
-    """
-
-    def one(session: Any) -> float:
-        start = time.perf_counter()
-        for sample in feeds:
-            session.run(None, sample)
-        return time.perf_counter() - start
-
-    one(fp32), one(variant)
-    ref, got = [], []
-    for _ in range(runs):
-        ref.append(one(fp32))
-        got.append(one(variant))
-    return float(np.median(ref) / np.median(got)), float(np.median(ref))
-
-
 PAST, PRESENT = acc.PAST, acc.PRESENT
 
 
@@ -214,12 +192,14 @@ class Search:
         # batch (what a served causal LM spends its time on, and what decides); otherwise
         # forward passes over calibration samples
         fp32 = fp32_session or session_for(pre)
+        # pass -> (its feeds, the rows the cost model prices: sequences decoded, or tokens)
         self.timed: dict[str, tuple[list[dict[str, Any]], int]] = {}
         for rows in sorted({1, served_rows}):
             step = decode_feeds(fp32, self.feeds[0], rows)
             if step is not None:
-                self.timed[f"decode_batch_{rows}"] = ([step] * 8, 7)
-        self.timed = self.timed or {"forward": (self.feeds, 5)}
+                self.timed[f"decode_batch_{rows}"] = ([step] * 8, rows)
+        tokens = max((int(f["input_ids"].size) for f in self.feeds if "input_ids" in f), default=1)
+        self.timed = self.timed or {"forward": (self.feeds, tokens)}
         # no FP32 session is held while variants are built and measured: one is opened for
         # each timing (one or two a search) and closed after it (issue 26: peak memory)
         self.fp32_s: dict[str, float] = {}
@@ -311,10 +291,10 @@ class Search:
         held = {} if why else self.holdout(session)
         if held:
             why += [f"held-out (with margin): {b}" for b in acc.violations(self.tight, held)]
-        speeds: dict[str, float] = {}
+        checks: dict[str, SpeedCheck] = {}
         speedup: float | None = None
         if not why:
-            speeds, speedup, slow = self._speed(session)
+            checks, speedup, slow = self._speed(session, path)
             why += [slow] if slow else []
         ratio = _size(path) / self.fp32_bytes
         if ratio > self.q.max_size_ratio:
@@ -324,42 +304,71 @@ class Search:
             method=method,
             float_classes=float_classes,
             size_ratio=round(ratio, 4),
-            speedup=speedup,
-            speedups={k: round(v, 3) for k, v in speeds.items()},
+            speedup=None,
             calibration=cal,
             holdout=held,
             chosen=False,
             why="; ".join(why) or "meets the budget with its margin, fast and small enough",
         )
+        if speedup is not None:
+            self._record(row, checks, speedup)
         label = recipe + (f" + float {', '.join(float_classes)}" if float_classes else "")
         self.ctx.log(f"recipe {label}: {row.why}")
         return row, why, cal
 
-    def _speed(self, session: Any) -> tuple[dict[str, float], float, str | None]:
-        """Speed-ups over FP32 of everything timed, the decisive (slowest) one, and why it
-        is too slow (None: fast enough)."""
-        speeds = {}
+    def _speed(self, session: Any, path: Path) -> tuple[dict[str, SpeedCheck], float, str | None]:
+        """Every pass timed against FP32 (stages/quant/speed.py: interleaved rounds, an
+        interval, the cost model where the interval decides nothing), the decisive
+        (slowest) figure, and why it is too slow (None: fast enough)."""
+        checks: dict[str, SpeedCheck] = {}
         fp32 = session_for(self.pre)
-        for k, (feeds, runs) in self.timed.items():
-            speeds[k], self.fp32_s[k] = paired_speedup(fp32, session, feeds, runs)
+        for k, (feeds, rows) in self.timed.items():
+            timing = sp.paired(_passes(fp32, feeds), _passes(session, feeds))
+            self.fp32_s[k] = timing.fp32_s
+            verdict = sp.decide(
+                timing, sp.predicted_speedup(self.pre, path, rows), self.q.min_speedup
+            )
+            checks[k] = SpeedCheck(
+                ratio=round(timing.ratio, 3),
+                interval=verdict.interval,
+                predicted=verdict.predicted,
+                decided_by=verdict.decided_by,
+                fast=verdict.fast,
+            )
         del fp32
         # a causal LM is served by decode steps: those decide; otherwise the forward pass
-        decisive = [k for k in speeds if k.startswith("decode")] or ["forward"]
-        slowest = min(decisive, key=lambda k: speeds[k])
-        speedup = round(speeds[slowest], 3)
+        decisive = [k for k in checks if k.startswith("decode")] or ["forward"]
+        figure = {k: self._figure(checks[k]) for k in decisive}
+        slowest = min(decisive, key=lambda k: (checks[k].fast, figure[k]))
+        speedup = figure[slowest]
         slow = None
-        if self.q.min_speedup and speedup < self.q.min_speedup:
+        if not all(checks[k].fast for k in decisive):
+            c = checks[slowest]
             slow = (
-                f"speed {speedup:.2f}x FP32 ({slowest}), below quantization.min_speedup "
+                f"speed {speedup:.2f}x FP32 ({slowest}, decided by the {c.decided_by}: timed "
+                f"{c.ratio:.2f}x, 95 % interval {c.interval[0]:.2f}-{c.interval[1]:.2f}, "
+                f"predicted {c.predicted:.2f}x), below quantization.min_speedup "
                 f"{self.q.min_speedup:g}"
             )
-        return speeds, speedup, slow
+        return checks, speedup, slow
+
+    @staticmethod
+    def _figure(check: SpeedCheck) -> float:
+        """The speed-up a verdict rests on: the timed median, or the prediction."""
+        return check.ratio if check.decided_by == "timing" else check.predicted
+
+    def _record(self, row: RecipeTrial, checks: dict[str, SpeedCheck], speedup: float) -> None:
+        row.speedup, row.speed = speedup, checks
+        row.speedups = {k: c.ratio for k, c in checks.items()}
+        decisive = [c for k, c in checks.items() if k.startswith("decode")] or list(checks.values())
+        slowest = min(decisive, key=lambda c: (c.fast, self._figure(c)))
+        row.speed_decided_by = slowest.decided_by
 
     def _time(self, row: RecipeTrial, path: Path) -> bool:
         """Time a variant measured untimed (the fallback candidate) into its row; whether
         it is fast enough to fall back on."""
-        speeds, speedup, slow = self._speed(session_for(path))
-        row.speedup, row.speedups = speedup, {k: round(v, 3) for k, v in speeds.items()}
+        checks, speedup, slow = self._speed(session_for(path), path)
+        self._record(row, checks, speedup)
         if slow:
             row.why += f"; {slow}"
         self.ctx.log(f"recipe {row.recipe}: timed as the fallback: {speedup:.2f}x FP32")
@@ -408,6 +417,39 @@ class Search:
             _remove(path)
         out.broken = out.broken or ["one class of layers only: nothing to keep in float"]
         return out
+
+
+def _passes(session: Any, feeds: list[dict[str, Any]]) -> Callable[[], None]:
+    """One timed pass: every feed run once through the session."""
+
+    def run() -> None:
+        for sample in feeds:
+            session.run(None, sample)
+
+    return run
+
+
+def no_recipe_headline(table: list[RecipeTrial]) -> str:
+    """Why no recipe shipped, by the real reason of each: accuracy, speed, size or build."""
+    reasons: dict[str, list[str]] = {}
+    for row in table:
+        label = row.recipe + (" + float classes" if row.float_classes else "")
+        kinds = [
+            kind
+            for kind, marks in (
+                ("accuracy", ("(with margin)", "missed the accuracy")),
+                ("speed", ("speed ",)),
+                ("size", ("size ",)),
+                ("build", ("could not be built",)),
+            )
+            if any(m in row.why for m in marks)
+        ]
+        for kind in kinds or ["other"]:
+            reasons.setdefault(kind, []).append(label)
+    parts = [
+        f"{kind}: {', '.join(dict.fromkeys(labels))}" for kind, labels in sorted(reasons.items())
+    ]
+    return "no recipe ships; refused for " + "; ".join(parts)
 
 
 def _dominates(cfg: Method) -> bool:

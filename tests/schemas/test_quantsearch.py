@@ -76,7 +76,9 @@ ROW: dict[str, Any] = {
     "float_classes": [],
     "size_ratio": 0.0,
     "speedup": None,
+    "speed_decided_by": None,
     "speedups": {},
+    "speed": {},
     "calibration": {},
     "holdout": {},
     "chosen": False,
@@ -93,7 +95,24 @@ SEARCH: dict[str, Any] = {
             "method": "int4-weight-only",
             "size_ratio": 0.5425,
             "speedup": 0.625,
+            "speed_decided_by": "timing",
             "speedups": {"decode_batch_1": 0.625, "decode_batch_8": 0.75},
+            "speed": {
+                "decode_batch_1": {
+                    "ratio": 0.625,
+                    "interval": [0.6, 0.7],
+                    "predicted": 0.9,
+                    "decided_by": "timing",
+                    "fast": False,
+                },
+                "decode_batch_8": {
+                    "ratio": 0.75,
+                    "interval": [0.5, 1.25],
+                    "predicted": 0.8,
+                    "decided_by": "cost model",
+                    "fast": False,
+                },
+            },
             "calibration": METRICS,
             "holdout": METRICS,
             "chosen": True,
@@ -151,7 +170,7 @@ def test_a_recipe_row_without_its_verdict_is_refused() -> None:
     row = {k: v for k, v in ROW.items() if k != "why"}
     with pytest.raises(ValidationError, match=r"why\s+Field required"):
         RecipeTrial.model_validate(row)
-    shipped = {k: v for k, v in row.items() if k != "speedups"}
+    shipped = {k: v for k, v in row.items() if k not in ("speedups", "speed")}
     with pytest.raises(ValidationError, match=r"recipes\.0\.why\s+Field required"):
         QuantInfo.model_validate(
             {"method": "int8-dynamic", "dtype": "int8", "float_nodes": [], "recipes": [shipped]}
@@ -209,7 +228,7 @@ def test_a_shipped_row_is_the_trial_without_its_per_pass_speedups() -> None:
     shipped = trial.shipped()
     assert type(shipped) is RecipeRow
     assert shipped.model_dump() == {
-        k: v for k, v in SEARCH["recipes"][1].items() if k != "speedups"
+        k: v for k, v in SEARCH["recipes"][1].items() if k not in ("speedups", "speed")
     }
 
 

@@ -620,12 +620,13 @@ def test_the_fallback_is_the_best_scoring_recipe_fast_enough_timed_only_when_nee
     timings: list[int] = []
     real = recipes.Search._speed
 
-    def first_slow(self: recipes.Search, session: object) -> tuple:
+    def first_slow(self: recipes.Search, session: object, path: Path) -> tuple:
         timings.append(1)
-        speeds, speedup, slow = real(self, session)
+        checks, speedup, slow = real(self, session, path)
         if len(timings) == 1:
-            return {k: 0.5 for k in speeds}, 0.5, "speed 0.50x FP32 (forced), below 1"
-        return speeds, speedup, slow
+            forced = {k: c.model_copy(update={"ratio": 0.5}) for k, c in checks.items()}
+            return forced, 0.5, "speed 0.50x FP32 (forced), below 1"
+        return checks, speedup, slow
 
     monkeypatch.setattr(recipes.Search, "_speed", first_slow)
     order = ["int8-dynamic-per-channel", "int8-dynamic-smoothquant"]

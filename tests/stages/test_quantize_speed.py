@@ -1,0 +1,206 @@
+"""Speed verdicts that noise cannot flip (stages/quant/speed.py): the median's interval, the
+band a timing must clear to decide, the cost model read from the graphs alone, and the same
+recipe chosen by three rebuilds, one of them beside a CPU hog."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from stages.quant import speed as sp
+from tests.conftest import Workspace
+from tests.stages.test_quantize import auto_spec, searched
+
+
+def test_the_medians_interval_is_the_binomial_order_statistics() -> None:
+    # n = 15: P(B(15, 1/2) <= 3) = 0.0176 <= 0.025 < P(<= 4): ranks 4 and 12 (1-based)
+    assert sp.median_interval([float(i) for i in range(15)]) == (3.0, 11.0)
+    # shuffled input: the interval is of the sorted values
+    values = [float(v) for v in np.random.default_rng(0).permutation(15)]
+    assert sp.median_interval(values) == (3.0, 11.0)
+    # n = 5: P(B <= 0) = 1/32 > 0.025, no rank qualifies: the whole range, never narrower
+    assert sp.median_interval([5.0, 1.0, 3.0, 2.0, 4.0]) == (1.0, 5.0)
+    # n = 6: P(B <= 0) = 1/64 <= 0.025: ranks 1 and 6
+    assert sp.median_interval([float(i) for i in range(6)]) == (0.0, 5.0)
+
+
+@pytest.mark.parametrize(
+    "low,high,predicted,by,fast",
+    [
+        (1.1, 1.5, 0.5, "timing", True),  # exactly at bar x (1 + band): timing, fast
+        (1.0999, 1.5, 0.5, "cost model", False),  # just short: the model decides (slow)
+        (1.0999, 1.5, 1.2, "cost model", True),
+        (0.5, 0.9, 2.0, "timing", False),  # exactly at bar x (1 - band): timing, slow
+        (0.5, 0.9001, 2.0, "cost model", True),
+        (0.2, 3.8, 0.99, "cost model", False),  # a busy machine's interval decides nothing
+    ],
+)
+def test_timing_decides_only_when_its_interval_clears_the_bar_by_the_band(
+    low: float, high: float, predicted: float, by: str, fast: bool
+) -> None:
+    v = sp.decide(sp.Timing((low + high) / 2, low, high, 0.01), predicted, 1.0)
+    assert (v.decided_by, v.fast) == (by, fast)
+    assert v.speedup == round((low + high) / 2 if by == "timing" else predicted, 3)
+
+
+def test_a_bar_of_zero_accepts_any_speed() -> None:
+    v = sp.decide(sp.Timing(0.1, 0.05, 0.2, 0.01), 0.1, 0.0)
+    assert v.fast and v.decided_by == "timing"
+
+
+def _sleeper(seconds: float, noisy: bool = False, seed: int = 0):  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(seed)
+
+    def run() -> None:
+        # a busy machine: every other pass is delayed by up to 20x
+        time.sleep(seconds * (1 + (rng.random() * 20 if noisy and rng.random() < 0.5 else 0)))
+
+    return run
+
+
+def test_paired_timing_of_a_clearly_faster_pass_is_decisive() -> None:
+    t = sp.paired(_sleeper(0.004), _sleeper(0.001))
+    assert t.low > 2 and t.low <= t.ratio <= t.high
+    assert sp.decide(t, 0.5, 1.0).decided_by == "timing"
+
+
+def test_paired_timing_under_heavy_noise_leaves_the_verdict_to_the_cost_model() -> None:
+    t = sp.paired(_sleeper(0.002, True, seed=1), _sleeper(0.002, True, seed=2))
+    assert t.high / t.low > 1.5  # wide: the delays land on either side
+    v = sp.decide(t, 0.8, 1.0)
+    assert v.decided_by == "cost model" and not v.fast and v.speedup == 0.8
+
+
+def _matmul_model(
+    path: Path, k: int, n: int, *, tied: bool = False, external: bool = False
+) -> None:
+    """X[b,k] @ W[k,n]; `tied`: W reached through a Transpose of a [n,k] table (a tied
+    lm_head), and an activation x activation MatMul beside it that reads no weight."""
+    rng = np.random.default_rng(0)
+    nodes, inits = [], []
+    if tied:
+        inits.append(numpy_helper.from_array(rng.standard_normal((n, k)).astype(np.float32), "E"))
+        nodes.append(helper.make_node("Transpose", ["E"], ["W"], perm=[1, 0]))
+    else:
+        inits.append(numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32), "W"))
+    nodes.append(helper.make_node("MatMul", ["X", "W"], ["Y"]))
+    nodes.append(helper.make_node("Transpose", ["X"], ["XT"], perm=[1, 0]))
+    nodes.append(helper.make_node("MatMul", ["XT", "X"], ["G"]))  # no weight
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["b", k])],
+        [
+            helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", n]),
+            helper.make_tensor_value_info("G", TensorProto.FLOAT, [k, k]),
+        ],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, str(path), save_as_external_data=external, location=path.name + ".data")
+
+
+def test_the_cost_model_prices_weights_by_kernel_and_reads_no_weight_data(
+    tmp_path: Path,
+) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    fp32, tied = tmp_path / "fp32.onnx", tmp_path / "tied.onnx"
+    _matmul_model(fp32, 1024, 1024, external=True)
+    _matmul_model(tied, 1024, 1024, tied=True)
+    table = sp.KERNELS["vnni"]
+    nodes = 3
+    expected = nodes * sp.NODE_NS + table["float"][0] * 1024 * 1024
+    assert sp.graph_cost(fp32, 1, "vnni") == pytest.approx(expected)
+    # a tied weight, read through its Transpose, costs the same parameters (one node more)
+    assert sp.graph_cost(tied, 1, "vnni") == pytest.approx(expected + sp.NODE_NS)
+    # between the 1- and 16-row figures, linear in rows
+    at8 = table["float"][0] + (table["float"][1] - table["float"][0]) * 7 / 15
+    assert sp.graph_cost(fp32, 8, "vnni") == pytest.approx(nodes * sp.NODE_NS + at8 * 1024**2)
+    # the weights are never read: the cost comes from the graph's shapes alone
+    (tmp_path / "fp32.onnx.data").unlink()
+    assert sp.graph_cost(fp32, 1, "vnni") == pytest.approx(expected)
+    _matmul_model(fp32, 1024, 1024)
+    quantized = tmp_path / "int8.onnx"
+    quantize_dynamic(fp32, quantized, per_channel=True, weight_type=QuantType.QInt8)
+    kinds = {n.op_type for n in onnx.load(str(quantized)).graph.node}
+    assert "MatMulInteger" in kinds
+    # INT8 with VNNI: faster by the kernels' ratio, less the dispatch of its extra nodes
+    assert 2.0 < sp.predicted_speedup(fp32, quantized, 1, "vnni") < 3.5
+    # without VNNI the integer kernel is no faster than FP32's
+    assert sp.predicted_speedup(fp32, quantized, 1, "avx2") < 1.2
+
+
+def _hog(stop: float) -> None:
+    while time.time() < stop:
+        pass
+
+
+@pytest.mark.slow
+def test_three_rebuilds_one_beside_a_cpu_hog_choose_the_same_recipe(
+    built_gpt2: Workspace,
+) -> None:
+    """The same spec quantized three times, the second with both cores taken by spinning
+    processes: the same recipe is chosen and every row gets the same speed verdict."""
+    spec = auto_spec(min_speedup=1.0)
+    runs = []
+    for i in range(3):
+        hogs = []
+        if i == 1:
+            stop = time.time() + 600
+            ctx = multiprocessing.get_context("spawn")
+            hogs = [ctx.Process(target=_hog, args=(stop,), daemon=True) for _ in range(2)]
+            for p in hogs:
+                p.start()
+        try:
+            details = searched(built_gpt2.run("quantize", spec))
+        finally:
+            for p in hogs:
+                p.terminate()
+                p.join()
+        runs.append(details)
+    verdicts = [
+        (d.chosen, [(r.recipe, "below quantization.min_speedup" in r.why) for r in d.recipes])
+        for d in runs
+    ]
+    assert verdicts[0] == verdicts[1] == verdicts[2], [
+        [(r.recipe, r.speed) for r in d.recipes] for d in runs
+    ]
+
+
+def test_a_failed_search_names_each_recipes_real_reason() -> None:
+    """Refused for speed is not 'no recipe meets the accuracy budget' (issue 40: 5 of 6
+    refused for speed were reported as an accuracy failure)."""
+    from schemas.quantsearch import RecipeTrial
+    from stages.quant.recipes import no_recipe_headline
+
+    def row(recipe: str, why: str, classes: list[str] | None = None) -> RecipeTrial:
+        return RecipeTrial(
+            recipe=recipe,
+            method="int8-dynamic",
+            float_classes=classes or [],
+            size_ratio=0.3,
+            calibration={},
+            holdout={},
+            chosen=False,
+            why=why,
+        )
+
+    table = [
+        row("a", "speed 0.80x FP32 (decode_batch_1, ...), below quantization.min_speedup 1"),
+        row("b", "calibration (with margin): greedy_agreement 0.8 < 0.92"),
+        row("c", "not tried: a missed the accuracy budget, and c is the same scheme"),
+        row("d", "size 0.95x FP32, above max_size_ratio 0.9"),
+        row("e", "could not be built: onnxruntime refused it"),
+        row("a", "held-out (with margin): perplexity_increase 0.05 > 0.016", ["mlp.*"]),
+    ]
+    assert no_recipe_headline(table) == (
+        "no recipe ships; refused for accuracy: b, c, a + float classes; build: e; "
+        "size: d; speed: a"
+    )
