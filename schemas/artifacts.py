@@ -141,6 +141,14 @@ class QuantInfo(Artifact):
     dtype: str
     float_nodes: list[FloatNode]
     recipes: list[RecipeRow] | None = None
+    budget: dict[str, float] | None = Field(
+        default=None,
+        description="The accuracy contract's bounds (quantization.budget or the task's "
+        "default; schemas/contract.py); None when nothing was quantized.",
+    )
+    margin: float | None = Field(
+        default=None, description="Share of each bound's room quantize kept in reserve."
+    )
 
 
 class CalibrationUsed(Artifact):
@@ -182,7 +190,18 @@ class CapacityPlan(Artifact):
     device_bytes: int
     usable_bytes: int
     kv_dtype: str
-    kv_bytes_per_sequence: int
+    kv_bytes_per_sequence: int = Field(
+        description="One sequence's cache at the extreme: kv_bytes_per_token x cached_tokens."
+    )
+    kv_bytes_per_token: int = Field(
+        default=0, description="K and V of every layer for one token (0: no KV cache)."
+    )
+    cached_tokens: int = Field(
+        default=0,
+        description="Tokens the engine counts for one sequence at most (prompt + max_tokens): "
+        "the context, or past_sequence.max + 2 when that is less (the engine refuses a request "
+        "whose last step would read a longer past).",
+    )
     extreme: MemoryParts
     max_batch_that_fits: int
 

@@ -122,6 +122,10 @@ class ThresholdResult(_Details):
 
 class EvaluateDetails(_Details):
     metrics: dict[str, float]
+    contract: list[ThresholdResult] = Field(
+        default_factory=list,
+        description="quantization.budget's bounds on the evaluation set (schemas/contract.py).",
+    )
     thresholds: list[ThresholdResult]
     samples: int
 

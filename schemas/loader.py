@@ -60,6 +60,7 @@ _VALIDATOR_TAG = re.compile(
     r"nullable|default|chain|json-or-python)\[.*\]$"
 )
 _DOTTED = re.compile(r"[a-z_]+(?:\.[a-z_]+|\[\d+\])+")
+_FIELD_PATH = re.compile(r"@[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*|\[\d+\])*")
 
 
 MAX_SPEC_BYTES = 256 * 1024
@@ -313,8 +314,30 @@ def _describe(shown: str, root: yaml.Node, err: Any) -> str:
         message += f' (found the number {err["input"]!r}); quote it, e.g. "{err["input"]}"'
     elif "input" in err and err["type"] != "value_error":  # a rule's message says enough
         message += f" (found {_excerpt(repr(err['input']))})"
-    message = _excerpt_long(message)
+    message = _excerpt_long(_other_lines(root, loc, message))
     return f"{shown}:{_line_of(root, loc)}: {field}: {message}"
+
+
+def _other_lines(root: yaml.Node, loc: tuple[Any, ...], message: str) -> str:
+    """A rule about two fields marks the other one `@quantization.budget.x`: it is shown
+    with its own line, `quantization.budget.x (line 47)` (the deepest part of its path the
+    file writes; no line when the file writes none of it)."""
+
+    def at(match: re.Match[str]) -> str:
+        text = match.group(0)[1:]
+        path = tuple(
+            int(p[1:-1]) if p.startswith("[") else p
+            for p in re.findall(r"[a-z_][a-z0-9_]*|\[\d+\]", text)
+        )
+        if path[0] not in _top_keys(root):
+            return text
+        return f"{text} (line {_line_of(root, path)})"
+
+    return _FIELD_PATH.sub(at, message)
+
+
+def _top_keys(root: yaml.Node) -> set[str]:
+    return {k.value for k, _ in root.value} if isinstance(root, yaml.MappingNode) else set()
 
 
 def _excerpt_long(message: str) -> str:

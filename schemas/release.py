@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
+from schemas.contract import disagreements
 from schemas.spec.base import (
     MAX_PROSE,
     MAX_STR,
@@ -243,8 +244,11 @@ class ReleaseSpec(Strict):
             )
 
     def _check_evaluation(self) -> None:
-        """Rule: Thresholds name metrics the task computes; causal-lm decode prompt_tokens + tokens
-        - 2 <= past_sequence.max (the past its last step reads: schemas.tasks decode_past)."""
+        """Rule: Thresholds name metrics the task computes; a threshold evaluate judges (an
+        absolute bound, or a change against the reference) is no stricter than
+        quantization.budget and judges only damage the budget bounds (one accuracy contract:
+        schemas/contract.py); causal-lm decode prompt_tokens + tokens - 2 <= past_sequence.max
+        (the past its last step reads: schemas.tasks decode_past)."""
         known = TASKS[self.task].metrics
         for i, t in enumerate(self.evaluation.thresholds):
             if t.metric not in known:
@@ -252,6 +256,9 @@ class ReleaseSpec(Strict):
                     f"evaluation.thresholds[{i}] names unknown metric {t.metric!r} for task "
                     f"{self.task!r}; known: {', '.join(known)}"
                 )
+        problems = disagreements(self.quantization, self.task, self.evaluation.thresholds)
+        if problems:
+            raise ValueError(problems[0])
         d, dims, task = self.evaluation.decode, self.export.dims, TASKS[self.task]
         past = task.decode_past(d.prompt_tokens, d.tokens)
         if task.kv_cache and past > dims["past_sequence"].max:

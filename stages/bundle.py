@@ -111,6 +111,7 @@ def render(
         # root digest of everything else (the manifest stage's), and says so.
         "content_digest": content.digest,
         "quant": facts.quantization.model_dump(exclude_none=True),
+        "evaluation": facts.evaluation,
     }
     render_templates(ctx.work, RENDERED, context, trim=False)
     return list(RENDERED)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from schemas import ReleaseSpec
 from schemas.artifacts import Evaluation, ModelInfo
+from schemas.contract import BUDGET_METRICS, budget_of
 from schemas.details import EvaluateDetails
 from schemas.tasks import METRIC_SOURCES, TASKS
 from stages._contract import StageContext, StageIO, StageResult
@@ -23,6 +24,7 @@ from stages.quant.thresholds import check, has_change  # noqa: F401
 
 if TYPE_CHECKING:
     from schemas.spec.evaluation import DecodeConfig
+    from schemas.spec.quantization import AccuracyBudget
 
 NAME = "evaluate"
 Run = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
@@ -31,7 +33,15 @@ Run = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
 def io(release: ReleaseSpec) -> StageIO:
     data = release.evaluation.dataset
     return StageIO(
-        params=("model", "task", "export", "evaluation"),
+        # quantization's method and budget: the accuracy contract (schemas/contract.py)
+        params=(
+            "model",
+            "task",
+            "export",
+            "evaluation",
+            "quantization.method",
+            "quantization.budget",
+        ),
         reads=(ModelInfo,),
         upstream=("quantize/model.onnx",),
         reads_model=True,
@@ -65,9 +75,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             for feeds in samples:
                 agree.add(reference(feeds)[0], candidate(feeds)[0], feeds)
                 advance()
-        metrics = task_metrics(task, agree.result())
+        compared = agree.result()
+        metrics = task_metrics(task, compared)
         if TASKS[task].kv_cache:
             metrics |= decode_metrics(reference, candidate, lay, samples, cfg.decode)
+        budget = budget_of(release.quantization, task)
+        measured = contract_metrics(task, compared, budget, reference, candidate, lay, samples)
     # Absolute bounds hold whatever the baseline; changes vs production are the gate's job.
     baselines = reference_values(metrics)
     results = [
@@ -75,17 +88,81 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         for t in cfg.thresholds
         if t.threshold is not None or t.baseline == "reference"
     ]
-    failed = [r["message"] for r in results if not r["ok"]]
+    contract = contract_results(budget, measured)
+    failed = [r["message"] for r in [*contract, *results] if not r["ok"]]
+    metrics |= measured
     ctx.write(Evaluation(metrics=metrics))
-    found = {"metrics": metrics, "thresholds": results, "samples": len(samples)}
+    found = {
+        "metrics": metrics,
+        "contract": contract,
+        "thresholds": results,
+        "samples": len(samples),
+    }
     details = EvaluateDetails.model_validate(found).dump()
     summary = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
     if failed:
         _keep_worst_samples(ctx.work / "failed_samples.jsonl", agree.per_sample)
+        broken = sum(not r["ok"] for r in contract)
         return StageResult.failed(
-            f"{len(failed)} threshold(s) broken", failed, details=details, metrics=metrics
+            f"{len(failed)} threshold(s) broken"
+            + (f" ({broken} of the accuracy contract, quantization.budget)" if broken else ""),
+            failed,
+            details=details,
+            metrics=metrics,
         )
     return StageResult.passed(summary, details=details, metrics=metrics)
+
+
+def contract_metrics(
+    task: str,
+    compared: dict[str, float],
+    budget: AccuracyBudget,
+    reference: Run,
+    candidate: Run,
+    lay: sh.Layout,
+    samples: list[dict[str, np.ndarray]],
+) -> dict[str, float]:
+    """The metric of every bound the contract gives, measured as quantize measures it: the
+    comparison's (top-1, cosine, SNR, perplexity increase) and, for a language model, the
+    greedy agreement on text the FP32 reference generates (acc.GREEDY_* prompts and tokens)."""
+    out = {}
+    for field, (metric, _) in BUDGET_METRICS.items():
+        if getattr(budget, field) is not None and metric in compared:
+            out[metric] = compared[metric]
+    if budget.greedy_agreement_min is not None and TASKS[task].kv_cache:
+        generated = []
+        for s in samples[: acc.GREEDY_PROMPTS]:
+            prompt = s["input_ids"][0, : acc.GREEDY_PROMPT_TOKENS]
+            text = np.concatenate([prompt, greedy(reference, lay, prompt, acc.GREEDY_TOKENS)])
+            feeds = calib.to_feeds(task, lay, {"input_ids": text[None, :]})
+            generated.append((feeds, prompt.size))
+        out["greedy_agreement"] = acc.teacher_forced(lambda f: candidate(f)[0], generated)
+    return out
+
+
+def contract_results(budget: AccuracyBudget, measured: dict[str, float]) -> list[dict[str, Any]]:
+    """Each contract bound on the evaluation set, without quantize's margin, in the shape of
+    a threshold's result (baseline: the reference)."""
+    out = []
+    for field, (metric, kind) in BUDGET_METRICS.items():
+        bound = getattr(budget, field)
+        if bound is None or metric not in measured:
+            continue
+        value = measured[metric]
+        ok = value >= bound if kind == "min" else value <= bound
+        sign = (">=" if ok else "<") if kind == "min" else ("<=" if ok else ">")
+        out.append(
+            {
+                "metric": metric,
+                "baseline": "reference",
+                "value": value,
+                "baseline_value": None,
+                "ok": ok,
+                "message": f"{metric} {value:.4g} {sign} quantization.budget.{field} {bound:g}"
+                + ("" if ok else " on the evaluation set (the accuracy contract)"),
+            }
+        )
+    return out
 
 
 def _keep_worst_samples(path: Path, per_sample: list[dict[str, float]]) -> None:

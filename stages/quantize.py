@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from schemas import ReleaseSpec
 from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo
+from schemas.contract import budget_of
 from schemas.quantsearch import (
     CalibrationSummary,
     LayerPlotRow,
@@ -17,7 +18,6 @@ from schemas.quantsearch import (
     SensitivityRow,
 )
 from schemas.spec.quantization import AccuracyBudget
-from schemas.tasks import TASKS
 from stages._contract import Plot, StageContext, StageIO, StageResult, link_or_copy, write_json
 from stages.onnx import model as m
 from stages.quant import accuracy as acc
@@ -82,7 +82,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     pre, fallback = search.preprocess(ctx, export / "model.onnx")
     if fallback:
         ctx.log(fallback)
-    budget = q.budget or AccuracyBudget(**TASKS[release.task].default_budget)
+    budget = budget_of(q, release.task)  # the accuracy contract evaluate applies too
     if q.method == "auto":
         return _auto(ctx, release, q, pre, fallback, samples, budget, export)
     quantizer = Quantizer(pre, q, samples.calibration, ctx.work / "_variants")
@@ -136,7 +136,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             details=details.model_dump(),
             metrics={**metrics, "size_ratio": sizes.ratio},
         )
-    ctx.write(_info(q, chosen.excluded, ranked))
+    ctx.write(_info(q, chosen.excluded, ranked, budget))
     ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))
     shutil.rmtree(ctx.work / "_variants")
     shutil.rmtree(pre.parent)
@@ -220,6 +220,8 @@ def _auto(
                 for n in outcome.excluded
             ],
             recipes=[r.shipped() for r in outcome.table],
+            budget=budget.model_dump(exclude_none=True),
+            margin=q.margin,
         )
     )
     ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))
@@ -268,7 +270,10 @@ def _layer_rows(layers: list[LayerRow]) -> list[dict[str, Any]]:
 
 
 def _info(
-    q: Quantization, float_nodes: list[str], ranked: list[SensitivityRow] | None
+    q: Quantization,
+    float_nodes: list[str],
+    ranked: list[SensitivityRow] | None,
+    budget: AccuracyBudget | None = None,
 ) -> QuantInfo:
     why = {
         r.node: f"rank {i + 1} of {len(ranked or [])} by sensitivity, SNR {r.snr_db:.1f} dB "
@@ -280,4 +285,7 @@ def _info(
         method=q.method,
         dtype=DTYPE[q.method],
         float_nodes=[FloatNode(node=n, why=why[n]) for n in float_nodes],
+        # an explicit method keeps nodes in float until the bounds themselves hold: no margin
+        budget=budget.model_dump(exclude_none=True) if budget else None,
+        margin=0.0 if budget else None,
     )

@@ -58,7 +58,13 @@ def serving_values(
             plan.context,
             "the plan's context (capacity.max_context or the export's maximum)",
         )
-    kv_bytes = plan.kv_bytes_per_sequence * context // max(plan.context, 1) * batch
+    # every row's cache at the served context (never more than the plan's cached tokens)
+    tokens = min(context, plan.cached_tokens) if plan.cached_tokens else context
+    kv_bytes = (
+        plan.kv_bytes_per_token * tokens * batch
+        if plan.kv_bytes_per_token
+        else plan.kv_bytes_per_sequence * context // max(plan.context, 1) * batch
+    )
     kv_budget = kv_bytes if s.kv_cache_budget is None else s.kv_cache_budget
     _within(
         "bundle.serving.kv_cache_budget",
@@ -114,7 +120,9 @@ def runtime_settings(
     )
     engine = None
     if task.serving == "generate":
-        per_token = max(1, plan.kv_bytes_per_sequence // max(plan.context, 1))
+        per_token = plan.kv_bytes_per_token or max(
+            1, plan.kv_bytes_per_sequence // max(plan.context, 1)
+        )
         engine = EngineSettings(
             # dynamic batching off: one sequence decodes at a time
             max_rows=values.max_batch_size if values.dynamic_batching else 1,

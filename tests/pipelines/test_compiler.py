@@ -41,7 +41,14 @@ def test_each_stage_depends_on_a_file_of_only_its_own_spec_sections(tmp_path: Pa
         "kvcheck": ["export", "model", "parity", "task"],
         "parity": ["export", "model", "parity", "task"],
         "quantize": ["bundle.serving.max_batch_size", "export", "quantization", "task"],
-        "evaluate": ["evaluation", "export", "model", "task"],
+        "evaluate": [
+            "evaluation",
+            "export",
+            "model",
+            "quantization.budget",
+            "quantization.method",
+            "task",
+        ],
         "plan": ["capacity", "export", "task"],
         "engine": [
             "bundle.serving",

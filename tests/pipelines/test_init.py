@@ -50,6 +50,17 @@ def test_init_writes_a_spec_that_validates_and_exports(ws: Workspace, name: str,
     assert spec.export.dims["sequence"].max <= 256  # within the model's positions
     if task == "causal-lm":
         assert spec.export.dims["sequence"].max + spec.export.dims["past_sequence"].max == 256
+    # one accuracy contract: the task's budget written out and explained, and no threshold
+    # of evaluate's own (only a regression gate against production)
+    from schemas.contract import judged_by_evaluate
+    from schemas.tasks import TASKS
+
+    assert spec.quantization.budget is not None
+    assert spec.quantization.budget.model_dump(exclude_none=True) == TASKS[task].default_budget
+    assert not [t for t in spec.evaluation.thresholds if judged_by_evaluate(t)]
+    text = path.read_text().splitlines()
+    at = text.index("  budget:")
+    assert text[at - 1].startswith("  # ") and "accuracy contract" in "\n".join(text[at - 16 : at])
     data = yaml.safe_load(path.read_text())
     data["export"]["dims"] = {k: v for k, v in data["export"]["dims"].items()}
     data["export"]["dims"]["sequence"]["max"] = 64  # quick: the data's texts fit in 64

@@ -257,8 +257,8 @@ def test_a_python_decoders_kv_cache_is_sized_from_its_declared_past(bugs: Worksp
         "vocab": kvbugs.VOCAB,
     }
     plan = json.loads((bugs.out("kv-none", "plan") / "plan.json").read_text())
-    context = 64 + 48
-    assert plan["kv_bytes_per_sequence"] == 2 * 2 * 2 * 8 * context * 4
+    # the engine counts at most past_sequence.max + 2 tokens a sequence (of 64 + 48)
+    assert plan["kv_bytes_per_sequence"] == 2 * 2 * 2 * 8 * (48 + 2) * 4
 
 
 def test_the_plan_refuses_a_kv_cache_it_cannot_size() -> None:

@@ -106,7 +106,14 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
     assert [p["name"] for p in facts["engine"]["profiles"]] == ["default"]
     assert facts["loadtest"]["target"] == "local MLServer"
     assert facts["evaluation"]["greedy_exact_match"] == 1.0
-    assert facts["quantization"] == {"method": "int8-dynamic", "dtype": "int8", "float_nodes": []}
+    assert facts["quantization"] == {
+        "method": "int8-dynamic",
+        "dtype": "int8",
+        "float_nodes": [],
+        # the accuracy contract (an explicit method holds the bounds themselves: no margin)
+        "budget": {"perplexity_increase_max": 0.01, "top1_agreement_min": 0.98},
+        "margin": 0.0,
+    }
     assert len(facts["calibration"]["sha256"]) == 64
     # the typed view of the same file (schemas/facts.py), every part the artifact it came from
     from schemas.facts import BundleFacts
@@ -176,14 +183,22 @@ def test_serving_config_is_rendered_from_spec_and_export(built_gpt2: Workspace) 
         "max_batch_size": 3,
         "max_queue_depth": 64,
         "max_context_length": 88,
-        # 2 (k, v) x 2 layers x 4 heads x 16 head_dim x 3 batch x 88 context x 4 bytes (fp32 KV)
-        "kv_cache_budget": 2 * 2 * 4 * 16 * 3 * 88 * 4,
+        # 2 (k, v) x 2 layers x 4 heads x 16 head_dim x 3 batch x 4 bytes (fp32 KV) x the 26
+        # tokens a sequence may hold (past_sequence.max + 2 of the 88-token context)
+        "kv_cache_budget": 2 * 2 * 4 * 16 * 3 * 26 * 4,
         "request_timeout_seconds": 30.0,
         "streaming": True,
         "ort_session_config": "ort_session.json",
     }
     card = (built_gpt2.out("tiny-gpt2", "bundle") / "MODEL_CARD.md").read_text()
     assert "| parity | passed |" in card and "Apache-2.0" in card
+    # the accuracy contract: each bound with what evaluate measured on the evaluation set
+    facts = json.loads((built_gpt2.out("tiny-gpt2", "bundle") / "shipyard.json").read_text())
+    measured = facts["evaluation"]
+    assert "## Accuracy contract" in card and "with 0 % of each bound's" in card
+    top1, ppl = measured["top1_agreement"], measured["perplexity_increase"]
+    assert f"| top1\\_agreement | >= 0.98 | {top1:.4g} |" in card, card
+    assert f"| perplexity\\_increase | <= 0.01 | {ppl:.4g} |" in card
 
 
 def test_serving_configs_refuse_a_batch_larger_than_the_export(built_gpt2: Workspace) -> None:

@@ -16,11 +16,15 @@ def test_plan_counts_weights_kv_cache_activations_and_overhead(built_gpt2: Works
     report = built_gpt2.run("plan", gpt2_spec())
     assert report.status.value == "passed", report.reasons
     plan = json.loads((built_gpt2.out("tiny-gpt2", "plan") / "plan.json").read_text())
-    # 2 (k, v) x 2 layers x 4 kv heads x 16 head_dim x 88 tokens x 4 bytes
-    assert plan["kv_bytes_per_sequence"] == 2 * 2 * 4 * 16 * 88 * 4
+    # 2 (k, v) x 2 layers x 4 kv heads x 16 head_dim x 4 bytes a token; a sequence holds at
+    # most past_sequence.max + 2 = 26 of the 88-token context (what the engine counts)
+    assert plan["kv_bytes_per_token"] == 2 * 2 * 4 * 16 * 4
+    assert plan["cached_tokens"] == 26
+    assert plan["kv_bytes_per_sequence"] == 2 * 2 * 4 * 16 * 4 * 26
     assert plan["batch"] == 3 and plan["context"] == 88
     extreme = plan["extreme"]
-    assert extreme["kv_cache"] == 3 * plan["kv_bytes_per_sequence"]
+    # every row's cache, three times for the length of a step (input, ORT's presents, copy)
+    assert extreme["kv_cache"] == 3 * 3 * plan["kv_bytes_per_sequence"]
     assert extreme["total"] == sum(v for k, v in extreme.items() if k != "total")
     weights = sum(
         f.stat().st_size for f in built_gpt2.out("tiny-gpt2", "quantize").glob("model.onnx*")
@@ -123,7 +127,8 @@ def test_the_plan_is_exact_at_the_headroom_and_counts_the_kv_cache() -> None:
     weights = 10 * MIB
     probe = compute(CapacityConfig(device_memory="64GiB"), INFO, "causal-lm", weights)
     need, per_seq = probe.extreme.total, probe.kv_bytes_per_sequence
-    assert per_seq == 2 * 2 * 4 * 16 * 128 * 4  # k+v x layers x kv_heads x head_dim x ctx x f32
+    # k+v x layers x kv_heads x head_dim x f32 x (past_sequence.max + 2 of the 128 context)
+    assert per_seq == 2 * 2 * 4 * 16 * 4 * 66
     at = compute(CapacityConfig(device_memory=2 * need, headroom=0.5), INFO, "causal-lm", weights)
     assert at.usable_bytes == need and at.extreme.total <= at.usable_bytes
     assert at.max_batch_that_fits == at.batch == 8
@@ -132,22 +137,26 @@ def test_the_plan_is_exact_at_the_headroom_and_counts_the_kv_cache() -> None:
     )
     assert short.extreme.total > short.usable_bytes
     assert short.max_batch_that_fits == 7
-    assert short.extreme.kv_cache == 8 * per_seq
+    assert short.extreme.kv_cache == 3 * 8 * per_seq
 
 
 def test_activations_follow_the_formula_and_a_task_without_cache_has_none() -> None:
-    """Per sequence: context x (4 x hidden + vocab) x 4 bytes of activations; KV cache only
-    for a task that has one; a model without a batch dim plans for batch 1."""
+    """The engine: one prefill chunk (sequence.max tokens) plus one decode token a row, each
+    token (8 x hidden + vocab + heads x context) x 4 bytes; a one-pass task: each row's
+    context x (4 x hidden + vocab) x 4; KV cache only for a task that has one; a model
+    without a batch dim plans for batch 1."""
     from schemas.spec.capacity import CapacityConfig
     from stages.plan import compute
 
     cap = CapacityConfig(device_memory="64GiB")
     lm = compute(cap, INFO, "causal-lm", 0)
-    assert lm.extreme.activations == 8 * 128 * (4 * 64 + 512) * 4
+    per_token = (8 * 64 + 512 + 4 * 128) * 4
+    assert lm.extreme.activations == (64 + 8) * per_token
     dims = {"batch": {"max": 4}, "sequence": {"max": 32}}
     enc = compute(cap, model_info(task="text-embedding", dims=dims), "text-embedding", 0)
     assert enc.kv_bytes_per_sequence == 0 and enc.extreme.kv_cache == 0
     assert enc.batch == 4 and enc.context == 32
+    assert enc.extreme.activations == 4 * 32 * (4 * 64 + 512) * 4
     single = compute(cap, model_info(dims={"sequence": {"max": 16}}), "causal-lm", 0)
     assert single.batch == 1
 
@@ -172,8 +181,9 @@ def test_when_even_one_sequence_does_not_fit_the_largest_batch_is_zero() -> None
     from stages.plan import compute
 
     probe = compute(CapacityConfig(device_memory="64GiB"), INFO, "causal-lm", 0)
-    fixed = probe.extreme.overhead
-    per_seq = probe.kv_bytes_per_sequence + probe.extreme.activations // probe.batch
+    per_token = (8 * 64 + 512 + 4 * 128) * 4
+    fixed = probe.extreme.overhead + 64 * per_token  # the prefill chunk: whatever the batch
+    per_seq = 3 * probe.kv_bytes_per_sequence + per_token
     cap = CapacityConfig(device_memory=fixed + per_seq - 1, headroom=1.0)
     assert compute(cap, INFO, "causal-lm", 0).max_batch_that_fits == 0
     cap = CapacityConfig(device_memory=fixed + per_seq, headroom=1.0)

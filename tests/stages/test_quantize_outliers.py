@@ -17,6 +17,7 @@ import pytest
 from pipelines.init import build_spec
 from schemas.artifacts import QuantInfo
 from schemas.quantsearch import PerNodeDetails, RecipeSearchDetails
+from schemas.tasks import TASKS
 from stages.quant import accuracy as acc
 from stages.quant.methods import _gemm_as_matmul
 from stages.quant.search import session_for
@@ -114,7 +115,9 @@ def test_per_tensor_int8_fails_and_auto_ships_smoothquant_within_the_default_bud
     llama: tuple[Workspace, dict],
 ) -> None:
     ws, spec = llama
-    assert spec["quantization"]["method"] == "auto" and "budget" not in spec["quantization"]
+    # init writes the task's default budget out (the accuracy contract, explained)
+    assert spec["quantization"]["method"] == "auto"
+    assert spec["quantization"]["budget"] == TASKS["causal-lm"].default_budget
     # per-tensor INT8 of every MatMul (4 layers: a few float nodes could patch them all)
     plain = {**spec["quantization"], "method": "int8-dynamic", "max_float_nodes": 0}
     plain.pop("recipes", None)
