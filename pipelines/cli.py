@@ -108,7 +108,10 @@ def cmd_init(args: argparse.Namespace) -> int:
         eval_data=args.eval_data,
     )
     print(f"wrote {target.relative_to(root)}; review it, then `shipyard compile`")
-    from pipelines.init import same_data
+    from pipelines.init import SIZING, same_data
+
+    if SIZING.get(target.stem):
+        print(SIZING[target.stem])
     from schemas.loader import load_release
 
     warning = same_data(load_release(target))

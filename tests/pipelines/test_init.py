@@ -42,6 +42,7 @@ def test_init_writes_a_spec_that_validates_and_exports(ws: Workspace, name: str,
     done = shipyard(ws, "init", "models/my_model", "--data", DATA, "--device-memory", "1GiB")
     assert done.returncode == 0, done.stderr
     assert "wrote releases/my-model.yaml" in done.stdout
+    assert "Sized for capacity.device_memory 1GiB: batch " in done.stdout  # what init chose
     path = ws.root / "releases" / "my-model.yaml"
     spec = load_release(path)
     assert spec.task == task  # detected from config.architectures (a bare encoder: embedding)
