@@ -156,7 +156,7 @@ def build_spec(
             }
         },
         "engine": {"required": False},
-        "loadtest": {},
+        "loadtest": first_loadtest(sizing, spec_task.kv_cache),
     }
 
 
@@ -296,6 +296,28 @@ def _largest(ok: Callable[[int], bool], low: int, high: int) -> int:
     return best
 
 
+def first_loadtest(sizing: Sizing, kv: bool) -> dict[str, Any]:
+    """A load test a first build can wait for (minutes, not an hour): the grid at batch 1
+    and the served batch, a short and the longest input; the ramp to twice the served rows
+    in 1 s windows; a 10 s soak. Its shape follows the export: a request never reads a past
+    beyond past_sequence.max. The full sweep is the spec's defaults (delete this section)."""
+    short = min(32, sizing.sequence)
+    inputs = sorted({short, sizing.sequence})
+    ramp: dict[str, Any] = {
+        "max_concurrency": 2 * sizing.batch,
+        "window_seconds": 1.0,
+        "input_length": short,
+    }
+    if kv:  # input + output - 2 <= past_sequence.max (the past the last step reads)
+        past = sizing.context - sizing.sequence
+        ramp["output_tokens"] = max(1, min(16, past + 2 - short))
+    return {
+        "grid": {"batch_sizes": sorted({1, sizing.batch}), "input_lengths": inputs, "requests": 4},
+        "ramp": ramp,
+        "soak": {"seconds": 10},
+    }
+
+
 def commented(text: str, spec: dict[str, Any]) -> str:
     """The dumped spec with a comment above the lines a user should understand before
     trusting the build: the accuracy contract and the regression gate."""
@@ -310,6 +332,10 @@ def commented(text: str, spec: dict[str, Any]) -> str:
             *textwrap.wrap(why, 88),
         ],
         "  dims:": textwrap.wrap(SIZING.get(spec["name"], ""), 88),
+        "loadtest:": [
+            "A first, short load test (minutes): delete `grid`, `ramp` and `soak` for the full",
+            "sweep (batch 1-32, inputs 128-2048, concurrency up to 32) once the build passes.",
+        ],
         "  thresholds:": [
             "Regression gates against the release in production (`shipyard gate`); the",
             "accuracy contract above is applied by evaluate itself.",
