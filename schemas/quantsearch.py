@@ -207,3 +207,8 @@ class RecipeSearchDetails(_Details):
     )
     budget_with_margin: AccuracyBudget
     chosen: str | None = Field(default=None, description="The recipe shipped.")
+    fallback: str | None = Field(
+        default=None,
+        description="Why no recipe shipped, when the FP32 model shipped in its place "
+        "(quantization.fallback fp32).",
+    )

@@ -184,6 +184,8 @@ def _auto(
         budget_with_margin=recipes.tightened(budget, q.margin),
         preprocess=fallback or "quant_pre_process with symbolic shape inference",
     )
+    if (not outcome.ok or outcome.path is None) and q.fallback == "fp32":
+        return _fp32_fallback(ctx, q, pre, export, outcome, details, samples)
     if not outcome.ok or outcome.path is None:
         return StageResult.failed(
             recipes.no_recipe_headline(outcome.table),
@@ -238,6 +240,44 @@ def _auto(
         + ")",
         details=details.model_dump(),
         metrics=metrics,
+    )
+
+
+def _fp32_fallback(
+    ctx: StageContext,
+    q: AutoQuantization,
+    pre: Path,
+    export: Path,
+    outcome: recipes.Outcome,
+    details: RecipeSearchDetails,
+    samples: calib.Samples,
+) -> StageResult:
+    """quantization.fallback fp32: no recipe is accurate, fast and small enough, so the FP32
+    export ships unchanged (it meets every accuracy bound), and the report, QuantInfo and
+    the model card say why, recipe by recipe."""
+    why = recipes.no_recipe_headline(outcome.table)
+    for f in export.glob("model.onnx*"):
+        link_or_copy(f, ctx.work / f.name)
+    write_json(ctx.work / LAYER_PLOT.file, [])  # nothing quantized: no layer lost anything
+    ctx.write(
+        QuantInfo(
+            method="none",
+            dtype=DTYPE["none"],
+            float_nodes=[],
+            recipes=[r.shipped() for r in outcome.table],
+            budget=details.budget.model_dump(exclude_none=True),
+            margin=q.margin,
+        )
+    )
+    ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))
+    shutil.rmtree(ctx.work / "_variants", ignore_errors=True)
+    shutil.rmtree(pre.parent, ignore_errors=True)
+    details.fallback = why
+    ctx.log(f"{why}: the FP32 model ships (quantization.fallback fp32)")
+    return StageResult.passed(
+        f"FP32 ships: {why} (quantization.fallback fp32; `fail` fails the stage instead)",
+        details=details.model_dump(),
+        metrics={"size_ratio": 1.0},
     )
 
 

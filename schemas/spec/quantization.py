@@ -203,6 +203,12 @@ class AutoQuantization(QuantizedBase):
         ge=0,
         description="A recipe must run at least this x FP32's speed (0: any speed).",
     )
+    fallback: Literal["fp32", "fail"] = Field(
+        default="fp32",
+        description="What happens when no recipe is accurate, fast and small enough: fp32 "
+        "ships the FP32 export unchanged (the report and model card say why, recipe by "
+        "recipe; it meets every accuracy bound); fail fails the stage.",
+    )
     block_size: int = Field(default=32, ge=16, description="int4-weight-only block size.")
     smooth_alpha: float = Field(
         default=0.5,

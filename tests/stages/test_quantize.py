@@ -307,8 +307,9 @@ def test_auto_ships_the_first_recipe_that_meets_the_budget_with_its_margin(
 
 def test_auto_never_ships_a_recipe_slower_than_fp32_and_says_so(built_gpt2: Workspace) -> None:
     """At 64 channels INT8's quantize/dequantize costs more than the matmuls it speeds up:
-    every recipe is slower than FP32 on tiny-gpt2, so with min_speedup 1 none ships."""
-    report = built_gpt2.run("quantize", auto_spec(min_speedup=1.0))
+    every recipe is slower than FP32 on tiny-gpt2, so with min_speedup 1 none ships (with
+    fallback fail: the stage fails, naming each recipe's reason)."""
+    report = built_gpt2.run("quantize", auto_spec(min_speedup=1.0, fallback="fail"))
     details = searched(report)
     rows = details.recipes
     timed = [r for r in rows if r.speedup is not None]
@@ -328,8 +329,33 @@ def test_auto_never_ships_a_recipe_slower_than_fp32_and_says_so(built_gpt2: Work
         return
     assert details.chosen is None
     assert report.status.value == "failed"
+    assert (
+        report.summary.startswith("no recipe ships; refused for ") and "speed: " in report.summary
+    )
     assert "below quantization.min_speedup 1" in report.reasons[0]
     assert "min_speedup (0: ship INT8 even when slower)" in report.reasons[0]
+
+
+def test_when_no_recipe_ships_the_fp32_model_does_and_says_why(built_gpt2: Workspace) -> None:
+    """The default fallback: a model too small for INT8 to be faster (every recipe refused
+    for speed or accuracy here) builds, shipping the FP32 export byte for byte, and the
+    report, QuantInfo and the model card's table say why, recipe by recipe."""
+    report = built_gpt2.run(
+        "quantize", auto_spec(min_speedup=1.0, budget={"top1_agreement_min": 0.9999})
+    )
+    assert report.status.value == "passed", report.reasons
+    details = searched(report)
+    assert details.chosen is None and details.fallback
+    assert details.fallback.startswith("no recipe ships; refused for ")
+    assert report.summary.startswith(f"FP32 ships: {details.fallback}")
+    shipped = info(built_gpt2)
+    assert (shipped.method, shipped.dtype, shipped.float_nodes) == ("none", "float32", [])
+    assert shipped.recipes and not any(r.chosen for r in shipped.recipes)
+    assert shipped.budget == {"top1_agreement_min": 0.9999}
+    out, export = built_gpt2.out("tiny-gpt2", "quantize"), built_gpt2.out("tiny-gpt2", "export")
+    assert (out / "model.onnx").read_bytes() == (export / "model.onnx").read_bytes()
+    assert report.metrics["size_ratio"] == 1.0
+    assert not (out / "_variants").exists()
 
 
 def test_auto_keeps_whole_layer_classes_in_float_when_no_recipe_is_enough(

@@ -393,7 +393,7 @@ def test_a_graph_smoothquant_cannot_rewrite_is_a_row_too(
     monkeypatch.setattr(smooth, "smooth", broken)
     ws, spec = llama
     q = {**spec["quantization"], "recipes": ["int8-dynamic-smoothquant"], "min_speedup": 0}
-    report = ws.run("quantize", {**spec, "quantization": q})
+    report = ws.run("quantize", {**spec, "quantization": {**q, "fallback": "fail"}})
     assert report.status.value == "failed"  # the only recipe could not be built
     (row,) = RecipeSearchDetails.model_validate(report.details).recipes
     assert row.why == (
@@ -639,6 +639,7 @@ def test_the_fallback_is_the_best_scoring_recipe_fast_enough_timed_only_when_nee
         "min_speedup": 0.9,
         "budget": {"greedy_agreement_min": 0.9999, "perplexity_increase_max": 1e-6},
         "max_size_ratio": 0.95,
+        "fallback": "fail",
     }
     report = ws.run("quantize", {**spec, "quantization": auto})
     rows = RecipeSearchDetails.model_validate(report.details).recipes
