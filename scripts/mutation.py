@@ -73,6 +73,17 @@ GUARANTEES: dict[str, list[str]] = {
         PLAN + "test_a_context_beyond_the_export_is_refused_with_the_fix",
         PLAN + "test_when_even_one_sequence_does_not_fit_the_largest_batch_is_zero",
     ],
+    # the accuracy contract (issue 40): its rule table at every boundary, and validate's
+    # message naming both lines
+    "schemas/contract.py": ["tests/schemas/test_accuracy_contract.py"],
+    # speed verdicts: the interval, the band, the cost model on hand-made graphs
+    "stages/quant/speed.py": [
+        "tests/stages/test_quantize_speed.py::test_the_medians_interval_is_the_binomial_order_statistics",
+        "tests/stages/test_quantize_speed.py::test_timing_decides_only_when_its_interval_clears_the_bar_by_the_band",
+        "tests/stages/test_quantize_speed.py::test_a_bar_of_zero_accepts_any_speed",
+        "tests/stages/test_quantize_speed.py::test_paired_timing_of_a_clearly_faster_pass_is_decisive",
+        "tests/stages/test_quantize_speed.py::test_the_cost_model_prices_weights_by_kernel_and_reads_no_weight_data",
+    ],
     # the in-process units on synthetic bundles; the trust-chain tests on a built tiny-gpt2
     # (test_registry_trust.py) are left out: each would rebuild the release per mutant
     "pipelines/registry.py": [

@@ -447,14 +447,26 @@ def _packed(samples: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]
     shapes = {tuple(s["input_ids"].shape) for s in samples if "input_ids" in s}
     if len(shapes) <= 1:
         return samples
-    tokens = np.concatenate([s["input_ids"][0] for s in samples])
+    # every input with a token axis ([1, tokens], like input_ids: token_type_ids too) is
+    # packed the same way, so a window's inputs stay one text's tokens and agree in shape;
+    # the rest (an empty KV cache) is the first sample's
+    per_token = [
+        k
+        for k in samples[0]
+        if all(
+            k in s and s[k].ndim >= 2 and s[k].shape[:2] == s["input_ids"].shape[:2]
+            for s in samples
+        )
+    ]
+    packed = {k: np.concatenate([s[k][0] for s in samples]) for k in per_token}
     width = max(shape[1] for shape in shapes)
     windows = []
-    for start in range(0, tokens.size - width + 1, width):
-        ids = tokens[None, start : start + width]
-        window = {**samples[0], "input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for start in range(0, packed["input_ids"].shape[0] - width + 1, width):
+        window = {**samples[0], **{k: v[None, start : start + width] for k, v in packed.items()}}
+        if "attention_mask" in window:
+            window["attention_mask"] = np.ones_like(window["input_ids"])
         if sh.POSITIONS in window:
-            window[sh.POSITIONS] = sh.positions_from_mask(window["attention_mask"], width)
+            window[sh.POSITIONS] = sh.positions_from_mask(np.ones_like(window["input_ids"]), width)
         windows.append(window)
     return windows
 

@@ -256,3 +256,28 @@ def test_feeds_complete_the_graph_inputs(root: Path) -> None:
     assert enc["attention_mask"].tolist() == [[1, 1, 1]]
     row = {"x": np.ones((1, 4, 8))}
     assert calibration.to_feeds("generic", GENERIC, row) == row
+
+
+def test_packed_windows_keep_every_per_token_input_with_its_tokens() -> None:
+    """A BERT-family encoder takes token_type_ids beside input_ids: packing texts of
+    different lengths into windows must pack it too (it kept the first text's, and a
+    59-token type row beside a 63-token window crashed onnxruntime: `shipyard init`'s
+    BERT specs failed quantize). An empty KV cache is shared as it is."""
+    from stages.quant.methods import _packed
+
+    def text(ids: list[int], kind: int) -> dict[str, np.ndarray]:
+        n = len(ids)
+        return {
+            "input_ids": np.array([ids], np.int64),
+            "token_type_ids": np.full((1, n), kind, np.int64),
+            "attention_mask": np.ones((1, n), np.int64),
+            "past_key_values.0.key": np.zeros((1, 2, 0, 4), np.float32),
+        }
+
+    samples = [text([1, 2, 3], 7), text([4, 5, 6, 7, 8], 8), text([9, 10], 9)]
+    windows = _packed(samples)
+    assert [w["input_ids"].tolist() for w in windows] == [[[1, 2, 3, 4, 5]], [[6, 7, 8, 9, 10]]]
+    assert [w["token_type_ids"].tolist() for w in windows] == [[[7, 7, 7, 8, 8]], [[8, 8, 8, 9, 9]]]
+    for w in windows:
+        assert w["attention_mask"].tolist() == [[1] * 5]
+        assert w["past_key_values.0.key"].shape == (1, 2, 0, 4)
