@@ -33,6 +33,52 @@ SUFFIXES = {
 WEIGHTS = (".safetensors",)
 
 
+# the sizes init reads from config.json (stages/onnx/model.py arch): whole numbers >= 0
+SIZES = (
+    "hidden_size",
+    "n_embd",
+    "d_model",
+    "dim",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "n_layer",
+    "n_layers",
+    "vocab_size",
+    "max_position_embeddings",
+    "n_positions",
+)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """config.json as a mapping whose sizes are whole numbers, or a SpecError naming the
+    file, the field and what was found (never a traceback)."""
+    shown = str(path)
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpecError(shown, [f"{shown}: not a JSON document ({exc})"]) from None
+    if not isinstance(config, dict):
+        raise SpecError(shown, [f"{shown}: a {type(config).__name__}, not a mapping of settings"])
+    for key in SIZES:
+        value = config.get(key)
+        if value is None:
+            continue
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if not whole or not 0 <= value <= 10**12:
+            raise SpecError(
+                shown,
+                [
+                    f"{shown}: {key} is {json.dumps(value)[:60]}; a size must be a whole number "
+                    "from 0 to 10^12; fix the checkpoint's config"
+                ],
+            )
+    return config
+
+
 def detect_task(folder: Path, config: dict[str, Any]) -> str:
     if (folder / "modules.json").is_file():
         return "text-embedding"
@@ -62,7 +108,7 @@ def build_spec(
         raise SpecError(
             str(folder), [f"{folder}: no config.json; init needs a Hugging Face folder"]
         )
-    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config = read_config(config_file)
     task = task or detect_task(folder, config)
     derivable = [n for n, t in TASKS.items() if t.outputs]  # generic: the spec declares I/O
     if task not in derivable:

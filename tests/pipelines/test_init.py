@@ -162,3 +162,30 @@ def test_init_warns_when_evaluation_reads_the_calibration_file_and_takes_a_file_
     missing = shipyard(ws, "init", "models/llama", "--data", big, "--eval-data", "data/nope.jsonl",
                        *tok, "--force")  # fmt: skip
     assert missing.returncode != 0 and "--eval-data data/nope.jsonl: no such file" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ('{"model_type": "llama", "hidden_size": "576"}', 'hidden_size is "576"'),
+        ('{"hidden_size": [576]}', "hidden_size is [576]"),
+        ('{"max_position_embeddings": Infinity}', "max_position_embeddings is Infinity"),
+        ('{"max_position_embeddings": 1e400}', "max_position_embeddings is Infinity"),
+        ('{"num_hidden_layers": 2.5}', "num_hidden_layers is 2.5"),
+        ('{"vocab_size": -1}', "vocab_size is -1"),
+        ("[1, 2]", "a list, not a mapping of settings"),
+        ("{not json", "not a JSON document"),
+    ],
+)
+def test_init_refuses_a_malformed_config_by_field_without_a_traceback(
+    ws: Workspace, config: str, message: str
+) -> None:
+    """Issue 42 item 11: five malformed config.json shapes gave tracebacks."""
+    folder = ws.root / "models" / "bad"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(config)
+    done = shipyard(ws, "init", "models/bad", "--data", DATA)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "config.json" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (ws.root / "releases" / "bad.yaml").exists()
