@@ -62,6 +62,12 @@ class KvComparison(Compared):
     past: int
     output: str
     position: int = Field(description="The first diverging position (-1: none found).")
+    rounding: float | None = Field(
+        default=None,
+        description="A quantized graph's present accepted though out of tolerance: its rms "
+        "error as a share of the quantization's own (shipped vs FP32 full pass), at most "
+        "0.1: a quantizer's rounding step flipped by float-level differences.",
+    )
 
 
 class KvPlan(_Details):

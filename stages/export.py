@@ -40,15 +40,23 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     )
     path, tied = exporter.finish(ctx, traced["raw"], lay, external)
     problems = exporter.static_axes(path, lay)
+    arch = m.arch_of(config, lay)
     with stream.external_view(path) as view:  # ONNX Runtime reads the weights from the file
         probes = exporter.probe(
-            ctx, view, lay, release.export.dims, trace, release.export.odd_sizes
+            ctx,
+            view,
+            lay,
+            release.export.dims,
+            trace,
+            release.export.odd_sizes,
+            lambda s: sh.run_bytes(lay, s, arch["hidden"], arch["heads"]),
+            sh.probe_budget(weight_bytes),
         )
     problems += probes["problems"]
     ctx.write(
         ModelInfo(
             task=release.task,
-            arch=Arch(**m.arch_of(config, lay)),
+            arch=Arch(**arch),
             parameters=traced["parameters"],
             weight_bytes=weight_bytes,
             dtype="float32",

@@ -57,7 +57,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     failures = kv.reasons("PyTorch", torch_rows) + kv.reasons("ONNX Runtime", onnx_rows)
     failures += kv.reasons(f"shipped graph ({shipped})", shipped_rows)
     rows = torch_rows + onnx_rows + shipped_rows
-    worst = max((r["error"] for r in rows), default=0.0)
+    # a present accepted as quantization rounding is judged by its share, not this error
+    worst = max((r["error"] for r in rows if r.get("rounding") is None), default=0.0)
     metrics = {"worst_normalized_error": worst, "comparisons": float(len(rows))}
     details = KvcheckDetails.model_validate(
         {
@@ -149,8 +150,18 @@ def _shipped(
     run = _session(path, lambda g: pq.pin(g, ranges))
     for kind, row, n, ref in kv.references(run, lay, tokens, plan):
         np.savez(_file(into, kind, row, n, "shipped"), **ref)  # type: ignore[arg-type]
-    rows = kv.check(run, lay, tokens, plan, _loader(into, "shipped"), *_tol(release))
-    return rows, f"{len(exposed)} dynamic quantization scale(s) pinned"
+    # judged with the FP32 (PyTorch) full passes at hand: a present off by quantization
+    # rounding only is told from a cache bug (kv.judge)
+    refs, fp32 = _loader(into, "shipped"), _loader(into)
+    rows = kv.check(run, lay, tokens, plan, refs, *_tol(release), fp32=fp32)
+    rounded = [r["rounding"] for r in rows if r.get("rounding") is not None]
+    note = (
+        f"; {len(rounded)} present(s) off by quantization rounding only, at most "
+        f"{max(rounded):.3g} of its own error"
+        if rounded
+        else ""
+    )
+    return rows, f"{len(exposed)} dynamic quantization scale(s) pinned{note}"
 
 
 def _session(path: Path, edit: Any = None) -> kv.Run:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         # PyTorch first, in a child process, its outputs on disk; then ONNX Runtime here, in
         # a process that never imported torch: the two copies of the weights are never in
         # memory together, nor torch with ONNX Runtime (issue 14: peak memory)
-        lay = in_child(_reference_outputs, ctx, release, shapes, Path(tmp))
+        lay, shapes = in_child(_reference_outputs, ctx, release, shapes, Path(tmp))
         rows, failures = _compare_all(ctx, cfg, path, lay, shapes, Path(tmp))
         wanted = failures or cfg.layerwise == "always"
         # the layerwise view runs on the first failure's inputs, else on the first shape's
@@ -78,12 +79,17 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 
 def _reference_outputs(
     ctx: StageContext, release: ReleaseSpec, shapes: list[tuple[str, dict[str, int]]], into: Path
-) -> sh.Layout:
+) -> tuple[sh.Layout, list[tuple[str, dict[str, int]]]]:
     """PyTorch's outputs at every shape, saved as .npy under `into` with the inputs both
-    sides are fed (run in a child). A KV-cache graph is fed the past the model produces
-    from seeded tokens, never random-normal tensors (stages/onnx/kvcache.py)."""
+    sides are fed (run in a child), and the shapes run. A KV-cache graph is fed the past
+    the model produces from seeded tokens, never random-normal tensors
+    (stages/onnx/kvcache.py). The corners run at a batch whose activations fit the probe
+    budget (`sh.within_budget`); shapes the spec names in parity.shapes run as named."""
     net, lay = m.load_with_layout(ctx.root, release)
     flat = m.adapter(release.task, net, lay)
+    if not release.parity.shapes:
+        config = m.model_config(release.model, ctx.root)
+        shapes = _fitted(release, m.arch_of(config, lay), _bytes(net), lay, shapes)
     torch_run = m.named_run(flat, lay)
     chunk = release.export.dims["sequence"].max if "sequence" in release.export.dims else 1
 
@@ -98,7 +104,35 @@ def _reference_outputs(
             for j, out in enumerate(m.torch_outputs(flat, lay, feeds)):
                 np.save(into / f"{i}-{j}.npy", out)
             advance()
-    return lay
+    return lay, shapes
+
+
+def _fitted(
+    release: ReleaseSpec,
+    arch: dict[str, int],
+    weight_bytes: int,
+    lay: sh.Layout,
+    shapes: list[tuple[str, dict[str, int]]],
+) -> list[tuple[str, dict[str, int]]]:
+    """Each corner with its batch lowered until one pass's activations fit the probe
+    budget, its label saying so; a corner that becomes another is run once."""
+    dims = release.export.dims
+    budget = sh.probe_budget(weight_bytes)
+
+    def cost(s: Mapping[str, int]) -> int:
+        return sh.run_bytes(lay, s, arch["hidden"], arch["heads"])
+
+    out: dict[str, tuple[str, dict[str, int]]] = {}
+    for label, sizes in shapes:
+        fitted = sh.within_budget(sizes, dims, cost, budget)
+        if fitted != sizes:
+            label = f"{label}, batch {fitted['batch']} (probe memory)"
+        out.setdefault(str(fitted), (label, fitted))
+    return list(out.values())
+
+
+def _bytes(net: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in net.parameters())
 
 
 def _compare_all(

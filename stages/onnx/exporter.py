@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -275,8 +275,12 @@ def probe(
     dims: dict[str, DimRange],
     trace: dict[str, int],
     odd: bool,
+    cost: Callable[[Mapping[str, int]], int] | None = None,
+    budget: int = 0,
 ) -> dict[str, Any]:
-    """Run the graph at min/max/odd sizes, all together and one dim at a time."""
+    """Run the graph at min/max/odd sizes, all together and one dim at a time; with a
+    `cost` (a run's activation bytes) each run's batch is lowered until it fits `budget`
+    (`sh.within_budget`), and the run's label says so."""
     import onnxruntime as ort
 
     try:
@@ -287,18 +291,18 @@ def probe(
             "try the other export.exporter or another export.opset; report the message",
         ) from None
     plans = _plans(dims, trace, odd)
+    if cost is not None:
+        plans = [(*_fit(label, sizes, dims, cost, budget), moved) for label, sizes, moved in plans]
     runs, problems, blamed = [], [], set()
     with ctx.progress("running the graph at other shapes", len(plans)) as advance:
-        for label, sizes in plans:
+        for label, sizes, moved in plans:
             error = _run_once(session, lay, sizes)
             runs.append({"shape": label, "sizes": sizes, "ok": error is None})
-            changed = sorted(d for d in sizes if sizes[d] != trace[d])
-            if error and label.startswith("only ") and changed[0] not in blamed:
-                blamed.add(changed[0])
-                d = changed[0]
+            if error and moved and moved not in blamed:
+                blamed.add(moved)
                 problems.append(
-                    f"dim {d!r} is baked into the graph: it runs at the trace size "
-                    f"{d}={trace[d]} but not at {d}={sizes[d]}: {error}"
+                    f"dim {moved!r} is baked into the graph: it runs at the trace size "
+                    f"{moved}={trace[moved]} but not at {moved}={sizes[moved]}: {error}"
                 )
             advance()
     if not problems:
@@ -306,18 +310,32 @@ def probe(
     return {"runs": runs, "problems": problems}
 
 
+def _fit(
+    label: str,
+    sizes: dict[str, int],
+    dims: dict[str, DimRange],
+    cost: Callable[[Mapping[str, int]], int],
+    budget: int,
+) -> tuple[str, dict[str, int]]:
+    fitted = sh.within_budget(sizes, dims, cost, budget)
+    if fitted == sizes:
+        return label, sizes
+    return f"{label}, batch {fitted['batch']} (probe memory)", fitted
+
+
 def _plans(
     dims: dict[str, DimRange], trace: dict[str, int], odd: bool
-) -> list[tuple[str, dict[str, int]]]:
+) -> list[tuple[str, dict[str, int], str | None]]:
+    """(label, sizes, the one dim moved from the trace sizes or None) per run."""
     at = sh.corners(dims, ("min", "max"), odd_avoid=trace if odd else None)
     plans = [
-        (f"only {n}={c[n]}", {**trace, n: c[n]})
+        (f"only {n}={c[n]}", {**trace, n: c[n]}, n)
         for n in dims
         for c in at.values()
         if c[n] != trace[n]
     ]
-    plans = list({str(s): (label, s) for label, s in plans}.values())
-    return plans + [(f"all {k}", sizes) for k, sizes in at.items()]
+    unique = list({str(s): (label, s, n) for label, s, n in plans}.values())
+    return unique + [(f"all {k}", sizes, None) for k, sizes in at.items()]
 
 
 def _run_once(session: Any, lay: sh.Layout, sizes: dict[str, int]) -> str | None:

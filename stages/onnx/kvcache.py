@@ -241,10 +241,17 @@ def padded(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan) -> Iterator
 
 
 def judge(
-    probe: Probe, ref: dict[str, np.ndarray], tol: Tolerance, cfg: ParityConfig
+    probe: Probe,
+    ref: dict[str, np.ndarray],
+    tol: Tolerance,
+    cfg: ParityConfig,
+    fp32: dict[str, np.ndarray] | None = None,
 ) -> list[dict[str, Any]]:
     """Compare a probe's last logits (and, unpadded, its presents) with the full pass. A
-    failed row names the first diverging position along the sequence."""
+    failed row names the first diverging position along the sequence. With `fp32` (the
+    FP32 full pass of a quantized graph's tokens) a present out of tolerance is accepted
+    as quantization rounding when its error is a small share of quantizing's own
+    (`rounding_share`); the logits are always held to the tolerance."""
     rows = list(probe.rows) if probe.rows is not None else None
     names = ["logits"] + ([] if rows is not None else sorted(k for k in ref if k != "logits"))
     out = []
@@ -261,8 +268,34 @@ def judge(
         position = probe.position
         if not result["ok"] and name != "logits" and want.shape == got.shape:
             position = first_position(want, got, tol)
+            base = fp32.get(name) if fp32 is not None else None
+            if base is not None and base.shape[1:] == want.shape[1:]:
+                share = rounding_share(got, want, np.broadcast_to(base, want.shape))
+                if share <= ROUNDING_SHARE:
+                    result = {**result, "ok": True, "rounding": share}
         out.append({**row, "position": position, **result})
     return out
+
+
+# A quantized graph's cached decode and its full pass differ where float-level differences
+# (attention over one row or over n, the same sums in another order) move a quantizer's
+# input across a rounding boundary: one quantization step at one position, which the later
+# layers' attention mixes into every position after it, small everywhere. On a 30-layer
+# INT8 decoder this put every layer's presents out of an FP32 tolerance (normalized error
+# up to 35, at 0.003 of keys of RMS ~1) while the logits matched; its rms stayed <= 4.2 % of
+# the quantization's own rms error (issue 40, benchmarks/bench_memory.py llama-30). A cache
+# bug moves the values themselves: many times the quantization's error, not a tenth of it.
+ROUNDING_SHARE = 0.1
+
+
+def rounding_share(got: np.ndarray, want: np.ndarray, fp32: np.ndarray) -> float:
+    """rms(cached - full) / rms(full - FP32 full): the cache path's error as a share of
+    quantizing's own on this tensor (inf when quantizing changed nothing)."""
+    cache = float(np.sqrt(np.mean((got.astype(np.float64) - want) ** 2)))
+    quant = float(np.sqrt(np.mean((want.astype(np.float64) - fp32) ** 2)))
+    if cache == 0:
+        return 0.0
+    return cache / quant if quant > 0 else float("inf")
 
 
 def first_position(want: np.ndarray, got: np.ndarray, tol: Tolerance) -> int:
@@ -281,12 +314,16 @@ def check(
     refs: Callable[[str, int, int], dict[str, np.ndarray]],
     tol: Tolerance,
     cfg: ParityConfig,
+    fp32: Callable[[str, int, int], dict[str, np.ndarray]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every probe of the walk and of the padded batch, judged against its full pass.
-    `refs(kind, row, length)`: the reference of `kind` ("walk" | "padded") at that length."""
+    `refs(kind, row, length)`: the reference of `kind` ("walk" | "padded") at that length;
+    `fp32`: the FP32 model's, for a quantized `run` (see `judge`)."""
     rows: list[dict[str, Any]] = []
     for probe in walk(run, lay, tokens[0], plan):
-        rows += judge(probe, refs("walk", 0, probe.past + 1), tol, cfg)
+        n = probe.past + 1
+        base = fp32("walk", 0, n) if fp32 is not None else None
+        rows += judge(probe, refs("walk", 0, n), tol, cfg, base)
     if plan.padded is not None:
         for probe in padded(run, lay, tokens, plan):
             row = probe.rows[0] if probe.rows else 0

@@ -8,7 +8,7 @@ proves is the shape the next one means.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -168,3 +168,55 @@ def make_inputs(lay: Layout, sizes: Mapping[str, int], seed: int) -> dict[str, n
     """Deterministic inputs of the layout at the given named dim sizes."""
     full = with_total(sizes)
     return seeded_inputs(lay.inputs, {t.name: shape_of(t, full) for t in lay.inputs}, seed)
+
+
+# What a probe (export's shapes, parity's corners, kvcheck's batches) may spend on one
+# forward pass's activations: the checkpoint's own size, at least PROBE_FLOOR. With the
+# weights loaded once, a stage stays near 3x the checkpoint (issue 40: export and parity ran
+# the all-max corner at batch 8 x 1024 + 1024 on a 30-layer, 50k-vocabulary decoder and
+# peaked at 8.6x and 9.3x of it, nearly all in logits and attention scores).
+PROBE_FLOOR = 256 << 20
+ACT_BYTES = 4
+
+
+def run_bytes(lay: Layout, sizes: Mapping[str, int], hidden: int, heads: int) -> int:
+    """One forward pass's activation memory at `sizes`, estimated: every output (logits,
+    present KV) plus, per token, a few hidden-size buffers and the MLP's (8 x hidden) and one
+    layer's attention scores over the context (the plan stage's model of a step)."""
+    full = with_total(sizes)
+    outputs = sum(
+        int(np.prod(shape_of(t, full), dtype=np.int64)) * _itemsize(t.dtype) for t in lay.outputs
+    )
+    tokens = full.get("batch", 1) * full.get("sequence", 1)
+    context = full.get(TOTAL, full.get("sequence", 1))
+    return outputs + tokens * (8 * hidden + heads * context) * ACT_BYTES
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:  # bfloat16 and other names numpy lacks: two bytes or four, say four
+        return ACT_BYTES
+
+
+def probe_budget(weight_bytes: int) -> int:
+    return max(weight_bytes, PROBE_FLOOR)
+
+
+def within_budget(
+    sizes: Mapping[str, int],
+    dims: Mapping[str, DimBounds],
+    cost: Callable[[Mapping[str, int]], int],
+    budget: int,
+) -> dict[str, int]:
+    """`sizes` with the batch lowered (never below its min) until `cost` fits `budget`.
+    Only the batch moves: it is the one dim a graph never mixes with the others (each row
+    is computed alike), and each probe runs batch.max on its own at the small trace sizes,
+    so a lowered corner still proves every other dim at its extreme."""
+    out = dict(sizes)
+    if "batch" not in out or "batch" not in dims:
+        return out
+    low = max(ranges_of(dims)["batch"]["min"], 1)
+    while out["batch"] > low and cost(out) > budget:
+        out["batch"] -= 1
+    return out

@@ -537,3 +537,69 @@ def test_a_fused_dynamic_kernel_cannot_be_pinned_and_is_refused_naming_the_node(
         pq.refuse_unpinnable(path)
     assert "node 'mlp/fused' (DynamicQuantizeMatMul, 1 such)" in exc.value.message
     assert "quantize_dynamic" in exc.value.hint
+
+
+# ------------------------------------------------- quantization rounding in the presents
+def _rounding_case(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """An FP32 full pass, and a quantized graph's full pass: FP32 plus INT8-sized noise
+    (about 1 % of the values' rms) on a [1, 2, 40, 8] key."""
+    rng = np.random.default_rng(seed)
+    fp32 = {
+        "logits": rng.standard_normal((1, 50)).astype(np.float32),
+        "present.0.key": rng.standard_normal((1, 2, 40, 8)).astype(np.float32),
+    }
+    quant = {
+        k: (v + 0.01 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in fp32.items()
+    }
+    return fp32, quant
+
+
+def _judged(got_key: np.ndarray, quant: dict[str, np.ndarray], fp32: Any) -> dict[str, Any]:
+    from schemas.spec.parity import ParityConfig
+    from stages.onnx import kvcache as kv
+
+    probe = kv.Probe(
+        "step 0", 39, 39, {"logits": quant["logits"][:, None], "present.0.key": got_key}
+    )
+    rows = kv.judge(probe, quant, ParityConfig().tolerance, ParityConfig(), fp32)
+    return next(r for r in rows if r["output"] == "present.0.key")
+
+
+def test_a_rounding_flip_in_a_quantized_present_is_told_from_a_cache_bug() -> None:
+    """One quantizer step flipped at one position, mixed thinly into the later positions
+    (what float-level differences do to an INT8 graph's cache path): out of the FP32
+    tolerance, accepted as rounding with its share. The same key 2 % off everywhere (a
+    cache bug far smaller than a stale position), or one position replaced: refused."""
+    from stages.onnx import kvcache as kv
+
+    fp32, quant = _rounding_case()
+    key = quant["present.0.key"]
+    flipped = key.copy()
+    flipped[0, 1, 20, :] += 0.004  # one step of a quantizer, one position
+    flipped[0, :, 21:, :] += 2e-4 * np.sign(flipped[0, :, 21:, :])
+    strict = _judged(flipped, quant, None)
+    assert not strict["ok"] and strict["position"] == 20
+    row = _judged(flipped, quant, fp32)
+    assert row["ok"] and 0 < row["rounding"] <= kv.ROUNDING_SHARE, row
+    assert row["position"] == 20  # still named where it first moved
+
+    for bad in (key * 1.02, np.concatenate([key[:, :, :39], key[:, :, :1]], axis=2)):
+        refused = _judged(bad.astype(np.float32), quant, fp32)
+        assert not refused["ok"] and refused.get("rounding") is None, refused
+    # where quantizing changed nothing, nothing is excused
+    same = {k: v.copy() for k, v in quant.items()}
+    assert not _judged(flipped, quant, same)["ok"]
+
+
+def test_the_logits_of_a_quantized_graph_are_never_excused() -> None:
+    from schemas.spec.parity import ParityConfig
+    from stages.onnx import kvcache as kv
+
+    fp32, quant = _rounding_case(1)
+    logits = quant["logits"] + 0.004
+    probe = kv.Probe(
+        "step 0", 39, 39, {"logits": logits[:, None], "present.0.key": quant["present.0.key"]}
+    )
+    rows = kv.judge(probe, quant, ParityConfig().tolerance, ParityConfig(), fp32)
+    first = next(r for r in rows if r["output"] == "logits")
+    assert not first["ok"] and "rounding" not in first
