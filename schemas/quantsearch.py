@@ -123,6 +123,11 @@ class SpeedCheck(_Row):
         description="timing: the interval cleared the bar by the band; else the cost model."
     )
     fast: bool = Field(description="At least quantization.min_speedup by what decided.")
+    rounds: int = Field(
+        default=15,
+        description="Interleaved rounds timed: 15, or fewer when every ratio at a look (6, "
+        "9, 12 rounds) already cleared the bar by the band on one side.",
+    )
 
 
 class RecipeRow(_Row):

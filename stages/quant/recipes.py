@@ -323,7 +323,9 @@ class Search:
         checks: dict[str, SpeedCheck] = {}
         fp32 = session_for(self.pre)
         for k, (feeds, rows) in self.timed.items():
-            timing = sp.paired(_passes(fp32, feeds), _passes(session, feeds))
+            timing = sp.paired(
+                _passes(fp32, feeds), _passes(session, feeds), bar=self.q.min_speedup
+            )
             self.fp32_s[k] = timing.fp32_s
             verdict = sp.decide(
                 timing, sp.predicted_speedup(self.pre, path, rows), self.q.min_speedup
@@ -334,6 +336,7 @@ class Search:
                 predicted=verdict.predicted,
                 decided_by=verdict.decided_by,
                 fast=verdict.fast,
+                rounds=timing.rounds,
             )
         del fp32
         # a causal LM is served by decode steps: those decide; otherwise the forward pass

@@ -204,3 +204,69 @@ def test_a_failed_search_names_each_recipes_real_reason() -> None:
         "no recipe ships; refused for accuracy: b, c, a + float classes; build: e; "
         "size: d; speed: a"
     )
+
+
+# ------------------------------------------------------ early stop at a settled look
+class _Clock:
+    """A fake clock the fake passes advance: the rounds' ratios are exactly what a test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def run(self, seconds: list[float]):  # type: ignore[no-untyped-def]
+        times = iter(seconds)
+
+        def one() -> None:
+            self.now += next(times)
+
+        return one
+
+
+def _timed(monkeypatch: pytest.MonkeyPatch, variant: list[float], bar: float | None) -> sp.Timing:
+    from types import SimpleNamespace
+
+    clock = _Clock()
+    monkeypatch.setattr(sp, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    fp32 = [1.0] * (sp.PAIRS + 1)  # the warm-up, then one a round
+    return sp.paired(clock.run(fp32), clock.run([1.0, *variant]), bar=bar)
+
+
+def test_a_variant_far_beyond_the_bar_stops_at_the_first_look(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slow = _timed(monkeypatch, [7.0] * sp.PAIRS, bar=1.0)  # 0.14x: an 8-bit weight-only
+    assert slow.rounds == sp.LOOKS[0] and slow.high < 0.9
+    assert sp.decide(slow, 0.5, 1.0).decided_by == "timing"
+    fast = _timed(monkeypatch, [0.5] * sp.PAIRS, bar=1.0)
+    assert fast.rounds == sp.LOOKS[0] and sp.decide(fast, 0.5, 1.0).fast
+
+
+def test_near_the_bar_or_with_one_stray_round_every_round_is_timed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ratio within the band never settles; one stray round (a busy moment favouring the
+    variant) keeps every look unsettled, and the median's interval decides at the end."""
+    near = _timed(monkeypatch, [1 / 1.05] * sp.PAIRS, bar=1.0)
+    assert near.rounds == sp.PAIRS
+    stray = [7.0] * sp.PAIRS
+    stray[2] = 0.5
+    t = _timed(monkeypatch, stray, bar=1.0)
+    assert t.rounds == sp.PAIRS and sp.decide(t, 0.5, 1.0).decided_by == "timing"
+    assert not sp.decide(t, 0.5, 1.0).fast
+    assert _timed(monkeypatch, [7.0] * sp.PAIRS, bar=None).rounds == sp.PAIRS  # no bar
+
+
+@pytest.mark.parametrize(
+    ("ratios", "bar", "settled"),
+    [
+        ([1.1] * 6, 1.0, True),  # exactly at bar x (1 + band): clears
+        ([1.1] * 5 + [1.099], 1.0, False),
+        ([0.9] * 6, 1.0, True),
+        ([0.9] * 5 + [0.901], 1.0, False),
+        ([0.01, 50.0], 0.0, True),  # no bar: any speed
+    ],
+)
+def test_settled_is_all_ratios_beyond_the_band_on_one_side(
+    ratios: list[float], bar: float, settled: bool
+) -> None:
+    assert sp.settled(ratios, bar) is settled
