@@ -112,7 +112,7 @@ class CalibrationSummary(_Row):
     holdout: int
 
 
-class SpeedCheck(_Row):
+class SpeedCheck(_Sparse):
     """One timed pass of a variant against FP32 (stages/quant/speed.py): the timed median
     ratio with its 95 % interval, the cost model's prediction, and which of them decided."""
 
@@ -123,10 +123,11 @@ class SpeedCheck(_Row):
         description="timing: the interval cleared the bar by the band; else the cost model."
     )
     fast: bool = Field(description="At least quantization.min_speedup by what decided.")
-    rounds: int = Field(
-        default=15,
+    rounds: int | None = Field(
+        default=None,
         description="Interleaved rounds timed: 15, or fewer when every ratio at a look (6, "
-        "9, 12 rounds) already cleared the bar by the band on one side.",
+        "9, 12 rounds) already cleared the bar by the band on one side (absent in reports "
+        "written before the early stop: 15).",
     )
 
 

@@ -499,7 +499,7 @@ def in_child(fn: Any, *args: Any) -> Any:
             killed = done.returncode < 0
             raise StageError(
                 stage,
-                f"the PyTorch step ({fn.__name__}) "
+                f"the step ({fn.__name__}) "
                 + (f"was killed by signal {-done.returncode}" if killed else "crashed")
                 + " in its child process",
                 "it was most likely killed for memory: free memory or lower `shipyard build -j`"

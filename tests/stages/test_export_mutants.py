@@ -26,21 +26,22 @@ LENGTH = {"min": 2, "opt": 4, "max": 6}
 
 
 def test_the_plans_move_one_dim_at_a_time_then_all_together() -> None:
+    """Each plan names the one dim it moved from the trace sizes (the one a failure blames)."""
     dims = {"batch": BATCH, "length": LENGTH}
     trace = sh.trace_sizes(dims)
     assert trace == {"batch": 2, "length": 4}
     assert exporter._plans(dims, trace, odd=True) == [
-        ("only batch=1", {"batch": 1, "length": 4}),
-        ("only batch=4", {"batch": 4, "length": 4}),
-        ("only batch=3", {"batch": 3, "length": 4}),
-        ("only length=2", {"batch": 2, "length": 2}),
-        ("only length=6", {"batch": 2, "length": 6}),
-        ("only length=5", {"batch": 2, "length": 5}),
-        ("all min", {"batch": 1, "length": 2}),
-        ("all max", {"batch": 4, "length": 6}),
-        ("all odd", {"batch": 3, "length": 5}),
+        ("only batch=1", {"batch": 1, "length": 4}, "batch"),
+        ("only batch=4", {"batch": 4, "length": 4}, "batch"),
+        ("only batch=3", {"batch": 3, "length": 4}, "batch"),
+        ("only length=2", {"batch": 2, "length": 2}, "length"),
+        ("only length=6", {"batch": 2, "length": 6}, "length"),
+        ("only length=5", {"batch": 2, "length": 5}, "length"),
+        ("all min", {"batch": 1, "length": 2}, None),
+        ("all max", {"batch": 4, "length": 6}, None),
+        ("all odd", {"batch": 3, "length": 5}, None),
     ]
-    assert [label for label, _ in exporter._plans(dims, trace, odd=False)] == [
+    assert [label for label, _, _ in exporter._plans(dims, trace, odd=False)] == [
         "only batch=1",
         "only batch=4",
         "only length=2",
@@ -54,10 +55,10 @@ def test_a_size_probed_twice_is_run_once_and_the_trace_size_never_alone() -> Non
     """A range with no odd size inside probes its max as the odd one: once."""
     dims = {"batch": {"min": 2, "opt": 2, "max": 3}}
     assert exporter._plans(dims, {"batch": 2}, odd=True) == [
-        ("only batch=3", {"batch": 3}),
-        ("all min", {"batch": 2}),
-        ("all max", {"batch": 3}),
-        ("all odd", {"batch": 3}),
+        ("only batch=3", {"batch": 3}, "batch"),
+        ("all min", {"batch": 2}, None),
+        ("all max", {"batch": 3}, None),
+        ("all odd", {"batch": 3}, None),
     ]
 
 

@@ -109,6 +109,32 @@ def test_smoothquant_on_gpt2_keeps_the_function_where_it_cannot_fold(
     assert report.tensors == 4 * 2 and report.inserted == 4 * 2 and report.folded == 0
     got = session_for(tmp_path / "s.onnx").run(None, feeds)
     np.testing.assert_allclose(got[0], fp32.run(None, feeds)[0], rtol=1e-3, atol=1e-4)
+    # the smoothed weights were spilled one at a time beside the source, then moved into
+    # the graph's own data file: the spill is gone
+    assert not list(tmp_path.glob(".*smoothed-weights"))
+
+
+def test_a_smoothing_that_fails_midway_leaves_neither_its_spill_nor_a_graph(
+    built_gpt2: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages.quant import smooth as smoothing
+
+    export = built_gpt2.out("tiny-gpt2", "export") / "model.onnx"
+    src = _gemm_as_matmul(export, tmp_path / "m.onnx")
+    feeds = _feeds(session_for(export), np.arange(3, 40, dtype=np.int64)[None, :])
+    spilled = smoothing._spilled
+    calls = iter(range(100))
+
+    def second_fails(*args: Any) -> Any:
+        if next(calls) == 1:
+            raise OSError("disk full")
+        return spilled(*args)
+
+    monkeypatch.setattr(smoothing, "_spilled", second_fails)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(OSError, match="disk full"):
+        smooth(src, tmp_path / "s.onnx", [feeds], 0.8, "s.data")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_per_tensor_int8_fails_and_auto_ships_smoothquant_within_the_default_budget(
