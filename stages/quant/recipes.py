@@ -299,7 +299,10 @@ class Search:
         checks: dict[str, SpeedCheck] = {}
         speedup: float | None = None
         if not why:
-            checks, speedup, slow = self._speed(session, path)
+            # timed on a fresh session: this one's arena grew over every sample measured, and
+            # FP32's opens beside it (on a 30-layer decoder the two peaked at 4x the model)
+            del session
+            checks, speedup, slow = self._speed(session_for(path), path)
             why += [slow] if slow else []
         ratio = _size(path) / self.fp32_bytes
         if ratio > self.q.max_size_ratio:
