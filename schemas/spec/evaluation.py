@@ -53,8 +53,9 @@ class MetricThreshold(Strict):
     greater_is_better: bool = Field(description="Direction of the metric.")
     baseline: Literal["reference", "production"] = Field(
         default="production",
-        description="What the change is measured against: the PyTorch FP32 reference on the "
-        "same inputs, or the release in the registry's production channel.",
+        description="What the change is measured against: the FP32 export (the graph parity "
+        "and kvcheck proved equal to PyTorch, and quantize's reference) on the same inputs, "
+        "or the release in the registry's production channel.",
     )
 
     @model_validator(mode="after")
