@@ -9,7 +9,6 @@ Usage: python scripts/busy_builds.py [NAME ...]   (default: Llama Qwen2 Qwen3)
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from schemas.artifacts import QuantInfo  # noqa: E402
 from tests.fixtures import architectures as matrix  # noqa: E402
 
 
@@ -27,16 +27,27 @@ def _spin() -> None:
 
 
 def verdict(root: Path, slug: str) -> dict[str, Any]:
-    report = json.loads((root / "build" / slug / "quantize" / "report.json").read_text())
-    details = report.get("details", {})
-    rows = details.get("recipes", [])
+    """What quantize shipped and each recipe's speed verdict, from its QuantInfo artifact."""
+    info = QuantInfo.model_validate_json(
+        (root / "build" / slug / "quantize" / QuantInfo.FILE).read_text()
+    )
+    rows = info.recipes or []
     return {
-        "summary": report["summary"][:120],
-        "chosen": [r["recipe"] for r in rows if r.get("chosen")],
+        "summary": f"method {info.method}, {len(info.float_nodes)} node(s) in float",
+        "chosen": [r.recipe for r in rows if r.chosen],
+        # (recipe, [(timed?, fast enough?, what decided)]): too slow is said in `why`
         "speed": [
-            (r["recipe"], sorted((k, c["fast"], c["decided_by"]) for k, c in r["speed"].items()))
+            (
+                r.recipe,
+                [
+                    (
+                        r.speedup is not None,
+                        "below quantization.min_speedup" not in r.why,
+                        r.speed_decided_by or "",
+                    )
+                ],
+            )
             for r in rows
-            if r.get("speed")
         ],
     }
 
@@ -61,8 +72,8 @@ def build(names: list[str], busy: bool) -> dict[str, Any]:
             h.join()
 
 
-def _verdicts(run: dict[str, Any]) -> list[tuple[str, list[tuple[str, bool]]]]:
-    return [(recipe, [(k, fast) for k, fast, _ in checks]) for recipe, checks in run["speed"]]
+def _verdicts(run: dict[str, Any]) -> list[tuple[str, list[tuple[bool, bool]]]]:
+    return [(recipe, [(t, fast) for t, fast, _ in checks]) for recipe, checks in run["speed"]]
 
 
 def main(argv: list[str]) -> int:

@@ -10,6 +10,8 @@ accepted or refused on one timing:
    gives one ratio FP32 time / variant time; the verdict reads their median and a
    distribution-free 95 % interval of that median (binomial order statistics: no
    assumption about how a busy machine's delays are distributed).
+   The rounds stop early at 6, 9 or 12 (LOOKS) when every ratio so far is beyond the bar
+   by BAND on one side: a variant 7x slower needs no 15 rounds to say so.
 2. Timing decides only when the whole interval clears the bar by BAND (above
    bar x (1 + BAND): fast; below bar x (1 - BAND): slow). A quiet machine gives tight
    intervals; a busy one wide ones, which then decide nothing.
