@@ -170,7 +170,7 @@ def make_inputs(lay: Layout, sizes: Mapping[str, int], seed: int) -> dict[str, n
     return seeded_inputs(lay.inputs, {t.name: shape_of(t, full) for t in lay.inputs}, seed)
 
 
-# What a probe (export's shapes, parity's corners, kvcheck's batches) may spend on one
+# What a probe (export's shapes, parity's default corners) may spend on one
 # forward pass's activations: the checkpoint's own size, at least PROBE_FLOOR. With the
 # weights loaded once, a stage stays near 3x the checkpoint (issue 40: export and parity ran
 # the all-max corner at batch 8 x 1024 + 1024 on a 30-layer, 50k-vocabulary decoder and
