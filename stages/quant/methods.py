@@ -288,17 +288,20 @@ def _dynamic(
 ) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from stages.quant.perchannel import vectorized
+
     cfg = cast("Int8Dynamic", q.cfg)  # _METHODS: only its methods come here
-    quantize_dynamic(
-        src,
-        out,
-        op_types_to_quantize=cfg.op_types,
-        per_channel=cfg.per_channel,
-        weight_type=QuantType.QInt8,
-        nodes_to_quantize=only,
-        nodes_to_exclude=exclude,
-        use_external_data_format=large,
-    )
+    with vectorized():  # onnxruntime's result, without its per-channel loop in Python
+        quantize_dynamic(
+            src,
+            out,
+            op_types_to_quantize=cfg.op_types,
+            per_channel=cfg.per_channel,
+            weight_type=QuantType.QInt8,
+            nodes_to_quantize=only,
+            nodes_to_exclude=exclude,
+            use_external_data_format=large,
+        )
 
 
 def _static(
