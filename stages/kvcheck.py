@@ -5,9 +5,11 @@ The reference is a full pass (no cache, the whole sequence at once) at each comp
 length, each candidate fed only the pasts it produced itself (stages/onnx/kvcache.py):
 PyTorch's full pass for PyTorch's own cached decode and for ONNX Runtime's over the export;
 the shipped graph's own full pass for its cached decode, since quantization moves its numbers
-away from PyTorch's on purpose. Dynamic INT8 takes a scale per call from the whole tensor,
-which couples positions, so that graph runs with each scale pinned to a constant
-(stages/quant/pinned.py) and is then held to the same float tolerance. A left-padded row of
+away from PyTorch's on purpose. The quantize stage's dynamic INT8 takes one activation scale
+per token (stages/quant/pertoken.py), so that graph is checked as it ships; a graph with
+onnxruntime's per-call scales (`DynamicQuantizeLinear`, which couples positions) runs with
+each scale pinned to a constant (stages/quant/pinned.py). Either is held to the same float
+tolerance. A left-padded row of
 a batch must equal the same row alone. A release without a KV cache is skipped (optional).
 """
 
@@ -164,7 +166,12 @@ def _shipped(
         if rounded
         else ""
     )
-    return rows, f"{len(exposed)} dynamic quantization scale(s) pinned{note}"
+    how = (
+        f"{len(exposed)} dynamic quantization scale(s) pinned"
+        if exposed
+        else "activation scales per token: nothing to pin"
+    )
+    return rows, how + note
 
 
 def _session(path: Path, edit: Any = None) -> kv.Run:

@@ -286,8 +286,10 @@ def _shell(model: Any) -> Any:
 def _dynamic(
     q: Quantizer, src: Path, out: Path, exclude: list[str], only: list[str] | None, large: bool
 ) -> None:
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from stages.quant import pertoken
     from stages.quant.perchannel import vectorized
 
     cfg = cast("Int8Dynamic", q.cfg)  # _METHODS: only its methods come here
@@ -302,6 +304,10 @@ def _dynamic(
             nodes_to_exclude=exclude,
             use_external_data_format=large,
         )
+    # one activation scale per token, not per call: rows and positions stay independent
+    model = onnx.load(str(out), load_external_data=False)
+    if pertoken.rewrite(model):
+        onnx.save(model, str(out))
 
 
 def _static(
