@@ -177,7 +177,7 @@ def finish(
     into the shipped graph (`stream.save`), so no step holds a second copy of them."""
     import onnx
 
-    from stages.onnx import stream
+    from stages.onnx import invariant, stream
     from stages.onnx.graph import share_tied_weights
 
     raw = raw_path.parent
@@ -186,6 +186,10 @@ def finish(
     tied = share_tied_weights(model, raw)
     for t in tied:
         ctx.log(f"tied weight stored once: {t['dropped']} is {t['how']} of {t['kept']}")
+    # a served row's result must not depend on its padding (issue 41: stages/onnx/invariant)
+    softmaxes = invariant.rewrite(model)
+    if softmaxes:
+        ctx.log(f"{softmaxes} attention softmax(es) summed in order: rows independent of padding")
     checked = raw / "checked.onnx"  # the graph as shipped, its weights in the raw data files
     onnx.save_model(model, str(checked))
     try:

@@ -710,6 +710,9 @@ class ShipyardOnnxRuntime(MLModel):
                     "prompt",
                 )
             assert self.engine is not None
+            if call.rest_of_context:  # a chat without max_tokens: the rest of the context
+                room = max(1, self.engine.room(len(prompts[0])))
+                call.params = call.params.model_copy(update={"max_tokens": room})
             for p in prompts:
                 try:
                     self.engine.check(p, call.params)
@@ -722,10 +725,12 @@ class ShipyardOnnxRuntime(MLModel):
         if call.stream:
             return await self._openai_stream(call, rid, prompts[0], decode)
         try:
-            results = await self._generate_all(prompts, call.params)
+            results = await _unless_dropped(request, self._generate_all(prompts, call.params))
         except MLServerError as exc:
             error = api.ApiError(getattr(exc, "status_code", 500), str(exc.args[0]))
             return JSONResponse(error.body(), status_code=error.status)
+        if results is None:  # the client went away: its sequences were cancelled
+            return Response(status_code=499)
         return JSONResponse(api.response(call, rid, self.name, results, decode))
 
     async def _openai_stream(self, call: Any, rid: str, prompt: list[int], decode: Any) -> Response:
@@ -763,6 +768,28 @@ class ShipyardOnnxRuntime(MLModel):
                 )
             return cast(list[int], self.text.encode(prompt))
         return list(prompt)
+
+
+DROP_POLL_S = 0.25  # how often a waiting non-streamed request checks its client is there
+
+
+async def _unless_dropped(request: Request, work: Any) -> Any:
+    """`work`'s result, or None once the client has disconnected: its task is cancelled
+    then, and so are its sequences in the engine (issue 41: a dropped non-streamed request
+    generated to the end, holding its rows)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DROP_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, MLServerError):
+                await task
 
 
 async def _json_body(request: Request) -> Any:

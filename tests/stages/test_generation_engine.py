@@ -218,7 +218,7 @@ def test_the_prefix_cache_evicts_the_least_recently_used_within_its_budget() -> 
     from stages.serving.engine.scheduler import PrefixCache
 
     cache = PrefixCache(capacity=32, block=16)
-    past = {"k": np.zeros((1, 1, 60, 2), np.float32)}
+    past = {"k": np.arange(60, dtype=np.float32).reshape(1, 1, 60, 1)}
     cache.store(list(range(20)), past, room=100)  # 16 cached
     cache.store(list(range(100, 120)), past, room=100)  # 16 more: full
     assert cache.lookup(list(range(20)))[0] == 16  # touched: now the most recent
@@ -227,10 +227,41 @@ def test_the_prefix_cache_evicts_the_least_recently_used_within_its_budget() -> 
     assert cache.lookup(list(range(100, 120)))[0] == 0
     assert cache.lookup(list(range(20)))[0] == 16
     assert cache.lookup(list(range(16)))[0] == 0  # a prefix must leave one token to prefill
-    cache.store(list(range(500, 560)), past, room=100)  # 48 > capacity: never stored
-    assert cache.held == 32
-    cache.store(list(range(600, 620)), past, room=16)  # the batch leaves 16: one block fits
-    assert cache.held == 16 and cache.lookup(list(range(600, 620)))[0] == 16
+    cache.store(list(range(600, 620)), past, room=8)  # less than a block left: nothing
+    assert cache.held == 32 and cache.lookup(list(range(600, 620)))[0] == 0
+    # a longer prompt keeps as many of its leading blocks as fit, evicting older ones
+    cache.store(list(range(500, 560)), past, room=100)
+    assert cache.held == 32 and cache.lookup(list(range(500, 560)))[0] == 32
+    n, kv = cache.lookup(list(range(500, 540)))
+    assert n == 32 and kv is not None and np.array_equal(kv["k"], past["k"][:, :, :32])
+
+
+def test_any_prompt_sharing_whole_blocks_reuses_them_and_leaves_go_first() -> None:
+    """Issue 41: one key per prompt never matched a request sharing only the system prompt
+    (cached_tokens 0 of 101). Blocks are kept under a hash chain: a shared system prompt, a
+    chat growing turn by turn; a block another cached block extends is never evicted
+    before it."""
+    from stages.serving.engine.scheduler import PrefixCache
+
+    cache = PrefixCache(capacity=16 * 8, block=16)
+    system = list(range(1000, 1064))  # 64 tokens: four blocks
+    a = system + list(range(5, 42))  # 101 tokens: six full blocks
+    past = {"k": np.random.default_rng(0).normal(size=(1, 2, 101, 4)).astype(np.float32)}
+    cache.store(a, past, room=1000)
+    assert cache.held == 96
+    b = system + list(range(300, 337))  # the same system prompt, another user turn
+    n, kv = cache.lookup(b)
+    assert n == 64 and kv is not None and np.array_equal(kv["k"], past["k"][:, :, :64])
+    turn2 = a + [7, 8, 9] + list(range(50, 70))  # the chat goes on: all of A's blocks
+    assert cache.lookup(turn2)[0] == 96
+    assert cache.lookup(list(range(1001, 1065)) + [1])[0] == 0  # shifted by one: nothing
+    # the same tokens at another place in the prompt are another chain
+    assert cache.lookup(list(range(1016, 1064)) + list(range(1000, 1016)) + [1])[0] == 0
+    # full: a new prompt evicts leaves, least recently used first, never a parent alone
+    cache.store(list(range(2000, 2049)), past, room=1000)  # 3 blocks: 96 + 48 > 128
+    assert cache.held == 128
+    assert cache.lookup(b)[0] == 64 and cache.lookup(a)[0] == 80  # A's last leaf went
+    assert all(blk.parent is None or blk.parent in cache.blocks for blk in cache.blocks.values())
 
 
 def test_cached_prefixes_give_way_to_a_request_that_needs_the_budget(counting: Any) -> None:
@@ -376,6 +407,56 @@ def test_a_stop_string_across_tokens_ends_the_text_before_it(text: Text) -> None
             break
     assert hit and "".join(sent) == "alpha beta "
     assert "S" not in "".join(sent[:-1])  # held back while it might become the stop string
+
+
+@pytest.mark.parametrize("stops", [["e", "w"], ["w", "e"], ["ise", "wi"]])
+def test_the_earliest_stop_string_wins_whichever_is_listed_first(
+    text: Text, stops: list[str]
+) -> None:
+    """Issue 41: one token completing two stop strings ended the text at the one listed
+    first (" a wis" with stops "e", "w"): the text then contained a stop string."""
+    detok = Detokenizer(text, stops)
+    sent, hit = [], False
+    for t in text.encode(" a wise owl"):
+        delta, hit = detok.add(t)
+        sent.append(delta)
+        if hit:
+            break
+    out = "".join(sent)
+    assert hit and out == " a "
+    assert not any(stop in out for stop in stops)
+
+
+@given(
+    words=st.lists(st.sampled_from(["ab", "ba", "a", "b", " ", "abba", "c"]), max_size=12),
+    stops=st.lists(st.text(alphabet="abc ", min_size=1, max_size=3), min_size=1, max_size=4),
+)
+@settings(max_examples=60, deadline=None)
+def test_returned_text_never_contains_a_stop_string_and_ends_at_the_first(
+    words: list[str], stops: list[str]
+) -> None:
+    text = Text(TINY)
+    whole = "".join(words)
+    detok = Detokenizer(text, stops)
+    ids, out, hit = text.encode(whole, special=False), "", False
+    for t in ids:
+        delta, hit = detok.add(t)
+        out += delta
+        if hit:
+            break
+    if not hit:
+        out += detok.finish()
+    # the oracle, not incremental: the first token after which the text holds a stop
+    # string, cut where the earliest one it holds begins
+    want = text.decode(ids)
+    for n in range(1, len(ids) + 1):
+        prefix = text.decode(ids[:n])
+        starts = [i for stop in stops if (i := prefix.find(stop)) >= 0]
+        if starts:
+            want = prefix[: min(starts)]
+            break
+    assert not any(stop in out for stop in stops)
+    assert out == want
 
 
 def test_eos_stop_ids_and_stop_strings_end_a_generation_with_finish_stop(

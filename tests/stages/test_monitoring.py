@@ -121,6 +121,7 @@ def test_the_dashboard_plots_only_series_the_runtime_exports() -> None:
                                   "shipyard_inter_token_latency_seconds",
                                   "shipyard_running_batch_size", "shipyard_output_tokens")),
         "shipyard_queue_depth", "shipyard_kv_cache_usage_ratio",
+        "shipyard_requests_waiting", "shipyard_requests_running",
         *(f"shipyard_{c}_total" for c in ("generated_tokens", "prompt_tokens",
                                           "requests_finished", "empty_responses",
                                           "length_limited")),

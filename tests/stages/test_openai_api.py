@@ -166,6 +166,87 @@ def test_logprobs_come_back_per_token(client: Any) -> None:
     assert all(len(top) == 2 for top in lp.top_logprobs)
 
 
+def test_every_top_logprob_asked_for_comes_back_even_when_tokens_decode_alike(
+    client: Any,
+) -> None:
+    """Issue 41: keyed by text, alternatives that decode alike (byte fragments, a bundle
+    without a tokenizer) collapsed into one entry: 5 asked, 1-3 returned."""
+    done = client.completions.create(
+        model="tiny-gpt2", prompt="\u00e9\u00e8", max_tokens=8, temperature=0, logprobs=20,
+        extra_body=VARIED,
+    )  # fmt: skip
+    tops = done.choices[0].logprobs.top_logprobs
+    assert len(tops) == 8 and all(len(top) == 20 for top in tops), [len(t) for t in tops]
+
+
+def test_alternatives_keyed_by_text_fall_back_to_token_ids_where_texts_clash() -> None:
+    from stages.serving.engine.openai_api import _top_by_text
+
+    texts = {1: "a", 2: "\ufffd", 3: "\ufffd", 4: "", 5: "b", 6: "b", 7: "c"}
+    top = [(t, -float(t)) for t in texts]
+    out = _top_by_text(top, lambda ids: texts[ids[0]])
+    assert out == {
+        "a": -1.0, "token_id:2": -2.0, "token_id:3": -3.0, "token_id:4": -4.0,
+        "token_id:5": -5.0, "token_id:6": -6.0, "c": -7.0,
+    }  # fmt: skip
+
+
+def test_a_chat_without_max_tokens_may_use_the_rest_of_the_context(
+    client: Any, gpt2_server: str
+) -> None:
+    """OpenAI's default for chat is the rest of the context, not 16 tokens."""
+    messages = [{"role": "user", "content": "hi"}]
+    done = client.chat.completions.create(
+        model="tiny-gpt2", messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    used = done.usage.prompt_tokens + done.usage.completion_tokens
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens > 16
+    # exactly what the served limits allow: one token more is refused
+    status, answer = post(
+        gpt2_server,
+        "/v1/chat/completions",
+        {"messages": messages, "max_tokens": done.usage.completion_tokens + 1},
+    )
+    assert status == 400, answer
+    assert used <= 121  # past_sequence.max 120 + the token fed last
+
+
+def test_a_greedy_request_is_the_same_alone_and_among_concurrent_ones(client: Any) -> None:
+    """Issue 41, through the openai client: the same greedy completion, alone and while
+    eight others of other lengths run beside it, returns the same tokens and logprobs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ask = {"model": "tiny-gpt2", "prompt": "def f(x):", "max_tokens": 12, "temperature": 0,
+           "logprobs": 2, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    alone = client.completions.create(**ask).choices[0].logprobs
+    others = [
+        {**ask, "prompt": "x" * (3 + 7 * i), "max_tokens": 4 + 3 * i, "logprobs": None}
+        for i in range(8)
+    ]
+    with ThreadPoolExecutor(9) as pool:
+        crowd = [pool.submit(client.completions.create, **o) for o in others[:4]]
+        busy = pool.submit(client.completions.create, **ask)
+        crowd += [pool.submit(client.completions.create, **o) for o in others[4:]]
+        beside = busy.result().choices[0].logprobs
+        for f in crowd:
+            f.result()
+    assert beside.tokens == alone.tokens
+    assert beside.token_logprobs == alone.token_logprobs  # to the bit
+    assert beside.top_logprobs == alone.top_logprobs
+
+
+def test_a_shared_system_prompt_hits_the_prefix_cache(client: Any) -> None:
+    """Issue 41: B shares only its system prompt with A and reported cached_tokens 0."""
+    system = list(range(100, 148))  # 48 tokens: three blocks of 16
+    ask = {"model": "tiny-gpt2", "max_tokens": 2, "temperature": 0}
+    a = client.completions.create(prompt=system + list(range(300, 320)), **ask)
+    b = client.completions.create(prompt=system + list(range(400, 437)), **ask)
+    details = b.usage.prompt_tokens_details
+    assert b.usage.prompt_tokens == 85 and details is not None and details.cached_tokens == 48
+    assert a.usage.prompt_tokens == 68
+
+
 REFUSED = [
     ({"prompt": "a", "n": 2}, "n must be 1"),
     ({"prompt": "a", "best_of": 2}, "unknown or unsupported field 'best_of'"),

@@ -810,6 +810,16 @@ def test_the_metrics_endpoint_shows_ttft_batching_tokens_and_finish_reasons(guar
     assert rows == streams * (tokens - 1)  # every decode step's rows, each a token
     assert ("shipyard_queue_depth", model) in after
     assert 0 <= after[("shipyard_kv_cache_usage_ratio", model)] <= 1
+    # idle, the gauges read what is held now, not what the last step held (issue 41); the
+    # engine sets them after the step that emitted the last token, so give it a moment
+    idle = {"shipyard_kv_cache_usage_ratio", "shipyard_requests_running",
+            "shipyard_requests_waiting", "shipyard_queue_depth"}  # fmt: skip
+    for _ in range(50):
+        now = scrape(guarded)
+        if all(now.get((name, model)) == 0 for name in idle):
+            break
+        time.sleep(0.1)
+    assert {name: now.get((name, model)) for name in idle} == dict.fromkeys(idle, 0.0)
     assert after[("process_resident_memory_bytes", ())] > 0
     assert grew("shipyard_output_tokens_count") == streams  # one length per finished output
     assert grew("shipyard_output_tokens_sum") == streams * tokens

@@ -4,11 +4,14 @@ the registry MLServer's metrics endpoint serves):
 - `shipyard_time_to_first_token_seconds`, `shipyard_inter_token_latency_seconds`
   (histograms): a request's arrival to its first token, and between its tokens;
 - `shipyard_queue_depth` (gauge): requests waiting for admission;
+- `shipyard_requests_waiting`, `shipyard_requests_running` (gauges): requests waiting for
+  admission, and admitted (prefilling or decoding), as vLLM's num_requests_waiting/running;
 - `shipyard_running_batch_size` (histogram, one sample per decode step): the sequences
   decoded together, the number that says whether batching is real;
 - `shipyard_generated_tokens_total`, `shipyard_prompt_tokens_total` (counters; tokens/s is
   their rate);
-- `shipyard_kv_cache_usage_ratio` (gauge): the padded running cache over the KV budget;
+- `shipyard_kv_cache_usage_ratio` (gauge): the padded running cache over the KV budget
+  (0 when nothing runs);
 - `shipyard_requests_finished_total{reason}` (counter): stop, length, abort or error;
 - quality: `shipyard_empty_responses_total` (a sequence that ended with no token but a stop
   token), `shipyard_output_tokens` (histogram: abnormal lengths show as its tails) and
@@ -56,6 +59,12 @@ class Metrics:
             "Between consecutive tokens of one request.", buckets=LATENCY,
         ).labels(model)  # fmt: skip
         self.queue = _family("Gauge", "shipyard_queue_depth", "Requests waiting.").labels(model)
+        self.waiting = _family(
+            "Gauge", "shipyard_requests_waiting", "Requests waiting for admission."
+        ).labels(model)
+        self.running = _family(
+            "Gauge", "shipyard_requests_running", "Requests admitted: prefilling or decoding."
+        ).labels(model)
         self.rows = _family(
             "Histogram", "shipyard_running_batch_size",
             "Sequences decoded together, per decode step.", buckets=ROWS,

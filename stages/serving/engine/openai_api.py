@@ -72,6 +72,9 @@ class Call:
     stream: bool = False
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # no max_tokens given to a chat: OpenAI's default is the rest of the context, which
+    # the server fills in once the prompt is rendered (Engine.room)
+    rest_of_context: bool = False
 
 
 def _fields(body: Any, fields: set[str], served: str) -> dict[str, Any]:
@@ -190,6 +193,7 @@ def chat(body: Any, served: str, defaults: dict[str, Any]) -> tuple[Call, list[d
     call = Call(
         "chat", [], _params(body, defaults, logprobs), bool(body.get("stream")), _usage_option(body)
     )
+    call.rest_of_context = body.get("max_tokens") is None
     return call, [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -246,11 +250,22 @@ def _logprobs_block(kind: str, events: list[Event], decode: Any) -> Any:
     return {
         "tokens": [decode([e.token]) for e in events if e.token is not None],
         "token_logprobs": [e.logprob for e in events if e.token is not None],
-        "top_logprobs": [
-            {decode([t]): lp for t, lp in e.top} for e in events if e.token is not None
-        ],
+        "top_logprobs": [_top_by_text(e.top, decode) for e in events if e.token is not None],
         "text_offset": [],
     }
+
+
+def _top_by_text(top: list[tuple[int, float]], decode: Any) -> dict[str, float]:
+    """The legacy completions API keys alternatives by their text, and tokens can share one
+    (byte fragments of one character, a bundle with no tokenizer: every text ""). Every
+    alternative asked for is returned: a text that is empty, incomplete (U+FFFD) or shared
+    is keyed `token_id:<id>` instead, as vLLM's return_tokens_as_token_ids spells a token."""
+    texts = [decode([t]) for t, _ in top]
+    out: dict[str, float] = {}
+    for (token, lp), text in zip(top, texts, strict=True):
+        unique = text and "\ufffd" not in text and texts.count(text) == 1
+        out[text if unique else f"token_id:{token}"] = lp
+    return out
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:

@@ -99,46 +99,108 @@ class Graph:
         return logits, dict(zip((n for n, _, _ in self.spec), present, strict=True))
 
 
+@dataclass
+class _Block:
+    """One full block of a cached prompt: its KV, keyed by the hash of every token up to
+    its end (its parent's key and its own tokens), so any prompt sharing that prefix finds
+    it, whatever follows."""
+
+    key: bytes
+    parent: bytes | None
+    kv: dict[str, np.ndarray]  # [1, heads, block, dim] per past input
+    children: int = 0  # cached blocks that extend it
+    used: int = 0  # when it was last looked up or stored (LRU)
+
+
 class PrefixCache:
-    """KV of prompt prefixes in whole blocks, least recently used evicted first."""
+    """KV of prompt prefixes, block by block, as vLLM's automatic prefix caching keeps them:
+    every full block of every stored prompt is kept under a hash chain (sha256 over the
+    parent block's hash and its own token ids), so a request sharing only a system prompt
+    with an earlier one, or a chat that grows turn by turn, reuses the blocks they share.
+    Least recently used blocks are evicted first, and only leaves (a block whose extension
+    is cached stays while it is), so every cached block is reachable from the start."""
 
     def __init__(self, capacity: int, block: int) -> None:
         self.capacity, self.block = capacity, block
-        self.entries: collections.OrderedDict[tuple[int, ...], dict[str, np.ndarray]] = (
-            collections.OrderedDict()
-        )
-        self.held = 0
+        self.blocks: dict[bytes, _Block] = {}
+        self.held = 0  # tokens held (blocks x block size)
         self.hits = self.misses = self.hit_tokens = 0
+        self._clock = itertools.count(1)
+
+    def _keys(self, prompt: list[int]) -> list[bytes]:
+        """The chain of block keys of the prompt's full blocks, leaving at least one token
+        to prefill (its logits give the first generated token)."""
+        import hashlib
+
+        keys: list[bytes] = []
+        parent = b""
+        for end in range(self.block, len(prompt), self.block):
+            ids = np.asarray(prompt[end - self.block : end], np.int64).tobytes()
+            parent = hashlib.sha256(parent + ids).digest()
+            keys.append(parent)
+        return keys
 
     def lookup(self, prompt: list[int]) -> tuple[int, dict[str, np.ndarray] | None]:
-        """The longest cached block-aligned prefix shorter than the prompt (one token at
-        least is left to prefill: its logits give the first token)."""
-        for n in range((len(prompt) - 1) // self.block * self.block, 0, -self.block):
-            key = tuple(prompt[:n])
-            if key in self.entries:
-                self.entries.move_to_end(key)
-                self.hits, self.hit_tokens = self.hits + 1, self.hit_tokens + n
-                return n, self.entries[key]
-        self.misses += 1
-        return 0, None
+        """The longest run of cached blocks the prompt starts with, as one past, and its
+        length in tokens (0, None: none cached)."""
+        found: list[_Block] = []
+        for key in self._keys(prompt):
+            block = self.blocks.get(key)
+            if block is None:
+                break
+            found.append(block)
+        if not found:
+            self.misses += 1
+            return 0, None
+        now = next(self._clock)
+        for block in found:
+            block.used = now
+        n = len(found) * self.block
+        self.hits, self.hit_tokens = self.hits + 1, self.hit_tokens + n
+        names = found[0].kv.keys()
+        return n, {k: np.concatenate([b.kv[k] for b in found], axis=2) for k in names}
 
-    def evict(self) -> None:
-        """Drop the least recently used prefix."""
-        old, _ = self.entries.popitem(last=False)
-        self.held -= len(old)
+    def evict(self, keep: frozenset[bytes] = frozenset()) -> bool:
+        """Drop the least recently used leaf block (not one in `keep`); False if none."""
+        leaves = [b for b in self.blocks.values() if not b.children and b.key not in keep]
+        if not leaves:
+            return False
+        old = min(leaves, key=lambda b: b.used)
+        del self.blocks[old.key]
+        if old.parent is not None and old.parent in self.blocks:
+            self.blocks[old.parent].children -= 1
+        self.held -= self.block
+        return True
 
     def store(self, prompt: list[int], past: dict[str, np.ndarray], room: int) -> None:
-        """Keep the prompt's longest block-aligned prefix, within `room` tokens (what the
-        running batch leaves of the KV budget) and the cache's own capacity."""
-        n = (len(prompt) - 1) // self.block * self.block
-        key = tuple(prompt[:n])
+        """Keep every full block of the prompt not cached yet, within `room` tokens (what
+        the running batch leaves of the KV budget) and the cache's own capacity, evicting
+        least recently used blocks of other prompts; a block that does not fit ends it
+        (the ones after it would be unreachable)."""
         limit = min(self.capacity, room)
-        if n == 0 or n > limit or key in self.entries:
+        if limit < self.block:
             return
-        while self.held + n > limit:
-            self.evict()
-        self.entries[key] = {k: np.ascontiguousarray(v[:, :, :n]) for k, v in past.items()}
-        self.held += n
+        keys = self._keys(prompt)
+        chain = frozenset(keys)
+        now = next(self._clock)
+        parent: bytes | None = None
+        for i, key in enumerate(keys):
+            block = self.blocks.get(key)
+            if block is None:
+                while self.held + self.block > limit:
+                    if not self.evict(keep=chain):
+                        return
+                start = i * self.block
+                kv = {
+                    k: np.ascontiguousarray(v[:, :, start : start + self.block])
+                    for k, v in past.items()
+                }
+                block = self.blocks[key] = _Block(key, parent, kv)
+                if parent is not None:
+                    self.blocks[parent].children += 1
+                self.held += self.block
+            block.used = now
+            parent = key
 
 
 @dataclass
@@ -227,6 +289,12 @@ class Engine:
         if params.stop and self.text is None:
             raise BadParameter("stop strings need the model's tokenizer, which is not shipped")
 
+    def room(self, prompt_tokens: int) -> int:
+        """The most tokens a prompt of this length may generate: what `check` allows under
+        the served context, the export's past and the KV budget (0: none)."""
+        s, n = self.settings, prompt_tokens
+        return max(0, min(s.max_context - n + 1, s.max_past - n + 2, s.kv_budget_tokens - n))
+
     def submit(
         self, prompt: list[int], params: GenerationParams, emit: Callable[[Event], None]
     ) -> Handle:
@@ -275,8 +343,7 @@ class Engine:
                     break
                 self._drop()
                 self._admit()
-                if self.metrics is not None:
-                    self.metrics.queue.set(len(self.waiting))
+                self._gauges()
             try:
                 if self.prefilling:
                     self._prefill()
@@ -284,7 +351,21 @@ class Engine:
                     self._decode()
             except Exception as exc:  # the graph failed: every running request learns why
                 self._fail_all(f"{type(exc).__name__}: {exc}")
+            with self._cv:
+                self._gauges()  # what the iteration left (all zero once idle)
         self._fail_all("the server is shutting down", 503)
+
+    def _gauges(self) -> None:
+        """Waiting and running requests and the cache they hold, as they are now (an idle
+        engine reads 0, not what its last step held)."""
+        m = self.metrics
+        if m is None:
+            return
+        m.queue.set(len(self.waiting))
+        m.waiting.set(len(self.waiting))
+        m.running.set(len(self.rows) + len(self.prefilling))
+        held = len(self.batch.keys) * self.batch.length if self.rows else 0
+        m.kv.set(held / self.settings.kv_budget_tokens)
 
     def _drop(self) -> None:
         now, s = time.monotonic(), self.settings
@@ -386,7 +467,9 @@ class Engine:
             logits, seq.past = self.graph.run(feeds)
             seq.done, budget = seq.done + n, budget - n
             if seq.done == len(seq.prompt):
-                self._prefilled(seq, logits[0, -1], seq.past, mask[0])
+                real = self._prefilled(seq, logits[0, -1], seq.past, mask[0])
+                if real is not None:
+                    self._join(seq, real)
 
     def _group(self, budget: int) -> list[Sequence]:
         """Prompts that can be prefilled in one pass, in arrival order: the same number of
@@ -427,27 +510,43 @@ class Engine:
             feeds |= empty_past(self.graph.spec, len(group), self.graph.dtype)
         feeds["position_ids"] = positions_from_mask(mask, width)
         logits, presents = self.graph.run(feeds)
-        self.batch.reserve(len(group), max(len(q.prompt) for q in group))
+        going = []
         for row, seq in enumerate(group):
             seq.done = len(seq.prompt)
             past = {k: v[row : row + 1] for k, v in presents.items()}
-            self._prefilled(seq, logits[row, -1], past, mask[row])
+            real = self._prefilled(seq, logits[row, -1], past, mask[row])
+            if real is not None:
+                going.append((seq, real))
+        # rows only for the sequences that go on (one that stopped at its first token, a
+        # max_tokens 1, EOS or a stop, takes none), made in one copy of the cache
+        self.batch.reserve(len(going), max((len(q.prompt) for q, _ in going), default=0))
+        for seq, real in going:
+            self._join(seq, real)
 
     def _prefilled(
         self, seq: Sequence, logits: np.ndarray, past: dict[str, np.ndarray], mask: np.ndarray
-    ) -> None:
-        """Its prompt is in the cache: sample the first token; it joins the running batch."""
+    ) -> dict[str, np.ndarray] | None:
+        """Its prompt is in the cache: sample the first token. Its cache (the row's own
+        tokens) when it goes on, to join the running batch; None when it ended."""
         self.prefilling.remove(seq)
+        seq.past = None
         keep = mask.astype(bool)  # the row's own tokens: padding left of or inside it goes
         real = past if keep.all() else {k: v[:, :, keep] for k, v in past.items()}
         if self.prefix is not None:
             self.prefix.store(seq.prompt, real, self.settings.kv_budget_tokens - self._need(seq))
-        if self._take(seq, logits):
-            self.batch.join(seq.key, real)
-            self.rows[seq.key] = seq
-        seq.past = None
+        return real if self._take(seq, logits) else None
+
+    def _join(self, seq: Sequence, past: dict[str, np.ndarray]) -> None:
+        self.batch.join(seq.key, past)
+        self.rows[seq.key] = seq
 
     def _decode(self) -> None:
+        # a free slot rides along in every step (its row's attention over the padded
+        # length): kept only while a sequence on its way in may take it, dropped otherwise
+        # (issue 41: after a burst of one-token requests a lone request decoded 2.1-2.7x
+        # slower, beside 1,515 cached slots nobody used)
+        if self.batch.free > len(self.prefilling) + len(self.waiting):
+            self.batch.compact()
         order = list(self.batch.keys)
         tokens = np.array(
             [self.rows[k].generated[-1] if k is not None else 0 for k in order], np.int64
@@ -457,8 +556,6 @@ class Engine:
         self.steps += 1
         if self.metrics is not None:
             self.metrics.rows.observe(len(self.rows))
-            held = len(self.batch.keys) * self.batch.length
-            self.metrics.kv.set(held / self.settings.kv_budget_tokens)
         for row, key in enumerate(order):
             if key is not None and not self._take(self.rows[key], logits[row, -1]):
                 del self.rows[key]

@@ -100,11 +100,12 @@ class Detokenizer:
             return "", False
         start = max(0, len(self.full) - self.hold)
         self.full = decoded
-        for stop in self.stops:
-            at = self.full.find(stop, start)
-            if at >= 0:
-                self.full, self.stopped = self.full[:at], True
-                return self.flush(), True
+        # the earliest match wins, whichever stop string it is (one token can complete
+        # several: with stops "e" and "w", " a wise" ends at " a ", not at " a wis")
+        found = [at for stop in self.stops if (at := self.full.find(stop, start)) >= 0]
+        if found:
+            self.full, self.stopped = self.full[: min(found)], True
+            return self.flush(), True
         ready = max(self.sent, len(self.full) - self.hold)
         out, self.sent = self.full[self.sent : ready], ready
         return out, False
