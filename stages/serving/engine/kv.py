@@ -100,6 +100,22 @@ class Batch:
         if self.free > len(self) or unused >= max(16, self.length // 4):
             self.compact()
 
+    def drop_free(self, keep: int) -> None:
+        """Free slots beyond `keep` leave the batch without a copy of the cache: the last
+        row moves into a free one (one row's copy) and the arrays end a row earlier (a
+        view). Rows are independent (stages/onnx/invariant.py), so order changes nothing."""
+        while self.free > keep:
+            last = len(self.keys) - 1
+            if self.keys[last] is not None:
+                row = self.keys.index(None)
+                for array in self.past.values():
+                    array[row] = array[last]
+                self.mask[row] = self.mask[last]
+                self.keys[row] = self.keys[last]
+            self.keys.pop()
+            self.past = {n: v[:last] for n, v in self.past.items()}
+            self.mask = self.mask[:last]
+
     def compact(self) -> None:
         """Drop the free slots and the columns no row uses any more."""
         rows = [i for i, k in enumerate(self.keys) if k is not None]
