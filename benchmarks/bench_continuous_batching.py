@@ -235,7 +235,7 @@ def machine_bound(jobs: list[Any], batch: int) -> dict[str, Any]:
 
     sys.path.insert(0, str(REPO / "stages" / "serving"))
     from engine.kv import empty_past
-    from engine.scheduler import Graph
+    from engine.runner import Graph
 
     graph = Graph(
         ort.InferenceSession(

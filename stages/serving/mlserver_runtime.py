@@ -314,8 +314,8 @@ class ShipyardOnnxRuntime(MLModel):
         self.engine = None
         if self.serving == "generate":
             assert c.engine is not None, "a generating task needs engine settings"
-            graph = eng.scheduler.Graph(self.session)
-            self.engine = eng.scheduler.Engine(
+            graph = eng.runner.Graph(self.session)
+            self.engine = eng.core.Engine(
                 graph, c.engine, self.text, metrics=eng.metrics.for_model(self.name)
             )
         b = c.batching
@@ -485,7 +485,9 @@ class ShipyardOnnxRuntime(MLModel):
             while True:
                 event = await queue.get()
                 if event.error:
-                    raise MLServerError(event.error, status_code=event.status)
+                    raise MLServerError(
+                        event.error, status_code=HTTP_STATUS[event.kind or "internal"]
+                    )
                 yield event
                 if event.finish:
                     return
@@ -770,6 +772,8 @@ class ShipyardOnnxRuntime(MLModel):
         return list(prompt)
 
 
+# the engine's error kinds, as HTTP answers them
+HTTP_STATUS = {"timeout": 504, "shutdown": 503, "internal": 500}
 DROP_POLL_S = 0.25  # how often a waiting non-streamed request checks its client is there
 
 

@@ -73,7 +73,7 @@ class TritonPythonModel:
         session = eng.session.session_from(here / parameters["model"], session_config)
         self.settings = settings
         self.text = eng.text.Text(here / settings.text) if settings.text else None
-        self.engine = eng.scheduler.Engine(eng.scheduler.Graph(session), settings.engine, self.text)
+        self.engine = eng.core.Engine(eng.runner.Graph(session), settings.engine, self.text)
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -150,7 +150,7 @@ class _Call:
 
     def emit(self, event: Any) -> None:
         if event.error:
-            _fail(self.sender, event.error, _code(event.status))
+            _fail(self.sender, event.error, _kind_code(event.kind))
             return
         if self.sender.is_cancelled() and not event.finish:
             self.started.wait()
@@ -187,6 +187,11 @@ def _one_string(array: Any, name: str) -> str:
     if not text:
         raise eng.params.BadParameter(f"{name} is empty")
     return text
+
+
+def _kind_code(kind: str | None) -> Any:
+    """The engine's error kind as Triton reports it."""
+    return _code({"timeout": 504, "shutdown": 503}.get(kind or "", 500))
 
 
 def _code(status: int) -> Any:

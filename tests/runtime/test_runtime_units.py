@@ -225,7 +225,7 @@ def test_a_batch_runs_the_graph_and_labels_name_the_top_class(runtime: Any) -> N
 def generator(runtime: Any, tmp_path: Path) -> Any:
     """The runtime as load() leaves it for a causal LM: an engine over next_token_lm (vocab
     50), the export's limits past 10 and context 12, served batch 2."""
-    from stages.serving.engine.scheduler import Engine, EngineSettings, Graph
+    from stages.serving.engine.core import Engine, EngineSettings, Graph
     from stages.serving.engine.settings import BatchingSettings, RuntimeSettings
 
     session = rt.eng.session.session_from(next_token_lm(tmp_path / "lm.onnx", vocab=50), {})
@@ -309,7 +309,7 @@ def test_each_wrong_generation_request_is_refused(
 
 
 def test_the_served_context_is_checked_beyond_the_export_limits(generator: Any) -> None:
-    from stages.serving.engine.scheduler import Engine, EngineSettings
+    from stages.serving.engine.core import Engine, EngineSettings
 
     generator.engine.close()
     wide = EngineSettings(max_rows=2, max_context=12, chunk=8, max_past=100, kv_budget_tokens=48)
@@ -568,8 +568,8 @@ def greedy(session: Any, prompt: list[int], tokens: int, **limits: int) -> list[
     """The engine's greedy tokens for one prompt, waited for here."""
     import queue
 
+    from stages.serving.engine.core import Engine, EngineSettings, Graph
     from stages.serving.engine.params import parse
-    from stages.serving.engine.scheduler import Engine, EngineSettings, Graph
 
     settings = {"max_rows": 2, "max_context": 64, "chunk": 8, "max_past": 64}
     settings |= {"kv_budget_tokens": 256, **limits}
@@ -587,7 +587,7 @@ def greedy(session: Any, prompt: list[int], tokens: int, **limits: int) -> list[
 
 
 def test_a_float16_cache_is_fed_in_float16(tmp_path: Path) -> None:
-    from stages.serving.engine.scheduler import Graph
+    from stages.serving.engine.runner import Graph
 
     path = next_token_lm(tmp_path / "lm16.onnx", cache=TensorProto.FLOAT16, named_vocab=True)
     graph = Graph(rt.eng.session.session_from(path, {}))
@@ -599,7 +599,7 @@ def test_a_float16_cache_is_fed_in_float16(tmp_path: Path) -> None:
 
 
 def test_greedy_decoding_feeds_the_cache_and_generates_each_step(tmp_path: Path) -> None:
-    from stages.serving.engine.scheduler import Graph
+    from stages.serving.engine.runner import Graph
 
     session = rt.eng.session.session_from(next_token_lm(tmp_path / "lm.onnx"), {})
     graph = Graph(session)

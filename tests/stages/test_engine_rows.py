@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stages.serving.engine.core import Engine, EngineSettings, Event, Graph
 from stages.serving.engine.params import parse
-from stages.serving.engine.scheduler import Engine, EngineSettings, Event, Graph
 from tests.conftest import Workspace, gpt2_spec
 
 ROWS, CONTEXT = 16, 88

@@ -27,7 +27,7 @@ import json, queue, sys
 import numpy as np
 import onnxruntime as ort
 from stages.serving.engine.params import parse
-from stages.serving.engine.scheduler import Engine, EngineSettings, Graph
+from stages.serving.engine.core import Engine, EngineSettings, Graph
 
 path, batch, context, chunk = sys.argv[1], *map(int, sys.argv[2:5])
 def status(key):

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from stages.serving.configs import check_generate
+from stages.serving.engine.core import Engine, Graph
 from stages.serving.engine.params import parse_tensor_request
-from stages.serving.engine.scheduler import Engine, Graph
 from stages.serving.engine.session import session_from
 from stages.serving.engine.settings import RuntimeSettings
 from stages.serving.render import parse_triton

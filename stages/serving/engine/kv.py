@@ -43,6 +43,12 @@ class Batch:
         self.mask = np.zeros((0, 0), np.int64)
         self.keys: list[int | None] = []  # the sequence id of each row; None: free
 
+    def clear(self) -> None:
+        """No rows (the engine dropped every sequence)."""
+        self.past = empty_past(self.spec, 0, self.dtype)
+        self.mask = np.zeros((0, 0), np.int64)
+        self.keys = []
+
     def __len__(self) -> int:
         """Sequences in the batch (free slots not counted)."""
         return sum(k is not None for k in self.keys)

@@ -1,17 +1,20 @@
-"""Iteration-level (continuous) batching over a KV-cache graph, the way LLM servers do it.
-
-One thread owns the graph. Each iteration it
-1. drops cancelled and timed-out requests, and admits waiting ones while a row is free and
+"""The scheduler: iteration-level (continuous) batching policy over plain state, the way
+LLM servers split it (vLLM's `Scheduler.schedule()` -> `SchedulerOutput`, TGI's
+`next_batch(budget)`). It holds the waiting, prefilling and running sequences and the
+prefix cache, and each `schedule()` returns a `StepPlan`; it runs no graph and samples
+nothing (stages/serving/engine/runner.py runs a plan, output.py turns logits into tokens,
+core.py's `Engine.step()` ties them together). Each step:
+1. cancelled and timed-out requests leave; waiting ones are admitted while a row is free and
    the padded cache (rows x longest total) stays within the KV budget, first come first
    served; a request that does not fit may be overtaken by later ones that do, until it has
    waited `max_wait_s`, after which nobody overtakes it (so neither a long request nor the
    short ones behind it starve);
-2. prefills admitted prompts, at most `chunk` tokens per iteration across them (a long
-   prompt is prefilled in chunks between decode steps, so it does not stall running ones),
+2. at most `chunk` prompt tokens are prefilled: prompts with as many tokens already cached
+   go together in one pass (left-padded), the rest one chunk at a time on their own cache,
    starting from the longest cached prefix when prefix caching is on; a prompt whose
    prefill ends samples its first token and joins the running batch;
-3. runs one decode step for every running sequence together, samples each row, and lets
-   rows leave at EOS, a stop token or string, or their token limit.
+3. one decode step for every running sequence together; rows leave at EOS, a stop token
+   or string, or their token limit.
 
 The `request` policy is the request-level baseline: a batch is admitted only when the
 previous one has finished, and nobody joins it midway.
@@ -21,21 +24,16 @@ from __future__ import annotations
 
 import collections
 import itertools
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import sampler
-from .kv import Batch, empty_past, positions_from_mask
-from .params import BadParameter, GenerationParams
-from .text import Detokenizer, Text
-
-PAST, PRESENT = "past_key_values.", "present."
+from .kv import Batch
+from .params import GenerationParams
+from .text import Detokenizer
 
 
 class EngineSettings(BaseModel):
@@ -57,6 +55,11 @@ class EngineSettings(BaseModel):
     eos_token_ids: list[int] = Field(default_factory=list, description="generation_config's.")
 
 
+# why a request ended without an answer: the front doors map a kind to their own status
+# (HTTP 504 / 503 / 500, Triton's codes), so the engine knows nothing of HTTP
+ErrorKind = Literal["timeout", "shutdown", "internal"]
+
+
 class QueueFull(RuntimeError):
     """The waiting queue is at max_queue: answered at once (503), never queued."""
 
@@ -71,32 +74,10 @@ class Event:
     top: list[tuple[int, float]] = field(default_factory=list)
     finish: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None
-    status: int = 200
+    kind: ErrorKind | None = None  # what went wrong; each front door maps it to its status
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-
-
-class Graph:
-    """The KV-cache graph: its past inputs, presents, whether it takes position_ids."""
-
-    def __init__(self, session: Any) -> None:
-        self.session = session
-        inputs = session.get_inputs()
-        self.spec = [
-            (i.name, int(i.shape[1]), int(i.shape[3])) for i in inputs if i.name.startswith(PAST)
-        ]
-        self.presents = [n.replace("past_key_values.", PRESENT) for n, _, _ in self.spec]
-        self.positions = any(i.name == "position_ids" for i in inputs)
-        first = next(i for i in inputs if i.name.startswith(PAST))
-        self.dtype = np.dtype(np.float16 if "float16" in first.type else np.float32)
-        logits = next(o for o in session.get_outputs() if o.name == "logits")
-        self.vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else 0
-        self.bytes_per_token = sum(h * d for _, h, d in self.spec) * self.dtype.itemsize
-
-    def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        logits, *present = self.session.run(["logits", *self.presents], feeds)
-        return logits, dict(zip((n for n, _, _ in self.spec), present, strict=True))
 
 
 @dataclass
@@ -203,7 +184,7 @@ class PrefixCache:
             parent = key
 
 
-@dataclass
+@dataclass(eq=False)  # one request: compared by identity
 class Sequence:
     key: int
     prompt: list[int]
@@ -225,184 +206,127 @@ class Sequence:
         return len(self.prompt) + self.params.max_tokens
 
 
-class Handle:
-    def __init__(self, engine: Engine, seq: Sequence) -> None:
-        self._engine, self._seq = engine, seq
+@dataclass
+class StepPlan:
+    """What one step runs: sequences that ended before it (to be told why), the prompts
+    prefilled together in one pass, each other prompt's chunk (its tokens this step), and
+    whether the running batch decodes after them."""
 
-    def cancel(self) -> None:
-        """The client went away: the sequence leaves at the next iteration."""
-        self._seq.cancelled = True
-        self._engine._wake()
+    ended: list[tuple[Sequence, Event, str]] = field(default_factory=list)  # + metric reason
+    group: list[Sequence] = field(default_factory=list)
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.ended or self.group or self.chunks)
 
 
-class Engine:
-    def __init__(
-        self,
-        graph: Graph,
-        settings: EngineSettings,
-        text: Text | None = None,
-        metrics: Any = None,
-    ) -> None:
-        self.graph, self.settings, self.text = graph, settings, text
-        self.metrics = metrics  # engine.metrics.Metrics, or None: nothing measured
-        self.eos = frozenset(settings.eos_token_ids)
-        self.batch = Batch(graph.spec, graph.dtype)
-        self.rows: dict[int, Sequence] = {}  # running, by key
+class Scheduler:
+    """Waiting, prefilling and running sequences and the prefix cache; the policy that
+    plans each step. `batch` is the running batch's cache layout (rows, free slots,
+    length), read to price admissions and compacted when free slots are not wanted."""
+
+    def __init__(self, settings: EngineSettings, positions: bool, batch: Batch) -> None:
+        self.settings, self.positions, self.batch = settings, positions, batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.prefilling: list[Sequence] = []
+        self.running: dict[int, Sequence] = {}
         self.prefix = (
             PrefixCache(settings.prefix_cache_tokens, settings.prefix_block)
             if settings.prefix_cache_tokens
             else None
         )
-        self.steps = 0
-        self._ids = itertools.count()
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="shipyard-engine", daemon=True)
-        self._thread.start()
 
-    # ------------------------------------------------------------------ requests in
-    def check(self, prompt: list[int], params: GenerationParams) -> None:
-        """BadParameter for a request the graph cannot serve (the front ends answer 400)."""
-        s, n = self.settings, len(prompt)
-        if n < 1:
-            raise BadParameter("the prompt is empty: send at least one token")
-        if self.graph.vocab and not 0 <= min(prompt) <= max(prompt) < self.graph.vocab:
-            raise BadParameter(f"token ids must lie in [0, {self.graph.vocab}) (the vocabulary)")
-        if n + params.max_tokens - 1 > s.max_context:
-            raise BadParameter(
-                f"prompt {n} + max_tokens {params.max_tokens} - 1 exceeds the served context "
-                f"{s.max_context}"
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request, or QueueFull at max_queue (answered at once, never queued)."""
+        if self.settings.max_queue and len(self.waiting) >= self.settings.max_queue:
+            raise QueueFull(
+                f"queue full: {len(self.waiting)} requests waiting (max_queue_depth "
+                f"{self.settings.max_queue}); retry later"
             )
-        if n + params.max_tokens - 2 > s.max_past:
-            raise BadParameter(
-                f"prompt {n} + max_tokens {params.max_tokens} needs a past of "
-                f"{n + params.max_tokens - 2} tokens; the export's past_sequence max is "
-                f"{s.max_past}"
-            )
-        if n + params.max_tokens > s.kv_budget_tokens:
-            raise BadParameter(
-                f"prompt {n} + max_tokens {params.max_tokens} needs {n + params.max_tokens} "
-                f"tokens of KV cache; the served budget is {s.kv_budget_tokens}"
-            )
-        if params.stop and self.text is None:
-            raise BadParameter("stop strings need the model's tokenizer, which is not shipped")
+        self.waiting.append(seq)
 
-    def room(self, prompt_tokens: int) -> int:
-        """The most tokens a prompt of this length may generate: what `check` allows under
-        the served context, the export's past and the KV budget (0: none)."""
-        s, n = self.settings, prompt_tokens
-        return max(0, min(s.max_context - n + 1, s.max_past - n + 2, s.kv_budget_tokens - n))
+    def schedule(self, now: float) -> StepPlan:
+        """This step's plan: who leaves, who is admitted, what is prefilled."""
+        plan = StepPlan()
+        self._drop(now, plan)
+        self._admit(now)
+        budget = self.settings.chunk
+        group = self._group(budget)
+        if len(group) > 1:
+            budget -= len(group) * max(len(q.prompt) - q.done for q in group)
+            plan.group = group
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            if seq in plan.group:
+                continue
+            n = min(budget, len(seq.prompt) - seq.done)
+            plan.chunks.append((seq, n))
+            budget -= n
+        return plan
 
-    def submit(
-        self, prompt: list[int], params: GenerationParams, emit: Callable[[Event], None]
-    ) -> Handle:
-        self.check(prompt, params)
-        with self._cv:
-            if self.settings.max_queue and len(self.waiting) >= self.settings.max_queue:
-                if self.metrics is not None:
-                    self.metrics.finished("rejected", 0, False)
-                raise QueueFull(
-                    f"queue full: {len(self.waiting)} requests waiting (max_queue_depth "
-                    f"{self.settings.max_queue}); retry later"
-                )
-            seq = Sequence(
-                next(self._ids),
-                list(prompt),
-                params,
-                emit,
-                time.monotonic(),
-                np.random.default_rng(params.seed),
-                Detokenizer(self.text, params.stop) if self.text is not None else None,
-                frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos),
-            )
-            self.waiting.append(seq)
-            if self.metrics is not None:
-                self.metrics.queue.set(len(self.waiting))
-            self._cv.notify()
-        return Handle(self, seq)
+    def prefilled(self, seq: Sequence, past: dict[str, np.ndarray], goes_on: bool) -> None:
+        """Its prompt is in the cache (`past`: the row's own tokens); it has sampled its
+        first token and runs on, or ended there (a row is taken only if it goes on)."""
+        self.prefilling.remove(seq)
+        seq.past = None
+        if self.prefix is not None:
+            self.prefix.store(seq.prompt, past, self.settings.kv_budget_tokens - self._need(seq))
+        if goes_on:
+            self.running[seq.key] = seq
 
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout=10)
+    def finished(self, key: int) -> None:
+        del self.running[key]
 
-    def _wake(self) -> None:
-        with self._cv:
-            self._cv.notify()
+    def compact_free_slots(self) -> None:
+        """A free slot rides along in every decode step (its row's attention over the
+        padded length): kept only while a sequence on its way in may take it (issue 41:
+        after a burst of one-token requests a lone request decoded 2.1-2.7x slower, beside
+        1,515 cached slots nobody used), and dropped without copying the cache (a full
+        compaction here was a second copy of it at the plan's extreme)."""
+        self.batch.drop_free(len(self.prefilling) + len(self.waiting))
 
-    # ------------------------------------------------------------------ the loop
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._stop or self.waiting or self.prefilling or self.rows):
-                    self._cv.wait()
-                if self._stop:
-                    break
-                self._drop()
-                self._admit()
-                self._gauges()
-            try:
-                if self.prefilling:
-                    self._prefill()
-                if self.rows:
-                    self._decode()
-            except Exception as exc:  # the graph failed: every running request learns why
-                self._fail_all(f"{type(exc).__name__}: {exc}")
-            with self._cv:
-                self._gauges()  # what the iteration left (all zero once idle)
-        self._fail_all("the server is shutting down", 503)
+    def clear(self) -> list[Sequence]:
+        """Every sequence, forgotten (the graph failed, or the engine stops)."""
+        out = [*self.running.values(), *self.prefilling, *self.waiting]
+        self.running.clear()
+        self.prefilling.clear()
+        self.waiting.clear()
+        return out
 
-    def _gauges(self) -> None:
-        """Waiting and running requests and the cache they hold, as they are now (an idle
-        engine reads 0, not what its last step held)."""
-        m = self.metrics
-        if m is None:
-            return
-        m.queue.set(len(self.waiting))
-        m.waiting.set(len(self.waiting))
-        m.running.set(len(self.rows) + len(self.prefilling))
-        held = len(self.batch.keys) * self.batch.length if self.rows else 0
-        m.kv.set(held / self.settings.kv_budget_tokens)
-
-    def _drop(self) -> None:
-        now, s = time.monotonic(), self.settings
+    # ------------------------------------------------------------------ policy
+    def _drop(self, now: float, plan: StepPlan) -> None:
+        s = self.settings
         keep: collections.deque[Sequence] = collections.deque()
         for seq in self.waiting:
             if seq.cancelled:
                 continue
             if s.timeout_s and now - seq.arrival > s.timeout_s:
-                if self.metrics is not None:
-                    self.metrics.finished("timeout", 0, False)
-                seq.emit(
-                    Event(
-                        error=f"not admitted within {s.timeout_s:g} s (request_timeout_seconds)",
-                        status=504,
-                    )
-                )
+                why = f"not admitted within {s.timeout_s:g} s (request_timeout_seconds)"
+                plan.ended.append((seq, Event(error=why, kind="timeout"), "timeout"))
                 continue
             keep.append(seq)
         self.waiting = keep
         self.prefilling = [q for q in self.prefilling if not q.cancelled]
-        gone = [k for k, q in self.rows.items() if q.cancelled]
-        for k in gone:
-            self.rows.pop(k).emit(Event(finish="abort"))
-            self.batch.leave(k)
-            if self.metrics is not None:
-                self.metrics.finished("abort", 0, False)
+        for key in [k for k, q in self.running.items() if q.cancelled]:
+            plan.ended.append((self.running.pop(key), Event(finish="abort"), "abort"))
+            self.batch.leave(key)
 
-    def _admit(self) -> None:
+    def _admit(self, now: float) -> None:
         s = self.settings
-        if s.policy == "request" and (self.rows or self.prefilling):
+        if s.policy == "request" and (self.running or self.prefilling):
             return
-        now, skipped = time.monotonic(), 0
+        skipped = 0
         # without position_ids a left-padded row would be misplaced: one sequence at a time
-        rows = s.max_rows if self.graph.positions else 1
+        rows = s.max_rows if self.positions else 1
         while skipped < len(self.waiting):
             seq = self.waiting[skipped]
-            if len(self.rows) + len(self.prefilling) >= rows:
+            if len(self.running) + len(self.prefilling) >= rows:
                 return
             if self._fits(seq):
                 del self.waiting[skipped]
@@ -429,8 +353,8 @@ class Engine:
     def _need(self, seq: Sequence) -> int:
         """Tokens the padded cache may hold with `seq` among the running and prefilling:
         its rows (free slots included, less those the newcomers take) x the longest total."""
-        active = {q.key: q for q in [*self.rows.values(), *self.prefilling, seq]}.values()
-        joining = len(active) - len(self.rows)
+        active = {q.key: q for q in [*self.running.values(), *self.prefilling, seq]}.values()
+        joining = len(active) - len(self.running)
         rows = len(self.batch.keys) + max(0, joining - self.batch.free)
         return rows * max(q.total for q in active)
 
@@ -440,44 +364,13 @@ class Engine:
             seq.done = seq.cached
         self.prefilling.append(seq)
 
-    def _prefill(self) -> None:
-        """At most `chunk` prompt tokens this iteration: prompts that fit together are
-        prefilled in one pass (the same number of tokens already cached: none, or a cached
-        prefix; the rest left-padded to the longest, as the decode batch pads them); the
-        rest one chunk at a time, each on its own cache."""
-        budget = self.settings.chunk
-        group = self._group(budget)
-        if len(group) > 1:
-            budget -= len(group) * max(len(q.prompt) - q.done for q in group)
-            self._prefill_together(group)
-        for seq in list(self.prefilling):
-            if budget <= 0:
-                break
-            n = min(budget, len(seq.prompt) - seq.done)
-            ids = np.array([seq.prompt[seq.done : seq.done + n]], np.int64)
-            past = (
-                seq.past
-                if seq.past is not None
-                else empty_past(self.graph.spec, 1, self.graph.dtype)
-            )
-            mask = np.ones((1, seq.done + n), np.int64)
-            feeds = {"input_ids": ids, "attention_mask": mask, **past}
-            if self.graph.positions:
-                feeds["position_ids"] = positions_from_mask(mask, n)
-            logits, seq.past = self.graph.run(feeds)
-            seq.done, budget = seq.done + n, budget - n
-            if seq.done == len(seq.prompt):
-                real = self._prefilled(seq, logits[0, -1], seq.past, mask[0])
-                if real is not None:
-                    self._join(seq, real)
-
     def _group(self, budget: int) -> list[Sequence]:
         """Prompts that can be prefilled in one pass, in arrival order: the same number of
         tokens already in their caches as the first (0, or a cached prefix of that length),
         and the rest of every prompt within the budget, padded to the longest. None without
         position_ids (a padded row would be misplaced)."""
         group: list[Sequence] = []
-        if not self.graph.positions:
+        if not self.positions:
             return group
         for seq in self.prefilling:
             if group and seq.done != group[0].done:
@@ -487,132 +380,3 @@ class Engine:
                 break
             group.append(seq)
         return group
-
-    def _prefill_together(self, group: list[Sequence]) -> None:
-        """One pass for the group: each row's cached tokens, padding, then the rest of its
-        prompt (the padding between is masked; positions count only real tokens)."""
-        done = group[0].done
-        width = max(len(q.prompt) - done for q in group)
-        ids = np.zeros((len(group), width), np.int64)
-        mask = np.zeros((len(group), done + width), np.int64)
-        mask[:, :done] = 1
-        for row, seq in enumerate(group):
-            rest = seq.prompt[done:]
-            ids[row, width - len(rest) :] = rest
-            mask[row, done + width - len(rest) :] = 1
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        if done:
-            feeds |= {
-                name: np.concatenate([q.past[name] for q in group if q.past is not None])
-                for name, _, _ in self.graph.spec
-            }
-        else:
-            feeds |= empty_past(self.graph.spec, len(group), self.graph.dtype)
-        feeds["position_ids"] = positions_from_mask(mask, width)
-        logits, presents = self.graph.run(feeds)
-        going = []
-        for row, seq in enumerate(group):
-            seq.done = len(seq.prompt)
-            past = {k: v[row : row + 1] for k, v in presents.items()}
-            real = self._prefilled(seq, logits[row, -1], past, mask[row])
-            if real is not None:
-                going.append((seq, real))
-        # rows only for the sequences that go on (one that stopped at its first token, a
-        # max_tokens 1, EOS or a stop, takes none), made in one copy of the cache
-        self.batch.reserve(len(going), max((len(q.prompt) for q, _ in going), default=0))
-        for seq, real in going:
-            self._join(seq, real)
-
-    def _prefilled(
-        self, seq: Sequence, logits: np.ndarray, past: dict[str, np.ndarray], mask: np.ndarray
-    ) -> dict[str, np.ndarray] | None:
-        """Its prompt is in the cache: sample the first token. Its cache (the row's own
-        tokens) when it goes on, to join the running batch; None when it ended."""
-        self.prefilling.remove(seq)
-        seq.past = None
-        keep = mask.astype(bool)  # the row's own tokens: padding left of or inside it goes
-        real = past if keep.all() else {k: v[:, :, keep] for k, v in past.items()}
-        if self.prefix is not None:
-            self.prefix.store(seq.prompt, real, self.settings.kv_budget_tokens - self._need(seq))
-        return real if self._take(seq, logits) else None
-
-    def _join(self, seq: Sequence, past: dict[str, np.ndarray]) -> None:
-        self.batch.join(seq.key, past)
-        self.rows[seq.key] = seq
-
-    def _decode(self) -> None:
-        # a free slot rides along in every step (its row's attention over the padded
-        # length): kept only while a sequence on its way in may take it, dropped otherwise
-        # without copying the cache (a full compaction here was a second copy of it at
-        # the plan's extreme: +56 MiB over the plan on an 8 x 1k-token batch)
-        # (issue 41: after a burst of one-token requests a lone request decoded 2.1-2.7x
-        # slower, beside 1,515 cached slots nobody used)
-        self.batch.drop_free(len(self.prefilling) + len(self.waiting))
-        order = list(self.batch.keys)
-        tokens = np.array(
-            [self.rows[k].generated[-1] if k is not None else 0 for k in order], np.int64
-        )
-        logits, presents = self.graph.run(self.batch.feeds(tokens, self.graph.positions))
-        self.batch.advance(presents)
-        self.steps += 1
-        if self.metrics is not None:
-            self.metrics.rows.observe(len(self.rows))
-        for row, key in enumerate(order):
-            if key is not None and not self._take(self.rows[key], logits[row, -1]):
-                del self.rows[key]
-                self.batch.leave(key)
-
-    def _take(self, seq: Sequence, logits: np.ndarray) -> bool:
-        """Sample, emit; whether the sequence goes on."""
-        p = seq.params
-        seen = (
-            np.array([*seq.prompt, *seq.generated], np.int64)
-            if p.repetition_penalty != 1
-            else _NONE
-        )
-        token = sampler.choose(logits, p, seq.rng, seen)
-        seq.generated.append(token)
-        event = Event(token=token, prompt_tokens=len(seq.prompt), cached_tokens=seq.cached)
-        if p.logprobs is not None:
-            event.logprob, event.top = sampler.top_logprobs(logits, token, p.logprobs)
-        stopped = token in seq.stops
-        if seq.detok is not None and not stopped:
-            event.text, stopped = seq.detok.add(token)
-        if not stopped and len(seq.generated) >= p.max_tokens:
-            event.finish = "length"
-        elif stopped:
-            event.finish = "stop"
-        if event.finish and seq.detok is not None:
-            event.text += seq.detok.finish()
-        event.completion_tokens = len(seq.generated)
-        if self.metrics is not None:
-            self._measure(seq, event, stopped)
-        seq.emit(event)
-        return event.finish is None
-
-    def _measure(self, seq: Sequence, event: Event, stopped: bool) -> None:
-        now, m = time.monotonic(), self.metrics
-        if len(seq.generated) == 1:
-            m.ttft.observe(now - seq.arrival)
-            m.prompt.inc(len(seq.prompt))
-        else:
-            m.itl.observe(now - seq.last)
-        seq.last = now
-        m.generated.inc()
-        if event.finish:
-            # empty: the first token was already a stop (nothing a user would read)
-            m.finished(event.finish, len(seq.generated), stopped and len(seq.generated) == 1)
-
-    def _fail_all(self, why: str, status: int = 500) -> None:
-        with self._cv:
-            for seq in [*self.rows.values(), *self.prefilling, *self.waiting]:
-                seq.emit(Event(error=why, status=status))
-                if self.metrics is not None:
-                    self.metrics.finished("error", len(seq.generated), False)
-            self.rows.clear()
-            self.prefilling.clear()
-            self.waiting.clear()
-            self.batch = Batch(self.graph.spec, self.graph.dtype)
-
-
-_NONE = np.zeros(0, np.int64)

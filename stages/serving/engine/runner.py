@@ -1,0 +1,127 @@
+"""The model runner: executes a step plan on the KV-cache graph (vLLM's model runner, TGI's
+`Model.generate_token`). It owns the running batch's cache (kv.Batch) and returns logits;
+what to run is the scheduler's decision, what the logits mean is the output processor's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .kv import Batch, empty_past, positions_from_mask
+
+PAST, PRESENT = "past_key_values.", "present."
+
+
+class Graph:
+    """The KV-cache graph: its past inputs, presents, whether it takes position_ids."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        inputs = session.get_inputs()
+        self.spec = [
+            (i.name, int(i.shape[1]), int(i.shape[3])) for i in inputs if i.name.startswith(PAST)
+        ]
+        self.presents = [n.replace(PAST, PRESENT) for n, _, _ in self.spec]
+        self.positions = any(i.name == "position_ids" for i in inputs)
+        first = next(i for i in inputs if i.name.startswith(PAST))
+        self.dtype = np.dtype(np.float16 if "float16" in first.type else np.float32)
+        logits = next(o for o in session.get_outputs() if o.name == "logits")
+        self.vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else 0
+        self.bytes_per_token = sum(h * d for _, h, d in self.spec) * self.dtype.itemsize
+
+    def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        logits, *present = self.session.run(["logits", *self.presents], feeds)
+        return logits, dict(zip((n for n, _, _ in self.spec), present, strict=True))
+
+
+Past = dict[str, np.ndarray]
+
+
+class Runner:
+    """Prefill passes and decode steps on `graph`; the running batch's cache."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.batch = Batch(graph.spec, graph.dtype)
+
+    def prefill_together(
+        self, prompts: list[list[int]], done: int, cached: list[Past | None]
+    ) -> list[tuple[np.ndarray, Past]]:
+        """One pass for prompts with `done` tokens already cached each (`cached`, one row
+        each, or None when done is 0): the cached tokens, padding, then the rest of each
+        prompt (the padding between is masked; positions count only real tokens). Each
+        prompt's last logits and its own cache (its real tokens only)."""
+        width = max(len(p) - done for p in prompts)
+        rows = len(prompts)
+        ids = np.zeros((rows, width), np.int64)
+        mask = np.zeros((rows, done + width), np.int64)
+        mask[:, :done] = 1
+        for row, prompt in enumerate(prompts):
+            rest = prompt[done:]
+            ids[row, width - len(rest) :] = rest
+            mask[row, done + width - len(rest) :] = 1
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if done:
+            feeds |= {
+                name: np.concatenate([c[name] for c in cached if c is not None])
+                for name, _, _ in self.graph.spec
+            }
+        else:
+            feeds |= empty_past(self.graph.spec, rows, self.graph.dtype)
+        feeds["position_ids"] = positions_from_mask(mask, width)
+        logits, presents = self.graph.run(feeds)
+        out = []
+        for row in range(rows):
+            keep = mask[row].astype(bool)  # the row's own tokens: padding inside it goes
+            past = {k: v[row : row + 1] for k, v in presents.items()}
+            if not keep.all():
+                past = {k: v[:, :, keep] for k, v in past.items()}
+            out.append((logits[row, -1], past))
+        return out
+
+    def prefill_chunk(
+        self, prompt: list[int], done: int, n: int, past: Past | None
+    ) -> tuple[np.ndarray, Past]:
+        """The next `n` tokens of one prompt on its own cache (`done` tokens in `past`):
+        the last logits and the cache grown by them."""
+        ids = np.array([prompt[done : done + n]], np.int64)
+        mask = np.ones((1, done + n), np.int64)
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            **(past if past is not None else empty_past(self.graph.spec, 1, self.graph.dtype)),
+        }
+        if self.graph.positions:
+            feeds["position_ids"] = positions_from_mask(mask, n)
+        logits, presents = self.graph.run(feeds)
+        return logits[0, -1], presents
+
+    def join(self, pasts: list[tuple[int, Past]]) -> None:
+        """Sequences whose prefill ended take rows, made in one copy of the cache."""
+        if not pasts:
+            return
+        longest = max(next(iter(p.values())).shape[2] for _, p in pasts)
+        self.batch.reserve(len(pasts), longest)
+        for key, past in pasts:
+            self.batch.join(key, past)
+
+    def decode(self, last_tokens: dict[int, int]) -> list[tuple[int, np.ndarray]]:
+        """One step for every running row (`last_tokens`: key -> its latest token); each
+        row's next-token logits, in row order."""
+        order = list(self.batch.keys)
+        tokens = np.array([last_tokens[k] if k is not None else 0 for k in order], np.int64)
+        logits, presents = self.graph.run(self.batch.feeds(tokens, self.graph.positions))
+        self.batch.advance(presents)
+        return [(k, logits[row, -1]) for row, k in enumerate(order) if k is not None]
+
+    def leave(self, key: int) -> None:
+        self.batch.leave(key)
+
+    def clear(self) -> None:
+        self.batch.clear()
+
+    @property
+    def held(self) -> int:
+        """Cache slots the running batch holds (rows x length, padding included)."""
+        return len(self.batch.keys) * self.batch.length
