@@ -187,9 +187,17 @@ def finish(
     for t in tied:
         ctx.log(f"tied weight stored once: {t['dropped']} is {t['how']} of {t['kept']}")
     # a served row's result must not depend on its padding (issue 41: stages/onnx/invariant)
-    softmaxes = invariant.rewrite(model)
-    if softmaxes:
-        ctx.log(f"{softmaxes} attention softmax(es) summed in order: rows independent of padding")
+    done = invariant.rewrite(model)
+    if done:
+        ctx.log(
+            f"{done.softmaxes} softmax(es) and {done.products} probabilities x V product(s) "
+            "summed in an order padding cannot change"
+            + (
+                "" if done.products >= done.softmaxes else
+                f"; {done.softmaxes - done.products} softmax(es) reach no MatMul directly: "
+                "rows there may still move in the last bit with their padding"
+            )
+        )  # fmt: skip
     checked = raw / "checked.onnx"  # the graph as shipped, its weights in the raw data files
     onnx.save_model(model, str(checked))
     try:

@@ -47,9 +47,28 @@ def rewrite(model: Any) -> int:
         constants.setdefault(name, numpy_helper.from_array(value, name))
         return name
 
+    readers: dict[str, list[tuple[Any, int]]] = {}
+    for node in model.graph.node:
+        for slot, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node, slot))
+
+    def per_token_safe(node: Any) -> bool:
+        """A scale per token over the last axis is right only where that axis is summed
+        away: the quantized tensor read as MatMulInteger's left input only, its scale by
+        Mul only (the dequantizing product). ConvInteger, QAttention and the rest take one
+        scale: their DynamicQuantizeLinear stays as it is."""
+        q, scale, _ = node.output
+        return all(
+            n.op_type == "MatMulInteger" and slot == 0 for n, slot in readers.get(q, [])
+        ) and all(n.op_type == "Mul" for n, _ in readers.get(scale, []))
+
     done = 0
     for node in model.graph.node:
-        if node.op_type != DYNAMIC or node.domain not in ("", "ai.onnx"):
+        if (
+            node.op_type != DYNAMIC
+            or node.domain not in ("", "ai.onnx")
+            or not per_token_safe(node)
+        ):
             nodes.append(node)
             continue
         x = node.input[0]

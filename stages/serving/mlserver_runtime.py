@@ -449,11 +449,10 @@ class ShipyardOnnxRuntime(MLModel):
         batches = {v.shape[0] for v in feeds.values()}
         if len(batches) != 1:
             raise BadRequest(f"inputs disagree on the batch size: {sorted(batches)}")
-        batch = batches.pop()
-        if not 1 <= batch <= self.max_request_rows:
-            raise BadRequest(
-                f"batch {batch} is outside [1, {self.max_request_rows}] (the served max_batch_size)"
-            )
+        try:
+            eng.params.check_rows(batches.pop(), self.max_request_rows)
+        except eng.params.BadParameter as exc:
+            raise BadRequest(str(exc)) from None
         return feeds
 
     def _run_batch(self, key: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -528,17 +527,12 @@ class ShipyardOnnxRuntime(MLModel):
                     f"input_ids shape {list(input_ids.shape)}: send at least one row of one token"
                 )
             prompts = input_ids.tolist()
-        if len(prompts) > self.max_request_rows:
-            raise BadRequest(
-                f"batch {len(prompts)} exceeds the served max_batch_size {self.max_request_rows}"
-            )
         params = self._v2_params(payload)
         assert self.engine is not None
-        for prompt in prompts:
-            try:
-                self.engine.check(prompt, params)
-            except eng.params.BadParameter as exc:
-                raise BadRequest(str(exc)) from None
+        try:
+            self.engine.admit(prompts, params, self.max_request_rows)
+        except eng.params.BadParameter as exc:
+            raise BadRequest(str(exc)) from None
         return prompts, params
 
     def _text_prompts(self, inp: Any) -> list[list[int]]:
@@ -657,12 +651,10 @@ class ShipyardOnnxRuntime(MLModel):
                     raise api.ApiError(400, "this bundle ships no tokenizer.json: send token ids")
                 item = self.text.encode(item)
             rows.append(item)
-        if len(rows) > self.max_request_rows:
-            raise api.ApiError(
-                400,
-                f"{len(rows)} inputs exceed the served max_batch_size {self.max_request_rows}",
-                "input",
-            )
+        try:
+            eng.params.check_rows(len(rows), self.max_request_rows)
+        except eng.params.BadParameter as exc:
+            raise api.ApiError(400, str(exc), "input") from None
         longest = max(len(r) for r in rows)
         limit = self.config.max_sequence
         if limit and longest > limit:
@@ -704,22 +696,14 @@ class ShipyardOnnxRuntime(MLModel):
             else:
                 call = api.completion(body, self.name, defaults)
             prompts = [self._prompt_ids(p) for p in call.prompts]
-            if len(prompts) > self.max_request_rows:
-                raise api.ApiError(
-                    400,
-                    f"{len(prompts)} prompts exceed the served "
-                    f"max_batch_size {self.max_request_rows}",
-                    "prompt",
-                )
             assert self.engine is not None
             if call.rest_of_context:  # a chat without max_tokens: the rest of the context
                 room = max(1, self.engine.room(len(prompts[0])))
                 call.params = call.params.model_copy(update={"max_tokens": room})
-            for p in prompts:
-                try:
-                    self.engine.check(p, call.params)
-                except eng.params.BadParameter as exc:
-                    raise api.ApiError(400, str(exc)) from None
+            try:
+                self.engine.admit(prompts, call.params, self.max_request_rows)
+            except eng.params.BadParameter as exc:
+                raise api.ApiError(400, str(exc)) from None
         except api.ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"

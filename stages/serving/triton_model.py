@@ -128,7 +128,7 @@ class TritonPythonModel:
             if not isinstance(given, dict):
                 raise eng.params.BadParameter("sampling_parameters must be a JSON object")
         params = eng.params.parse_tensor_request(given, dict(self.settings.sampling_defaults))
-        self.engine.check(prompt, params)
+        self.engine.admit([prompt], params, 1)  # one sequence a Triton request
         stream = True
         if "stream" in tensors:
             flag = tensors["stream"]

@@ -287,7 +287,7 @@ def test_a_generation_request_at_every_limit_is_accepted(generator: Any) -> None
         (gen([[1]], max_new_tokens=0), "max_new_tokens must be at least 1"),
         (gen([[1]], max_new_tokens=2, max_tokens=2), "give max_new_tokens or max_tokens"),
         (gen([[]]), "input_ids shape [1, 0]: send at least one row of one token"),
-        (gen([[1], [1], [1]]), "batch 3 exceeds the served max_batch_size 2"),
+        (gen([[1], [1], [1]]), "batch 3 is outside [1, 2] (the served max_batch_size)"),
         (
             gen([[1] * 8], max_new_tokens=5),
             "prompt 8 + max_tokens 5 needs a past of 11 tokens; the export's past_sequence "

@@ -185,3 +185,17 @@ def test_max_tokens_one_ends_at_prefill_and_takes_no_row(n: int) -> None:
     e.step()
     assert all(b[-1].finish == "length" for b in burst)
     assert len(e.batch.keys) == 0 and all(c[1] > 1 for c in graph.calls)  # no decode step
+
+
+def test_prefixes_kept_by_a_prefill_together_stay_within_the_kv_budget() -> None:
+    """Four prompts of 40 tokens (+ 60 to generate) prefilled in one pass fill a budget of
+    400: their blocks may be cached only in what the joined rows leave (none here)."""
+    e, _ = engine(
+        kv_budget_tokens=400, prefix_cache_tokens=400, max_context=100, max_past=100, chunk=200
+    )
+    for i in range(4):
+        submit(e, [i * 50 + j + 1 for j in range(40)], 60)
+    e.step()
+    assert e.prefix is not None and len(e.scheduler.running) == 4
+    held = len(e.batch.keys) * max(q.total for q in e.scheduler.running.values())
+    assert held + e.prefix.held <= 400, (held, e.prefix.held)

@@ -755,3 +755,18 @@ def test_the_engine_applies_the_task_registrys_kv_length_rule_and_reads_no_more(
         done = collect(engine, list(range(n)), max_tokens=t, temperature=0)
         assert len(tokens(done)) == t
         assert max(past for _, _, past in graph.calls) == task.decode_past(n, t) == top
+
+
+def test_a_stop_string_completed_with_a_cut_character_never_reaches_the_text() -> None:
+    """The last token completes a stop string and starts a character it does not finish:
+    the delta waits for the character, the sequence ends at its limit, and what finish()
+    returns must still end before the stop string."""
+
+    class Cut:
+        def decode(self, ids: list[int]) -> str:
+            return {(1,): "x", (1, 2): "xab\ufffd"}[tuple(ids)]
+
+    detok = Detokenizer(Cut(), ["b"])  # type: ignore[arg-type]
+    assert detok.add(1) == ("x", False)
+    assert detok.add(2) == ("", False)  # ends inside a character: waits
+    assert detok.finish() == "a"  # "x" + "a": the text before the stop string

@@ -185,6 +185,14 @@ def test_alternatives_keyed_by_text_fall_back_to_token_ids_where_texts_clash() -
     texts = {1: "a", 2: "\ufffd", 3: "\ufffd", 4: "", 5: "b", 6: "b", 7: "c"}
     top = [(t, -float(t)) for t in texts]
     out = _top_by_text(top, lambda ids: texts[ids[0]])
+    # and the chosen token is named as its alternatives name it
+    from stages.serving.engine.openai_api import _logprobs_block
+    from stages.serving.engine.scheduler import Event
+
+    events = [Event(token=t, logprob=-1.0, top=top) for t in (1, 3, 6)]
+    block = _logprobs_block("completion", events, lambda ids: texts[ids[0]])
+    assert block["tokens"] == ["a", "token_id:3", "token_id:6"]
+    assert all(t in top_i for t, top_i in zip(block["tokens"], block["top_logprobs"], strict=True))
     assert out == {
         "a": -1.0, "token_id:2": -2.0, "token_id:3": -3.0, "token_id:4": -4.0,
         "token_id:5": -5.0, "token_id:6": -6.0, "c": -7.0,
@@ -209,7 +217,7 @@ def test_a_chat_without_max_tokens_may_use_the_rest_of_the_context(
         {"messages": messages, "max_tokens": done.usage.completion_tokens + 1},
     )
     assert status == 400, answer
-    assert used <= 121  # past_sequence.max 120 + the token fed last
+    assert used == 122  # past_sequence.max 120, the token fed last, the one never fed
 
 
 def test_a_greedy_request_is_the_same_alone_and_among_concurrent_ones(client: Any) -> None:
@@ -366,7 +374,7 @@ def test_embedding_refusals(bert: Any) -> None:
     for body, message in (
         ({"input": ""}, "an input string must not be empty"),
         ({"input": "a", "dimensions": 8}, "dimensions is not supported"),
-        ({"input": ["a"] * 4}, "4 inputs exceed the served max_batch_size 3"),
+        ({"input": ["a"] * 4}, "batch 4 is outside [1, 3] (the served max_batch_size)"),
         ({"input": [1] * 65}, "an input of 65 tokens exceeds the exported maximum 64"),
         ({"input": [[1, 600]]}, "values must lie in [0, 512)"),
         ({"input": "a", "encoding_format": "int8"}, "encoding_format must be float or base64"),

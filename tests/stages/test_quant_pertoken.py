@@ -126,3 +126,25 @@ def test_a_graph_without_dynamic_quantization_is_left_alone(tmp_path: Path) -> N
     before = model.SerializeToString()
     assert pertoken.rewrite(model) == 0
     assert model.SerializeToString() == before
+
+
+def test_a_quantization_read_by_anything_but_matmulinteger_keeps_its_one_scale(
+    tmp_path: Path,
+) -> None:
+    """ConvInteger (and QAttention) take one activation scale: a per-token one would be a
+    shape error or a wrong answer there, so their DynamicQuantizeLinear stays."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.1, (8, 4, 3)).astype(np.float32)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    conv = helper.make_node("Conv", ["x", "w"], ["y"], name="conv")
+    graph = helper.make_graph([conv], "g", [x], [y], [numpy_helper.from_array(w, "w")])
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "c.onnx"
+    )
+    quantize_dynamic(tmp_path / "c.onnx", tmp_path / "cq.onnx", op_types_to_quantize=["Conv"])
+    model = onnx.load(tmp_path / "cq.onnx")
+    assert "ConvInteger" in {n.op_type for n in model.graph.node}
+    before = model.SerializeToString()
+    assert pertoken.rewrite(model) == 0
+    assert model.SerializeToString() == before

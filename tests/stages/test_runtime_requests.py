@@ -124,7 +124,7 @@ BAD = [
         {"inputs": [{"name": "text", "shape": [1], "datatype": "INT64", "data": [1]}]},
         "text must be BYTES",
     ),
-    ("batch beyond the served max", ids([1] * 4, [4, 1]), "exceeds the served max_batch_size 3"),
+    ("batch beyond the served max", ids([1] * 4, [4, 1]), "batch 4 is outside [1, 3]"),
 ]
 
 

@@ -204,7 +204,7 @@ def test_the_server_refuses_bad_generation_requests_with_400(
         fine = asyncio.run(status([[1, 511]], 2))
     assert too_long[0] == 400 and "needs a past of 28 tokens" in too_long[1]
     assert long_prompt[0] == 400 and "needs a past of 25 tokens" in long_prompt[1]
-    assert too_many[0] == 400 and "exceeds the served max_batch_size 3" in too_many[1]
+    assert too_many[0] == 400 and "batch 4 is outside [1, 3]" in too_many[1]
     assert off_vocab[0] == 400 and "[0, 512)" in off_vocab[1]
     assert fine[0] == 200
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .output import OutputProcessor
-from .params import BadParameter, GenerationParams
+from .params import BadParameter, GenerationParams, check_rows
 from .runner import Graph, Runner
 from .scheduler import EngineSettings, ErrorKind, Event, QueueFull, Scheduler, Sequence
 from .text import Detokenizer, Text
@@ -72,8 +72,7 @@ class Engine:
     def admit(self, prompts: list[list[int]], params: GenerationParams, rows: int) -> None:
         """The one admission check of a request: at most `rows` prompts (the served
         max_batch_size), each one the graph can serve; BadParameter (a 400) otherwise."""
-        if len(prompts) > rows:
-            raise BadParameter(f"{len(prompts)} prompts exceed the served max_batch_size {rows}")
+        check_rows(len(prompts), rows)
         for prompt in prompts:
             self.check(prompt, params)
 
@@ -177,25 +176,30 @@ class Engine:
         going = []
         for seq, (logits, past) in zip(group, results, strict=True):
             seq.done = len(seq.prompt)
-            if self._prefilled(seq, logits, past):
+            if self._prefilled(seq, logits):
                 going.append((seq.key, past))
         # rows only for the sequences that go on (one that stopped at its first token, a
         # max_tokens 1, EOS or a stop, takes none), made in one copy of the cache
         self.runner.join(going)
+        with self._cv:
+            for seq, (_, past) in zip(group, results, strict=True):
+                self.scheduler.keep_prefix(seq, past)
 
     def _prefill_chunk(self, seq: Sequence, n: int) -> None:
         logits, seq.past = self.runner.prefill_chunk(seq.prompt, seq.done, n, seq.past)
         seq.done += n
         if seq.done == len(seq.prompt):
             past = seq.past
-            if self._prefilled(seq, logits, past):
+            if self._prefilled(seq, logits):
                 self.runner.join([(seq.key, past)])
+            with self._cv:
+                self.scheduler.keep_prefix(seq, past)
 
-    def _prefilled(self, seq: Sequence, logits: np.ndarray, past: dict[str, np.ndarray]) -> bool:
+    def _prefilled(self, seq: Sequence, logits: np.ndarray) -> bool:
         """Its prompt is in the cache: the first token; whether it goes on."""
         goes_on = self.output.take(seq, logits)
         with self._cv:
-            self.scheduler.prefilled(seq, past, goes_on)
+            self.scheduler.prefilled(seq, goes_on)
         return goes_on
 
     # ------------------------------------------------------------------ the thread

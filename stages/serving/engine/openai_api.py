@@ -1,44 +1,19 @@
-"""The OpenAI-compatible API over the engine, framework-free: requests checked into engine
-parameters (an unknown or unsupported field is a 400, never ignored), responses and
-server-sent-event chunks built as OpenAI's clients read them."""
+"""The OpenAI-compatible API over the engine, framework-free: request bodies read into
+typed models (CompletionRequest, ChatRequest, EmbeddingRequest: an unknown or unsupported
+field is a 400, never ignored) and turned into engine parameters (`to_params`); responses
+and server-sent-event chunks built as OpenAI's clients read them."""
 
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .params import BadParameter, GenerationParams, parse
 from .scheduler import Event
-
-# fields OpenAI defines that the engine maps onto its own parameters
-_SAMPLING = {"max_tokens", "temperature", "top_p", "seed", "stop"}
-# engine extensions, named as vLLM names them
-_EXTENSIONS = {"top_k", "repetition_penalty", "stop_token_ids", "ignore_eos"}
-_COMMON = {
-    "model",
-    "n",
-    "stream",
-    "stream_options",
-    "user",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-}
-COMPLETION_FIELDS = _SAMPLING | _EXTENSIONS | _COMMON | {"prompt", "logprobs", "echo", "suffix"}
-CHAT_FIELDS = (
-    _SAMPLING
-    | _EXTENSIONS
-    | _COMMON
-    | {
-        "messages",
-        "logprobs",
-        "top_logprobs",
-        "max_completion_tokens",
-    }
-)
-EMBEDDING_FIELDS = {"model", "input", "encoding_format", "user", "dimensions"}
 
 
 class ApiError(Exception):
@@ -77,11 +52,233 @@ class Call:
     rest_of_context: bool = False
 
 
-def _fields(body: Any, fields: set[str], served: str) -> dict[str, Any]:
-    """A JSON object of known fields only, for the served model (or no model named)."""
+# ---------------------------------------------------------------------------- requests
+# Each endpoint's body is a pydantic model that forbids what it does not define: a field
+# the engine cannot honour is a 400 naming it, never ignored. Sampling fields are typed
+# loosely here and checked once, by GenerationParams (params.py), in `to_params`; the rest
+# are checked by the models, each refusal with the message a client can act on.
+Ids = list[int]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(default=None, description="The served model's name, or none.")
+    user: str | None = Field(default=None, description="Accepted and ignored, as OpenAI does.")
+
+
+class _Generation(_Body):
+    """What completions and chat share: one choice, sampling, stopping, streaming."""
+
+    n: Any = Field(default=1, description="Choices per request: 1 only.")
+    stream: Any = Field(default=False, description="Server-sent events when true.")
+    stream_options: Any = Field(default=None, description="{include_usage: bool} only.")
+    presence_penalty: Any = Field(default=0, description="Not supported unless 0.")
+    frequency_penalty: Any = Field(default=0, description="Not supported unless 0.")
+    logit_bias: Any = Field(default=None, description="Not supported.")
+    # sampling, as OpenAI names it; then the engine's extensions, as vLLM names them
+    max_tokens: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    seed: Any = None
+    stop: Any = None
+    top_k: Any = None
+    repetition_penalty: Any = None
+    stop_token_ids: Any = None
+    ignore_eos: Any = None
+
+    @model_validator(mode="after")
+    def _common(self) -> _Generation:
+        if self.n not in (1, None) or isinstance(self.n, bool):
+            raise _Refused("n must be 1 (one choice per request)", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (0, 0.0, None):
+                raise _Refused(f"{name} is not supported; use repetition_penalty", name)
+        if self.logit_bias:
+            raise _Refused("logit_bias is not supported", "logit_bias")
+        if not isinstance(self.stream, bool):
+            raise _Refused("stream must be true or false", "stream")
+        options = self.stream_options or {}
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise _Refused("stream_options takes only include_usage", "stream_options")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage", False))
+
+    def to_params(
+        self, defaults: dict[str, Any], logprobs: int | None, max_tokens: Any = None
+    ) -> GenerationParams:
+        """The engine's parameters: the model's defaults (generation_config.json) under
+        what the request gives."""
+        given = {
+            k: getattr(self, k)
+            for k in SAMPLING
+            if getattr(self, k) is not None and not (k == "max_tokens" and max_tokens is not None)
+        }
+        if max_tokens is not None:
+            given["max_tokens"] = max_tokens
+        if isinstance(given.get("stop"), str):
+            given["stop"] = [given["stop"]]
+        if logprobs is not None:
+            given["logprobs"] = logprobs
+        try:
+            return parse(given, defaults)
+        except BadParameter as exc:
+            raise ApiError(400, str(exc)) from None
+
+
+SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "top_k",
+    "repetition_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+)
+
+
+class CompletionRequest(_Generation):
+    """POST /v1/completions."""
+
+    prompt: Any = Field(description="A string, strings, token ids, or lists of token ids.")
+    logprobs: Any = Field(default=None, description="Alternatives per token, 0-20.")
+    echo: Any = Field(default=None, description="Not supported.")
+    suffix: Any = Field(default=None, description="Not supported.")
+
+    @model_validator(mode="after")
+    def _own(self) -> CompletionRequest:
+        if self.echo or self.suffix:
+            raise _Refused("echo and suffix are not supported", "echo")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= 20):
+            raise _Refused("logprobs must be an integer in [0, 20]", "logprobs")
+        if len(self.prompts()) > 1 and self.stream:
+            raise _Refused("a streamed completion takes one prompt", "prompt")
+        return self
+
+    def prompts(self) -> list[Ids | str]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p and all(_is_int(t) for t in p):
+            return [list(p)]
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            return list(p)
+        if isinstance(p, list) and p and all(_ids(x) for x in p):
+            return [list(x) for x in p]
+        raise _Refused(
+            "prompt must be a string, a list of strings, a list of token ids "
+            "or a list of such lists (none empty)",
+            "prompt",
+        )
+
+    def to_call(self, defaults: dict[str, Any]) -> Call:
+        return Call(
+            "completion",
+            self.prompts(),
+            self.to_params(defaults, self.logprobs),
+            bool(self.stream),
+            self.include_usage,
+        )
+
+
+class ChatRequest(_Generation):
+    """POST /v1/chat/completions."""
+
+    messages: Any = Field(description="[{role, content: str}], rendered by the chat template.")
+    logprobs: Any = Field(default=None, description="true: logprobs per token.")
+    top_logprobs: Any = Field(default=None, description="Alternatives per token, 0-20.")
+    max_completion_tokens: Any = Field(default=None, description="OpenAI's newer max_tokens.")
+
+    @model_validator(mode="after")
+    def _own(self) -> ChatRequest:
+        m = self.messages
+        if not isinstance(m, list) or not m:
+            raise _Refused("messages must be a non-empty list", "messages")
+        for i, item in enumerate(m):
+            if not isinstance(item, dict) or not isinstance(item.get("role"), str):
+                raise _Refused(f"messages[{i}] must be an object with a role", "messages")
+            if not isinstance(item.get("content"), str):
+                raise _Refused(f"messages[{i}].content must be a string", "messages")
+        if self.max_completion_tokens is not None and self.max_tokens is not None:
+            raise _Refused("give max_tokens or max_completion_tokens, not both", None)
+        if self.logprobs:
+            top = 0 if self.top_logprobs is None else self.top_logprobs
+            if not _is_int(top) or not 0 <= top <= 20:
+                raise _Refused("top_logprobs must be an integer in [0, 20]", "top_logprobs")
+        elif self.top_logprobs:
+            raise _Refused("top_logprobs needs logprobs: true", "top_logprobs")
+        return self
+
+    def to_call(self, defaults: dict[str, Any]) -> tuple[Call, list[dict[str, Any]]]:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        limit = self.max_completion_tokens
+        call = Call(
+            "chat",
+            [],
+            self.to_params(defaults, logprobs, limit),
+            bool(self.stream),
+            self.include_usage,
+        )
+        call.rest_of_context = self.max_tokens is None and limit is None
+        return call, [{"role": m["role"], "content": m["content"]} for m in self.messages]
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings."""
+
+    input: Any = Field(description="A string, strings, token ids, or lists of token ids.")
+    encoding_format: Any = Field(default="float", description="float or base64.")
+    dimensions: Any = Field(default=None, description="Not supported: the model's size.")
+
+    @model_validator(mode="after")
+    def _own(self) -> EmbeddingRequest:
+        if self.dimensions is not None:
+            raise _Refused(
+                "dimensions is not supported: the model's size is returned", "dimensions"
+            )
+        if self.encoding_format not in ("float", "base64"):
+            raise _Refused("encoding_format must be float or base64", "encoding_format")
+        self.inputs()
+        return self
+
+    def inputs(self) -> list[Ids | str]:
+        given = self.input
+        out: list[Ids | str]
+        if isinstance(given, str):
+            out = [given]
+        elif isinstance(given, list) and given and all(_is_int(t) for t in given):
+            out = [list(given)]
+        elif (
+            isinstance(given, list) and given and all(isinstance(x, str) or _ids(x) for x in given)
+        ):
+            out = list(given)
+        else:
+            raise _Refused("input must be a string, a list of strings, or token ids", "input")
+        if any(isinstance(x, str) and not x for x in out):
+            raise _Refused("an input string must not be empty", "input")
+        return out
+
+
+class _Refused(ValueError):
+    """A request a model refuses: its message and the parameter, as the 400 says them."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def read(model: type[_B], body: Any, served: str) -> _B:
+    """The request body as `model`, or ApiError: 400 naming the first unknown field or
+    the refused value, 404 for another model's name."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - fields)
+    unknown = sorted(set(body) - set(model.model_fields))
     if unknown:
         raise ApiError(400, f"unknown or unsupported field {unknown[0]!r}", unknown[0])
     if body.get("model") not in (None, served):
@@ -90,142 +287,32 @@ def _fields(body: Any, fields: set[str], served: str) -> dict[str, Any]:
             f"the model {body.get('model')!r} does not exist; this server serves {served!r}",
             "model",
         )
-    return cast(dict[str, Any], body)
-
-
-def _check_common(body: Any, fields: set[str], served: str) -> dict[str, Any]:
-    body = _fields(body, fields, served)
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "n must be 1 (one choice per request)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name, 0) not in (0, 0.0, None):
-            raise ApiError(400, f"{name} is not supported; use repetition_penalty", name)
-    if body.get("logit_bias"):
-        raise ApiError(400, "logit_bias is not supported", "logit_bias")
-    if not isinstance(body.get("stream", False), bool):
-        raise ApiError(400, "stream must be true or false", "stream")
-    return cast(dict[str, Any], body)
-
-
-def _params(
-    body: dict[str, Any], defaults: dict[str, Any], logprobs: int | None
-) -> GenerationParams:
-    given = {k: body[k] for k in (_SAMPLING | _EXTENSIONS) if k in body and body[k] is not None}
-    if isinstance(given.get("stop"), str):
-        given["stop"] = [given["stop"]]
-    if logprobs is not None:
-        given["logprobs"] = logprobs
     try:
-        return parse(given, defaults)
-    except BadParameter as exc:
-        raise ApiError(400, str(exc)) from None
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        refused = (first.get("ctx") or {}).get("error")
+        if isinstance(refused, _Refused):
+            raise ApiError(400, refused.message, refused.param) from None
+        where = ".".join(str(p) for p in first["loc"])
+        raise ApiError(400, f"{where}: {first['msg']}", where or None) from None
 
 
-def _usage_option(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise ApiError(400, "stream_options takes only include_usage", "stream_options")
-    return bool(options.get("include_usage", False))
+_B = TypeVar("_B", bound=_Body)
 
 
 def completion(body: Any, served: str, defaults: dict[str, Any]) -> Call:
-    body = _check_common(body, COMPLETION_FIELDS, served)
-    if body.get("echo") or body.get("suffix"):
-        raise ApiError(400, "echo and suffix are not supported", "echo")
-    prompt = body.get("prompt")
-    prompts: list[list[int] | str]
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        prompts = [list(prompt)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
-    ):
-        prompts = [list(p) for p in prompt]
-    else:
-        raise ApiError(
-            400,
-            "prompt must be a string, a list of strings, a list of token ids "
-            "or a list of such lists (none empty)",
-            "prompt",
-        )
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 20):
-        raise ApiError(400, "logprobs must be an integer in [0, 20]", "logprobs")
-    if body.get("stream") and len(prompts) > 1:
-        raise ApiError(400, "a streamed completion takes one prompt", "prompt")
-    return Call(
-        "completion",
-        prompts,
-        _params(body, defaults, logprobs),
-        bool(body.get("stream")),
-        _usage_option(body),
-    )
+    return read(CompletionRequest, body, served).to_call(defaults)
 
 
 def chat(body: Any, served: str, defaults: dict[str, Any]) -> tuple[Call, list[dict[str, Any]]]:
-    body = _check_common(body, CHAT_FIELDS, served)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a role", "messages")
-        if not isinstance(m.get("content"), str):
-            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-    if "max_completion_tokens" in body:
-        if "max_tokens" in body:
-            raise ApiError(400, "give max_tokens or max_completion_tokens, not both")
-        body = {**body, "max_tokens": body["max_completion_tokens"]}
-        body.pop("max_completion_tokens")
-    logprobs: int | None = None
-    if body.get("logprobs"):
-        top = body.get("top_logprobs", 0)
-        if not _is_int(top) or not 0 <= top <= 20:
-            raise ApiError(400, "top_logprobs must be an integer in [0, 20]", "top_logprobs")
-        logprobs = top
-    elif body.get("top_logprobs"):
-        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    call = Call(
-        "chat", [], _params(body, defaults, logprobs), bool(body.get("stream")), _usage_option(body)
-    )
-    call.rest_of_context = body.get("max_tokens") is None
-    return call, [{"role": m["role"], "content": m["content"]} for m in messages]
+    return read(ChatRequest, body, served).to_call(defaults)
 
 
-def embeddings(body: Any, served: str) -> tuple[list[list[int] | str], bool]:
+def embeddings(body: Any, served: str) -> tuple[list[Ids | str], bool]:
     """(inputs, base64?)."""
-    body = _fields(body, EMBEDDING_FIELDS, served)
-    if body.get("dimensions") is not None:
-        raise ApiError(
-            400, "dimensions is not supported: the model's size is returned", "dimensions"
-        )
-    fmt = body.get("encoding_format", "float")
-    if fmt not in ("float", "base64"):
-        raise ApiError(400, "encoding_format must be float or base64", "encoding_format")
-    given = body.get("input")
-    if isinstance(given, str):
-        inputs: list[list[int] | str] = [given]
-    elif isinstance(given, list) and given and all(_is_int(t) for t in given):
-        inputs = [list(given)]
-    elif (
-        isinstance(given, list)
-        and given
-        and all(
-            isinstance(x, str) or (isinstance(x, list) and x and all(_is_int(t) for t in x))
-            for x in given
-        )
-    ):
-        inputs = list(given)
-    else:
-        raise ApiError(400, "input must be a string, a list of strings, or token ids", "input")
-    if any(isinstance(x, str) and not x for x in inputs):
-        raise ApiError(400, "an input string must not be empty", "input")
-    return inputs, fmt == "base64"
+    request = read(EmbeddingRequest, body, served)
+    return request.inputs(), request.encoding_format == "base64"
 
 
 # ---------------------------------------------------------------------------- responses
@@ -247,12 +334,27 @@ def _logprobs_block(kind: str, events: list[Event], decode: Any) -> Any:
                 if e.token is not None
             ]
         }
+    shown = [e for e in events if e.token is not None]
+    tops = [_top_by_text(e.top, decode) for e in shown]
     return {
-        "tokens": [decode([e.token]) for e in events if e.token is not None],
-        "token_logprobs": [e.logprob for e in events if e.token is not None],
-        "top_logprobs": [_top_by_text(e.top, decode) for e in events if e.token is not None],
+        # the token as its alternatives name it, so top_logprobs[i][tokens[i]] is found
+        "tokens": [_key_of(e, top, decode) for e, top in zip(shown, tops, strict=True)],
+        "token_logprobs": [e.logprob for e in shown],
+        "top_logprobs": tops,
         "text_offset": [],
     }
+
+
+def _key_of(event: Event, top: dict[str, float], decode: Any) -> str:
+    """The chosen token's name: its key among the alternatives when it is one of them
+    (`token_id:<id>` there when its text clashes), else its text (or `token_id:<id>`
+    when that text is empty or an incomplete character)."""
+    assert event.token is not None
+    by_id = f"token_id:{event.token}"
+    if by_id in top:
+        return by_id
+    text = decode([event.token])
+    return text if text and "\ufffd" not in text else by_id
 
 
 def _top_by_text(top: list[tuple[int, float]], decode: Any) -> dict[str, float]:
@@ -358,3 +460,8 @@ DONE = "data: [DONE]\n\n"
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ids(value: Any) -> bool:
+    """A non-empty list of token ids."""
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)

@@ -45,6 +45,13 @@ class GenerationParams(BaseModel):
         return value
 
 
+def check_rows(rows: int, limit: int) -> None:
+    """The one check of a request's rows (prompts, inputs, a tensor's batch) against the
+    served max_batch_size, whichever door it came in by."""
+    if not 1 <= rows <= limit:
+        raise BadParameter(f"batch {rows} is outside [1, {limit}] (the served max_batch_size)")
+
+
 def parse(given: dict[str, Any], defaults: dict[str, Any] | None = None) -> GenerationParams:
     """`given` over `defaults` (the model's generation config), or BadParameter naming the
     parameter and what it must be."""

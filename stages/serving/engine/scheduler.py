@@ -172,10 +172,9 @@ class PrefixCache:
                     if not self.evict(keep=chain):
                         return
                 start = i * self.block
-                kv = {
-                    k: np.ascontiguousarray(v[:, :, start : start + self.block])
-                    for k, v in past.items()
-                }
+                # a copy, never a view: a view of one block (one KV head: contiguous)
+                # would keep the whole prefill's presents alive, uncounted
+                kv = {k: np.array(v[:, :, start : start + self.block]) for k, v in past.items()}
                 block = self.blocks[key] = _Block(key, parent, kv)
                 if parent is not None:
                     self.blocks[parent].children += 1
@@ -270,15 +269,20 @@ class Scheduler:
             budget -= n
         return plan
 
-    def prefilled(self, seq: Sequence, past: dict[str, np.ndarray], goes_on: bool) -> None:
-        """Its prompt is in the cache (`past`: the row's own tokens); it has sampled its
-        first token and runs on, or ended there (a row is taken only if it goes on)."""
+    def prefilled(self, seq: Sequence, goes_on: bool) -> None:
+        """Its prompt is in the cache; it has sampled its first token and runs on, or
+        ended there (a row is taken only if it goes on)."""
         self.prefilling.remove(seq)
         seq.past = None
-        if self.prefix is not None:
-            self.prefix.store(seq.prompt, past, self.settings.kv_budget_tokens - self._need(seq))
         if goes_on:
             self.running[seq.key] = seq
+
+    def keep_prefix(self, seq: Sequence, past: dict[str, np.ndarray]) -> None:
+        """Its prompt's blocks into the prefix cache (`past`: the row's own tokens), within
+        what the batch leaves of the budget once the rows of this step's prefills have
+        joined (counted before they had, a group's rows were missed: the cache overran)."""
+        if self.prefix is not None:
+            self.prefix.store(seq.prompt, past, self.settings.kv_budget_tokens - self._need(seq))
 
     def finished(self, key: int) -> None:
         del self.running[key]

@@ -122,6 +122,11 @@ class Detokenizer:
             decoded = self.text.decode(self.ids)
             if decoded.startswith(self.full[: self.sent]):
                 self.full = decoded
+            # the last token may have completed a character and a stop string with it
+            start = max(0, self.sent - self.hold)
+            found = [at for stop in self.stops if (at := self.full.find(stop, start)) >= 0]
+            if found:
+                self.full, self.stopped = self.full[: max(self.sent, min(found))], True
         return self.flush()
 
 
