@@ -35,7 +35,7 @@ import numpy as np
 KEY_BLOCK = 256  # onnxruntime's GEMM K block; keys are summed a block at a time
 SUM_WIDTH = 16  # columns of ones the exponentials are summed against (the GEMM path)
 PASS_THROUGH = ("Cast", "Identity")  # value-preserving hops between a softmax and its MatMul
-MIN_OPSET = 15  # CastLike (zeros and ones take the graph's float type), Shape start/end
+MIN_OPSET = 15  # Shape start/end
 SUMS = "/row_invariant/sum_blocks"  # the exponentials' sum: never quantized
 
 
@@ -58,10 +58,17 @@ def rewrite(model: Any) -> Rewritten:
         return Rewritten(0, 0)
     graph = model.graph
     # nodes by their index in the graph (protobuf hands out new wrappers: no id())
-    softmax = [i for i, n in enumerate(graph.node) if n.op_type == "Softmax" and _last_axis(n)]
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+    ranks, types = _ranks(inferred), _types(inferred)
+    # the padding and the ones are made in the scores' own float type (no CastLike:
+    # onnxruntime's symbolic shape inference, which quantization runs, cannot follow it)
+    softmax = [
+        i
+        for i, n in enumerate(graph.node)
+        if n.op_type == "Softmax" and _last_axis(n) and n.input[0] in types
+    ]
     if not softmax:
         return Rewritten(0, 0)
-    ranks = _ranks(onnx.shape_inference.infer_shapes(model, strict_mode=False).graph)
     rewritten = set(softmax)
     scores = _score_products(graph, [graph.node[i].input[0] for i in softmax])
     probs = {graph.node[i].output[0] for i in softmax}
@@ -79,6 +86,10 @@ def rewrite(model: Any) -> Rewritten:
     def make(op: str, inputs: list[str], output: str, **attrs: Any) -> Any:
         return helper.make_node(op, inputs, [output], name=output, **attrs)
 
+    def typed(name: str, value: np.ndarray) -> str:
+        consts.setdefault(name, numpy_helper.from_array(value, name))
+        return name
+
     def blocks(
         x: str, axis: int, p: str, extra: int = 0, fill: float = 0.0, split: bool = True
     ) -> tuple[list[Any], str, str]:
@@ -90,16 +101,14 @@ def rewrite(model: Any) -> Rewritten:
         lead, halves = f"{p}/lead", [f"{p}/blocks", block]
         nodes = [
             make("Shape", [x], f"{p}/keys", **around),
-            make("Mod", [f"{p}/keys", block], f"{p}/tail"),
-            make("Sub", [block, f"{p}/tail"], f"{p}/short"),
-            make("Mod", [f"{p}/short", block], f"{p}/pad_to_block"),
-            make(
-                "Add",
-                [f"{p}/pad_to_block", const(f"extra_{extra}", [extra * KEY_BLOCK])],
-                f"{p}/pad",
-            ),  # fmt: skip
-            make("Add", [f"{p}/keys", f"{p}/pad"], f"{p}/padded"),
-            make("Div", [f"{p}/padded", block], f"{p}/blocks"),
+            # ceil(keys / block) (+ extra) blocks, in the arithmetic onnxruntime's symbolic
+            # shape inference follows (Add, Div, Mul, Sub: no Mod), so quantization's
+            # pre-processing keeps its symbolic shapes
+            make("Add", [f"{p}/keys", const("block_less_one", [KEY_BLOCK - 1])], f"{p}/up"),
+            make("Div", [f"{p}/up", block], f"{p}/whole"),
+            make("Add", [f"{p}/whole", const(f"extra_{extra}", [extra])], f"{p}/blocks"),
+            make("Mul", [f"{p}/blocks", block], f"{p}/padded"),
+            make("Sub", [f"{p}/padded", f"{p}/keys"], f"{p}/pad"),
             make("Shape", [x], lead, end=axis),
         ]
         if axis < -1:
@@ -110,9 +119,8 @@ def rewrite(model: Any) -> Rewritten:
             zeros, target = [lead, f"{p}/pad"], [lead, *halves]
         nodes += [
             make("Concat", zeros, f"{p}/zeros_shape", axis=0),
-            make("ConstantOfShape", [f"{p}/zeros_shape"], f"{p}/zeros_float",
-                 value=numpy_helper.from_array(np.array([fill], np.float32))),
-            make("CastLike", [f"{p}/zeros_float", x], f"{p}/zeros"),
+            make("ConstantOfShape", [f"{p}/zeros_shape"], f"{p}/zeros",
+                 value=numpy_helper.from_array(np.array([fill], types[x]))),
             make("Concat", [f"{p}/zeros", x], f"{p}/aligned", axis=axis),
             make("Concat", target, f"{p}/split_shape", axis=0),
         ]  # fmt: skip
@@ -174,14 +182,18 @@ def rewrite(model: Any) -> Rewritten:
             blocks_shape = f"{p}/scores/split_shape"  # [..., m, blocks, KEY_BLOCK]
             nodes += [
                 *pad,
-                _reduce_max(helper, opset, aligned, f"{p}/max", const("minus_one", [-1])),
+                # the max of the real scores, taken where it is (ArgMax's axis is an
+                # attribute in every opset; ReduceMax-18's axes input is a value onnxruntime's
+                # symbolic shape inference does not read, and it stops there)
+                make("ArgMax", [x], f"{p}/argmax", axis=-1, keepdims=1),
+                make("GatherElements", [x, f"{p}/argmax"], f"{p}/max", axis=-1),
                 make("Sub", [aligned, f"{p}/max"], f"{p}/shifted"),
                 make("Exp", [f"{p}/shifted"], f"{p}/exp_aligned"),
                 make("Reshape", [f"{p}/exp_aligned", blocks_shape], f"{p}/exp_blocks"),
-                make("ConstantOfShape", [const("ones_shape", [KEY_BLOCK, SUM_WIDTH])],
-                     f"{p}/ones_float", value=numpy_helper.from_array(np.array([1.0], np.float32))),
-                make("CastLike", [f"{p}/ones_float", x], f"{p}/ones"),
-                make("MatMul", [f"{p}/exp_blocks", f"{p}/ones"], f"{y}{SUMS}"),  # [.., m, b, 16]
+                make("MatMul", [f"{p}/exp_blocks", typed(
+                    f"shipyard_invariant_ones_{types[x].name}",
+                    np.ones((KEY_BLOCK, SUM_WIDTH), types[x]),
+                )], f"{y}{SUMS}"),  # [..., m, blocks, SUM_WIDTH]
                 *in_order(f"{y}{SUMS}", -2, f"{p}/sums", p),  # [..., m, SUM_WIDTH]
                 make("Slice", [f"{p}/sums", const("zero", [0]), const("one", [1]),
                                const("minus_one", [-1])], f"{p}/sum"),
@@ -194,7 +206,12 @@ def rewrite(model: Any) -> Rewritten:
             ]  # fmt: skip
             continue
         rank = ranks.get(node.input[0]) if node.op_type == "MatMul" else None
-        if rank is None or node.input[0] not in probs or ranks.get(node.input[1]) != rank:
+        if (
+            rank is None
+            or node.input[0] not in probs
+            or ranks.get(node.input[1]) != rank
+            or not {node.input[0], node.input[1]} <= types.keys()
+        ):
             nodes.append(node)
             continue
         a, v, out = node.input[0], node.input[1], node.output[0]
@@ -241,12 +258,6 @@ def _score_products(graph: Any, softmax_inputs: list[str]) -> set[int]:
     return found
 
 
-def _reduce_max(helper: Any, opset: int, x: str, out: str, last_axis: str) -> Any:
-    if opset >= 18:  # axes became an input
-        return helper.make_node("ReduceMax", [x, last_axis], [out], name=out, keepdims=1)
-    return helper.make_node("ReduceMax", [x], [out], name=out, axes=[-1], keepdims=1)
-
-
 def _opset(model: Any) -> int:
     return int(next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0))
 
@@ -258,6 +269,20 @@ def _ranks(graph: Any) -> dict[str, int]:
         t = info.type
         if t.HasField("tensor_type") and t.tensor_type.HasField("shape"):
             out[info.name] = len(t.tensor_type.shape.dim)
+    return out
+
+
+def _types(graph: Any) -> dict[str, np.dtype]:
+    """Float element types shape inference knows, by tensor name."""
+    from onnx import helper
+
+    out = {}
+    for info in (*graph.value_info, *graph.input, *graph.output):
+        t = info.type
+        if t.HasField("tensor_type") and t.tensor_type.elem_type:
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.tensor_type.elem_type))
+            if dtype.kind == "f":
+                out[info.name] = dtype
     return out
 
 

@@ -711,7 +711,9 @@ class ShipyardOnnxRuntime(MLModel):
         if call.stream:
             return await self._openai_stream(call, rid, prompts[0], decode)
         try:
-            results = await _unless_dropped(request, self._generate_all(prompts, call.params))
+            results = await eng.openai_api.unless_dropped(
+                request.is_disconnected, self._generate_all(prompts, call.params)
+            )
         except MLServerError as exc:
             error = api.ApiError(getattr(exc, "status_code", 500), str(exc.args[0]))
             return JSONResponse(error.body(), status_code=error.status)
@@ -758,26 +760,6 @@ class ShipyardOnnxRuntime(MLModel):
 
 # the engine's error kinds, as HTTP answers them
 HTTP_STATUS = {"timeout": 504, "shutdown": 503, "internal": 500}
-DROP_POLL_S = 0.25  # how often a waiting non-streamed request checks its client is there
-
-
-async def _unless_dropped(request: Request, work: Any) -> Any:
-    """`work`'s result, or None once the client has disconnected: its task is cancelled
-    then, and so are its sequences in the engine (issue 41: a dropped non-streamed request
-    generated to the end, holding its rows)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DROP_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, MLServerError):
-                await task
 
 
 async def _json_body(request: Request) -> Any:

@@ -132,3 +132,16 @@ def test_static_quantization_never_takes_the_sum_of_exponentials() -> None:
         n for n in names if n.endswith(invariant.SUMS)
     ]
     assert len(names) == len(matmuls) - 1
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_onnxruntimes_symbolic_shape_inference_follows_the_rewrite(opset: int) -> None:
+    """Quantization's pre-processing runs it: where it stops (a Mod, a CastLike, ReduceMax's
+    axes input), every decoder fell back to plain ONNX shape inference."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    model = _attention(opset)
+    assert invariant.rewrite(model) == (1, 1)
+    inferred = SymbolicShapeInference.infer_shapes(model, 2**31 - 1, False, False, 0)
+    shapes = {v.name for v in inferred.graph.value_info}
+    assert "probs" in shapes and "out" in {o.name for o in inferred.graph.output}

@@ -1,6 +1,7 @@
 """A non-streamed OpenAI request whose client goes away stops generating (issue 41: it
-generated to the end, holding its rows): `_unless_dropped` cancels the work once Starlette's
-request reports the disconnect, and lets work that finishes first through untouched."""
+generated to the end, holding its rows): `unless_dropped` cancels the work once Starlette's
+request reports the disconnect, and lets work that finishes first through untouched. (Not
+through mlserver_runtime: its protobufs and tritonclient's cannot share one process.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from stages.serving.mlserver_runtime import _unless_dropped
+from stages.serving.engine.openai_api import unless_dropped
 
 
 def _request(gone_after: float) -> Request:
@@ -38,7 +39,7 @@ def test_a_client_that_goes_away_cancels_the_generation() -> None:
 
     async def go() -> tuple[Any, float]:
         t = time.monotonic()
-        result = await _unless_dropped(_request(0.3), generate())
+        result = await unless_dropped(_request(0.3).is_disconnected, generate())
         return result, time.monotonic() - t
 
     result, took = asyncio.run(go())
@@ -51,4 +52,4 @@ def test_work_that_finishes_while_the_client_waits_is_returned() -> None:
         await asyncio.sleep(0.4)
         return "tokens"
 
-    assert asyncio.run(_unless_dropped(_request(3600), generate())) == "tokens"
+    assert asyncio.run(unless_dropped(_request(3600).is_disconnected, generate())) == "tokens"

@@ -5,8 +5,10 @@ and server-sent-event chunks built as OpenAI's clients read them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -299,6 +301,7 @@ def read(model: type[_B], body: Any, served: str) -> _B:
 
 
 _B = TypeVar("_B", bound=_Body)
+T = TypeVar("T")
 
 
 def completion(body: Any, served: str, defaults: dict[str, Any]) -> Call:
@@ -465,3 +468,29 @@ def _is_int(value: Any) -> bool:
 def _ids(value: Any) -> bool:
     """A non-empty list of token ids."""
     return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
+DROP_POLL_S = 0.25  # how often a waiting non-streamed request checks its client is there
+
+
+async def unless_dropped(
+    disconnected: Callable[[], Awaitable[bool]], work: Awaitable[T]
+) -> T | None:
+    """`work`'s result, or None once `disconnected()` (the HTTP request's) says the client
+    went away: its task is cancelled then, and with it its sequences in the engine (issue
+    41: a dropped non-streamed request generated to the end, holding its rows)."""
+    import asyncio
+
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DROP_POLL_S)
+            if done:
+                return task.result()
+            if await disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
