@@ -86,6 +86,7 @@ def _smooth(
 
     from stages._contract import in_child
     from stages.onnx import stream
+    from stages.onnx.invariant import SUMS
 
     base = src.parent
     graph = model.graph
@@ -97,6 +98,7 @@ def _smooth(
             and node.op_type == "MatMul"
             and node.input[1] in inits
             and len(inits[node.input[1]].dims) == 2
+            and not node.name.endswith(SUMS)  # a softmax's sum against ones: no weight
         ):
             groups.setdefault(node.input[0], []).append(node)
     # in a child process: the session that records the activations goes with it (in this
