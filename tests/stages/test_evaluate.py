@@ -134,3 +134,40 @@ def test_mlflow_threshold_semantics(
 def test_a_threshold_needs_a_bound() -> None:
     with pytest.raises(ValueError, match="give threshold, min_absolute_change"):
         rule(greater_is_better=True)
+
+
+def test_the_shipped_graph_decodes_its_prompts_as_one_batch_and_as_one_at_a_time(
+    built_gpt2: Workspace, tmp_path: object
+) -> None:
+    """Its rows are independent (per-token INT8, padding-proof attention), so evaluate
+    decodes every prompt in one batch: the same tokens as one prompt a call, whatever
+    lengths the prompts have. A graph with per-call INT8 scales is decoded one at a time."""
+    from pathlib import Path
+
+    import numpy as np
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from schemas.artifacts import ModelInfo
+    from stages import evaluate
+    from stages.onnx import model as m
+    from stages.onnx.kvcache import greedy
+
+    shipped = built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
+    export = built_gpt2.out("tiny-gpt2", "export") / "model.onnx"
+    assert evaluate.rows_independent(shipped)
+    per_call = Path(str(tmp_path)) / "per_call.onnx"
+    quantize_dynamic(export, per_call, op_types_to_quantize=["MatMul"])
+    assert not evaluate.rows_independent(per_call)
+    info = ModelInfo.model_validate_json(
+        (built_gpt2.out("tiny-gpt2", "export") / ModelInfo.FILE).read_text()
+    )
+    lay = m.layout_from_info(info)
+    session = ort.InferenceSession(str(shipped), providers=["CPUExecutionProvider"])
+    names = [t.name for t in lay.outputs]
+    run = lambda feeds: session.run(names, feeds)  # noqa: E731
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 500, n).astype(np.int64) for n in (3, 8, 5, 8, 1, 7)]
+    together = greedy(run, lay, prompts, 12)
+    alone = [greedy(run, lay, [p], 12)[0] for p in prompts]
+    assert together == alone
