@@ -146,7 +146,7 @@ def test_the_shipped_graph_decodes_its_prompts_as_one_batch_and_as_one_at_a_time
 
     import numpy as np
     import onnxruntime as ort
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization import quantize_dynamic
 
     from schemas.artifacts import ModelInfo
     from stages import evaluate
