@@ -192,7 +192,7 @@ def reference_values(metrics: dict[str, float]) -> dict[str, float]:
 
 def greedy(run: Run, lay: sh.Layout, prompts: list[np.ndarray], tokens: int) -> list[list[int]]:
     """Greedy decoding with the KV-cache graph (kvcache.greedy): the prompts together, for
-    the FP32 reference (its rows do not depend on each other), or one alone."""
+    a graph whose rows do not depend on each other (FP32, per-token INT8), or one alone."""
     feeds = calib.to_feeds("causal-lm", lay, {"input_ids": prompts[0][None, :]})  # KV tasks
     empty = {t.name: feeds[t.name] for t in lay.inputs if t.name.startswith(kv.PAST)}
     names = [t.name for t in lay.outputs]

@@ -47,7 +47,8 @@ def greedy(
     same row alone), then one token a step for every row. Returns the [rows, tokens] ids
     chosen. `empty`: each past input's empty cache for one row ([1, heads, 0, dim]);
     `positions`: whether the graph takes position_ids. A batch is for a backend whose rows
-    do not depend on each other (FP32); dynamic INT8 decodes one prompt a call."""
+    do not depend on each other (FP32, per-token INT8); per-call dynamic INT8 decodes one
+    prompt a call."""
     rows, width = len(prompts), max(p.size for p in prompts)
     ids = np.zeros((rows, width), np.int64)
     mask = np.zeros((rows, width), np.int64)

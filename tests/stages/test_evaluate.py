@@ -151,7 +151,6 @@ def test_the_shipped_graph_decodes_its_prompts_as_one_batch_and_as_one_at_a_time
     from schemas.artifacts import ModelInfo
     from stages import evaluate
     from stages.onnx import model as m
-    from stages.onnx.kvcache import greedy
 
     shipped = built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
     export = built_gpt2.out("tiny-gpt2", "export") / "model.onnx"
@@ -168,6 +167,6 @@ def test_the_shipped_graph_decodes_its_prompts_as_one_batch_and_as_one_at_a_time
     run = lambda feeds: session.run(names, feeds)  # noqa: E731
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 500, n).astype(np.int64) for n in (3, 8, 5, 8, 1, 7)]
-    together = greedy(run, lay, prompts, 12)
-    alone = [greedy(run, lay, [p], 12)[0] for p in prompts]
+    together = evaluate.greedy(run, lay, prompts, 12)
+    alone = [evaluate.greedy(run, lay, [p], 12)[0] for p in prompts]
     assert together == alone
