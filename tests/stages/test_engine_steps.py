@@ -14,31 +14,7 @@ import pytest
 from stages.serving.engine.core import Engine, EngineSettings, Event
 from stages.serving.engine.params import parse
 from stages.serving.engine.scheduler import Scheduler, StepPlan
-
-
-class Counting:
-    spec = [("past_key_values.0.key", 1, 1)]
-    presents = ["present.0.key"]
-    positions = True
-    dtype = np.dtype(np.float32)
-    vocab = 1000
-    bytes_per_token = 4
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, int, int]] = []
-        self.fail = False
-
-    def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        if self.fail:
-            raise RuntimeError("the graph broke")
-        ids, past = feeds["input_ids"], feeds["past_key_values.0.key"]
-        rows, n = ids.shape
-        self.calls.append((rows, n, past.shape[2]))
-        logits = np.zeros((rows, n, self.vocab), np.float32)
-        for r in range(rows):
-            logits[r, -1, (ids[r, -1] + 1) % self.vocab] = 1.0
-        new = ids[:, None, :, None].astype(np.float32)
-        return logits, {"past_key_values.0.key": np.concatenate([past, new], axis=2)}
+from tests.fixtures.counting import Counting
 
 
 def engine(**changes: Any) -> tuple[Engine, Counting]:

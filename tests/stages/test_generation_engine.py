@@ -23,6 +23,7 @@ from stages.serving.engine.core import Engine, EngineSettings, Event, Graph, Que
 from stages.serving.engine.params import BadParameter, parse
 from stages.serving.engine.text import Detokenizer, Text
 from tests.conftest import TINY, Workspace, gpt2_spec
+from tests.fixtures.counting import Counting
 
 
 def collect(engine: Engine, prompt: list[int], **params: Any) -> list[Event]:
@@ -501,32 +502,6 @@ def test_logprobs_are_the_models_log_softmax(gpt2_graph: Graph) -> None:
 
 
 # ----------------------------------------------------------------- scheduling
-class Counting:
-    """A KV-cache graph stand-in: next token = last id + 1 (mod 1000); records every batch."""
-
-    spec = [("past_key_values.0.key", 1, 1)]
-    presents = ["present.0.key"]
-    positions = True
-    dtype = np.dtype(np.float32)
-    vocab = 1000
-    bytes_per_token = 4
-
-    def __init__(self, delay: float = 0.0) -> None:
-        self.calls: list[tuple[int, int, int]] = []  # (rows, new tokens, past)
-        self.delay = delay
-
-    def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        ids, past = feeds["input_ids"], feeds["past_key_values.0.key"]
-        rows, n = ids.shape
-        self.calls.append((rows, n, past.shape[2]))
-        time.sleep(self.delay)
-        logits = np.zeros((rows, n, self.vocab), np.float32)
-        for r in range(rows):
-            logits[r, -1, (ids[r, -1] + 1) % self.vocab] = 1.0
-        new = ids[:, None, :, None].astype(np.float32)
-        return logits, {"past_key_values.0.key": np.concatenate([past, new], axis=2)}
-
-
 @pytest.fixture
 def counting() -> Iterator[tuple[Counting, list[Engine]]]:
     made: list[Engine] = []
