@@ -227,9 +227,19 @@ def rewrite(model: Any) -> Rewritten:
             *split_a,
             *split_v,
             make("Transpose", [a_blocks], f"{p}/by_block", perm=perm),
+            # one more row (the last again): a decode step's one query would take the
+            # one-row path, which sums K otherwise than a prefill's many rows do (a cached
+            # decode would then differ from a full recompute in the last bit)
+            make("Slice", [f"{p}/by_block", const("minus_one", [-1]), const("end", [2**62]),
+                           const("axis_-2", [-2])], f"{p}/last_query"),
+            make("Concat", [f"{p}/by_block", f"{p}/last_query"], f"{p}/queries", axis=-2),
             # the product keeps the MatMul's own name: exclusions by name still apply
-            helper.make_node("MatMul", [f"{p}/by_block", v_blocks], [f"{p}/parts"],
-                             name=node.name),  # [..., blocks, m, d]
+            helper.make_node("MatMul", [f"{p}/queries", v_blocks], [f"{p}/parts_plus"],
+                             name=node.name),  # [..., blocks, m + 1, d]
+            make("Shape", [a], f"{p}/rows", start=-2, end=-1),
+            helper.make_node("Slice", [f"{p}/parts_plus", const("zero", [0]), f"{p}/rows",
+                                       const("axis_-2", [-2])], [f"{p}/parts"],
+                             name=f"{p}/first_rows"),
             *in_order(f"{p}/parts", -3, out, p),
         ]  # fmt: skip
         products += 1

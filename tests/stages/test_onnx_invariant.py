@@ -145,3 +145,16 @@ def test_onnxruntimes_symbolic_shape_inference_follows_the_rewrite(opset: int) -
     inferred = SymbolicShapeInference.infer_shapes(model, 2**31 - 1, False, False, 0)
     shapes = {v.name for v in inferred.graph.value_info}
     assert "probs" in shapes and "out" in {o.name for o in inferred.graph.output}
+
+
+@pytest.mark.parametrize("keys", [37, 300])
+@pytest.mark.parametrize("queries", [2, 17, 66])
+def test_a_decode_steps_query_equals_the_same_query_in_a_full_pass(queries: int, keys: int) -> None:
+    """A cached decode step asks one query; a full recompute asks every position's at once.
+    The same query must come out the same either way (kvcheck's comparison, bit for bit)."""
+    THREADS[0] = 2
+    model = _attention()
+    invariant.rewrite(model)
+    full = _feeds(0, queries, keys)
+    last = {**full, "q": full["q"][:, -1:]}
+    assert np.array_equal(_run(model, full)[:, -1:], _run(model, last))

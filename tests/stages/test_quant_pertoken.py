@@ -148,3 +148,24 @@ def test_a_quantization_read_by_anything_but_matmulinteger_keeps_its_one_scale(
     before = model.SerializeToString()
     assert pertoken.rewrite(model) == 0
     assert model.SerializeToString() == before
+
+
+def test_the_check_view_multiplies_the_activation_before_its_rounding(tmp_path: Path) -> None:
+    """kvcheck's view of a per-token graph (pertoken.unrounded): the same integer weights,
+    the activation divided by its scale but not rounded; so it is the float product with
+    the dequantized weights, and the shipped graph differs from it by rounding only."""
+    path, w1, _ = _quantized(tmp_path)
+    model = onnx.load(path)
+    assert pertoken.unrounded(model) == 3  # first, second and sibling
+    onnx.save(model, tmp_path / "view.onnx")
+    x = _batch(2, 3, 4)
+    model.graph.output.append(helper.make_tensor_value_info("t", TensorProto.FLOAT, None))
+    onnx.save(model, tmp_path / "probe.onnx")
+    got = _session(tmp_path / "probe.onnx").run(["t"], {"x": x})[0]
+    w_scale = np.abs(w1).max(0) / np.float32(127)
+    dequantized = np.clip(np.round(w1 / w_scale), -127, 127) * w_scale
+    np.testing.assert_allclose(got, np.tanh(x @ dequantized), rtol=0, atol=2e-5)
+    shipped = _session(path).run(["y"], {"x": x})[0]
+    view = _session(tmp_path / "view.onnx").run(["y"], {"x": x})[0]
+    assert not np.array_equal(shipped, view)  # the rounding is gone, nothing else
+    np.testing.assert_allclose(shipped, view, rtol=0, atol=0.05 * np.abs(view).max())
