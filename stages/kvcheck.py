@@ -6,10 +6,12 @@ length, each candidate fed only the pasts it produced itself (stages/onnx/kvcach
 PyTorch's full pass for PyTorch's own cached decode and for ONNX Runtime's over the export;
 the shipped graph's own full pass for its cached decode, since quantization moves its numbers
 away from PyTorch's on purpose. The quantize stage's dynamic INT8 takes one activation scale
-per token (stages/quant/pertoken.py), so that graph is checked as it ships; a graph with
-onnxruntime's per-call scales (`DynamicQuantizeLinear`, which couples positions) runs with
-each scale pinned to a constant (stages/quant/pinned.py). Either is held to the same float
-tolerance. A left-padded row of
+per token (stages/quant/pertoken.py); its products are checked on the activation before its
+rounding (`pertoken.unrounded`: a chunk's and a full pass's float rounding can put one
+activation across a rounding step, the quantizer's per-token error, not the cache's). A
+graph with onnxruntime's per-call scales (`DynamicQuantizeLinear`, which couples positions)
+runs with each scale pinned to a constant (stages/quant/pinned.py). Either is held to the
+same float tolerance. A left-padded row of
 a batch must equal the same row alone. A release without a KV cache is skipped (optional).
 """
 
