@@ -167,8 +167,15 @@ def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
         from stages.serving.engine.metrics import LATENCY
 
         def buckets(slow: bool) -> list[Any]:
-            # every observation in the first bucket above (slow) or below (calm) the limit
-            edge = next(b for b in LATENCY if b > threshold) if slow else LATENCY[0]
+            # every observation in the first bucket wholly above (slow) or below (calm) the
+            # limit: histogram_quantile interpolates inside a bucket, so observations in
+            # the bucket that holds the limit read as up to 0.95 of the way through it (a
+            # 4.98 ms limit in (2.5, 5] ms read 4.875 ms: the slow case did not fire)
+            edge = (
+                next(b for lo, b in zip(LATENCY, LATENCY[1:], strict=False) if lo >= threshold)
+                if slow
+                else LATENCY[0]
+            )
             out = []
             for le in [*LATENCY, "+Inf"]:
                 n = 10 if le == "+Inf" or float(str(le)) >= edge else 0

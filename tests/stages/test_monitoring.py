@@ -132,3 +132,19 @@ def test_the_dashboard_plots_only_series_the_runtime_exports() -> None:
             used |= set(re.findall(r"\b(shipyard_\w+|process_\w+)\{?", target["expr"]))
     assert used and used <= exported, used - exported
     assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+
+
+@pytest.mark.parametrize(
+    ("ttft_ms", "itl_ms"),
+    [(2.49, 2.49), (4.99, 0.499), (12.49, 24.9), (2.51, 5.01)],  # limits just under an edge
+)
+def test_latency_rules_fire_whatever_bucket_their_limit_falls_in(
+    tmp_path: Path, ttft_ms: float, itl_ms: float
+) -> None:
+    """The unit tests' slow series must sit wholly above the limit: a limit of 4.98 ms
+    (a measured 2.49 ms baseline) lay inside the (2.5, 5] ms bucket, where the quantile
+    of observations filling that bucket is 4.875 ms, and the alert did not fire."""
+    head = baseline(p95_ttft_ms=ttft_ms, p95_itl_ms=itl_ms, peak_rss_mb=177.2)
+    folder = written(tmp_path, head)
+    tested = promtool("test", "rules", "alerts_test.yml", cwd=folder)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
