@@ -207,7 +207,8 @@ def build_spec(
 
 
 SIZING: dict[str, str] = {}  # release name -> why init chose its dims (build_spec's note)
-TRY_BATCH = 8  # rows init serves when the device holds them
+TRY_BATCH = 8  # rows of a one-pass model init serves when the device holds them; the probe
+# batch of a KV-cache export (whose engine rows are sized by the plan from its KV budget)
 MIN_CONTEXT = 2048  # context init keeps before it lowers the batch
 
 
@@ -219,13 +220,16 @@ class _Shape:
 
 @dataclass(frozen=True)
 class Sizing:
-    """What init chose for the export's dims, and why (in the spec's comment)."""
+    """What init chose for the export's dims, and why (in the spec's comment). `batch` is
+    the export's batch max; `rows` the batch served (a KV-cache model: the engine's rows,
+    which the plan stage sizes from its KV budget, at least these)."""
 
     batch: int
     context: int
     sequence: int
     kv: bool
     note: str
+    rows: int = 0
 
     def dims(self) -> dict[str, Any]:
         out: dict[str, Any] = {"batch": {"min": 1, "opt": 1, "max": self.batch}}
@@ -256,40 +260,45 @@ def fp32_bytes(weights: list[Path], config: dict[str, Any]) -> int:
 
 
 def size_for_device(config: dict[str, Any], task: str, device_memory: str, weights: int) -> Sizing:
-    """Batch, context and prompt pass that the plan stage's own model (stages/plan.py) fits
-    in `device_memory`: the checkpoint's context at batch 8 if it fits; else the context is
-    lowered (not below 2048) at batch 8; then the batch, down to 1; then the context again.
-    A device too small for the weights alone is refused."""
+    """Rows, context and prompt pass that the plan stage's own model (stages/plan.py) fits
+    in `device_memory`: the checkpoint's context at the wanted rows if it fits; else the
+    context is lowered (not below 2048) at those rows; then the rows, down to 1; then the
+    context again. The wanted rows: a KV-cache model's engine rows (stages.plan.ROWS, each
+    row held by the KV budget the plan sizes); a one-pass model's batch, TRY_BATCH. A device
+    too small for the weights alone is refused."""
     from schemas.spec.capacity import CapacityConfig
     from stages.onnx.model import arch
-    from stages.plan import compute
+    from stages.plan import ROWS, compute
 
     shape = arch(config)
     positions = shape["positions"] or 512
     kv = TASKS[task].kv_cache
     cap = CapacityConfig(device_memory=device_memory)  # type: ignore[arg-type]
     model = Arch(**shape)
+    want = ROWS if kv else TRY_BATCH
 
-    def plan(batch: int, context: int) -> CapacityPlan:
-        sizing = _sizing(batch, context, kv, "")
+    def plan(rows: int, context: int) -> CapacityPlan:
+        sizing = _sizing(rows, context, kv, "")
         dims = {k: DimSizes(**v) for k, v in sizing.dims().items()}
         return compute(cap, _Shape(dims, model), task, weights)
 
-    def fits(batch: int, context: int) -> bool:
-        p = plan(batch, context)
+    def fits(rows: int, context: int) -> bool:
+        p = plan(rows, context)
+        if kv:  # the engine's rows beside a KV budget that holds them (stages/plan.py)
+            return p.max_batch_that_fits >= rows
         return p.extreme.total <= p.usable_bytes
 
     full = positions if kv else min(positions, 512)
     floor = min(full, MIN_CONTEXT)
     choice = None
-    if fits(TRY_BATCH, full):
-        choice = (TRY_BATCH, full)
-    elif fits(TRY_BATCH, floor):
-        choice = (TRY_BATCH, _largest(lambda c: fits(TRY_BATCH, c), floor, full))
+    if fits(want, full):
+        choice = (want, full)
+    elif fits(want, floor):
+        choice = (want, _largest(lambda c: fits(want, c), floor, full))
     else:
-        batch = next((b for b in range(TRY_BATCH - 1, 0, -1) if fits(b, floor)), 0)
-        if batch:
-            choice = (batch, floor)
+        rows = next((b for b in range(want - 1, 0, -1) if fits(b, floor)), 0)
+        if rows:
+            choice = (rows, floor)
         elif fits(1, min(floor, 64)):
             choice = (1, _largest(lambda c: fits(1, c), min(floor, 64), floor))
     if choice is None:
@@ -303,29 +312,40 @@ def size_for_device(config: dict[str, Any], task: str, device_memory: str, weigh
                 "real memory, or quantize the checkpoint before init"
             ],
         )
-    batch, context = choice
-    p = plan(batch, context)
+    rows, context = choice
+    p = plan(rows, context)
+    if kv:
+        rows = p.batch  # what the plan stage will serve, as sized from the budget
     why = (
         "the checkpoint's full context"
         if context == full
         else f"the checkpoint allows {positions} tokens, but the plan does not hold "
-        f"batch {TRY_BATCH} x {full} in {device_memory}"
+        f"{'rows' if kv else 'batch'} {want} x {full} in {device_memory}"
+    )
+    served = (
+        f"{rows} engine rows x {context} tokens ({why}), a KV budget of {p.kv_budget_tokens} "
+        f"tokens ({p.kv_budget_tokens / max(p.cached_tokens, 1):.3g} x the longest sequence; "
+        f"the export is probed at batch {min(TRY_BATCH, rows)})"
+        if kv
+        else f"batch {rows} x {context} tokens ({why})"
     )
     note = (
-        f"Sized for capacity.device_memory {device_memory}: batch {batch} x {context} tokens "
-        f"({why}) needs {p.extreme.total / 2**30:.3g} of {p.usable_bytes / 2**30:.3g} GiB "
+        f"Sized for capacity.device_memory {device_memory}: {served} needs "
+        f"{p.extreme.total / 2**30:.3g} of {p.usable_bytes / 2**30:.3g} GiB "
         f"usable by the plan stage's model (weights as FP32 {p.extreme.weights / 2**30:.3g}, "
         f"KV cache {p.extreme.kv_cache / 2**30:.3g}, activations "
         f"{p.extreme.activations / 2**30:.3g} GiB)."
     )
-    return _sizing(batch, context, kv, note)
+    return _sizing(rows, context, kv, note)
 
 
-def _sizing(batch: int, context: int, kv: bool, note: str) -> Sizing:
+def _sizing(rows: int, context: int, kv: bool, note: str) -> Sizing:
     # a causal LM: the prompt's pass is half the context, at most 2048 (the engine prefills
-    # longer prompts in chunks of it); an encoder takes its whole sequence in one pass
+    # longer prompts in chunks of it); an encoder takes its whole sequence in one pass. A
+    # KV-cache export is probed at TRY_BATCH rows at most (its engine serves more)
     sequence = max(1, min(context // 2, 2048)) if kv else context
-    return Sizing(batch, context, sequence, kv, note)
+    batch = min(rows, TRY_BATCH) if kv else rows
+    return Sizing(batch, context, sequence, kv, note, rows)
 
 
 def _largest(ok: Callable[[int], bool], low: int, high: int) -> int:
@@ -350,7 +370,7 @@ def first_loadtest(sizing: Sizing, kv: bool) -> dict[str, Any]:
     short = min(32, sizing.sequence)
     inputs = sorted({short, sizing.sequence})
     ramp: dict[str, Any] = {
-        "max_concurrency": 2 * sizing.batch,
+        "max_concurrency": 2 * (sizing.rows or sizing.batch),
         "window_seconds": 1.0,
         "input_length": short,
     }

@@ -203,7 +203,20 @@ class CapacityPlan(Artifact):
         "whose last step would read a longer past).",
     )
     extreme: MemoryParts
-    max_batch_that_fits: int
+    max_batch_that_fits: int = Field(
+        description="A KV-cache model: the most engine rows whose decode activations fit while "
+        "the KV budget still holds one sequence at the full context and 256 tokens a row; a "
+        "one-pass model: the most rows at the full sequence."
+    )
+    kv_budget_tokens: int = Field(
+        default=0,
+        description="Padded cache tokens (rows x the longest sequence) the engine may hold: "
+        "what the device leaves after weights, overhead and activations, at most every row at "
+        "cached_tokens; the serve stage's default KV budget (0: no KV cache).",
+    )
+    activation_bytes_per_sequence: int = Field(
+        default=0, description="Activations one more row adds (its decode step, or its pass)."
+    )
 
 
 # engine ------------------------------------------------------------------------------------

@@ -311,12 +311,16 @@ class ReleaseSpec(Strict):
                 )
 
     def _check_serving(self) -> None:
-        """Rule: bundle.serving.max_batch_size <= export.dims.batch.max (1 without a batch axis);
+        """Rule: bundle.serving.max_batch_size <= export.dims.batch.max (1 without a batch axis;
+        the generation engine's rows are not capped by it);
         each preferred batch size <= the served max (schemas.spec.bundle.batch_limits, which
         the serve stage applies to the batch it chose)."""
         s, dims = self.bundle.serving, self.export.dims
         export_max = dims["batch"].max if "batch" in dims else None
-        problem, fix = batch_limits(s.max_batch_size, s.preferred_batch_sizes or [], export_max)
+        engine = TASKS[self.task].serving == "generate"
+        problem, fix = batch_limits(
+            s.max_batch_size, s.preferred_batch_sizes or [], export_max, engine
+        )
         if problem:
             raise ValueError(f"{problem}; {fix}")
 

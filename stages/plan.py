@@ -1,9 +1,12 @@
 """plan: weights + KV cache + activations + overhead for the extreme case, vs the device.
 
-The extreme case is the engine that will serve at its limits: every row of the served
-batch at the full context, its cache held three times for the length of a step, one prefill
-chunk and one decode step of activations, and the weights as shipped (the quantized file:
-INT8 parts count as INT8)."""
+The extreme case is the engine that will serve at its limits: a KV-cache model's engine with
+its KV budget full (padded tokens across its rows, held three times for the length of a
+step), one prefill chunk and a decode step's activations for every row, and the weights as
+shipped (the quantized file: INT8 parts count as INT8). The rows and the budget are sized
+together (`_engine_rows`): the budget is what the device leaves, so the engine's rows are
+not limited to the sequences that fit at the full context all at once. A one-pass model's
+extreme is every row of the batch at its full sequence."""
 
 from __future__ import annotations
 
@@ -25,6 +28,10 @@ ACT_BYTES = 4  # activations stay float32 under ORT's dynamic INT8 and weight-on
 # and their copy into the arrays the engine keeps: three copies for the length of a step
 # (measured: tests/stages/test_plan_models_the_engine.py, 3.04 copies at batch 8 x 898)
 KV_COPIES = 3
+# the rows the generation engine decodes together by default (vLLM's max_num_seqs), when its
+# KV budget holds each of them ROW_TOKENS at once beside one sequence at the full context
+ROWS = 16
+ROW_TOKENS = 256
 
 
 def activations(info: Shaped, task: str, context: int) -> tuple[int, int]:
@@ -68,24 +75,33 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             ("overhead", ex.overhead),
         )
     )
+    case = (
+        f"batch {plan.batch} x {plan.context} tokens"
+        if not plan.kv_budget_tokens
+        else f"{plan.batch} engine row{'s' * (plan.batch != 1)}, a KV budget of "
+        f"{plan.kv_budget_tokens} tokens ({plan.kv_budget_tokens / max(plan.cached_tokens, 1):.3g}"
+        f" x the longest sequence, {plan.cached_tokens})"
+    )
     if need > usable:
-        fix = (
-            f"lower capacity.max_batch to {plan.max_batch_that_fits}"
-            if plan.max_batch_that_fits
-            else "the weights alone do not fit: quantize further or use a bigger device"
-        )
+        if not plan.max_batch_that_fits and ex.weights + ex.overhead < usable and ex.kv_cache:
+            fix = (
+                "even one sequence at the full context does not fit beside the weights: lower "
+                "capacity.max_context, quantize further or use a bigger device"
+            )
+        elif plan.max_batch_that_fits:
+            fix = f"lower capacity.max_batch to {plan.max_batch_that_fits}"
+        else:
+            fix = "the weights alone do not fit: quantize further or use a bigger device"
         raise StageError(
             NAME,
-            f"the extreme case (batch {plan.batch} x {plan.context} "
-            f"tokens) needs {need / GIB:.3g} GiB ({parts} GiB) but "
+            f"the extreme case ({case}) needs {need / GIB:.3g} GiB ({parts} GiB) but "
             f"{release.capacity.headroom:g} x {plan.device_bytes / GIB:.3g} GiB "
             f"= {usable / GIB:.3g} GiB is usable",
             fix,
         )
     return StageResult.passed(
-        f"batch {plan.batch} x {plan.context} tokens needs {need / GIB:.3g} of "
-        f"{usable / GIB:.3g} GiB usable ({parts} GiB); up to batch "
-        f"{plan.max_batch_that_fits} fits",
+        f"{case} needs {need / GIB:.3g} of {usable / GIB:.3g} GiB usable ({parts} GiB); up to "
+        f"{'rows' if plan.kv_budget_tokens else 'batch'} {plan.max_batch_that_fits} fit",
         details=plan.model_dump(),
         metrics={
             "extreme_bytes": need,
@@ -141,15 +157,24 @@ def compute(cap: CapacityConfig, info: Shaped, task: str, weights: int) -> Capac
     fixed_act, act_per_seq = activations(info, task, context)
     usable = int(cap.device_memory * cap.headroom)
     fixed = weights + int(cap.runtime_overhead) + fixed_act
-    # the engine's cache at the extreme: every row at the full context (the KV budget it
-    # enforces), held KV_COPIES times for the length of a step
-    per_seq = KV_COPIES * kv_per_seq + act_per_seq
-    # with nothing that grows with the batch (a generic model), any batch fits or none does
-    whole = batch if fixed <= usable else 0
-    fits = max(0, (usable - fixed) // per_seq) if per_seq else whole
+    if kv and per_token:
+        # a graph without a batch axis runs one row
+        asked = cap.max_batch or (None if "batch" in dims else 1)
+        room, per_kv = usable - fixed, KV_COPIES * per_token
+        batch, fits, tokens = _engine_rows(asked, room, act_per_seq, per_kv, cached)
+        fits = fits if "batch" in dims else min(fits, 1)
+        kv_bytes = KV_COPIES * per_token * tokens
+    else:
+        batch = cap.max_batch or (dims["batch"].max if "batch" in dims else 1)
+        # every row at the full context, held KV_COPIES times for the length of a step
+        per_seq = KV_COPIES * kv_per_seq + act_per_seq
+        # with nothing that grows with the batch (a generic model), any batch fits or none
+        whole = batch if fixed <= usable else 0
+        fits = max(0, (usable - fixed) // per_seq) if per_seq else whole
+        tokens, kv_bytes = batch * cached if kv else 0, KV_COPIES * kv_per_seq * batch
     parts = {
         "weights": weights,
-        "kv_cache": KV_COPIES * kv_per_seq * batch,
+        "kv_cache": kv_bytes,
         "activations": fixed_act + act_per_seq * batch,
         "overhead": int(cap.runtime_overhead),
     }
@@ -163,5 +188,34 @@ def compute(cap: CapacityConfig, info: Shaped, task: str, weights: int) -> Capac
         kv_bytes_per_token=per_token,
         cached_tokens=cached if kv else 0,
         max_batch_that_fits=int(fits),
+        kv_budget_tokens=tokens,
+        activation_bytes_per_sequence=act_per_seq,
         kv_dtype=cap.kv_dtype,
     )
+
+
+def _engine_rows(
+    asked: int | None, room: int, per_row: int, per_token: int, cached: int
+) -> tuple[int, int, int]:
+    """The generation engine's rows, the most that fit, and its KV budget in tokens.
+
+    The engine holds its cache within a budget of padded tokens (rows x the longest
+    sequence), not one full-context cache per row: a request is admitted only when the
+    padded cache with it stays within the budget. So the rows it decodes together are sized
+    from that budget, as vLLM's max_num_seqs is from its KV blocks: `room` (the device
+    after weights, overhead and the prefill chunk) pays each row's decode activations, and
+    the rest is the budget (`per_token`: one token's cache, held KV_COPIES times). Rows fit
+    while the budget still holds one sequence at the full context (`cached` tokens) and
+    ROW_TOKENS for each row at once. The default is ROWS of them at most; the budget is
+    what is left, but never more than every row at the full context. When the asked rows do
+    not fit, the budget returned is what they need (the plan then fails with the numbers)."""
+    least = min(cached, ROW_TOKENS)
+    per_row = max(1, per_row)
+    fits = max(
+        0, min((room - per_token * cached) // per_row, room // (per_row + per_token * least))
+    )
+    rows = asked or max(1, min(ROWS, fits))
+    left = max(0, (room - rows * per_row) // per_token)
+    need = max(cached, rows * least)
+    tokens = min(left, rows * cached) if left >= need else need
+    return rows, int(fits), int(tokens)

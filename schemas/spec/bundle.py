@@ -41,14 +41,19 @@ DERIVED_PORTS = {"grpc": 1, "metrics": 2}
 
 
 def batch_limits(
-    served: int | None, preferred: list[int], export_max: int | None
+    served: int | None, preferred: list[int], export_max: int | None, engine: bool = False
 ) -> tuple[str, str]:
     """Rule: the served max batch <= export.dims.batch.max; each preferred batch size <= the
     served max. One rule for the spec (`served`: bundle.serving.max_batch_size, None when
     unset) and the serve stage (`served`: what it chose from the plan); `export_max` None:
-    the export declares no batch axis (the graph runs one row). Returns (problem, fix), or
+    the export declares no batch axis (the graph runs one row). `engine`: the generation
+    engine serves the graph, whose rows are independent (kvcheck holds each row of a padded
+    batch to its own pass) and whose batch axis is dynamic: its rows are sized from the KV
+    budget by the plan, not capped by the export's probe batch. Returns (problem, fix), or
     ("", "") when the limits hold."""
     limit = 1 if export_max is None else export_max
+    if engine and export_max is not None:
+        limit = served or limit
     if served is not None and served > limit:
         if export_max is None:
             return (
@@ -80,14 +85,20 @@ class ServingConfig(Strict):
         description="HTTP port; MLServer's gRPC and metrics ports are port+1 and port+2.",
     )
     max_batch_size: int | None = Field(
-        default=None, ge=1, description="Default: the export's batch max; may not exceed it."
+        default=None,
+        ge=1,
+        description="Default: the capacity plan's (a generation engine's rows, sized from its "
+        "KV budget), else the export's batch max, which a one-pass model may not exceed.",
     )
     max_queue_depth: int = Field(default=64, ge=1, description="Requests queued before 503.")
     max_context_length: int | None = Field(
         default=None, ge=1, description="Default: the export's largest total sequence."
     )
     kv_cache_budget: int | None = Field(
-        default=None, ge=0, description="Bytes for KV cache; default: computed for the extreme."
+        default=None,
+        ge=0,
+        description="Bytes of KV cache the engine may hold (padded rows x longest); default: "
+        "the plan's budget, what the device leaves after weights, overhead and activations.",
     )
     request_timeout_seconds: float = Field(default=30.0, gt=0, description="Per-request timeout.")
     max_request_bytes: int = Field(

@@ -24,7 +24,11 @@ class CapacityConfig(Strict):
         default=None, ge=1, description="Tokens per sequence; default the export's maximum."
     )
     max_batch: int | None = Field(
-        default=None, ge=1, description="Sequences at once; default export.dims.batch.max."
+        default=None,
+        ge=1,
+        description="Rows served at once. A generation engine: default the most (up to 16) "
+        "whose KV budget holds one sequence at the full context and 256 tokens a row; a "
+        "one-pass model: default export.dims.batch.max.",
     )
     kv_dtype: Literal["float32", "float16", "bfloat16", "fp8", "int8"] = Field(
         default="float32", description="Element type of the KV cache."

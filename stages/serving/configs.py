@@ -19,6 +19,7 @@ from schemas.artifacts import (
 from schemas.spec.bundle import batch_limits
 from schemas.tasks import TASKS
 from stages.onnx import shapes as sh
+from stages.plan import KV_COPIES
 from stages.serving.engine.dtypes import TRITON_OF_NUMPY
 from stages.serving.engine.scheduler import EngineSettings
 from stages.serving.engine.settings import BatchingSettings, RuntimeSettings
@@ -39,10 +40,17 @@ def serving_values(
     export_max = dims["batch"].max if "batch" in dims else None
     batch_max = export_max or 1
     context = s.max_context_length or plan.context
-    fits = plan.max_batch_that_fits if context == plan.context else batch_max
-    batch = s.max_batch_size or max(1, min(batch_max, plan.batch, fits))
+    # the generation engine: rows sized with its KV budget by the plan (stages/plan.py
+    # _engine_rows), not capped by the export's probe batch; a one-pass model: what fits
+    engine = TASKS[release.task].serving == "generate" and bool(plan.kv_budget_tokens)
+    if engine:
+        fits = plan.max_batch_that_fits
+        batch = s.max_batch_size or plan.batch
+    else:
+        fits = plan.max_batch_that_fits if context == plan.context else batch_max
+        batch = s.max_batch_size or max(1, min(batch_max, plan.batch, fits))
     # the spec's rule (checked at validate) on the batch chosen here from the plan
-    problem, fix = batch_limits(batch, s.preferred_batch_sizes or [], export_max)
+    problem, fix = batch_limits(batch, s.preferred_batch_sizes or [], export_max, engine)
     if problem:
         raise Refused(problem, fix)
     _within(
@@ -60,18 +68,28 @@ def serving_values(
         )
     # every row's cache at the served context (never more than the plan's cached tokens)
     tokens = min(context, plan.cached_tokens) if plan.cached_tokens else context
-    kv_bytes = (
-        plan.kv_bytes_per_token * tokens * batch
-        if plan.kv_bytes_per_token
-        else plan.kv_bytes_per_sequence * context // max(plan.context, 1) * batch
-    )
+    if engine:  # the plan's budget, no more than every row at the served context
+        kv_bytes = plan.kv_bytes_per_token * min(plan.kv_budget_tokens, tokens * batch)
+        # what the device leaves for the cache (held KV_COPIES times) beside these rows
+        room = (
+            plan.usable_bytes
+            - plan.extreme.weights
+            - plan.extreme.overhead
+            - plan.extreme.activations
+            - plan.activation_bytes_per_sequence * (batch - plan.batch)
+        ) // KV_COPIES
+        source = "the device memory the plan leaves the cache (held 3x) after weights, "
+        source += "overhead and activations"
+    else:
+        kv_bytes = (
+            plan.kv_bytes_per_token * tokens * batch
+            if plan.kv_bytes_per_token
+            else plan.kv_bytes_per_sequence * context // max(plan.context, 1) * batch
+        )
+        room = plan.usable_bytes - plan.extreme.weights - plan.extreme.overhead
+        source = "the device memory the plan leaves after weights and overhead"
     kv_budget = kv_bytes if s.kv_cache_budget is None else s.kv_cache_budget
-    _within(
-        "bundle.serving.kv_cache_budget",
-        kv_budget,
-        plan.usable_bytes - plan.extreme.weights - plan.extreme.overhead,
-        "the device memory the plan leaves after weights and overhead",
-    )
+    _within("bundle.serving.kv_cache_budget", kv_budget, room, source)
     generates = TASKS[release.task].serving == "generate"
     return ServingValues(
         model_path=f"{MODEL_DIR.format(release=release.name)}/model.onnx",
@@ -183,7 +201,9 @@ def triton_values(info: ModelInfo, values: ServingValues) -> dict[str, Any]:
         }
 
     return {
-        "max_batch_size": values.max_batch_size if batched else 0,
+        # the raw graph's entry: at most the export's batch (the generation engine's rows
+        # may be more: they are sized from its KV budget)
+        "max_batch_size": min(values.max_batch_size, info.dims["batch"].max) if batched else 0,
         "inputs": [entry(t) for t in info.inputs],
         "outputs": [entry(t) for t in info.outputs],
         "warmup": [entry(t, warm=True) for t in info.inputs],

@@ -69,9 +69,13 @@ def test_the_plan_compares_against_headroom_times_device_and_counts_the_kv_cache
     try:
         # headroom 0.5: a device of exactly 2 x need is enough; 2 bytes less is not, although
         # the whole device would still hold it
-        at = gpt2_spec(capacity={"device_memory": 2 * need, "headroom": 0.5})
+        # (the engine's rows asked for: by default the plan gives the budget what is left)
+        rows = plan["batch"]
+        at = gpt2_spec(capacity={"device_memory": 2 * need, "headroom": 0.5, "max_batch": rows})
         assert built_gpt2.run("plan", at).status.value == "passed"
-        short = gpt2_spec(capacity={"device_memory": 2 * need - 2, "headroom": 0.5})
+        short = gpt2_spec(
+            capacity={"device_memory": 2 * need - 2, "headroom": 0.5, "max_batch": rows}
+        )
         report = built_gpt2.run("plan", short)
         assert report.status.value == "failed"
         # the largest batch that fits counts KV cache and activations per sequence: usable is

@@ -42,36 +42,45 @@ def planned(config: dict, memory: str, weights: int, task: str = "causal-lm") ->
     return sizing, plan
 
 
-def test_a_135m_decoder_on_16gib_keeps_its_full_context_at_batch_8() -> None:
+def test_a_135m_decoder_on_16gib_keeps_its_full_context_at_16_rows() -> None:
+    """Issue 41 item 5: the engine's rows come from the KV budget (16 here, where 8 rows x
+    the full context had been the cap), the export is probed at batch 8."""
     sizing, plan = planned(SMOL, "16GiB", 4 * 135_000_000)
-    assert (sizing.batch, sizing.context, sizing.sequence) == (8, 8192, 2048)
-    assert plan.extreme.total <= plan.usable_bytes
-    assert "batch 8 x 8192 tokens (the checkpoint's full context)" in sizing.note
+    assert (sizing.batch, sizing.rows, sizing.context, sizing.sequence) == (8, 16, 8192, 2048)
+    assert plan.batch == 16 and plan.extreme.total <= plan.usable_bytes
+    assert plan.kv_budget_tokens >= 16 * 256 and plan.kv_budget_tokens >= plan.cached_tokens
+    assert "16 engine rows x 8192 tokens (the checkpoint's full context)" in sizing.note
+    assert "probed at batch 8" in sizing.note
 
 
 def test_a_smaller_device_lowers_the_context_first_then_the_batch() -> None:
-    four, plan = planned(SMOL, "4GiB", 4 * 135_000_000)
-    assert four.batch == 8 and 2048 <= four.context < 8192 and four.context % 64 == 0
-    assert plan.extreme.total <= plan.usable_bytes
+    four, plan = planned(SMOL, "2GiB", 4 * 135_000_000)
+    assert four.rows == 16 and 2048 <= four.context < 8192 and four.context % 64 == 0
+    assert plan.extreme.total <= plan.usable_bytes and plan.max_batch_that_fits >= 16
     # 64 tokens more would not fit: the largest context is chosen
     more = {**four.dims()}
     more["past_sequence"] = {**more["past_sequence"], "max": more["past_sequence"]["max"] + 64}
     bigger = compute(
-        CapacityConfig(device_memory="4GiB"),
+        CapacityConfig(device_memory="2GiB"),
         _Shape({k: DimSizes(**v) for k, v in more.items()}, Arch(**arch(SMOL))),  # type: ignore[arg-type]
         "causal-lm",
         4 * 135_000_000,
     )
-    assert bigger.extreme.total > bigger.usable_bytes
-    assert "the plan does not hold batch 8 x 8192 in 4GiB" in four.note
-    one, plan = planned(SMOL, "1GiB", 4 * 135_000_000)
-    assert one.batch == 1 and plan.extreme.total <= plan.usable_bytes
+    assert bigger.max_batch_that_fits < 16
+    assert "the plan does not hold rows 16 x 8192 in 2GiB" in four.note
+    few, plan = planned(SMOL, "1500MiB", 4 * 135_000_000)
+    assert 1 <= few.rows < 16 and few.context == 2048 and plan.batch == few.rows
+    assert plan.extreme.total <= plan.usable_bytes
+    one, plan = planned(SMOL, "1100MiB", 4 * 135_000_000)
+    assert one.rows == 1 and one.context < 2048 and plan.extreme.total <= plan.usable_bytes
 
 
 def test_a_config_claiming_ten_million_positions_gets_what_the_device_holds() -> None:
     """Issue 42 item 6: init wrote past_sequence.max 9997952 and export then allocated it."""
     sizing, plan = planned({**SMOL, "max_position_embeddings": 10_000_000}, "16GiB", 5 * 10**8)
-    assert sizing.context < 20_000 and plan.extreme.total <= plan.usable_bytes
+    # what the KV budget holds once beside 16 rows of 256 tokens: 64k, not 10M
+    assert 32_000 < sizing.context < 70_000 and plan.extreme.total <= plan.usable_bytes
+    assert plan.kv_budget_tokens >= plan.cached_tokens
 
 
 def test_a_device_too_small_for_the_weights_is_refused_with_the_numbers() -> None:
@@ -116,7 +125,7 @@ def test_a_spec_init_sizes_never_fails_the_plan(
     except SpecError as exc:
         assert "even batch 1 x" in exc.problems[0]
         return
-    assert plan.extreme.total <= plan.usable_bytes
+    assert plan.extreme.total <= plan.usable_bytes and plan.batch >= sizing.rows >= 1
     assert 1 <= sizing.batch <= 8 and sizing.sequence <= sizing.context <= positions
 
 

@@ -87,13 +87,6 @@ CASES = [
         "exceeds export.dims.past_sequence.max 24; lower them or widen it",
     ),
     (
-        serving(max_batch_size=3),
-        serving(max_batch_size=4),
-        "bundle.serving.max_batch_size: 4 exceeds export.dims.batch.max (3); the exported "
-        "graph is not promised to run beyond it; lower max_batch_size or raise the export's "
-        "batch max",
-    ),
-    (
         serving(max_batch_size=2, preferred_batch_sizes=[2]),
         serving(max_batch_size=2, preferred_batch_sizes=[3]),
         "bundle.serving.preferred_batch_sizes: 3 is beyond the served max_batch_size 2; "
@@ -248,3 +241,33 @@ def test_a_model_without_a_batch_dim_is_served_one_row_at_a_time(tmp_path: Path)
     spec["bundle"]["serving"] = {"max_batch_size": 2}
     [problem] = check(tmp_path, spec)
     assert "max_batch_size: 2 exceeds 1: the export declares no batch axis" in problem
+
+
+def test_the_served_batch_rule_caps_a_one_pass_model_at_the_export_not_the_engine() -> None:
+    """A one-pass model's served batch may not pass the export's batch max; the generation
+    engine's rows may (issue 41 item 5: they are sized from its KV budget, and its graph's
+    rows are independent), but not without a batch axis at all."""
+    from schemas.spec.bundle import batch_limits
+
+    assert batch_limits(3, [], 3) == ("", "")
+    problem, fix = batch_limits(4, [], 3)
+    assert problem == (
+        "bundle.serving.max_batch_size: 4 exceeds export.dims.batch.max (3); the exported "
+        "graph is not promised to run beyond it"
+    )
+    assert fix == "lower max_batch_size or raise the export's batch max"
+    assert batch_limits(64, [16, 64], 3, engine=True) == ("", "")
+    assert "beyond the served max_batch_size 64" in batch_limits(64, [65], 3, engine=True)[0]
+    assert "the export declares no batch axis" in batch_limits(2, [], None, engine=True)[0]
+
+
+def test_a_generation_spec_may_serve_more_rows_than_its_export_probes(tmp_path: Path) -> None:
+    spec = gpt2_spec()
+    serving(max_batch_size=16)(spec)
+    assert check(tmp_path, spec) == []
+    one_pass = generic_spec("gen", "small")  # batch max 4
+    serving(max_batch_size=4)(one_pass)
+    assert check(tmp_path, one_pass) == []
+    serving(max_batch_size=5)(one_pass)
+    [problem] = check(tmp_path, one_pass)
+    assert "bundle.serving.max_batch_size: 5 exceeds export.dims.batch.max (4)" in problem

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from schemas import SpecError
 from schemas.artifacts import LoadTestSummary
 from stages.bundling.hashing import hash_range, hash_shards, shard_ranges
 from stages.bundling.oms import load_manifest, verify_bundle
@@ -180,12 +179,13 @@ def test_serving_config_is_rendered_from_spec_and_export(built_gpt2: Workspace) 
         "model_path": "serving/triton/tiny-gpt2/1/model.onnx",
         "dtype": "int8",
         "port": 8000,
-        "max_batch_size": 3,
+        # the engine's rows, sized by the plan from its KV budget (the export probes 3)
+        "max_batch_size": 16,
         "max_queue_depth": 64,
         "max_context_length": 88,
-        # 2 (k, v) x 2 layers x 4 heads x 16 head_dim x 3 batch x 4 bytes (fp32 KV) x the 26
+        # 2 (k, v) x 2 layers x 4 heads x 16 head_dim x 16 rows x 4 bytes (fp32 KV) x the 26
         # tokens a sequence may hold (past_sequence.max + 2 of the 88-token context)
-        "kv_cache_budget": 2 * 2 * 4 * 16 * 3 * 26 * 4,
+        "kv_cache_budget": 2 * 2 * 4 * 16 * 16 * 26 * 4,
         "request_timeout_seconds": 30.0,
         "streaming": True,
         "ort_session_config": "ort_session.json",
@@ -201,11 +201,23 @@ def test_serving_config_is_rendered_from_spec_and_export(built_gpt2: Workspace) 
     assert f"| perplexity\\_increase | <= 0.01 | {ppl:.4g} |" in card
 
 
-def test_serving_configs_refuse_a_batch_larger_than_the_export(built_gpt2: Workspace) -> None:
+def test_the_engine_serves_more_rows_than_the_export_probes_its_raw_entry_does_not(
+    built_gpt2: Workspace,
+) -> None:
+    """A generation release may serve more rows than its export's batch max (issue 41 item
+    5: the plan sizes them from the KV budget); the raw graph's Triton entry stays within
+    the export's batch. A one-pass model's batch is still capped at validate (tests/schemas
+    /test_cross_section_boundaries.py)."""
     spec = gpt2_spec()
     spec["bundle"] = {"serving": {"max_batch_size": 64}}
-    with pytest.raises(SpecError, match=r"max_batch_size: 64 exceeds export.dims.batch.max \(3\)"):
-        built_gpt2.spec(spec)  # known from the spec alone: refused at validate
+    report = built_gpt2.run("serve", spec)
+    assert report.status.value == "passed", report.reasons
+    out = built_gpt2.out("tiny-gpt2", "serve")
+    settings = json.loads(next(out.rglob("model-settings.json")).read_text())["parameters"]["extra"]
+    assert settings["engine"]["max_rows"] == 64
+    raw = next(p for p in out.rglob("config.pbtxt") if 'backend: "python"' not in p.read_text())
+    assert "max_batch_size: 3" in raw.read_text()
+    built_gpt2.run("serve", gpt2_spec())  # restore the shared workspace
 
 
 def test_manifest_refuses_a_release_whose_checks_failed(ws: Workspace) -> None:

@@ -383,3 +383,40 @@ def test_embedding_refusals(bert: Any) -> None:
         assert status == 400 and message in answer["error"]["message"], (body, answer)
     status, answer = post(url, "/v1/completions", {"prompt": "a"})
     assert status == 404 and "does not generate" in answer["error"]["message"]
+
+
+def test_sixteen_streams_run_at_once_on_the_rows_the_plan_sized(gpt2_server: str) -> None:
+    """Issue 41 item 5: the served rows come from the KV budget (16 here), not the export's
+    probe batch (3): 16 concurrent streams through the openai client all get their first
+    token before any of them finishes (with 3 rows, the fourth would wait for a row to
+    free)."""
+    import time
+
+    import openai
+
+    async def one(client: Any, i: int) -> tuple[float, float, int]:
+        stream = await client.completions.create(
+            model="tiny-gpt2",
+            prompt=[1 + i, 2, 3],
+            max_tokens=64,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, **VARIED},
+        )
+        first, tokens = 0.0, 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text is not None:
+                first = first or time.monotonic()
+                tokens += 1
+        return first, time.monotonic(), tokens
+
+    async def all16() -> list[tuple[float, float, int]]:
+        client = openai.AsyncOpenAI(base_url=f"{gpt2_server}/v1", api_key="unused", max_retries=0)
+        async with client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    done = asyncio.run(all16())
+    assert all(n == 64 for *_, n in done), [n for *_, n in done]
+    last_first = max(first for first, _, _ in done)
+    first_end = min(end for _, end, _ in done)
+    assert last_first < first_end, (last_first, first_end)

@@ -21,10 +21,13 @@ def test_plan_counts_weights_kv_cache_activations_and_overhead(built_gpt2: Works
     assert plan["kv_bytes_per_token"] == 2 * 2 * 4 * 16 * 4
     assert plan["cached_tokens"] == 26
     assert plan["kv_bytes_per_sequence"] == 2 * 2 * 4 * 16 * 4 * 26
-    assert plan["batch"] == 3 and plan["context"] == 88
+    # the engine's rows are sized from the KV budget (16 at most), not the export's batch 3;
+    # on a device this large the budget holds every row at its longest sequence
+    assert plan["batch"] == 16 and plan["context"] == 88
+    assert plan["kv_budget_tokens"] == 16 * 26
     extreme = plan["extreme"]
-    # every row's cache, three times for the length of a step (input, ORT's presents, copy)
-    assert extreme["kv_cache"] == 3 * 3 * plan["kv_bytes_per_sequence"]
+    # the budget's cache, three times for the length of a step (input, ORT's presents, copy)
+    assert extreme["kv_cache"] == 3 * plan["kv_bytes_per_token"] * plan["kv_budget_tokens"]
     assert extreme["total"] == sum(v for k, v in extreme.items() if k != "total")
     weights = sum(
         f.stat().st_size for f in built_gpt2.out("tiny-gpt2", "quantize").glob("model.onnx*")
@@ -37,7 +40,7 @@ def test_plan_that_does_not_fit_fails_with_the_numbers(built_gpt2: Workspace) ->
     report = built_gpt2.run("plan", spec)
     assert report.status.value == "failed"
     reason = report.reasons[0]
-    assert reason.startswith("the extreme case (batch 4000 x 88 tokens) needs ")
+    assert reason.startswith("the extreme case (4000 engine rows, a KV budget of ")
     assert "0.85 x 0.391 GiB = 0.332 GiB is usable" in reason
     assert "Fix: lower capacity.max_batch to " in reason
     fits = int(reason.rsplit(" ", 1)[1])
@@ -83,6 +86,36 @@ def test_serving_takes_its_batch_and_kv_budget_from_the_plan() -> None:
     assert values.kv_cache_budget == 5 * 1000
 
 
+def test_the_engine_serves_the_rows_the_plan_sized_from_its_kv_budget() -> None:
+    """Issue 41 item 5: a generation engine's rows come from the plan (16 here, beyond the
+    export's probe batch 8), its KV budget is the plan's (not rows x the full context);
+    more rows than fit, or a budget the device cannot hold three times beside them, are
+    refused with the numbers; the raw graph's Triton entry stays within the export's 8."""
+    from schemas.spec.capacity import CapacityConfig
+    from stages.plan import compute
+    from stages.serving.configs import triton_values
+
+    info = model_info(
+        dims={"batch": {"max": 8}, "sequence": {"max": 64}, "past_sequence": {"max": 1000}},
+    )
+    plan = compute(CapacityConfig(device_memory="24MiB", runtime_overhead=0), info, "causal-lm", 0)
+    assert plan.batch == 16 and plan.kv_budget_tokens < 16 * plan.cached_tokens
+    values = serving_values(release(), info, plan, "int8")
+    assert values.max_batch_size == 16
+    assert values.kv_cache_budget == plan.kv_budget_tokens * plan.kv_bytes_per_token
+    assert triton_values(info, values)["max_batch_size"] == 8
+    # fewer rows: still the plan's budget, at most every row at its longest sequence
+    few = serving_values(release(max_batch_size=2), info, plan, "int8")
+    assert few.kv_cache_budget == 2 * plan.cached_tokens * plan.kv_bytes_per_token
+    with pytest.raises(StageError, match="max_batch_size = 1000 exceeds the largest batch"):
+        serving_values(release(max_batch_size=1000), info, plan, "int8")
+    # the plan's budget is all the device leaves: one token more is refused
+    token = plan.kv_bytes_per_token
+    assert serving_values(release(kv_cache_budget=values.kv_cache_budget), info, plan, "int8")
+    with pytest.raises(StageError, match="kv_cache_budget = .* exceeds the device memory"):
+        serving_values(release(kv_cache_budget=values.kv_cache_budget + token), info, plan, "int8")
+
+
 def test_serving_batch_beyond_the_plan_is_refused() -> None:
     with pytest.raises(
         StageError,
@@ -118,26 +151,78 @@ def test_a_generic_model_whose_weights_exceed_the_device_fits_no_batch() -> None
 
 
 def test_the_plan_is_exact_at_the_headroom_and_counts_the_kv_cache() -> None:
-    """compute() at its boundaries: a device of exactly need / headroom holds the extreme
-    case, a byte less does not; the largest batch that fits counts KV cache and activations
-    per sequence (a plan that forgot the KV cache would fit more)."""
+    """compute() at its boundaries, for 8 engine rows: a device of exactly need / headroom
+    holds them (the KV budget holds every row at 66 tokens, the longest a sequence can be),
+    a byte less does not; the largest batch that fits counts KV cache and activations per
+    row (a plan that forgot the KV cache would fit more)."""
     from schemas.spec.capacity import CapacityConfig
     from stages.plan import compute
 
     weights = 10 * MIB
-    probe = compute(CapacityConfig(device_memory="64GiB"), INFO, "causal-lm", weights)
+    probe = compute(CapacityConfig(device_memory="64GiB", max_batch=8), INFO, "causal-lm", weights)
     need, per_seq = probe.extreme.total, probe.kv_bytes_per_sequence
     # k+v x layers x kv_heads x head_dim x f32 x (past_sequence.max + 2 of the 128 context)
     assert per_seq == 2 * 2 * 4 * 16 * 4 * 66
-    at = compute(CapacityConfig(device_memory=2 * need, headroom=0.5), INFO, "causal-lm", weights)
+    assert probe.kv_budget_tokens == 8 * 66 and probe.extreme.kv_cache == 3 * 8 * per_seq
+    at = compute(
+        CapacityConfig(device_memory=2 * need, headroom=0.5, max_batch=8),
+        INFO,
+        "causal-lm",
+        weights,
+    )
     assert at.usable_bytes == need and at.extreme.total <= at.usable_bytes
     assert at.max_batch_that_fits == at.batch == 8
     short = compute(
-        CapacityConfig(device_memory=2 * need - 2, headroom=0.5), INFO, "causal-lm", weights
+        CapacityConfig(device_memory=2 * need - 2, headroom=0.5, max_batch=8),
+        INFO,
+        "causal-lm",
+        weights,
     )
     assert short.extreme.total > short.usable_bytes
     assert short.max_batch_that_fits == 7
-    assert short.extreme.kv_cache == 3 * 8 * per_seq
+    assert short.extreme.kv_cache == 3 * 8 * per_seq  # what the 8 rows need, not what is left
+
+
+def test_the_engine_rows_are_sized_from_the_kv_budget_not_the_export_batch() -> None:
+    """Issue 41 item 5: the rows the engine decodes together come from what its KV budget
+    holds (one sequence at the full context and 256 tokens a row), up to 16, whatever the
+    export's probe batch; the budget is what the device leaves, never more than every row
+    at its longest sequence; rows that do not fit are refused with the largest that does."""
+    from schemas.spec.capacity import CapacityConfig
+    from stages.plan import KV_COPIES, compute
+
+    big = compute(CapacityConfig(device_memory="64GiB"), INFO, "causal-lm", 0)
+    assert (big.batch, big.kv_budget_tokens) == (16, 16 * 66)  # the export's batch is 8
+    row = big.activation_bytes_per_sequence
+    token = KV_COPIES * big.kv_bytes_per_token
+    fixed = big.extreme.overhead + big.extreme.activations - 16 * row
+    # a device whose budget holds 5 sequences at 66 tokens beside 16 rows' activations:
+    # still 16 rows (each may hold 66 / 16 ... when the others are short: the scheduler
+    # admits by the padded budget), a budget of 5 x 66 tokens
+    cap = CapacityConfig(device_memory=fixed + 16 * row + 5 * 66 * token, headroom=1.0)
+    five = compute(cap, INFO, "causal-lm", 0)
+    assert five.batch == 5 and five.kv_budget_tokens == 5 * 66  # 256 a row: min(66, 256)
+    assert five.extreme.total <= five.usable_bytes
+    # a model whose sequences are long: rows need only 256 tokens each at once
+    long_info = model_info(
+        dims={"batch": {"max": 2}, "sequence": {"max": 64}, "past_sequence": {"max": 4000}},
+    )
+    base = compute(CapacityConfig(device_memory="64GiB"), long_info, "causal-lm", 0)
+    row, token = base.activation_bytes_per_sequence, KV_COPIES * base.kv_bytes_per_token
+    fixed = base.extreme.overhead + base.extreme.activations - base.batch * row
+    cap = CapacityConfig(device_memory=fixed + 16 * row + 16 * 256 * token, headroom=1.0)
+    plan = compute(cap, long_info, "causal-lm", 0)
+    assert plan.cached_tokens == 4002 and plan.batch == 16  # not the export's 2
+    assert plan.kv_budget_tokens == 16 * 256 and plan.extreme.total == plan.usable_bytes
+    # 16 rows x 256 > 4002: the budget is one full sequence and a little more
+    assert plan.kv_budget_tokens >= plan.cached_tokens
+    less = CapacityConfig(device_memory=fixed + 16 * row + 16 * 256 * token - 1, headroom=1.0)
+    assert compute(less, long_info, "causal-lm", 0).batch == 15
+    asked = CapacityConfig(
+        device_memory=fixed + 16 * row + 16 * 256 * token - 1, headroom=1.0, max_batch=16
+    )
+    refused = compute(asked, long_info, "causal-lm", 0)
+    assert refused.extreme.total > refused.usable_bytes and refused.max_batch_that_fits == 15
 
 
 def test_activations_follow_the_formula_and_a_task_without_cache_has_none() -> None:
@@ -151,14 +236,15 @@ def test_activations_follow_the_formula_and_a_task_without_cache_has_none() -> N
     cap = CapacityConfig(device_memory="64GiB")
     lm = compute(cap, INFO, "causal-lm", 0)
     per_token = (8 * 64 + 512 + 4 * 128) * 4
-    assert lm.extreme.activations == (64 + 8) * per_token
+    assert lm.extreme.activations == (64 + 16) * per_token  # 16 engine rows
     dims = {"batch": {"max": 4}, "sequence": {"max": 32}}
     enc = compute(cap, model_info(task="text-embedding", dims=dims), "text-embedding", 0)
     assert enc.kv_bytes_per_sequence == 0 and enc.extreme.kv_cache == 0
     assert enc.batch == 4 and enc.context == 32
     assert enc.extreme.activations == 4 * 32 * (4 * 64 + 512) * 4
     single = compute(cap, model_info(dims={"sequence": {"max": 16}}), "causal-lm", 0)
-    assert single.batch == 1
+    # no batch axis: the engine runs one row, its budget one sequence
+    assert single.batch == single.max_batch_that_fits == 1 and single.kv_budget_tokens == 16
 
 
 def test_a_context_beyond_the_export_is_refused_with_the_fix() -> None:

@@ -100,11 +100,12 @@ def test_the_plan_holds_the_engines_own_peak_at_the_planned_extreme(
     what the engine really grows by there (within 3 % of allocator slack), and not by more
     than 2x."""
     path, info = export
-    plan = compute(CapacityConfig(device_memory="64GiB"), info, "causal-lm", 0)
+    plan = compute(CapacityConfig(device_memory="64GiB", max_batch=BATCH), info, "causal-lm", 0)
     assert (plan.batch, plan.context) == (BATCH, CONTEXT)
+    assert plan.kv_budget_tokens == plan.cached_tokens * BATCH  # every row at its longest
     planned = plan.extreme.kv_cache + plan.extreme.activations
     assert plan.cached_tokens == CONTEXT - CHUNK + 2  # what the engine counts, not 1024
-    budget = str(plan.cached_tokens * BATCH)  # the serve stage's default budget
+    budget = str(plan.kv_budget_tokens)  # the serve stage's default budget
     done = subprocess.run(
         [sys.executable, "-c", ENGINE, str(path), str(BATCH), str(CONTEXT), str(CHUNK), budget],
         cwd=REPO,

@@ -124,7 +124,8 @@ BAD = [
         {"inputs": [{"name": "text", "shape": [1], "datatype": "INT64", "data": [1]}]},
         "text must be BYTES",
     ),
-    ("batch beyond the served max", ids([1] * 4, [4, 1]), "batch 4 is outside [1, 3]"),
+    # the engine serves 16 rows (sized from its KV budget; the export probes batch 3)
+    ("batch beyond the served max", ids([1] * 17, [17, 1]), "batch 17 is outside [1, 16]"),
 ]
 
 

@@ -199,12 +199,13 @@ def test_the_server_refuses_bad_generation_requests_with_400(
     with LocalServer(_tree(built_gpt2, tmp_path), "tiny-gpt2", tmp_path / "log", 60) as srv:
         too_long = asyncio.run(status([[1] * 20], 10))  # needs a past of 28 > 24
         long_prompt = asyncio.run(status([[1] * 26], 1))  # a past of 25: prefilled, too long
-        too_many = asyncio.run(status([[1, 2]] * 4, 1))  # served max_batch_size is 3
+        # the engine's rows: 16, sized from the KV budget (the export probes batch 3)
+        too_many = asyncio.run(status([[1, 2]] * 17, 1))
         off_vocab = asyncio.run(status([[1, 512]], 1))  # vocabulary is 512
         fine = asyncio.run(status([[1, 511]], 2))
     assert too_long[0] == 400 and "needs a past of 28 tokens" in too_long[1]
     assert long_prompt[0] == 400 and "needs a past of 25 tokens" in long_prompt[1]
-    assert too_many[0] == 400 and "batch 4 is outside [1, 3]" in too_many[1]
+    assert too_many[0] == 400 and "batch 17 is outside [1, 16]" in too_many[1]
     assert off_vocab[0] == 400 and "[0, 512)" in off_vocab[1]
     assert fine[0] == 200
 
