@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import Arch, CapacityPlan, DimSizes, MemoryParts, ModelInfo
-from schemas.spec.capacity import KV_BYTES
+from schemas.spec.capacity import KV_BYTES, KV_COPIES
 from schemas.tasks import TASKS
 from stages._contract import StageContext, StageIO, StageResult
 
@@ -24,10 +24,6 @@ if TYPE_CHECKING:
 NAME = "plan"
 GIB = 1 << 30
 ACT_BYTES = 4  # activations stay float32 under ORT's dynamic INT8 and weight-only INT4
-# the cache fed to a decode step, the presents ONNX Runtime builds from it (in its arena),
-# and their copy into the arrays the engine keeps: three copies for the length of a step
-# (measured: tests/stages/test_plan_models_the_engine.py, 3.04 copies at batch 8 x 898)
-KV_COPIES = 3
 # the rows the generation engine decodes together by default (vLLM's max_num_seqs), when its
 # KV budget holds each of them ROW_TOKENS at once beside one sequence at the full context
 ROWS = 16

@@ -17,9 +17,9 @@ from schemas.artifacts import (
     TensorInfo,
 )
 from schemas.spec.bundle import batch_limits
+from schemas.spec.capacity import KV_COPIES
 from schemas.tasks import TASKS
 from stages.onnx import shapes as sh
-from stages.plan import KV_COPIES
 from stages.serving.engine.dtypes import TRITON_OF_NUMPY
 from stages.serving.engine.scheduler import EngineSettings
 from stages.serving.engine.settings import BatchingSettings, RuntimeSettings
