@@ -42,7 +42,9 @@ def test_init_writes_a_spec_that_validates_and_exports(ws: Workspace, name: str,
     done = shipyard(ws, "init", "models/my_model", "--data", DATA, "--device-memory", "1GiB")
     assert done.returncode == 0, done.stderr
     assert "wrote releases/my-model.yaml" in done.stdout
-    assert "Sized for capacity.device_memory 1GiB: batch " in done.stdout  # what init chose
+    # what init chose: a generative model's engine rows, a one-pass model's batch
+    chose = "16 engine rows x " if task == "causal-lm" else "batch "
+    assert f"Sized for capacity.device_memory 1GiB: {chose}" in done.stdout
     path = ws.root / "releases" / "my-model.yaml"
     spec = load_release(path)
     assert spec.task == task  # detected from config.architectures (a bare encoder: embedding)
