@@ -175,3 +175,28 @@ def test_prefixes_kept_by_a_prefill_together_stay_within_the_kv_budget() -> None
     assert e.prefix is not None and len(e.scheduler.running) == 4
     held = len(e.batch.keys) * max(q.total for q in e.scheduler.running.values())
     assert held + e.prefix.held <= 400, (held, e.prefix.held)
+
+
+def test_the_step_profile_splits_a_decode_step_into_its_parts() -> None:
+    """The benchmark prints where a decode step's time goes: the graph (here a counting
+    graph that sleeps, so its share is known), the inputs, the output processor, the rest;
+    the parts add up to the step, and the rows are counted per step."""
+    import time
+
+    e, graph = engine()
+    slow = graph.run
+
+    def sleepy(feeds: dict[str, np.ndarray]) -> Any:
+        time.sleep(0.004)
+        return slow(feeds)
+
+    graph.run = sleepy  # type: ignore[method-assign]
+    a, b = submit(e, [1, 2], 6), submit(e, [3], 6)
+    while e.step():
+        pass
+    assert tokens(a) == [3, 4, 5, 6, 7, 8] and tokens(b) == [4, 5, 6, 7, 8, 9]
+    p = e.step_profile()
+    assert e.steps == 5 and p["rows"] == 2.0  # 5 decode steps of both rows
+    assert 4.0 <= p["graph"] <= p["step"]
+    parts = p["graph"] + p["inputs"] + p["cache"] + p["output"] + p["python"]
+    assert abs(parts - p["step"]) < 1e-6 and min(p.values()) >= 0

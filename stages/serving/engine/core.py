@@ -133,6 +133,20 @@ class Engine:
             self._cv.notify()
         return Handle(self, seq)
 
+    def step_profile(self) -> dict[str, float]:
+        """Where a decode step's time went, in ms a step: the graph, its inputs (the
+        token, mask and positions built, the presents taken as the cache), the cache's own
+        copies (rows leaving, compaction), the output processor (sampling, stops, text)
+        and the rest of the engine's Python; `join`: rows joining after their prefill,
+        between steps (not in `step`); `rows`: sequences a step."""
+        t, steps = self.runner.times, max(self.steps, 1)
+        parts = {k: 1000 * t[k] / steps for k in ("graph", "inputs", "cache", "output")}
+        parts["python"] = max(0.0, 1000 * t["step"] / steps - sum(parts.values()))
+        parts["step"] = 1000 * t["step"] / steps
+        parts["join"] = 1000 * t["join"] / steps
+        parts["rows"] = t["rows"] / steps
+        return parts
+
     # ------------------------------------------------------------------ a step
     def step(self, now: float | None = None) -> bool:
         """One iteration: the plan, its prefills, one decode step of the running batch,
@@ -152,14 +166,21 @@ class Engine:
                 self._prefill_chunk(seq, n)
             if running:
                 decoded = True
+                start = time.perf_counter()
                 with self._cv:
                     self.scheduler.compact_free_slots()
+                times = self.runner.times
                 last = {k: q.generated[-1] for k, q in running.items()}
                 for key, logits in self.runner.decode(last):
-                    if not self.output.take(running[key], logits):
+                    t = time.perf_counter()
+                    going = self.output.take(running[key], logits)
+                    times["output"] += time.perf_counter() - t
+                    if not going:
                         self.scheduler.finished(key)
                         self.runner.leave(key)
                 self.steps += 1
+                times["step"] += time.perf_counter() - start
+                times["rows"] += len(last)
                 if self.metrics is not None:
                     self.metrics.rows.observe(len(last))
         except Exception as exc:  # the graph failed: every running request learns why
