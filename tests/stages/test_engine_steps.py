@@ -197,6 +197,7 @@ def test_the_step_profile_splits_a_decode_step_into_its_parts() -> None:
     assert tokens(a) == [3, 4, 5, 6, 7, 8] and tokens(b) == [4, 5, 6, 7, 8, 9]
     p = e.step_profile()
     assert e.steps == 5 and p["rows"] == 2.0  # 5 decode steps of both rows
+    assert p["slots"] == 2 * (2 + 3 + 4 + 5 + 6) / 5  # 2 rows, a past of 2 (padded) to 6
     assert 4.0 <= p["graph"] <= p["step"]
     parts = p["graph"] + p["inputs"] + p["cache"] + p["output"] + p["python"]
     assert abs(parts - p["step"]) < 1e-6 and min(p.values()) >= 0

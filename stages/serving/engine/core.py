@@ -138,13 +138,15 @@ class Engine:
         token, mask and positions built, the presents taken as the cache), the cache's own
         copies (rows leaving, compaction), the output processor (sampling, stops, text)
         and the rest of the engine's Python; `join`: rows joining after their prefill,
-        between steps (not in `step`); `rows`: sequences a step."""
+        between steps (not in `step`); `rows`: sequences a step; `slots`: the cache a step
+        read, rows (free slots included) x its length."""
         t, steps = self.runner.times, max(self.steps, 1)
         parts = {k: 1000 * t[k] / steps for k in ("graph", "inputs", "cache", "output")}
         parts["python"] = max(0.0, 1000 * t["step"] / steps - sum(parts.values()))
         parts["step"] = 1000 * t["step"] / steps
         parts["join"] = 1000 * t["join"] / steps
         parts["rows"] = t["rows"] / steps
+        parts["slots"] = t["slots"] / steps
         return parts
 
     # ------------------------------------------------------------------ a step

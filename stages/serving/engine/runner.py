@@ -134,6 +134,7 @@ class Runner:
         self.batch.advance(presents)
         self.times["inputs"] += t1 - t0 + time.perf_counter() - t2
         self.times["graph"] += t2 - t1
+        self.times["slots"] += len(order) * (self.batch.length - 1)  # the past it read
         return [(k, logits[row, -1]) for row, k in enumerate(order) if k is not None]
 
     def leave(self, key: int) -> None:
