@@ -56,7 +56,7 @@ class Runner:
         # seconds spent in decode steps, by part: the graph, its inputs, the cache's own
         # copies (rows leaving, compaction); rows joining after their prefill (between
         # steps); the engine adds the rest
-        self.times: collections.Counter[str] = collections.Counter()
+        self.times: collections.defaultdict[str, float] = collections.defaultdict(float)
 
     def prefill_together(
         self, prompts: list[list[int]], done: int, cached: list[Past | None]
