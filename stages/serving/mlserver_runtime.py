@@ -333,6 +333,8 @@ class ShipyardOnnxRuntime(MLModel):
     async def unload(self) -> bool:
         if self.engine is not None:
             self.engine.close()
+        if self.text is not None:
+            self.text.close()
         return True
 
     # ------------------------------------------------------------ V2 metadata
@@ -553,8 +555,20 @@ class ShipyardOnnxRuntime(MLModel):
                     raise BadRequest("text must be UTF-8") from None
             if not isinstance(value, str) or not value:
                 raise BadRequest("text must be non-empty strings")
+            try:
+                self.text.fits(value, self._context_tokens, "text")
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
             out.append(self.text.encode(value))
         return out
+
+    @property
+    def _context_tokens(self) -> int:
+        """The most tokens one input may have: the served context (a generation engine's),
+        the export's sequence (a one-pass model's), else no bound of ours."""
+        if self.engine is not None:
+            return int(self.engine.settings.max_context)
+        return int(self.config.max_sequence or 1 << 20)
 
     def _v2_params(self, payload: InferenceRequest) -> Any:
         given = dict((payload.parameters.model_extra if payload.parameters else None) or {})
@@ -649,7 +663,7 @@ class ShipyardOnnxRuntime(MLModel):
             if isinstance(item, str):
                 if self.text is None:
                     raise api.ApiError(400, "this bundle ships no tokenizer.json: send token ids")
-                item = self.text.encode(item)
+                item = await self._encode(item, "input")
             rows.append(item)
         try:
             eng.params.check_rows(len(rows), self.max_request_rows)
@@ -689,13 +703,16 @@ class ShipyardOnnxRuntime(MLModel):
                 call, messages = api.chat(body, self.name, defaults)
                 if self.text is None:
                     raise api.ApiError(400, "this bundle ships no tokenizer: chat needs text")
-                try:
-                    call.prompts = [self.text.encode(self.text.chat(messages), special=False)]
+                try:  # off the event loop, limited in size, time and memory (text.py)
+                    rendered = await asyncio.to_thread(
+                        self.text.chat, messages, self._context_tokens
+                    )
                 except ValueError as exc:
                     raise api.ApiError(400, str(exc), "messages") from None
+                call.prompts = [await self._encode(rendered, "messages", special=False)]
             else:
                 call = api.completion(body, self.name, defaults)
-            prompts = [self._prompt_ids(p) for p in call.prompts]
+            prompts = [await self._prompt_ids(p) for p in call.prompts]
             assert self.engine is not None
             if call.rest_of_context:  # a chat without max_tokens: the rest of the context
                 room = max(1, self.engine.room(len(prompts[0])))
@@ -748,14 +765,24 @@ class ShipyardOnnxRuntime(MLModel):
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    def _prompt_ids(self, prompt: Any) -> list[int]:
+    async def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if self.text is None:
                 raise eng.openai_api.ApiError(
                     400, "this bundle ships no tokenizer: send token ids as the prompt", "prompt"
                 )
-            return cast(list[int], self.text.encode(prompt))
+            return await self._encode(prompt, "prompt")
         return list(prompt)
+
+    async def _encode(self, text: str, field: str, special: bool = True) -> list[int]:
+        """Token ids of a request's text: refused (400) before tokenizing when the context
+        could not hold it, then tokenized off the event loop (Text.encode lets it run)."""
+        assert self.text is not None
+        try:
+            self.text.fits(text, self._context_tokens, field)
+        except ValueError as exc:
+            raise eng.openai_api.ApiError(400, str(exc), field) from None
+        return cast(list[int], await asyncio.to_thread(self.text.encode, text, special))
 
 
 # the engine's error kinds, as HTTP answers them
@@ -763,7 +790,42 @@ HTTP_STATUS = {"timeout": 504, "shutdown": 503, "internal": 500}
 
 
 async def _json_body(request: Request) -> Any:
+    """The body as JSON, or a 400: not JSON, nested deeper than the parser recurses, or
+    holding a string that is not Unicode text (a lone surrogate, in a key or a value)."""
     try:
-        return json.loads(await request.body())
+        body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise eng.openai_api.ApiError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise eng.openai_api.ApiError(400, "the request body is nested too deeply") from None
+    where = _not_text(body)
+    if where is not None:
+        raise eng.openai_api.ApiError(
+            400, f"the request body's {where} holds a lone surrogate: not Unicode text"
+        )
+    return body
+
+
+def _not_text(body: Any) -> str | None:
+    """Where the first string that cannot be UTF-8 (a lone surrogate) is: `field 'x'`, a
+    key, or None. Walked without recursion (a body may be nested deeply)."""
+    todo: list[tuple[str, Any]] = [("body", body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, str):
+            strings = [value]
+        elif isinstance(value, dict):
+            strings = list(value)
+            todo.extend((f"field {k!r}"[:80], v) for k, v in value.items())
+        elif isinstance(value, list):
+            strings = []
+            todo.extend((where, v) for v in value)
+        else:
+            continue
+        for text in strings:
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where if isinstance(value, str) else "a field name"
+    return None

@@ -82,6 +82,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.engine.close()
+        if self.text is not None:
+            self.text.close()
 
     # ------------------------------------------------------------------ one request
     def _start(self, request: Any) -> None:
@@ -117,7 +119,12 @@ class TritonPythonModel:
         else:
             if self.text is None:
                 raise eng.params.BadParameter("this bundle ships no tokenizer.json: send input_ids")
-            prompt = self.text.encode(_one_string(tensors["text_input"], "text_input"))
+            text = _one_string(tensors["text_input"], "text_input")
+            try:  # refused before tokenizing when the served context could not hold it
+                self.text.fits(text, self.engine.settings.max_context, "text_input")
+            except ValueError as exc:
+                raise eng.params.BadParameter(str(exc)) from None
+            prompt = self.text.encode(text)
         given: Any = {}
         if "sampling_parameters" in tensors:
             raw = _one_string(tensors["sampling_parameters"], "sampling_parameters")
@@ -125,6 +132,8 @@ class TritonPythonModel:
                 given = json.loads(raw)
             except json.JSONDecodeError as exc:
                 raise eng.params.BadParameter(f"sampling_parameters is not JSON: {exc}") from None
+            except RecursionError:
+                raise eng.params.BadParameter("sampling_parameters is nested too deeply") from None
             if not isinstance(given, dict):
                 raise eng.params.BadParameter("sampling_parameters must be a JSON object")
         params = eng.params.parse_tensor_request(given, dict(self.settings.sampling_defaults))

@@ -24,6 +24,9 @@ from tests.fixtures import architectures as matrix
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    # a hostile template's loop, on one message only (tests/stages/test_front_door_input.py)
+    "{% if messages[0].content == '__loop__' %}"
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{% endif %}"
 )
 
 

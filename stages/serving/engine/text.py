@@ -1,9 +1,28 @@
 """Text in and out with the shipped tokenizer (the `tokenizers` library), stop strings and
-chat templates (rendered from the shipped template in a sandbox, as transformers does)."""
+chat templates (rendered from the shipped template in a sandbox, as transformers does).
+
+Nothing here may stall the server or take its memory, whatever a request holds:
+- a text is refused before it is tokenized when it has more characters than the context
+  could hold (`Text.longest`: the most characters one token stands for, x the tokens), and
+  it is tokenized through `encode_batch`, which releases the GIL (`encode` holds it: a
+  3.9 MB prompt stalled every other request 2.7 s from a thread; `encode_batch` 12 ms);
+- a chat is refused before it is rendered when it has more messages or characters than
+  the context could hold, and it is rendered in a worker process of its own
+  (`GuardedTemplate`), which is killed past `timeout_s`, has `memory` bytes of address space
+  and returns at most the characters asked for: a template that loops (99,999 x 99,999),
+  grows a string without end or asks for range(10**9) is a refused request, not a stalled
+  or swollen server.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import selectors
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,37 +45,205 @@ class Text:
             template.read_text(encoding="utf-8") if template.is_file() else None
         ) or _template_of(config)
         self.special = {k: _token(config.get(k)) for k in ("bos_token", "eos_token")}
+        # the most characters one token stands for (a byte-level token's bytes; at least 1)
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        self.longest = max(
+            [
+                1,
+                *(
+                    len(self.tokenizer.decode([i], skip_special_tokens=False))
+                    for i in vocab.values()
+                ),
+            ]
+        )
+        self._template: GuardedTemplate | None = None
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids; `special`: with the tokenizer's own additions (BOS, [CLS]/[SEP]), as a
-        completion prompt or an embedding input is encoded (a rendered chat has them)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=special).ids)
+        completion prompt or an embedding input is encoded (a rendered chat has them).
+        Through `encode_batch`, which lets other threads run while it works."""
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids)
+
+    def fits(self, text: str, tokens: int, what: str) -> None:
+        """ValueError when `text` has more characters than `tokens` tokens could stand for
+        (it could not fit however it tokenizes): checked before tokenizing it."""
+        most = tokens * self.longest
+        if len(text) > most:
+            raise ValueError(
+                f"{what} has {len(text)} characters, more than {tokens} tokens (the served "
+                f"context) can hold at {self.longest} characters a token at most"
+            )
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt of a conversation, ending where the assistant's turn begins."""
+    def chat(self, messages: list[dict[str, Any]], tokens: int = 1 << 20) -> str:
+        """The prompt of a conversation, ending where the assistant's turn begins; refused
+        (ValueError) beyond what `tokens` tokens of context could hold, before rendering."""
         if not self.chat_template:
             raise ValueError(
                 "this model ships no chat template (chat_template.jinja or tokenizer_config."
                 "json's chat_template); use /v1/completions with a prompt"
             )
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True, **self.special
+        if len(messages) > tokens:
+            raise ValueError(
+                f"{len(messages)} messages are more than the {tokens}-token context can hold"
             )
-        except TemplateError as exc:
-            raise ValueError(f"the chat template refused the messages: {exc}") from None
+        chars = sum(len(str(v)) for m in messages for v in m.values())
+        if chars > tokens * self.longest:
+            raise ValueError(
+                f"the messages have {chars} characters, more than {tokens} tokens (the served "
+                f"context) can hold at {self.longest} characters a token at most"
+            )
+        if self._template is None:
+            self._template = GuardedTemplate(self.chat_template, self.special)
+        return self._template.render(messages, tokens * self.longest)
+
+    def close(self) -> None:
+        if self._template is not None:
+            self._template.close()
+
+
+# The chat template's worker: one JSON request a line on stdin ({"messages", "max_chars"}),
+# one JSON answer a line on stdout ({"text"} or {"error"}). Its address space is capped
+# before jinja2 is imported, so a string grown without end is a MemoryError it reports.
+_WORKER = """
+import json, resource, sys
+memory = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+setup = json.loads(sys.stdin.readline())
+env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+def raise_exception(message):
+    raise TemplateError(message)
+env.globals["raise_exception"] = raise_exception
+try:
+    template = env.from_string(setup["template"])
+    broken = None
+except Exception as exc:
+    broken = f"the chat template does not compile: {type(exc).__name__}: {exc}"
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    try:
+        if broken:
+            raise ValueError(broken)
+        ask = json.loads(line)
+        text = template.render(
+            messages=ask["messages"], add_generation_prompt=True, **setup["special"]
+        )
+        if len(text) > ask["max_chars"]:
+            out = {"error": f"the rendered chat has {len(text)} characters, more than the "
+                            f"{ask['max_chars']} the served context can hold"}
+        else:
+            out = {"text": text}
+    except TemplateError as exc:
+        out = {"error": f"the chat template refused the messages: {exc}"}
+    except MemoryError:
+        out = {"error": "the chat template ran out of its memory rendering the messages"}
+    except (OverflowError, RecursionError, ValueError, TypeError) as exc:
+        out = {"error": f"the chat template failed: {type(exc).__name__}: {exc}"}
+    except Exception as exc:
+        out = {"error": f"the chat template failed: {type(exc).__name__}: {exc}"}
+    try:
+        print(json.dumps(out), flush=True)
+    except MemoryError:
+        print(json.dumps({"error": "the chat template ran out of its memory"}), flush=True)
+"""
+
+
+class GuardedTemplate:
+    """A chat template rendered in a worker process (sandboxed Jinja, as transformers
+    renders it), one render at a time: killed and refused past `timeout_s`, with `memory`
+    bytes of address space, and at most the characters asked for. A killed or dead worker
+    is replaced at the next render."""
+
+    def __init__(
+        self,
+        template: str,
+        special: dict[str, str],
+        timeout_s: float = 2.0,
+        memory: int = 1 << 30,
+    ) -> None:
+        self.template, self.special = template, special
+        self.timeout_s, self.memory = timeout_s, memory
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+
+    def render(self, messages: list[dict[str, Any]], max_chars: int) -> str:
+        try:
+            ask = json.dumps({"messages": messages, "max_chars": max_chars}) + "\n"
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the messages cannot be rendered: {exc}") from None
+        with self._lock:
+            proc = self._worker()
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(ask.encode("utf-8", "surrogatepass"))
+                proc.stdin.flush()
+                answer = self._read(proc, self.timeout_s)
+            except (OSError, TimeoutError) as exc:
+                self._kill()
+                if isinstance(exc, TimeoutError):
+                    raise ValueError(
+                        f"the chat template took more than {self.timeout_s:g} s to render the "
+                        "messages and was stopped"
+                    ) from None
+                raise ValueError("the chat template's worker failed; try again") from None
+        if "error" in answer:
+            raise ValueError(str(answer["error"]))
+        return str(answer["text"])
+
+    def _worker(self) -> subprocess.Popen[bytes]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(self.memory)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={k: v for k, v in os.environ.items() if k != "SHIPYARD_TOKEN"},
+        )
+        assert proc.stdin is not None
+        setup = {"template": self.template, "special": self.special}
+        proc.stdin.write((json.dumps(setup) + "\n").encode())
+        proc.stdin.flush()
+        self._proc = proc
+        try:
+            self._read(proc, 30.0)  # its imports
+        except (OSError, TimeoutError):
+            self._kill()
+            raise ValueError("the chat template's worker did not start") from None
+        return proc
+
+    @staticmethod
+    def _read(proc: subprocess.Popen[bytes], timeout_s: float) -> dict[str, Any]:
+        """One answer line, within `timeout_s` (TimeoutError), or OSError when it died."""
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        buffer = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while not buffer.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise TimeoutError
+                chunk = os.read(proc.stdout.fileno(), 1 << 20)
+                if not chunk:
+                    raise OSError("the worker exited")
+                buffer += chunk
+        answer = json.loads(buffer)
+        return answer if isinstance(answer, dict) else {"error": "the worker answered nonsense"}
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill()
 
 
 def eos_ids(generation: dict[str, Any]) -> list[int]:
