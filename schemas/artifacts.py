@@ -268,6 +268,7 @@ class ServingValues(Artifact):
     read_timeout_seconds: float
     idle_timeout_seconds: float
     max_connections: int
+    metrics_auth: bool = True
     streaming: bool
     dynamic_batching: bool
     max_queue_delay_microseconds: int

@@ -119,7 +119,16 @@ class ServingConfig(Strict):
         default=5.0, gt=0, le=3600, description="An idle kept-alive connection closes after this."
     )
     max_connections: int = Field(
-        default=512, ge=1, le=65535, description="Open connections and requests; beyond: 503."
+        default=512,
+        ge=1,
+        le=65535,
+        description="Open connections and requests on each port (REST, gRPC, metrics); beyond: "
+        "503 or closed.",
+    )
+    metrics_auth: bool = Field(
+        default=True,
+        description="/metrics needs the API token; false: a scraper on loopback needs none (a "
+        "client from elsewhere still does).",
     )
     streaming: bool | None = Field(default=None, description="Default: true for causal-lm.")
     dynamic_batching: bool = Field(

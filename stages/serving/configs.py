@@ -104,6 +104,7 @@ def serving_values(
         read_timeout_seconds=s.read_timeout_seconds,
         idle_timeout_seconds=s.idle_timeout_seconds,
         max_connections=s.max_connections,
+        metrics_auth=s.metrics_auth,
         streaming=generates if s.streaming is None else s.streaming,
         dynamic_batching=s.dynamic_batching,
         max_queue_delay_microseconds=s.max_queue_delay_microseconds,
@@ -267,7 +268,7 @@ def check_triton(config: Any, info: ModelInfo, values: ServingValues) -> None:
             raise ValueError(f"preferred_batch_size {b} > max_batch_size")
 
 
-def front_door(values: ServingValues) -> dict[str, int | float]:
+def front_door(values: ServingValues) -> dict[str, int | float | bool]:
     """`serving/mlserver/shipyard_server.json`: the limits the shipped launcher enforces
     (stages/serving/front_door.py reads exactly these keys)."""
     return {
@@ -275,4 +276,5 @@ def front_door(values: ServingValues) -> dict[str, int | float]:
         "read_timeout_s": values.read_timeout_seconds,
         "idle_timeout_s": values.idle_timeout_seconds,
         "max_connections": values.max_connections,
+        "metrics_auth": values.metrics_auth,
     }

@@ -19,6 +19,17 @@ ports):
   `read_timeout_s` (slow-drip connections are closed, 408 for a slow body); an idle
   kept-alive connection closes after `idle_timeout_s`; past `max_connections` a request
   gets 503;
+- the same limits on every port: REST and the Prometheus port close a connection past
+  `max_connections` open ones at once, and one that sends no request head within
+  `read_timeout_s`; gRPC allows `max_connections` connections and concurrent calls, closes
+  a connection idle for `idle_timeout_s` and a handshake slower than `read_timeout_s`; the
+  process's open-file limit is raised to its hard limit, so three ports at their caps
+  cannot exhaust it;
+- `/metrics` needs the token as well (Prometheus: `authorization: {credentials_file: ...}`),
+  unless the spec sets `bundle.serving.metrics_auth: false`, and then only for a scraper
+  on loopback (a client from elsewhere still needs the token);
+- the token is read, then the process re-executes itself with the token on an inherited
+  pipe instead of in its environment, so `/proc/<pid>/environ` never holds it;
 - a V2 stream the engine refuses (a full queue: 503, a bad parameter: 400) answers with
   that status and a JSON error: MLServer commits a stream's 200 before the model runs, so
   the first event is held until it is known;
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -45,6 +57,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 CONFIG = "shipyard_server.json"
 TOKEN_ENV, TOKEN_FILE_ENV = "SHIPYARD_API_TOKEN", "SHIPYARD_API_TOKEN_FILE"
+TOKEN_FD_ENV = "SHIPYARD_API_TOKEN_FD"  # set by the re-exec: the pipe the token is on
 GUARD_ENV = "SHIPYARD_FRONT_DOOR"  # the runtime's proof that it runs behind this door
 HEALTH = frozenset({"/v2/health/live", "/v2/health/ready"})
 HEALTH_GRPC = frozenset(
@@ -79,14 +92,25 @@ def limits(folder: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise Refused(f"cannot read {path}: {exc}; rebuild the bundle") from None
-    keys = {"max_request_bytes", "read_timeout_s", "idle_timeout_s", "max_connections"}
+    keys = {
+        "max_request_bytes",
+        "read_timeout_s",
+        "idle_timeout_s",
+        "max_connections",
+        "metrics_auth",
+    }
     if not isinstance(data, dict) or set(data) != keys:
         raise Refused(f"{path} must hold exactly {sorted(keys)}; rebuild the bundle")
     return data
 
 
 def read_token(env: MutableMapping[str, str]) -> str | None:
-    """The bearer token from the environment or a file; never empty, never the bundle's."""
+    """The bearer token from the environment, a file, or the pipe the re-exec left it on;
+    never empty, never the bundle's."""
+    fd = env.pop(TOKEN_FD_ENV, None)
+    if fd is not None:
+        with os.fdopen(int(fd), "rb") as pipe:
+            return pipe.read(MAX_TOKEN_BYTES + 1).decode("ascii")
     token, file = env.get(TOKEN_ENV), env.get(TOKEN_FILE_ENV)
     if token is not None and file is not None:
         raise Refused(f"set {TOKEN_ENV} or {TOKEN_FILE_ENV}, not both")
@@ -141,13 +165,21 @@ async def _answer(send: Send, status: int, message: str, extra: list[Any] | None
 
 class FrontDoor:
     """ASGI middleware: authentication, the admin switch, the body cap and read deadline,
-    and a stream's refusal as its HTTP status."""
+    and a stream's refusal as its HTTP status. `loopback_free`: a client on loopback needs
+    no token (the metrics port, when the spec opts out for a local scraper)."""
 
     def __init__(
-        self, app: App, token: str | None, max_body: int, read_timeout: float, admin: bool
+        self,
+        app: App,
+        token: str | None,
+        max_body: int,
+        read_timeout: float,
+        admin: bool,
+        loopback_free: bool = False,
     ) -> None:
         self.app, self.token, self.max_body = app, token, max_body
         self.read_timeout, self.admin = read_timeout, admin
+        self.loopback_free = loopback_free
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -155,6 +187,9 @@ class FrontDoor:
         path: str = scope["path"]
         headers = dict(scope["headers"])
         let_in = bearer_ok(headers.get(b"authorization"), self.token) if self.token else True
+        if not let_in and self.loopback_free:
+            client = scope.get("client") or ("", 0)
+            let_in = _loopback(str(client[0]))
         if not let_in and path not in HEALTH:
             return await _answer(
                 send,
@@ -487,11 +522,14 @@ def grpc_guard(token: str | None, admin: bool) -> Any:
     return Guard()
 
 
-def guarded_h11(read_timeout: float) -> type:
-    """uvicorn's h11 protocol with a deadline on each request's headers: a connection that
-    has not sent a whole request head within `read_timeout` seconds (of opening, or of its
-    last response) is closed. uvicorn has no such deadline; without it, connections that
-    drip a byte at a time hold their sockets until the process runs out of them."""
+def guarded_h11(read_timeout: float, max_connections: int) -> type:
+    """uvicorn's h11 protocol with a deadline on each request's headers and a cap on open
+    connections: a connection that has not sent a whole request head within `read_timeout`
+    seconds (of opening, or of its last response) is closed, and one opened while
+    `max_connections` are open gets a 503 at once and is closed (its socket freed). uvicorn
+    has neither: connections that drip a byte at a time, or just stay open, hold their
+    sockets until the process runs out of them (limit_concurrency answers 503 only to a
+    request)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -514,6 +552,15 @@ def guarded_h11(read_timeout: float) -> type:
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            if len(self.connections) > max_connections:  # a 503 now, the socket freed
+                body = json.dumps({"error": f"more than {max_connections} connections are "
+                                   "open (max_connections); try again"}).encode()  # fmt: skip
+                head = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json"
+                transport.write(
+                    head + b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+                )
+                transport.close()
+                return
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -560,7 +607,10 @@ def main(argv: list[str] | None = None, folder: Path = HERE) -> None:
             raise Refused(f"--{name.replace('_', '-')} {port}: a port is 1-65535")
     cap = limits(folder)
     token = read_token(os.environ)
+    if token is not None and os.environ.get(TOKEN_ENV) is not None and argv is None:
+        _reexec(token)  # /proc/<pid>/environ is the block the process started with
     os.environ.pop(TOKEN_ENV, None)  # the model code never sees it
+    _more_files()
     settings_file = json.loads((folder / "settings.json").read_text(encoding="utf-8"))
     host = args.host or settings_file.get("host", "127.0.0.1")
     if token is None and not args.no_auth:
@@ -576,10 +626,38 @@ def main(argv: list[str] | None = None, folder: Path = HERE) -> None:
     asyncio.run(_serve(folder, args, host, token, cap))
 
 
+def _reexec(token: str) -> None:
+    """Start this script again without the token in its environment: the token on a pipe
+    it inherits (read once by read_token, then closed). Popping it from os.environ alone
+    leaves it in /proc/<pid>/environ, which the kernel keeps from the exec."""
+    import sys
+
+    read, write = os.pipe()
+    os.write(write, token.encode("ascii"))  # at most 4 KiB: one pipe buffer holds it
+    os.close(write)
+    os.set_inheritable(read, True)
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    env[TOKEN_FD_ENV] = str(read)
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def _more_files() -> None:
+    """The open-file limit up to its hard limit: three ports at their connection caps, the
+    model and the worker pipes fit (1,024 did not)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 async def _serve(
     folder: Path, args: Any, host: str, token: str | None, cap: dict[str, Any]
 ) -> None:
     import mlserver.grpc.server as grpc_server
+    import mlserver.metrics.server as metrics_server
     import mlserver.rest.server as rest_server
     from grpc import aio
     from mlserver import MLServer
@@ -591,12 +669,14 @@ async def _serve(
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))
     settings.grpc_max_message_length = cap["max_request_bytes"]
-    settings._custom_rest_server_settings = {
-        "http": guarded_h11(cap["read_timeout_s"]),
+    guarded = {
+        "http": guarded_h11(cap["read_timeout_s"], cap["max_connections"]),
         "timeout_keep_alive": cap["idle_timeout_s"],
         "limit_concurrency": cap["max_connections"],
         "h11_max_incomplete_event_size": 64 * 1024,  # request line and headers
     }
+    settings._custom_rest_server_settings = dict(guarded)
+    settings._custom_metrics_server_settings = dict(guarded)  # the same limits there
     plain_app = rest_server.create_app
 
     def create_app(*a: Any, **kw: Any) -> Any:
@@ -611,13 +691,36 @@ async def _serve(
         return app
 
     rest_server.create_app = create_app
-    guard = grpc_guard(token, args.admin_api)
+    plain_metrics_app = metrics_server.MetricsServer._get_app
 
-    class _Aio:  # grpc.aio for MLServer's gRPC server, with the guard first
+    def metrics_app(self: Any) -> Any:  # /metrics behind the same door
+        app = plain_metrics_app(self)
+        app.add_middleware(
+            FrontDoor,
+            token=token,
+            max_body=64 * 1024,
+            read_timeout=cap["read_timeout_s"],
+            admin=False,
+            loopback_free=not cap["metrics_auth"],
+        )
+        return app
+
+    metrics_server.MetricsServer._get_app = metrics_app  # type: ignore[method-assign]
+    guard = grpc_guard(token, args.admin_api)
+    limited = [
+        ("grpc.max_allowed_incoming_connections", cap["max_connections"]),
+        ("grpc.max_concurrent_streams", 64),
+        ("grpc.max_connection_idle_ms", int(cap["idle_timeout_s"] * 1000)),
+        ("grpc.server_handshake_timeout_ms", int(cap["read_timeout_s"] * 1000)),
+    ]
+
+    class _Aio:  # grpc.aio for MLServer's gRPC server, with the guard first and the limits
         def __getattr__(self, name: str) -> Any:
             return getattr(aio, name)
 
         def server(self, *a: Any, interceptors: Any = (), **kw: Any) -> Any:
+            kw["options"] = [*(kw.get("options") or ()), *limited]
+            kw.setdefault("maximum_concurrent_rpcs", cap["max_connections"])
             return aio.server(*a, interceptors=[guard, *interceptors], **kw)
 
     grpc_server.aio = _Aio()  # type: ignore[assignment]

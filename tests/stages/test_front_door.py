@@ -213,7 +213,13 @@ def test_the_token_comes_from_the_environment_or_a_file_and_bad_ones_refuse_to_s
 def test_no_auth_binds_loopback_only_and_a_missing_token_refuses_to_start(tmp_path: Path) -> None:
     (tmp_path / fd.CONFIG).write_text(
         json.dumps(
-            {"max_request_bytes": 1, "read_timeout_s": 1, "idle_timeout_s": 1, "max_connections": 1}
+            {
+                "max_request_bytes": 1,
+                "read_timeout_s": 1,
+                "idle_timeout_s": 1,
+                "max_connections": 1,
+                "metrics_auth": True,
+            }
         )
     )
     (tmp_path / "settings.json").write_text(json.dumps({"host": "127.0.0.1"}))
@@ -318,3 +324,33 @@ def test_the_classification_extension_is_refused_not_ignored() -> None:
     wanted = [httpclient.InferRequestedOutput("logits", class_count=3)]
     with pytest.raises(ValueError, match="classification extension"):
         fd.from_binary(triton_body(False, wanted)[0], None)
+
+
+def test_the_metrics_port_lets_a_loopback_scraper_in_only_when_the_spec_opts_out() -> None:
+    """bundle.serving.metrics_auth false: a scraper on loopback needs no token, a client
+    from elsewhere still does; true (the default): everyone needs it."""
+
+    async def metrics(client: str, loopback_free: bool, header: bytes | None = None) -> int:
+        sent: list[Any] = []
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        async def receive() -> Any:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        door = fd.FrontDoor(app, "t" * 20, 1024, 1.0, False, loopback_free=loopback_free)
+        headers = [(b"authorization", header)] if header else []
+        scope = {"type": "http", "path": "/metrics", "headers": headers, "client": (client, 1)}
+        await door(scope, receive, send)
+        return int(sent[0]["status"])
+
+    assert asyncio.run(metrics("127.0.0.1", loopback_free=True)) == 200
+    assert asyncio.run(metrics("::1", loopback_free=True)) == 200
+    assert asyncio.run(metrics("10.0.0.7", loopback_free=True)) == 401
+    assert asyncio.run(metrics("127.0.0.1", loopback_free=False)) == 401
+    assert asyncio.run(metrics("10.0.0.7", False, b"Bearer " + b"t" * 20)) == 200

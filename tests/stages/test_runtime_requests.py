@@ -619,6 +619,75 @@ def test_requests_past_max_connections_get_503_and_the_server_recovers(guarded: 
     assert asyncio.run(call(guarded.url, "/v2/health/live", "GET"))[0] == 200
 
 
+def test_metrics_need_the_token_too(guarded: Any) -> None:
+    """Issue 42 item 8: /metrics answered 14 KB of series without the token."""
+    metrics = f"http://127.0.0.1:{guarded.ports[2]}"
+    status, text = asyncio.run(call(metrics, "/metrics", "GET", headers={}))
+    assert status == 401 and "API token" in text
+    status, text = asyncio.run(call(metrics, "/metrics", "GET", headers=AUTH))
+    assert status == 200 and "shipyard_" in text
+
+
+def test_the_metrics_port_has_the_rest_ports_connection_cap_and_read_deadline(
+    guarded: Any,
+) -> None:
+    """Issue 42 item 5: 1,100 idle connections on the metrics port left REST answering
+    nothing. Past max_connections a connection gets a 503 at once and its socket is
+    freed; one that sends nothing is closed after read_timeout_s; REST answers meanwhile."""
+    metrics = f"http://127.0.0.1:{guarded.ports[2]}"
+    held = [raw(metrics) for _ in range(DOOR["max_connections"])]
+    try:
+        time.sleep(0.2)
+        extra = raw(metrics)
+        extra.settimeout(5)
+        answer = extra.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503") and b"max_connections" in answer, answer
+        assert extra.recv(4096) == b""  # closed: its socket freed
+        assert asyncio.run(call(guarded.url, "/v2/health/live", "GET"))[0] == 200
+        took = closed_within(held[0], 5)  # sends nothing: closed at the read deadline
+        assert took is not None and took < 3, took
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_grpc_caps_connections_and_closes_silent_ones(guarded: Any) -> None:
+    """Issue 42 item 5: idle connections on the gRPC port took REST down for 35 s. Past
+    max_connections they are closed at once; one that never says a word is closed at the
+    handshake deadline (read_timeout_s); REST answers throughout; gRPC still serves."""
+    grpc_url = f"http://{guarded.grpc}"
+    socks = [raw(grpc_url) for _ in range(DOOR["max_connections"] + 6)]
+    try:
+        closed = [closed_within(s, 4) for s in socks]
+        assert all(c is not None for c in closed), closed  # none left hanging
+        fast = sorted(c for c in closed if c is not None)[:6]
+        assert max(fast) < 0.9, closed  # the ones past the cap: at once
+        assert asyncio.run(call(guarded.url, "/v2/health/live", "GET"))[0] == 200
+    finally:
+        for sock in socks:
+            sock.close()
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(guarded.grpc)
+    assert client.is_server_live(headers={"authorization": f"Bearer {TOKEN}"})
+
+
+def test_the_token_is_not_in_the_server_processes_environment_block(guarded: Any) -> None:
+    """Issue 42 item 9: popping it from os.environ left it in /proc/<pid>/environ. The
+    launcher re-executes itself with the token on a pipe: the process that serves (the
+    same pid) and every process it started never had it in their environment."""
+    pids = [guarded.proc.pid]
+    children = Path(f"/proc/{guarded.proc.pid}/task/{guarded.proc.pid}/children")
+    if children.exists():
+        pids += [int(p) for p in children.read_text().split()]
+    for pid in pids:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert TOKEN.encode() not in environ, pid
+        assert b"SHIPYARD_API_TOKEN=" not in environ
+    # and the token still lets a client in
+    assert asyncio.run(call(guarded.url, "/v2/models/tiny-gpt2", "GET", headers=AUTH))[0] == 200
+
+
 def test_host_and_ports_are_chosen_at_start_and_no_hashed_file_is_touched(
     guarded: Any, built_gpt2: Workspace
 ) -> None:
@@ -764,7 +833,8 @@ def scrape(srv: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{srv.ports[2]}/metrics", timeout=10) as r:
+    ask = urllib.request.Request(f"http://127.0.0.1:{srv.ports[2]}/metrics", headers=AUTH)
+    with urllib.request.urlopen(ask, timeout=10) as r:
         text = r.read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
