@@ -62,6 +62,23 @@ def stage_io(module: ModuleType | Stage, release: ReleaseSpec) -> StageIO:
 FAILED_DIR = "failed"
 
 
+def _sweep(build: Path, name: str) -> None:
+    """Remove what killed runs of this stage left: `.<stage>.<pid>.tmp` (and its report
+    folder's) whose process is gone. A live one is another run's, left alone."""
+    if not build.is_dir():
+        return
+    for path in build.glob(f".{name}*.*.tmp"):
+        stage, _, pid = path.name[1:].removesuffix(".tmp").rpartition(".")
+        if stage not in (name, report_dir(build, name).name) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, someone else's
+            continue
+
+
 def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> StageReport:
     """Run one stage: temp folder, the spec scoped to its params, report, atomic publish."""
     if name not in STAGES:
@@ -71,6 +88,7 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
     build = root / "build" / release.name
     out = build / name
     work = build / f".{name}.{os.getpid()}.tmp"  # per run: two runs never share one
+    _sweep(build, name)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     io = stage_io(module, release)

@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -142,10 +143,8 @@ class LocalServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus or set()))
-                if self.cpus
-                else None,
+                start_new_session=True,  # its own group: stop() ends it and its children
+                preexec_fn=self._child(os.getpid()),
             )
         try:
             self._wait_ready()
@@ -158,6 +157,27 @@ class LocalServer:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+    def _child(self, parent: int) -> Callable[[], None]:
+        """Run in the server's process before it starts: pinned to `cpus` when asked, and
+        killed when the process that started it dies, however it dies (kill -9 of a load
+        test left its server serving 48 minutes): Linux's parent-death signal, kept across
+        the launcher's re-exec; a parent already gone means no server at all."""
+        cpus = self.cpus
+
+        def setup() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            if sys.platform.startswith("linux"):
+                import ctypes
+                import signal
+
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+                if os.getppid() != parent:
+                    os._exit(1)
+
+        return setup
 
     # what _wait_ready and _fail say; a subclass for another server changes these
     WHO, PRODUCT, STAGE = "the server", "MLServer", "loadtest"

@@ -170,6 +170,36 @@ def test_a_crash_keeps_what_the_run_wrote_as_evidence_and_names_it(
     assert not list((ws.root / "build" / "tiny-gpt2").glob(".pin.*.tmp"))
 
 
+def test_a_run_sweeps_what_killed_runs_of_its_stage_left_and_nothing_else(
+    ws: Workspace,
+) -> None:
+    """Issue 42 item 12: `.<stage>.<pid>.tmp` folders of killed runs stayed forever. A run
+    removes its stage's whose process is gone; a live process's (another run), another
+    stage's and other files stay."""
+    import subprocess
+    import sys
+
+    build = ws.root / "build" / "tiny-gpt2"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        left = {
+            "killed": build / f".pin.{dead}.tmp",
+            "live": build / f".pin.{alive.pid}.tmp",
+            "other stage": build / f".export.{dead}.tmp",
+            "not a pid": build / ".pin.x.tmp",
+        }
+        for path in left.values():
+            (path / "half").mkdir(parents=True)
+        assert ws.run("pin", gpt2_spec()).status.value == "passed"
+        assert not left["killed"].exists()
+        assert all(left[k].exists() for k in ("live", "other stage", "not a pid"))
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_unknown_stage_is_a_stage_error(ws: Workspace) -> None:
     with pytest.raises(StageError, match="no such stage"):
         ws.run("exprot", gpt2_spec())

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stages.serving.server import LocalServer, assemble, free_ports
-from tests.conftest import Workspace
+from tests.conftest import REPO, Workspace
 
 TOKEN = "served-test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}  # sent always: a --no-auth server ignores it
@@ -686,6 +686,45 @@ def test_the_token_is_not_in_the_server_processes_environment_block(guarded: Any
         assert b"SHIPYARD_API_TOKEN=" not in environ
     # and the token still lets a client in
     assert asyncio.run(call(guarded.url, "/v2/models/tiny-gpt2", "GET", headers=AUTH))[0] == 200
+
+
+def test_a_server_dies_with_the_process_that_started_it_even_by_kill_9(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    """Issue 42 item 12: a load test killed with -9 left its server serving on loopback 48
+    minutes later. The parent-death signal takes the server with its parent."""
+    tree = tree_with(built_gpt2, tmp_path / "tree")
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from stages.serving.server import LocalServer\n"
+        f"log = Path({str(tmp_path / 'log')!r})\n"
+        f"srv = LocalServer(Path({str(tree)!r}), 'tiny-gpt2', log, 60)\n"
+        "srv.__enter__()\n"
+        "print(srv.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    server = int(parent.stdout.readline())
+    assert Path(f"/proc/{server}").exists()
+    parent.kill()  # -9: no cleanup runs in it
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _running(server):
+        time.sleep(0.2)
+    assert not _running(server), "the server outlived the process that started it"
+
+
+def _running(pid: int) -> bool:
+    """A process that exists and is not a zombie waiting for its reaper."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
 
 
 def test_host_and_ports_are_chosen_at_start_and_no_hashed_file_is_touched(
