@@ -225,11 +225,14 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="a local Hugging Face folder to serve")
     parser.add_argument("--method", help="quantization.method instead of init's recipe search")
     parser.add_argument("--peers", default="vLLM,llama.cpp")
+    parser.add_argument("--build-only", action="store_true", help="build (into --keep), then stop")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         root = (args.keep or Path(tmp)).resolve()
         root.mkdir(parents=True, exist_ok=True)
         folder = build(root, args.model, args.method)
+        if args.build_only:
+            return
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         work = jobs(vocab)
         results: dict[str, Any] = {"shipyard": shipyard(root, work)}

@@ -17,14 +17,17 @@ VERDICT = {StageStatus.PASSED: "PASS", StageStatus.FAILED: "FAIL", StageStatus.S
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from pipelines.init import same_data
+    from pipelines.init import past_problem, same_data
     from schemas import SpecError
-    from schemas.loader import load_release
+    from schemas.loader import load_release, repo_of
 
     problems = []
     for spec in args.specs:
         try:
             release = load_release(spec)
+            problem = past_problem(release, repo_of(Path(spec)), Path(spec), str(spec))
+            if problem:
+                raise SpecError(str(spec), [problem])
             print(f"{spec}: ok ({release.name} {release.version}, {release.task})")
             warning = same_data(release)
             if warning:

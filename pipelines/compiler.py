@@ -33,12 +33,21 @@ HEADER = (
 
 def discover(root: Path) -> list[tuple[Path, ReleaseSpec]]:
     """Every release spec under releases/, validated; all problems reported together."""
+    from pipelines.init import past_problem
+
     found, problems = [], []
     for path in sorted((root / "releases").glob("*.yaml")):
+        shown = path.relative_to(root).as_posix()
         try:
-            found.append((path, load_release(path, shown=path.relative_to(root).as_posix())))
+            spec = load_release(path, shown=shown)
         except SpecError as exc:
             problems += exc.problems
+            continue
+        problem = past_problem(spec, root, path, shown)
+        if problem:
+            problems.append(problem)
+        else:
+            found.append((path, spec))
     if problems:
         raise SpecError("releases/", problems)
     return found

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from schemas import SpecError
+from schemas import ReleaseSpec, SpecError
 from schemas.artifacts import Arch, CapacityPlan, DimSizes
 from schemas.tasks import TASKS
 
@@ -496,3 +496,57 @@ def init(
         raise
     tmp.replace(target)
     return target
+
+
+def past_problem(release: ReleaseSpec, root: Path, spec: Path, shown: str) -> str | None:
+    """A KV-cache release whose export.dims.past_sequence.max no plan could hold in
+    `capacity.device_memory`: one sequence at the full context does not fit the KV budget
+    even with no weights at all (a config claiming 10M positions wrote 9997952). The
+    problem, naming the spec's line and the largest past that does fit; None when it fits
+    or cannot be judged (no config.json, no past)."""
+    from stages.onnx.model import arch
+    from stages.plan import compute
+
+    dims = release.export.dims
+    if not TASKS[release.task].kv_cache or "past_sequence" not in dims:
+        return None
+    path = root / release.model.path / "config.json" if release.model.kind == "hf" else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        config = read_config(path)
+        model = Arch(**arch(config))
+    except (SpecError, ValueError, TypeError, ZeroDivisionError):
+        return None  # init's and export's own checks name what is wrong with it
+
+    def holds(past: int) -> bool:
+        sized = {k: DimSizes(**v.model_dump()) for k, v in dims.items()}
+        sized["past_sequence"] = DimSizes(min=0, opt=min(16, past), max=past)
+        plan = compute(release.capacity.model_copy(update={"max_batch": None}),
+                       _Shape(sized, model), release.task, 0)  # fmt: skip
+        return plan.max_batch_that_fits > 0
+
+    past = dims["past_sequence"].max
+    if holds(past):
+        return None
+    low, high = 0, past  # holds(low) is not known: find the largest that holds, or 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        if holds(mid):
+            low = mid
+        else:
+            high = mid - 1
+    text = spec.read_text(encoding="utf-8") if spec.is_file() else ""
+    line = next((i for i, t in enumerate(text.splitlines(), 1) if "past_sequence" in t), 0)
+    fix = (
+        f"lower it to {low} (the most whose one sequence fits), or give capacity.device_memory "
+        "the device's real memory"
+        if low
+        else "the device holds no sequence of this model: give capacity.device_memory the "
+        "device's real memory"
+    )
+    return (
+        f"{shown}:{line}: export.dims.past_sequence.max: {past}: one sequence at the full "
+        f"context needs more KV cache (held 3x for a step) than "
+        f"{release.capacity.headroom:g} x capacity.device_memory leaves; {fix}"
+    )

@@ -128,3 +128,30 @@ def test_production_thresholds_allow_a_loss_or_demand_a_gain_by_their_sign(
     assert demanded.returncode == 4, demanded.stdout
     row = next(line for line in demanded.stdout.splitlines() if "vs production" in line)
     assert row.startswith("FAIL") and "needs <=" in row
+
+
+def test_validate_and_compile_refuse_a_past_no_plan_could_hold(ws: Workspace) -> None:
+    """Issue 42 item 6: a past of ~10M tokens validated and export then allocated it. A
+    past whose one sequence does not fit the device even with no weights is refused by
+    `shipyard validate` and `shipyard compile`, naming the line and the largest that fits;
+    that largest validates."""
+    import re
+
+    spec = gpt2_spec(capacity={"device_memory": "512MiB"})  # 256 MiB of it: overhead
+    spec["export"]["dims"]["past_sequence"] = {"min": 0, "opt": 16, "max": 9_997_952}
+    path = ws.write(spec)
+    done = cli(ws, "validate", str(path))
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "past_sequence" in t)
+    assert f"tiny-gpt2.yaml:{line}: export.dims.past_sequence.max: 9997952: one sequence" in (
+        done.stderr
+    )
+    fits = int(re.search(r"lower it to (\d+)", done.stderr).group(1))  # type: ignore[union-attr]
+    assert 1000 < fits < 100_000
+    compiled = cli(ws, "compile")
+    assert compiled.returncode != 0 and "past_sequence.max: 9997952" in compiled.stderr
+    spec["export"]["dims"]["past_sequence"]["max"] = fits
+    assert cli(ws, "validate", str(ws.write(spec))).returncode == 0
+    spec["export"]["dims"]["past_sequence"]["max"] = fits + 1
+    assert cli(ws, "validate", str(ws.write(spec))).returncode != 0
+    ws.write(gpt2_spec())
