@@ -24,6 +24,7 @@ Guarantees, each with a test in tests/pipelines/test_registry_trust.py:
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 import tempfile
@@ -35,7 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pipelines.storage import STAGING, Store, _dump, open_store, who
+from pipelines.storage import STAGING, UPLOAD, Store, _dump, open_store, who
 from schemas import RegistryError, StageReport
 from schemas.facts import FactsHead
 from schemas.problems import first_problem
@@ -126,7 +127,13 @@ class Registry:
                     "versions are immutable: bump `version` in the release spec"
                 )
             # nothing is at `target`: `_recover` ran under the same lock, and a version
-            # without its record was finished (then it is published) or removed
+            # without its record was finished (then it is published) or removed. Where the
+            # lock can be broken under a live holder (an object store), whose upload this is
+            # is written first: `registry check` leaves it alone while that lease is live
+            marker = self._upload_marker(name, version)
+            token = self.store.held_token()
+            if token is not None:
+                self.store.write(marker, _dump({"token": token, "by": who(), "at": now()}))
             digest, manifest = self.store.put_tree(
                 bundle,
                 target,
@@ -145,7 +152,25 @@ class Registry:
             }
             self.store.fence()
             self._create(record_path, record)
+            if token is not None:
+                self.store.remove(marker)
             return {**record, "recovered": done}
+
+    def _upload_marker(self, name: str, version: str) -> str:
+        return self.path("releases", name, f"{UPLOAD}{version}.json")
+
+    def _in_flight(self, name: str, version: str) -> str | None:
+        """Who is uploading `name@version` with a live lease (their lock may have been
+        broken, but they are alive and will not record it), or None."""
+        marker = self._upload_marker(name, version)
+        if not self.store.exists(marker):
+            return None
+        try:
+            data = json.loads(self.store.read(marker))
+            left = self.store.lease_left(str(data["token"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+        return f"{data.get('by')} (lease live for {left:.0f} s)" if left > 0 else None
 
     def record(self, name: str, version: str) -> dict[str, Any] | None:
         path = self._record_path(name, version)
@@ -237,8 +262,14 @@ class Registry:
         finished when it verifies and passed, removed otherwise."""
         folder = self.path("releases", name)
         actions = []
-        for base in self.store.names(folder):
+        names = self.store.names(folder)
+        for base in names:
             entry = posixpath.join(folder, base)
+            if base.startswith(UPLOAD):  # an upload's marker: goes with its version, or alone
+                version = base.removeprefix(UPLOAD).removesuffix(".json")
+                if version not in names and self._in_flight(name, version) is None:
+                    self.store.remove(entry)
+                continue
             if base.startswith(STAGING) or base.endswith(".tmp"):
                 self.store.remove(entry)
                 actions.append(f"removed {name}/{base}: leftover of an interrupted publish")
@@ -247,6 +278,12 @@ class Registry:
                 continue
             if self.store.exists(self._record_path(name, base)):
                 continue
+            uploader = self._in_flight(name, base)
+            if uploader is not None:
+                actions.append(f"left {name}@{base} alone: an upload in flight by {uploader}")
+                continue
+            if self.store.exists(self._upload_marker(name, base)):
+                self.store.remove(self._upload_marker(name, base))
             try:
                 with self._local_copy(name, base) as copy:
                     digest = _verified_digest(copy, f"unrecorded {name}@{base}", (name, base))

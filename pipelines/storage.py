@@ -21,6 +21,7 @@ Kedro's dataset classes were the model: one interface, the backend's quirks behi
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
@@ -43,6 +44,8 @@ LOCK_TIMEOUT_S = float(os.environ.get("SHIPYARD_LOCK_TIMEOUT_S", "60"))
 # A remote lock older than this is taken to belong to a crashed holder and is broken.
 LOCK_STALE_S = float(os.environ.get("SHIPYARD_LOCK_STALE_S", "900"))
 STAGING = ".staging-"
+LEASES = ".leases"  # an object store's lock holders' leases, one object per holder
+UPLOAD = ".upload-"  # releases/<name>/.upload-<version>.json: whose upload is in flight
 LOG = "history"  # history.jsonl in a folder, history/<seq>.json in an object store
 
 T = TypeVar("T")
@@ -146,6 +149,15 @@ class Store(ABC):
         """The log's entries as (where, text), oldest first; torn ones included as read."""
 
     # ------------------------------------------------------------------ locking
+    def held_token(self) -> str | None:
+        """The token of the lock this process holds here (None: none, or a lock that
+        cannot be broken under its holder: an OS file lock)."""
+        return None
+
+    def lease_left(self, token: str) -> float:
+        """Seconds the holder of `token` is known alive for (0: gone, or no such lease)."""
+        return 0.0
+
     @abstractmethod
     def lock(self) -> AbstractContextManager[None]:
         """One writer at a time."""
@@ -285,7 +297,12 @@ class ObjectStore(Store):
 
     @contextmanager
     def lock(self) -> Iterator[None]:
-        """An owner-stamped lock object, its lease renewed while held."""
+        """An owner-stamped lock object, never rewritten once made, and its holder's lease
+        in an object of its own (`.leases/<token>.json`), renewed while held. A renewal
+        writes only its own lease: it can never overwrite a lock another writer took (a
+        read-then-write renewal of the lock object did, after a breaker had taken it, and
+        its fence then passed: a version was recorded whose upload the breaker's `registry
+        check` had removed)."""
         path = self.path(".lock")
         token = secrets.token_hex(16)
         deadline = time.monotonic() + LOCK_TIMEOUT_S
@@ -298,6 +315,7 @@ class ObjectStore(Store):
                 )
             time.sleep(0.2)
         lease = _Lease(self, path, token)
+        lease.renew()
         lease.start()
         self._held = (path, token, lease)
         try:
@@ -306,8 +324,23 @@ class ObjectStore(Store):
             self._held = None
             lease.stop.set()
             lease.join()
-            if self.lock_owner(path).get("token") == token:
+            if self._lock_stamp(path).get("token") == token:
                 self.fs.rm(path)
+            with contextlib.suppress(FileNotFoundError, OSError):
+                self.fs.rm(self._lease_path(token))
+
+    def held_token(self) -> str | None:
+        return None if self._held is None else self._held[1]
+
+    def lease_left(self, token: str) -> float:
+        try:
+            lease = json.loads(self.fs.cat_file(self._lease_path(token)))
+        except (FileNotFoundError, ValueError):
+            return 0.0
+        return max(0.0, float(lease.get("expires", 0)) - time.time())
+
+    def _lease_path(self, token: str) -> str:
+        return self.path(LEASES, f"{token}.json")
 
     def fence(self) -> None:
         """A holder stalled past its lease (its renewals failed) may have been broken by
@@ -315,7 +348,7 @@ class ObjectStore(Store):
         if self._held is None:
             return
         path, token, lease = self._held
-        if lease.lost or self.lock_owner(path).get("token") != token:
+        if lease.lost or self._lock_stamp(path).get("token") != token:
             raise RegistryError(
                 f"lost the registry lock {path} (not renewed within {LOCK_STALE_S:.0f} s, then "
                 "taken by another writer); nothing was recorded: run the command again"
@@ -335,6 +368,9 @@ class ObjectStore(Store):
                 "dead (the machine is gone), `shipyard registry unlock --force`"
             )
         self.fs.rm(path)
+        if held.get("token"):
+            with contextlib.suppress(FileNotFoundError, OSError):
+                self.fs.rm(self._lease_path(str(held["token"])))
         return f"{self.url}: removed the registry lock held by {who_}" + (
             " (forced: it was live)" if left > 0 else " (expired)"
         )
@@ -346,7 +382,7 @@ class ObjectStore(Store):
             "pid": os.getpid(),
             "token": token,
             "taken": time.time(),
-            "expires": time.time() + LOCK_STALE_S,
+            "expires": time.time() + LOCK_STALE_S,  # until its first lease is written
         }
         try:
             with self.fs.open(path, "xb") as fh:
@@ -354,6 +390,7 @@ class ObjectStore(Store):
             return True
         except FileExistsError:
             held = self.lock_owner(path)
+            # a breaker reads the holder's lease: only a lock whose lease has lapsed goes
             if held and held.get("expires", 0) < time.time():
                 self.warnings.append(
                     f"broke a stale registry lock held by {held.get('owner')}@{held.get('host')} "
@@ -362,12 +399,21 @@ class ObjectStore(Store):
                 self.fs.rm(path)
             return False
 
-    def lock_owner(self, path: str) -> dict[str, Any]:
+    def _lock_stamp(self, path: str) -> dict[str, Any]:
         try:
             data: dict[str, Any] = json.loads(self.fs.cat_file(path))
             return data
         except (FileNotFoundError, ValueError):
             return {}
+
+    def lock_owner(self, path: str) -> dict[str, Any]:
+        """The lock's stamp, its expiry the later of its own and its holder's lease."""
+        stamp = self._lock_stamp(path)
+        if stamp.get("token"):
+            lease = self.lease_left(str(stamp["token"]))
+            if lease:
+                stamp["expires"] = max(float(stamp.get("expires", 0)), time.time() + lease)
+        return stamp
 
     @contextmanager
     def local_copy(self, source: str) -> Iterator[Path]:
@@ -377,10 +423,12 @@ class ObjectStore(Store):
 
 
 class _Lease(threading.Thread):
-    """Renews a remote lock's lease while its holder works: every third of LOCK_STALE_S
-    the lock object is rewritten with a new expiry, so a publish longer than the lease is
-    never taken for a dead one (a breaker only breaks a lock past its expiry). A renewal
-    that finds another token stops and marks the lock lost (`ObjectStore.fence`)."""
+    """Renews a remote lock holder's lease while it works: every third of LOCK_STALE_S its
+    own lease object gets a new expiry, so a publish longer than the lease is never taken
+    for a dead one (a breaker only breaks a lock whose lease has lapsed). A renewal that
+    finds the lock holding another token marks it lost (`ObjectStore.fence`), and goes on
+    renewing the lease: the holder is alive, and `registry check` leaves its upload alone
+    until it has stopped."""
 
     def __init__(self, store: ObjectStore, path: str, token: str) -> None:
         super().__init__(daemon=True, name="registry-lease")
@@ -388,18 +436,21 @@ class _Lease(threading.Thread):
         self.stop = threading.Event()
         self.lost = False
 
+    def renew(self) -> None:
+        now_s = time.time()
+        lease = {"token": self.token, "expires": now_s + LOCK_STALE_S, "renewed": now_s}
+        # the store unreachable: the next renewal tries again
+        with contextlib.suppress(Exception):
+            self.store.fs.pipe_file(self.store._lease_path(self.token), _dump(lease))
+
     def run(self) -> None:
         while not self.stop.wait(LOCK_STALE_S / 3):
-            held = self.store.lock_owner(self.path)
-            if held.get("token") != self.token:
-                self.lost = True
-                return
-            now_s = time.time()
-            stamp = {**held, "expires": now_s + LOCK_STALE_S, "renewed": now_s}
             try:
-                self.store.fs.pipe_file(self.path, _dump(stamp))
-            except OSError:  # the store is unreachable: the next renewal tries again
-                continue
+                if self.store._lock_stamp(self.path).get("token") != self.token:
+                    self.lost = True
+            except Exception:  # noqa: BLE001 - unreachable: the holder cannot know it holds
+                self.lost = True
+            self.renew()
 
 
 def _read_only(folder: Path) -> None:

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -482,3 +483,82 @@ def test_a_bundle_whose_report_says_failed_is_neither_published_nor_promoted(
     Path(registry.path("releases", "tiny-gpt2", "0.1.0.json")).write_text(json.dumps(record))
     with pytest.raises(RegistryError, match=r"parity: failed"):
         registry.promote("tiny-gpt2", "0.1.0", "production", "should fail")
+
+
+def test_a_renewal_never_overwrites_a_lock_another_writer_took(
+    s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 42 item 7: the renewal read the lock object and wrote it back with its own
+    token: after a breaker had taken it, the late holder's renewal overwrote the breaker's
+    lock, and its fence passed. The lease is an object of its own now: the lock stays the
+    breaker's, and the late holder's fence fails."""
+    import pipelines.storage as storage
+
+    monkeypatch.setattr(storage, "LOCK_STALE_S", 30.0)
+    url = f"s3://renew-{bucket()}/reg"
+    holder = Registry(url)
+    with holder.lock():
+        path, token, lease = holder.store._held  # type: ignore[attr-defined]
+        holder.fs.rm(path)  # a breaker removed it ...
+        taken = {"owner": "breaker", "token": "theirs", "taken": time.time(), "expires": 0}
+        holder.fs.pipe_file(path, json.dumps(taken).encode())  # ... and took it
+        lease.renew()  # the late holder's renewal
+        assert json.loads(holder.fs.cat_file(path))["token"] == "theirs"
+        with pytest.raises(RegistryError, match="lost the registry lock"):
+            holder.store.fence()
+        holder.fs.rm(path)
+
+
+def test_check_leaves_an_upload_alone_while_its_uploader_lease_is_live(
+    s3_server: str, bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 42 item 7: `registry check` broke a live publisher's lock and removed its
+    upload in flight; the publish then recorded a version with no manifest. Now:
+    - while the uploader's lease is live, check leaves the upload alone (even with the lock
+      itself forced away), and the publisher's fence refuses to record after losing it;
+    - once its lease has lapsed (the holder is gone), check removes the upload."""
+    import threading
+
+    import pipelines.storage as storage
+
+    monkeypatch.setattr(storage, "LOCK_STALE_S", 1.5)
+    monkeypatch.setattr(storage, "LOCK_TIMEOUT_S", 20.0)
+    url = f"s3://inflight-{bucket()}/reg"
+    holder, breaker = Registry(url), Registry(url)
+    uploading, go_on = threading.Event(), threading.Event()
+    put = type(holder.store).put_tree
+
+    def slow_put(self: Any, src: Path, target: str, verify: Any) -> Any:
+        out = put(self, src, target, verify)
+        uploading.set()
+        assert go_on.wait(30)
+        return out
+
+    monkeypatch.setattr(type(holder.store), "put_tree", slow_put)
+    failed: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            holder.publish(bundle, "tiny-gpt2", "0.1.0")
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            failed.append(exc)
+
+    worker = threading.Thread(target=publish)
+    worker.start()
+    assert uploading.wait(60)
+    time.sleep(2.0)  # past one lease: renewals keep it live
+    breaker.store.unlock(force=True)  # the lock forced away under its live holder
+    actions = breaker.check()
+    assert any("left tiny-gpt2@0.1.0 alone: an upload in flight" in a for a in actions), actions
+    assert holder.fs.exists(holder.path("releases", "tiny-gpt2", "0.1.0", "manifest.json"))
+    go_on.set()
+    worker.join(60)
+    assert failed and "lost the registry lock" in str(failed[0]), failed
+    assert holder.record("tiny-gpt2", "0.1.0") is None  # nothing recorded
+    # the holder has stopped: its lease lapses, and check then clears what it left
+    time.sleep(1.6)
+    actions = breaker.check()
+    assert not holder.fs.exists(holder.path("releases", "tiny-gpt2", "0.1.0", "manifest.json")) or (
+        breaker.record("tiny-gpt2", "0.1.0") is not None
+    ), actions
+    assert not any("alone" in a for a in actions), actions
