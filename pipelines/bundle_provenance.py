@@ -20,10 +20,13 @@ def bundle_chain(
     made_here: tuple[str, ...] = (),
 ) -> tuple[list[str], list[str]]:
     """(lines, problems) for the attestations a bundle carries (attestations/<stage>.json):
-    each signed by a trusted builder and naming its own stage; every shipped file the
-    output of an attested stage run (by sha256), but what the bundle stage itself makes;
-    and each stage's inputs what the upstream stage's attestation says it produced, so the
-    chain from the model and the spec to the bundle is one build's."""
+    each signed by a trusted builder and naming its own stage; each stage's inputs what the
+    upstream stage's attestation says it produced, so the chain from the model and the spec
+    to the bundle is one build's; and every shipped file, by name and digest, in the file
+    list the bundle's builder signed (attestations/bundle.json, stages/bundle.py): an
+    edited, added, renamed or deleted file fails, however the bundle was re-sealed. Asked
+    without "bundle" in `stages` (a chain of some stages only), each shipped file must only
+    be some attested run's output, but what `made_here` names (names, folders ending /)."""
     lines, problems = [], []
     produced: dict[str, dict[str, str]] = {}  # stage -> {file: sha256} it attests
     for stage in stages:
@@ -49,17 +52,33 @@ def bundle_chain(
             if upstream in produced and produced[upstream].get(name) != digest:
                 problems.append(f"{stage}: its input {name} is not what {upstream} attested")
         lines.append(f"{stage}: built by {who}")
-    attested = {d for files in produced.values() for d in files.values()}
-    # what the bundle stage writes itself (attested outside the bundle, in bundle-report/):
-    # names, or folders ending in "/"
-    own = (*BUNDLE_UNHASHED, *made_here)
+    own = f"{PROVENANCE_DIR}/bundle.json"
+    if "bundle" not in stages:
+        attested_any = {d for files in produced.values() for d in files.values()}
+        skip = (*BUNDLE_UNHASHED, *made_here)
+        rest = {
+            p.relative_to(bundle).as_posix(): p
+            for p in sorted(bundle.rglob("*"))
+            if p.is_file() and p.relative_to(bundle).parts[0] != PROVENANCE_DIR
+        }
+        for name, digest in sorted(hash_files(rest).items()):
+            made = name in skip or any(p.endswith("/") and name.startswith(p) for p in skip)
+            if not made and digest not in attested_any:
+                problems.append(f"{name}: no attested stage run produced it")
+        return lines, problems
+    if "bundle" not in produced:  # no trusted file list: said above
+        return lines, problems
     shipped = {
         p.relative_to(bundle).as_posix(): p
         for p in sorted(bundle.rglob("*"))
-        if p.is_file() and p.relative_to(bundle).parts[0] != PROVENANCE_DIR
+        if p.is_file() and p.relative_to(bundle).as_posix() not in (*BUNDLE_UNHASHED, own)
     }
-    for name, digest in sorted(hash_files(shipped).items()):
-        made = name in own or any(p.endswith("/") and name.startswith(p) for p in own)
-        if not made and digest not in attested:
-            problems.append(f"{name}: no attested stage run produced it")
+    found, attested = hash_files(shipped), produced["bundle"]
+    for name in sorted(set(attested) | set(found)):
+        if name not in found:
+            problems.append(f"{name}: attested by the bundle's builder but not shipped")
+        elif name not in attested:
+            problems.append(f"{name}: shipped but not in the file list its builder signed")
+        elif attested[name] != found[name]:
+            problems.append(f"{name}: differs from what the bundle's builder attested")
     return lines, problems

@@ -213,10 +213,9 @@ def _trusted(args: argparse.Namespace) -> dict[str, Any]:
 def _chain(bundle: Path, trusted: dict[str, Any]) -> int:
     from pipelines.bundle_provenance import bundle_chain
     from schemas import RegistryError
-    from stages.bundle import MADE_HERE
     from stages.bundling.files import CHECKED
 
-    lines, problems = bundle_chain(bundle, trusted, (*CHECKED, "manifest"), MADE_HERE)
+    lines, problems = bundle_chain(bundle, trusted, (*CHECKED, "manifest", "bundle"))
     for line in lines:
         print(f"  {line}")
     if problems:

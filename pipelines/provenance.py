@@ -22,7 +22,6 @@ trusted builds from the model and the spec to the bundle.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -31,8 +30,9 @@ from typing import Any
 
 from schemas import RegistryError
 from stages._contract import attestation_file
+from stages.bundling.dsse import PAYLOAD_TYPE, ecdsa, envelope, key_id, pae
 
-PAYLOAD_TYPE = "application/vnd.in-toto+json"
+__all__ = ["PAYLOAD_TYPE", "key_id", "pae"]
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://shipyard.dev/provenance/stage-run/v1"
 KEY_ENV = "SHIPYARD_BUILDER_KEY"
@@ -124,26 +124,6 @@ def statement(root: Path, paths: StagePaths) -> dict[str, Any]:
     }
 
 
-def pae(payload: bytes) -> bytes:
-    """DSSE's pre-authentication encoding: what is signed."""
-    kind = PAYLOAD_TYPE.encode()
-    return b"DSSEv1 %d %s %d %s" % (len(kind), kind, len(payload), payload)
-
-
-def key_id(public: Any) -> str:
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
-    der = public.public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
-    return hashlib.sha256(der).hexdigest()
-
-
-def _ecdsa() -> Any:
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    return ec.ECDSA(hashes.SHA256(), deterministic_signing=True)
-
-
 def builder_key(env: dict[str, str] | os._Environ[str] = os.environ) -> Any:
     """The builder's private key (SHIPYARD_BUILDER_KEY), or None: attestations unsigned."""
     from cryptography.hazmat.primitives.serialization import load_pem_private_key
@@ -171,24 +151,13 @@ def trusted_keys(env: dict[str, str] | os._Environ[str] = os.environ) -> dict[st
 
 def write(root: Path, paths: StagePaths, key: Any) -> Path:
     """The stage's provenance envelope, beside its report."""
-    payload = json.dumps(statement(root, paths), sort_keys=True, separators=(",", ":")).encode()
-    signatures = []
-    if key is not None:
-        signature = key.sign(pae(payload), _ecdsa())
-        signatures.append(
-            {"keyid": key_id(key.public_key()), "sig": base64.b64encode(signature).decode()}
-        )
-    envelope = {
-        "payloadType": PAYLOAD_TYPE,
-        "payload": base64.b64encode(payload).decode(),
-        "signatures": signatures,
-    }
+    text = envelope(statement(root, paths), key)
     target = root / paths.envelope
     target.parent.mkdir(parents=True, exist_ok=True)
     # a new file, never a write through the old one: DVC links outputs out of its cache
     # (hardlinks), so writing in place would rewrite the cached object of an earlier run
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(envelope, indent=2) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     tmp.replace(target)
     return target
 
@@ -229,7 +198,7 @@ def signer(signatures: list[Any], payload: bytes, trusted: dict[str, Any]) -> st
             continue
         try:
             public.verify(
-                base64.b64decode(str(entry.get("sig")), validate=True), pae(payload), _ecdsa()
+                base64.b64decode(str(entry.get("sig")), validate=True), pae(payload), ecdsa()
             )
         except (InvalidSignature, ValueError):
             continue

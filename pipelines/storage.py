@@ -367,10 +367,9 @@ class ObjectStore(Store):
                 f"and live for {left:.0f} s more: its holder is working. If you know it is "
                 "dead (the machine is gone), `shipyard registry unlock --force`"
             )
+        # the holder's lease stays: while it is live, `registry check` leaves that holder's
+        # upload alone (the holder, if alive, fails its fence and records nothing)
         self.fs.rm(path)
-        if held.get("token"):
-            with contextlib.suppress(FileNotFoundError, OSError):
-                self.fs.rm(self._lease_path(str(held["token"])))
         return f"{self.url}: removed the registry lock held by {who_}" + (
             " (forced: it was live)" if left > 0 else " (expired)"
         )
@@ -397,6 +396,8 @@ class ObjectStore(Store):
                     f"since {held.get('taken')}"
                 )
                 self.fs.rm(path)
+                with contextlib.suppress(FileNotFoundError, OSError):  # lapsed: its holder gone
+                    self.fs.rm(self._lease_path(str(held.get("token"))))
             return False
 
     def _lock_stamp(self, path: str) -> dict[str, Any]:

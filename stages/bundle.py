@@ -9,7 +9,13 @@ from typing import Any
 from schemas import ReleaseSpec, StageError
 from schemas.artifacts import LoadTestSummary, ModelInfo
 from schemas.facts import BundleFacts
-from schemas.manifest import FACTS_FILE, MANIFEST_FILE, Manifest
+from schemas.manifest import (
+    BUNDLE_UNHASHED,
+    FACTS_FILE,
+    MANIFEST_FILE,
+    PROVENANCE_DIR,
+    Manifest,
+)
 from schemas.tasks import TASKS
 from stages._contract import (
     StageContext,
@@ -30,8 +36,6 @@ from stages.bundling.oms import (
 
 NAME = "bundle"
 RENDERED = {"MODEL_CARD.md": "MODEL_CARD.md.j2"}
-# what this stage writes into the bundle itself, rather than copying from an upstream stage
-MADE_HERE = (*RENDERED, monitoring.FOLDER)
 
 
 def io(release: ReleaseSpec) -> StageIO:
@@ -68,8 +72,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     chain = provenance(ctx, (*CHECKED, "manifest"))  # who built each stage: not in its payload
     for name, source in chain.items():
         link_or_copy(source, ctx.work / name)
+    own = attest_files(ctx, release)  # every file shipped so far, signed by the builder
     shard = content.predicate.serialization.shard_size
-    extra = hash_shards({n: ctx.work / n for n in [*rendered, *chain]}, shard)
+    extra = hash_shards({n: ctx.work / n for n in [*rendered, *chain, own]}, shard)
     digests = {r.name: r.digest for r in content.predicate.resources} | extra
     final = build_manifest(content.subject[0].name, digests, shard)
     write_manifest(ctx.work / MANIFEST_FILE, final)
@@ -87,6 +92,49 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         metrics={"files": files},
         details={"serving": values, "bundle_digest": final.digest},
     )
+
+
+# The bundle's own file list, signed by the builder: every file of the bundle but the seal
+# (manifest.json, model.sig) and itself. `shipyard verify --provenance` holds the shipped
+# files to it by name and digest, so a bundle edited and re-sealed (its manifest rebuilt, a
+# signature of someone else's) fails: a changed model card or alert rule, a file added,
+# renamed or deleted.
+OWN_ATTESTATION = f"{PROVENANCE_DIR}/bundle.json"
+
+
+def attest_files(ctx: StageContext, release: ReleaseSpec) -> str:
+    from stages.bundling.dsse import builder_key_from_env, envelope
+    from stages.bundling.hashing import hash_files
+
+    files = {
+        p.relative_to(ctx.work).as_posix(): p
+        for p in sorted(ctx.work.rglob("*"))
+        if p.is_file()
+        and p.relative_to(ctx.work).as_posix() not in (*BUNDLE_UNHASHED, OWN_ATTESTATION)
+    }
+    statement = {
+        "_type": "https://in-toto.io/Statement/v1",
+        "subject": [
+            {"name": n, "digest": {"sha256": d}} for n, d in sorted(hash_files(files).items())
+        ],
+        "predicateType": "https://shipyard.dev/provenance/stage-run/v1",
+        "predicate": {
+            "stage": NAME,
+            "release": release.name,
+            "command": f"shipyard run-stage {NAME}: the files it ships",
+            "inputs": [],
+        },
+    }
+    try:
+        key = builder_key_from_env()
+    except (OSError, ValueError, TypeError) as exc:
+        raise StageError(
+            NAME, f"cannot read the builder key: {exc}", "fix SHIPYARD_BUILDER_KEY"
+        ) from None
+    path = ctx.work / OWN_ATTESTATION
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(envelope(statement, key), encoding="utf-8")
+    return OWN_ATTESTATION
 
 
 def render(

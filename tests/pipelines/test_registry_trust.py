@@ -562,3 +562,48 @@ def test_check_leaves_an_upload_alone_while_its_uploader_lease_is_live(
         breaker.record("tiny-gpt2", "0.1.0") is not None
     ), actions
     assert not any("alone" in a for a in actions), actions
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    ["model card", "alert rules", "added file", "renamed attested file", "deleted file"],
+)
+def test_a_resealed_bundle_fails_verify_provenance(
+    built_gpt2: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tamper: str
+) -> None:
+    """Issue 42 item 2: `verify --provenance` passed a bundle whose model card, alert
+    rules, an added, a renamed or a deleted file differed from what was attested, once
+    its manifest was rebuilt. The bundle carries the file list its builder signed
+    (attestations/bundle.json); every shipped file is held to it by name and digest."""
+    from pipelines.bundle_provenance import bundle_chain
+    from stages.bundling.dsse import key_id
+
+    key, pub = keypair(tmp_path, "builder")
+    monkeypatch.setenv("SHIPYARD_BUILDER_KEY", str(key))
+    assert built_gpt2.run("bundle", gpt2_spec()).status.value == "passed"
+    monkeypatch.delenv("SHIPYARD_BUILDER_KEY")
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    public = load_pem_public_key(pub.read_bytes())
+    trusted = {key_id(public): public}
+    bundle = writable_copy(built_gpt2.out("tiny-gpt2", "bundle"), tmp_path / "bundle")
+    lines, problems = bundle_chain(bundle, trusted, ("bundle",))
+    assert problems == [] and lines == [f"bundle: built by {key_id(public)}"]
+    card = "MODEL_CARD.md"
+    alerts = next(p for p in bundle.rglob("*.yml") if "alert" in p.name or "rules" in p.name)
+    if tamper == "model card":
+        (bundle / card).write_text((bundle / card).read_text() + "\nSafe for medical use.\n")
+    elif tamper == "alert rules":
+        alerts.write_text(alerts.read_text().replace("for:", "for: 99h #", 1))
+    elif tamper == "added file":
+        (bundle / "serving" / "extra.py").write_text("import os\n")
+    elif tamper == "renamed attested file":
+        (bundle / card).rename(bundle / "README.md")
+    else:
+        (bundle / card).unlink()
+    remanifest(bundle)  # re-sealed: `shipyard verify` alone now passes
+    assert verify_bundle(bundle) == []
+    _, problems = bundle_chain(bundle, trusted, ("bundle",))
+    assert problems, tamper
+    assert all("bundle's builder" in p or "file list" in p for p in problems), problems
+    built_gpt2.run("bundle", gpt2_spec())  # the shared workspace as it was (unsigned)

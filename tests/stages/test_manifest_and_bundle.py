@@ -39,6 +39,8 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
     assert raw["predicateType"] == "https://model_signing/signature/v1.0"
     assert set(manifest.files()) == {
         "shipyard.json",
+        # the file list its builder signed (unsigned here: no SHIPYARD_BUILDER_KEY)
+        "attestations/bundle.json",
         "model/model_info.json",
         # the checkpoint's config and tokenizer: a client needs nothing else
         "model/files/config.json",
