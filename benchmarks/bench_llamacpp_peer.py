@@ -83,6 +83,9 @@ def convert(llama: Path, folder: Path, outtype: str, out: Path) -> Path:
         "import conversion.base as base\n"
         # a byte-level BPE with GPT-2's pre-tokenizer, which the converter knows by hash only
         "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+        # a tokenizer.json only: no SentencePiece model to try first (nor its package)
+        "def _no_spm(self, *a, **k):\n    raise FileNotFoundError('no tokenizer.model')\n"
+        "base.TextModel._set_vocab_sentencepiece = _no_spm\n"
         "sys.argv = ['convert_hf_to_gguf.py', *sys.argv[1:]]\n"
         f"runpy.run_path({str(source / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n"
     )

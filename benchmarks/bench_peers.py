@@ -236,8 +236,13 @@ def main() -> None:
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         work = jobs(vocab)
         results: dict[str, Any] = {"shipyard": shipyard(root, work)}
+        print(f"shipyard: {json.dumps(results['shipyard'])}", file=sys.stderr, flush=True)
         for kind in filter(None, args.peers.split(",")):
-            results[kind] = peer(kind, root, folder, work)
+            try:
+                results[kind] = peer(kind, root, folder, work)
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+                results[kind] = f"failed: {type(exc).__name__}: {str(exc)[-300:]}"
+            print(f"{kind}: {json.dumps(results[kind])}", file=sys.stderr, flush=True)
         info = json.loads((root / "build" / NAME / "quantize" / "quant_info.json").read_text())
         plan = json.loads((root / "build" / NAME / "plan" / "plan.json").read_text())
         steps = profile(root, work, plan["batch"])

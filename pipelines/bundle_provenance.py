@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipelines.provenance import listed, read, signer
+from pipelines.provenance import compare, listed, read, signer
 from schemas import RegistryError
 from schemas.manifest import BUNDLE_UNHASHED, PROVENANCE_DIR
 from stages.bundling.hashing import hash_files
@@ -73,12 +73,5 @@ def bundle_chain(
         for p in sorted(bundle.rglob("*"))
         if p.is_file() and p.relative_to(bundle).as_posix() not in (*BUNDLE_UNHASHED, own)
     }
-    found, attested = hash_files(shipped), produced["bundle"]
-    for name in sorted(set(attested) | set(found)):
-        if name not in found:
-            problems.append(f"{name}: attested by the bundle's builder but not shipped")
-        elif name not in attested:
-            problems.append(f"{name}: shipped but not in the file list its builder signed")
-        elif attested[name] != found[name]:
-            problems.append(f"{name}: differs from what the bundle's builder attested")
+    problems += compare("shipped file", produced["bundle"], hash_files(shipped))
     return lines, problems

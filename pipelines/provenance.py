@@ -237,14 +237,14 @@ def check(root: Path, paths: StagePaths, trusted: dict[str, Any]) -> tuple[str |
             f"it attests {predicate.get('stage')}@{predicate.get('release')}, "
             f"not {paths.stage}@{paths.release}"
         )
-    problems += _compare(
+    problems += compare(
         "output", listed(stmt.get("subject")), _digests(root, paths.outs, paths.envelope)
     )
-    problems += _compare("input", listed(predicate.get("inputs")), _digests(root, paths.deps))
+    problems += compare("input", listed(predicate.get("inputs")), _digests(root, paths.deps))
     return who, problems
 
 
-def _compare(kind: str, attested: dict[str, str], found: dict[str, str]) -> list[str]:
+def compare(kind: str, attested: dict[str, str], found: dict[str, str]) -> list[str]:
     out = []
     for name in sorted(set(attested) | set(found)):
         if name not in found:

@@ -22,7 +22,8 @@ ports):
 - the same limits on every port: REST and the Prometheus port close a connection past
   `max_connections` open ones at once, and one that sends no request head within
   `read_timeout_s`; gRPC allows `max_connections` connections and concurrent calls, closes
-  a connection idle for `idle_timeout_s` and a handshake slower than `read_timeout_s`; the
+  a connection idle for 5 minutes (gRPC channels are long-lived) and a handshake slower
+  than `read_timeout_s`; the
   process's open-file limit is raised to its hard limit, so three ports at their caps
   cannot exhaust it;
 - `/metrics` needs the token as well (Prometheus: `authorization: {credentials_file: ...}`),
@@ -710,7 +711,9 @@ async def _serve(
     limited = [
         ("grpc.max_allowed_incoming_connections", cap["max_connections"]),
         ("grpc.max_concurrent_streams", 64),
-        ("grpc.max_connection_idle_ms", int(cap["idle_timeout_s"] * 1000)),
+        # gRPC channels are long-lived: an idle one is closed after minutes, not REST's
+        # keep-alive seconds (a client's next call raced the GOAWAY and failed)
+        ("grpc.max_connection_idle_ms", int(max(cap["idle_timeout_s"], 300) * 1000)),
         ("grpc.server_handshake_timeout_ms", int(cap["read_timeout_s"] * 1000)),
     ]
 
