@@ -522,7 +522,8 @@ def past_problem(release: ReleaseSpec, root: Path, spec: Path, shown: str) -> st
     def holds(past: int) -> bool:
         sized = {k: DimSizes(**v.model_dump()) for k, v in dims.items()}
         sized["past_sequence"] = DimSizes(min=0, opt=min(16, past), max=past)
-        plan = compute(release.capacity.model_copy(update={"max_batch": None}),
+        cap = release.capacity.model_copy(update={"max_batch": None, "max_context": None})
+        plan = compute(cap,
                        _Shape(sized, model), release.task, 0)  # fmt: skip
         return plan.max_batch_that_fits > 0
 

@@ -126,6 +126,13 @@ class Registry:
                     f"{record['digest'][:16]}; this bundle's is {digest[:16]}. Published "
                     "versions are immutable: bump `version` in the release spec"
                 )
+            uploader = self._in_flight(name, version)
+            if uploader is not None:  # left alone by _recover: another publish, alive
+                raise RegistryError(
+                    f"{name}@{version} is being uploaded by {uploader}; its lock was taken "
+                    "from it, and it will record nothing: once its lease lapses, "
+                    "`shipyard registry check` clears it and this publish can run"
+                )
             # nothing is at `target`: `_recover` ran under the same lock, and a version
             # without its record was finished (then it is published) or removed. Where the
             # lock can be broken under a live holder (an object store), whose upload this is
@@ -267,7 +274,9 @@ class Registry:
             entry = posixpath.join(folder, base)
             if base.startswith(UPLOAD):  # an upload's marker: goes with its version, or alone
                 version = base.removeprefix(UPLOAD).removesuffix(".json")
-                if version not in names and self._in_flight(name, version) is None:
+                recorded = self.store.exists(posixpath.join(folder, f"{version}.json"))
+                gone = version not in names or recorded
+                if gone and self._in_flight(name, version) is None:
                     self.store.remove(entry)
                 continue
             if base.startswith(STAGING) or base.endswith(".tmp"):

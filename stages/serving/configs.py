@@ -204,7 +204,12 @@ def triton_values(info: ModelInfo, values: ServingValues) -> dict[str, Any]:
     return {
         # the raw graph's entry: at most the export's batch (the generation engine's rows
         # may be more: they are sized from its KV budget)
-        "max_batch_size": min(values.max_batch_size, info.dims["batch"].max) if batched else 0,
+        "max_batch_size": (limit := min(values.max_batch_size, info.dims["batch"].max))
+        if batched
+        else 0,
+        "preferred_batch_sizes": [b for b in values.preferred_batch_sizes if b <= limit]
+        if batched
+        else [],
         "inputs": [entry(t) for t in info.inputs],
         "outputs": [entry(t) for t in info.outputs],
         "warmup": [entry(t, warm=True) for t in info.inputs],

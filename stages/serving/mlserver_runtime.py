@@ -411,7 +411,7 @@ class ShipyardOnnxRuntime(MLModel):
             feeds = self._graph_inputs(payload)
             key = tuple(sorted((n, v.shape[1:], str(v.dtype)) for n, v in feeds.items()))
             return self._response(await self.batcher.submit(key, feeds))
-        prompts, params = self._generation_args(payload)
+        prompts, params = await self._generation_args(payload)
         results = await self._generate_all(prompts, params)
         width = max(len(r) for r in results)
         ids = np.full((len(results), width), -1, dtype=np.int64)
@@ -507,7 +507,7 @@ class ShipyardOnnxRuntime(MLModel):
             raise failed.exceptions[0] from None
         return [t.result() for t in tasks]
 
-    def _generation_args(self, payload: InferenceRequest) -> tuple[list[list[int]], Any]:
+    async def _generation_args(self, payload: InferenceRequest) -> tuple[list[list[int]], Any]:
         names = [i.name for i in payload.inputs]
         if names not in (["input_ids"], ["text"]):
             raise BadRequest(
@@ -515,7 +515,7 @@ class ShipyardOnnxRuntime(MLModel):
             )
         inp = payload.inputs[0]
         if names == ["text"]:
-            prompts = self._text_prompts(inp)
+            prompts = await self._text_prompts(inp)
         else:
             if inp.datatype not in ("INT64", "INT32"):
                 raise BadRequest(f"input_ids must be INT64 (or INT32); got {inp.datatype}")
@@ -537,7 +537,7 @@ class ShipyardOnnxRuntime(MLModel):
             raise BadRequest(str(exc)) from None
         return prompts, params
 
-    def _text_prompts(self, inp: Any) -> list[list[int]]:
+    async def _text_prompts(self, inp: Any) -> list[list[int]]:
         if self.text is None:
             raise BadRequest("this bundle ships no tokenizer.json: send input_ids")
         if inp.datatype != "BYTES":
@@ -559,7 +559,7 @@ class ShipyardOnnxRuntime(MLModel):
                 self.text.fits(value, self._context_tokens, "text")
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
-            out.append(self.text.encode(value))
+            out.append(await asyncio.to_thread(self.text.encode, value))
         return out
 
     @property
@@ -584,7 +584,7 @@ class ShipyardOnnxRuntime(MLModel):
             raise BadRequest(f"streaming is only served for generating tasks, not {self.task}")
         payload = await payloads.__anext__()
         try:
-            prompts, params = self._generation_args(payload)
+            prompts, params = await self._generation_args(payload)
             if len(prompts) != 1:
                 raise BadRequest(f"a stream generates one sequence; got a batch of {len(prompts)}")
             async for event in self._events(prompts[0], params):
@@ -794,7 +794,7 @@ async def _json_body(request: Request) -> Any:
     holding a string that is not Unicode text (a lone surrogate, in a key or a value)."""
     try:
         body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError, an integer of 4,300+ digits
         raise eng.openai_api.ApiError(400, "the request body is not valid JSON") from None
     except RecursionError:
         raise eng.openai_api.ApiError(400, "the request body is nested too deeply") from None

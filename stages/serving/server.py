@@ -164,16 +164,17 @@ class LocalServer:
         test left its server serving 48 minutes): Linux's parent-death signal, kept across
         the launcher's re-exec; a parent already gone means no server at all."""
         cpus = self.cpus
+        prctl = None
+        if sys.platform.startswith("linux"):  # resolved here: the child only calls it
+            import ctypes
+
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
 
         def setup() -> None:
             if cpus:
                 os.sched_setaffinity(0, cpus)
-            if sys.platform.startswith("linux"):
-                import ctypes
-                import signal
-
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+            if prctl is not None:
+                prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
                 if os.getppid() != parent:
                     os._exit(1)
 

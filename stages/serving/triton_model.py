@@ -130,7 +130,7 @@ class TritonPythonModel:
             raw = _one_string(tensors["sampling_parameters"], "sampling_parameters")
             try:
                 given = json.loads(raw)
-            except json.JSONDecodeError as exc:
+            except ValueError as exc:  # not JSON, or an integer of 4,300+ digits
                 raise eng.params.BadParameter(f"sampling_parameters is not JSON: {exc}") from None
             except RecursionError:
                 raise eng.params.BadParameter("sampling_parameters is nested too deeply") from None

@@ -148,6 +148,12 @@ def test_validate_and_compile_refuse_a_past_no_plan_could_hold(ws: Workspace) ->
     )
     fits = int(re.search(r"lower it to (\d+)", done.stderr).group(1))  # type: ignore[union-attr]
     assert 1000 < fits < 100_000
+    # a capacity.max_context the search's smaller pasts cannot hold is no crash
+    limited = {**spec, "capacity": {**spec["capacity"], "max_context": 9_000_000}}
+    done = cli(ws, "validate", str(ws.write(limited)))
+    assert "past_sequence.max: 9997952: one sequence" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    ws.write(spec)
     compiled = cli(ws, "compile")
     assert compiled.returncode != 0 and "past_sequence.max: 9997952" in compiled.stderr
     spec["export"]["dims"]["past_sequence"]["max"] = fits

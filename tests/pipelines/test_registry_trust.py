@@ -551,6 +551,9 @@ def test_check_leaves_an_upload_alone_while_its_uploader_lease_is_live(
     actions = breaker.check()
     assert any("left tiny-gpt2@0.1.0 alone: an upload in flight" in a for a in actions), actions
     assert holder.fs.exists(holder.path("releases", "tiny-gpt2", "0.1.0", "manifest.json"))
+    # nor may another publish of the same version write into that upload
+    with pytest.raises(RegistryError, match="tiny-gpt2@0.1.0 is being uploaded by"):
+        breaker.publish(bundle, "tiny-gpt2", "0.1.0")
     go_on.set()
     worker.join(60)
     assert failed and "lost the registry lock" in str(failed[0]), failed
@@ -558,10 +561,11 @@ def test_check_leaves_an_upload_alone_while_its_uploader_lease_is_live(
     # the holder has stopped: its lease lapses, and check then clears what it left
     time.sleep(1.6)
     actions = breaker.check()
-    assert not holder.fs.exists(holder.path("releases", "tiny-gpt2", "0.1.0", "manifest.json")) or (
-        breaker.record("tiny-gpt2", "0.1.0") is not None
-    ), actions
-    assert not any("alone" in a for a in actions), actions
+    # the upload was whole: check verifies and records it, and its marker goes
+    assert any("finished tiny-gpt2@0.1.0" in a for a in actions), actions
+    assert breaker.record("tiny-gpt2", "0.1.0") is not None
+    marker = holder.path("releases", "tiny-gpt2", ".upload-0.1.0.json")
+    assert not holder.fs.exists(marker)
 
 
 @pytest.mark.parametrize(

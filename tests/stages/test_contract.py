@@ -188,13 +188,15 @@ def test_a_run_sweeps_what_killed_runs_of_its_stage_left_and_nothing_else(
             "killed": build / f".pin.{dead}.tmp",
             "live": build / f".pin.{alive.pid}.tmp",
             "other stage": build / f".export.{dead}.tmp",
+            "a name pin prefixes": build / f".pin-report.{dead}.tmp",  # not pin's report
             "not a pid": build / ".pin.x.tmp",
         }
         for path in left.values():
             (path / "half").mkdir(parents=True)
         assert ws.run("pin", gpt2_spec()).status.value == "passed"
         assert not left["killed"].exists()
-        assert all(left[k].exists() for k in ("live", "other stage", "not a pid"))
+        kept = ("live", "other stage", "a name pin prefixes", "not a pid")
+        assert all(left[k].exists() for k in kept), {k: left[k].exists() for k in kept}
     finally:
         alive.kill()
         alive.wait()

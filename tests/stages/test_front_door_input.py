@@ -48,6 +48,14 @@ def test_json_nested_100k_deep_is_a_400(gpt2_server: str) -> None:
     assert status == 400
 
 
+def test_an_integer_of_5000_digits_is_a_400(gpt2_server: str) -> None:
+    """Python refuses to parse integers of more than 4,300 digits with a ValueError that
+    is not a JSONDecodeError: it was a 500."""
+    body = b'{"prompt": "a", "max_tokens": ' + b"1" * 5000 + b"}"
+    status, answer = raw(gpt2_server, "/v1/completions", body)
+    assert status == 400 and "not valid JSON" in answer["error"]["message"], answer
+
+
 @pytest.mark.parametrize(
     "body",
     [

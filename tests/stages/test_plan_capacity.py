@@ -104,6 +104,9 @@ def test_the_engine_serves_the_rows_the_plan_sized_from_its_kv_budget() -> None:
     assert values.max_batch_size == 16
     assert values.kv_cache_budget == plan.kv_budget_tokens * plan.kv_bytes_per_token
     assert triton_values(info, values)["max_batch_size"] == 8
+    # preferred sizes past the raw entry's batch are not rendered there (the engine's are)
+    preferred = serving_values(release(preferred_batch_sizes=[2, 16]), info, plan, "int8")
+    assert triton_values(info, preferred)["preferred_batch_sizes"] == [2]
     # fewer rows: still the plan's budget, at most every row at its longest sequence
     few = serving_values(release(max_batch_size=2), info, plan, "int8")
     assert few.kv_cache_budget == 2 * plan.cached_tokens * plan.kv_bytes_per_token

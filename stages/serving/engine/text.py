@@ -56,7 +56,11 @@ class Text:
                 ),
             ]
         )
-        self._template: GuardedTemplate | None = None
+        # made here (it starts no process until its first render): two first chats at once
+        # share one worker
+        self._template = (
+            GuardedTemplate(self.chat_template, self.special) if self.chat_template else None
+        )
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids; `special`: with the tokenizer's own additions (BOS, [CLS]/[SEP]), as a
@@ -95,8 +99,7 @@ class Text:
                 f"the messages have {chars} characters, more than {tokens} tokens (the served "
                 f"context) can hold at {self.longest} characters a token at most"
             )
-        if self._template is None:
-            self._template = GuardedTemplate(self.chat_template, self.special)
+        assert self._template is not None
         return self._template.render(messages, tokens * self.longest)
 
     def close(self) -> None:
@@ -202,7 +205,7 @@ class GuardedTemplate:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            env={k: v for k, v in os.environ.items() if k != "SHIPYARD_TOKEN"},
+            env={k: v for k, v in os.environ.items() if not k.startswith("SHIPYARD_API_TOKEN")},
         )
         assert proc.stdin is not None
         setup = {"template": self.template, "special": self.special}
