@@ -180,6 +180,12 @@ class MemoryParts(_Model):
     total: int
 
 
+# the cache fed to a decode step, the presents ONNX Runtime builds from it (in its arena),
+# and their copy into the arrays the engine keeps: three copies for the length of a step
+# (measured: tests/stages/test_plan_models_the_engine.py, 3.04 copies at batch 8 x 898)
+KV_COPIES = 3
+
+
 class CapacityPlan(Artifact):
     """Memory for the extreme case vs the usable device memory."""
 

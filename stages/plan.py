@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from schemas import ReleaseSpec, StageError
-from schemas.artifacts import Arch, CapacityPlan, DimSizes, MemoryParts, ModelInfo
-from schemas.spec.capacity import KV_BYTES, KV_COPIES
+from schemas.artifacts import KV_COPIES, Arch, CapacityPlan, DimSizes, MemoryParts, ModelInfo
+from schemas.spec.capacity import KV_BYTES
 from schemas.tasks import TASKS
 from stages._contract import StageContext, StageIO, StageResult
 

@@ -9,10 +9,6 @@ from pydantic import ByteSize, Field
 from schemas.spec.base import PositiveBytes, Strict
 
 KV_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
-# the cache fed to a decode step, the presents ONNX Runtime builds from it (in its arena),
-# and their copy into the arrays the engine keeps: three copies for the length of a step
-# (measured: tests/stages/test_plan_models_the_engine.py, 3.04 copies at batch 8 x 898)
-KV_COPIES = 3
 
 
 class CapacityConfig(Strict):

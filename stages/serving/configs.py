@@ -11,13 +11,13 @@ import yaml
 
 from schemas import Refused
 from schemas.artifacts import (
+    KV_COPIES,
     CapacityPlan,
     ModelInfo,
     ServingValues,
     TensorInfo,
 )
 from schemas.spec.bundle import batch_limits
-from schemas.spec.capacity import KV_COPIES
 from schemas.tasks import TASKS
 from stages.onnx import shapes as sh
 from stages.serving.engine.dtypes import TRITON_OF_NUMPY
