@@ -249,7 +249,7 @@ def test_a_chat_too_big_for_the_context_is_refused_before_rendering(text: Any) -
         t.chat(many, 2048)
     with pytest.raises(ValueError, match="characters, more than 2048 tokens"):
         t.chat([{"role": "user", "content": "x" * 3_500_000}], 2048)
-    assert t._template is None  # no worker was even started
+    assert t._template is not None and t._template._proc is None  # no worker started
     assert t.chat(HI, 2048) == "hi there"
 
 
