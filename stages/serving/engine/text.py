@@ -46,16 +46,9 @@ class Text:
         ) or _template_of(config)
         self.special = {k: _token(config.get(k)) for k in ("bos_token", "eos_token")}
         # the most characters one token stands for (a byte-level token's bytes; at least 1)
-        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
-        self.longest = max(
-            [
-                1,
-                *(
-                    len(self.tokenizer.decode([i], skip_special_tokens=False))
-                    for i in vocab.values()
-                ),
-            ]
-        )
+        ids = [[i] for i in self.tokenizer.get_vocab(with_added_tokens=True).values()]
+        texts = self.tokenizer.decode_batch(ids, skip_special_tokens=False)  # one call
+        self.longest = max(1, *map(len, texts)) if texts else 1
         # made here (it starts no process until its first render): two first chats at once
         # share one worker
         self._template = (
