@@ -260,18 +260,21 @@ def gen(
 
 def gen_refused(generator: Any, payload: InferenceRequest) -> str:
     with pytest.raises(rt.BadRequest) as exc:
-        generator._generation_args(payload)
+        run_loop(generator._generation_args(payload))
     return str(exc.value)
 
 
 def test_a_generation_request_at_every_limit_is_accepted(generator: Any) -> None:
-    prompts, params = generator._generation_args(gen([[0] * 8, [49] * 8], max_new_tokens=4))
+    prompts, params = run_loop(
+        generator._generation_args(gen([[0] * 8, [49] * 8], max_new_tokens=4))
+    )
     assert prompts == [[0] * 8, [49] * 8] and params.max_tokens == 4  # past 8 + 4 - 2 = 10
     assert params.temperature == 0  # V2 decodes greedily unless asked
-    prompts, params = generator._generation_args(gen([[1]], datatype="INT32"))
+    prompts, params = run_loop(generator._generation_args(gen([[1]], datatype="INT32")))
     assert params.max_tokens == 1 and prompts == [[1]]
     # a prompt beyond sequence.max (8) is prefilled in chunks: only past and context bind
-    assert generator._generation_args(gen([[1] * 11], max_new_tokens=1))[1].max_tokens == 1
+    args = run_loop(generator._generation_args(gen([[1] * 11], max_new_tokens=1)))
+    assert args[1].max_tokens == 1
 
 
 @pytest.mark.parametrize(
