@@ -8,7 +8,7 @@ proves is the shape the next one means.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -72,11 +72,16 @@ def trace_sizes(dims: Mapping[str, DimBounds]) -> dict[str, int]:
     return out
 
 
-def odd_size(low: int, high: int, avoid: int | None = None) -> int:
-    """An odd size strictly inside (low, high), near the middle and unlike `avoid` where
-    possible; `high` when the range has none (a specialized 0/1/2 still gets probed at max)."""
-    candidates = [v for v in range(low + 1, high) if v % 2 == 1 and v != avoid]
-    return candidates[len(candidates) // 2] if candidates else high
+def odd_size(low: int, high: int, avoid: Collection[int] = ()) -> int:
+    """An odd size strictly inside (low, high), unlike every size in `avoid` where possible,
+    in the range's lower part (the one nearest a quarter of the way up: a probe there costs
+    a fraction of one at the max, which is probed anyway); `high` when the range has none
+    (a specialized 0/1/2 still gets probed at max)."""
+    candidates = [v for v in range(low + 1, high) if v % 2 == 1 and v not in avoid]
+    if not candidates:
+        return high
+    target = low + (high - low) / 4
+    return min(candidates, key=lambda v: (abs(v - target), v))
 
 
 def corners(
@@ -85,11 +90,17 @@ def corners(
     odd_avoid: Mapping[str, int] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Named sizes at each corner in `which` (min, opt, max) and, when `odd_avoid` is given,
-    at an odd size per dim unlike those sizes. Every dim moves together."""
+    at an odd size per dim unlike those sizes and unlike the other dims' odd sizes (two dims
+    a graph confuses, past and sequence, then differ in the one corner where both are
+    inside their ranges). Every dim moves together."""
     ranges = ranges_of(dims)
     out = {k: {n: r[k] for n, r in ranges.items()} for k in which}
     if odd_avoid is not None:
-        out["odd"] = {n: odd_size(r["min"], r["max"], odd_avoid.get(n)) for n, r in ranges.items()}
+        odd: dict[str, int] = {}
+        for n, r in ranges.items():
+            taken = {*odd.values(), *([odd_avoid[n]] if n in odd_avoid else [])}
+            odd[n] = odd_size(r["min"], r["max"], taken)
+        out["odd"] = odd
     return out
 
 

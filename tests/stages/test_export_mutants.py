@@ -25,41 +25,60 @@ BATCH = {"min": 1, "opt": 2, "max": 4}
 LENGTH = {"min": 2, "opt": 4, "max": 6}
 
 
-def test_the_plans_move_one_dim_at_a_time_then_all_together() -> None:
-    """Each plan names the one dim it moved from the trace sizes (the one a failure blames)."""
+def test_the_plans_are_the_corners_then_one_dim_at_a_time() -> None:
+    """The corners move every dim together; each one-dim plan names the one dim it moved
+    from the trace sizes (the one a failure blames). The odd corner gives each dim its own
+    size: length skips 3, batch's."""
     dims = {"batch": BATCH, "length": LENGTH}
     trace = sh.trace_sizes(dims)
     assert trace == {"batch": 2, "length": 4}
-    assert exporter._plans(dims, trace, odd=True) == [
-        ("only batch=1", {"batch": 1, "length": 4}, "batch"),
-        ("only batch=4", {"batch": 4, "length": 4}, "batch"),
-        ("only batch=3", {"batch": 3, "length": 4}, "batch"),
-        ("only length=2", {"batch": 2, "length": 2}, "length"),
-        ("only length=6", {"batch": 2, "length": 6}, "length"),
-        ("only length=5", {"batch": 2, "length": 5}, "length"),
-        ("all min", {"batch": 1, "length": 2}, None),
-        ("all max", {"batch": 4, "length": 6}, None),
-        ("all odd", {"batch": 3, "length": 5}, None),
-    ]
-    assert [label for label, _, _ in exporter._plans(dims, trace, odd=False)] == [
+    assert exporter._plans(dims, trace, odd=True) == (
+        [
+            ("all min", {"batch": 1, "length": 2}, None),
+            ("all max", {"batch": 4, "length": 6}, None),
+            ("all odd", {"batch": 3, "length": 5}, None),
+        ],
+        [
+            ("only batch=1", {"batch": 1, "length": 4}, "batch"),
+            ("only batch=4", {"batch": 4, "length": 4}, "batch"),
+            ("only batch=3", {"batch": 3, "length": 4}, "batch"),
+            ("only length=2", {"batch": 2, "length": 2}, "length"),
+            ("only length=6", {"batch": 2, "length": 6}, "length"),
+            ("only length=5", {"batch": 2, "length": 5}, "length"),
+        ],
+    )
+    corners, one_dim = exporter._plans(dims, trace, odd=False)
+    assert [label for label, _, _ in corners] == ["all min", "all max"]
+    assert [label for label, _, _ in one_dim] == [
         "only batch=1",
         "only batch=4",
         "only length=2",
         "only length=6",
-        "all min",
-        "all max",
     ]
+
+
+def test_the_odd_sizes_are_low_in_the_range_and_differ_between_dims() -> None:
+    """past and sequence share a range: the odd corner still gives them different sizes
+    (a graph that confuses them fails there), a quarter of the way up (cheap to run)."""
+    same = {"min": 1, "opt": 16, "max": 1024}
+    odd = sh.corners({"past_sequence": {**same, "min": 0}, "sequence": same}, (), {})["odd"]
+    assert odd == {"past_sequence": 255, "sequence": 257}
+    assert odd["past_sequence"] != odd["sequence"]
+    with_trace = sh.corners({"sequence": same}, (), {"sequence": 257})["odd"]
+    assert with_trace == {"sequence": 255}
 
 
 def test_a_size_probed_twice_is_run_once_and_the_trace_size_never_alone() -> None:
-    """A range with no odd size inside probes its max as the odd one: once."""
+    """A range with no odd size inside probes its max as the odd one: its one-dim run once."""
     dims = {"batch": {"min": 2, "opt": 2, "max": 3}}
-    assert exporter._plans(dims, {"batch": 2}, odd=True) == [
-        ("only batch=3", {"batch": 3}, "batch"),
-        ("all min", {"batch": 2}, None),
-        ("all max", {"batch": 3}, None),
-        ("all odd", {"batch": 3}, None),
-    ]
+    assert exporter._plans(dims, {"batch": 2}, odd=True) == (
+        [
+            ("all min", {"batch": 2}, None),
+            ("all max", {"batch": 3}, None),
+            ("all odd", {"batch": 3}, None),
+        ],
+        [("only batch=3", {"batch": 3}, "batch")],
+    )
 
 
 def test_a_small_models_export_probes_the_odd_sizes_and_says_so(ws: Workspace) -> None:
@@ -70,24 +89,19 @@ def test_a_small_models_export_probes_the_odd_sizes_and_says_so(ws: Workspace) -
     details = ExportDetails.model_validate(report.details)
     probed = [(r.shape, r.sizes, r.ok) for r in details.probed]
     assert probed == [
-        ("only batch=1", {"batch": 1}, True),
-        ("only batch=4", {"batch": 4}, True),
-        ("only batch=3", {"batch": 3}, True),
         ("all min", {"batch": 1}, True),
         ("all max", {"batch": 4}, True),
         ("all odd", {"batch": 3}, True),
     ]
     size = (ws.out("small", "export") / "model.onnx").stat().st_size
     assert report.summary == (
-        f"1 inputs, 1 dims symbolic, ran at 6 shapes in ONNX Runtime ({size / 1e6:.1f} MB)"
+        f"1 inputs, 1 dims symbolic, ran at 3 shapes in ONNX Runtime ({size / 1e6:.1f} MB)"
     )
-    assert report.metrics == {"onnx_bytes": size, "shapes_run": 6}
+    assert report.metrics == {"onnx_bytes": size, "shapes_run": 3}
     assert details.trace_sizes == {"batch": 2}
     spec["export"]["odd_sizes"] = False
     report = ws.run("export", spec)
     assert [r.shape for r in ExportDetails.model_validate(report.details).probed] == [
-        "only batch=1",
-        "only batch=4",
         "all min",
         "all max",
     ]
@@ -135,9 +149,46 @@ def test_a_dynamic_graph_runs_at_every_probe(tmp_path: Path) -> None:
     ctx = Ctx()
     found = exporter.probe(ctx, path, LAYOUT, DIMS, TRACE, True)  # type: ignore[arg-type]
     assert found["problems"] == []
-    assert [r["ok"] for r in found["runs"]] == [True] * 9 and ctx.advanced == 9
-    first = {"shape": "only batch=1", "sizes": {"batch": 1, "length": 4}, "ok": True}
+    # every corner passes: no one-dim run is needed (each one's size was run at a corner)
+    assert [r["ok"] for r in found["runs"]] == [True] * 3 and ctx.advanced == 3
+    first = {"shape": "all min", "sizes": {"batch": 1, "length": 2}, "ok": True}
     assert found["runs"][0] == first
+
+
+def test_a_corner_whose_batch_was_lowered_leaves_batch_max_to_its_own_run(
+    tmp_path: Path,
+) -> None:
+    """A cost that fits batch 4 only at the trace length: `all max` runs at batch 2, so
+    batch=4 is run alone at the trace sizes, and nothing else (batch 1 and 3 ran at the
+    min and odd corners)."""
+    path = graph(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], [], ["batch", "length"])
+    cost = lambda s: s["batch"] * s["length"]  # noqa: E731
+    found = exporter.probe(Ctx(), path, LAYOUT, DIMS, TRACE, True, cost, 16)  # type: ignore[arg-type]
+    assert found["problems"] == []
+    assert [(r["shape"], r["sizes"]) for r in found["runs"]] == [
+        ("all min", {"batch": 1, "length": 2}),
+        ("all max, batch 2 (probe memory)", {"batch": 2, "length": 6}),
+        ("all odd", {"batch": 3, "length": 5}),
+        ("only batch=4", {"batch": 4, "length": 4}),
+    ]
+
+
+def test_a_batch_max_only_a_lowered_corner_skipped_is_still_blamed(tmp_path: Path) -> None:
+    """y = x[:3]: right for batch 1 to 3, three rows at batch 4. The max corner is lowered
+    to batch 2 (probe memory) and passes; batch=4 alone fails and is blamed."""
+    starts, ends, axes = (
+        helper.make_tensor(n, TensorProto.INT64, [1], [v])
+        for n, v in (("starts", 0), ("ends", 3), ("axes", 0))
+    )
+    node = helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["y"])
+    path = graph(tmp_path, [node], [starts, ends, axes], ["batch", "length"])
+    cost = lambda s: s["batch"] * s["length"]  # noqa: E731
+    found = exporter.probe(Ctx(), path, LAYOUT, DIMS, TRACE, True, cost, 16)  # type: ignore[arg-type]
+    assert found["problems"] == [
+        "dim 'batch' is baked into the graph: it runs at the trace size batch=2 but not at "
+        "batch=4: output y has shape [3, 4], axis 0 (batch) should be 4"
+    ]
+    assert [r["shape"] for r in found["runs"] if not r["ok"]] == ["only batch=4"]
 
 
 def test_a_graph_baked_at_the_trace_length_blames_length_once(tmp_path: Path) -> None:
@@ -153,12 +204,12 @@ def test_a_graph_baked_at_the_trace_length_blames_length_once(tmp_path: Path) ->
         "length=2: "
     ), problem
     assert [r["shape"] for r in found["runs"] if not r["ok"]] == [
-        "only length=2",
-        "only length=6",
-        "only length=5",
         "all min",
         "all max",
         "all odd",
+        "only length=2",
+        "only length=6",
+        "only length=5",
     ]
 
 
@@ -257,7 +308,17 @@ def test_the_probe_progress_says_what_runs(tmp_path: Path) -> None:
     path = graph(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], [], ["batch", "length"])
     ctx = Ctx()
     exporter.probe(ctx, path, LAYOUT, DIMS, TRACE, False)  # type: ignore[arg-type]
-    assert ctx.described == [("running the graph at other shapes", 6)]
+    assert ctx.described == [("running the graph at its corners", 2)]
+    bias = helper.make_tensor("bias", TensorProto.FLOAT, [1, 4], [0.0] * 4)
+    baked = graph(
+        tmp_path, [helper.make_node("Add", ["x", "bias"], ["y"])], [bias], ["batch", "length"]
+    )
+    ctx = Ctx()
+    exporter.probe(ctx, baked, LAYOUT, DIMS, TRACE, False)  # type: ignore[arg-type]
+    assert ctx.described == [
+        ("running the graph at its corners", 2),
+        ("a corner failed: moving one dim at a time to blame it", 4),
+    ]
 
 
 def test_a_failed_run_keeps_onnx_runtimes_first_line(tmp_path: Path) -> None:

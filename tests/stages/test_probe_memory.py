@@ -99,7 +99,7 @@ def test_export_and_parity_run_the_max_corner_at_the_batch_that_fits(
     ws: Workspace, monkeypatch: pytest.MonkeyPatch, fits: int, expected: int
 ) -> None:
     """At exactly the estimate of 2 rows the corner runs 2 rows (the boundary passes); the
-    budget of 1 row runs 1. batch.max (3) is still probed alone at the trace sizes."""
+    budget of 1 row runs 1. batch.max (3) is still probed."""
     budget = _budget_for(fits)
     monkeypatch.setattr(sh, "probe_budget", lambda weights: budget)
     spec = gpt2_spec()
@@ -114,7 +114,8 @@ def test_export_and_parity_run_the_max_corner_at_the_batch_that_fits(
     label = f"all max, batch {expected} (probe memory)"
     assert probed[label] == {"batch": expected, "sequence": 64, "past_sequence": 24}
     assert "all max" not in probed
-    assert probed["only batch=3"]["batch"] == 3
+    # batch.max (3) ran at a corner the budget did not lower (the odd one), or alone
+    assert any(sizes["batch"] == 3 for sizes in probed.values())
     assert probed["all min"] == {"batch": 1, "sequence": 1, "past_sequence": 0}
     report = ws.run("parity", spec)
     assert report.status.value == "passed", report.reasons
