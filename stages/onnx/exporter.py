@@ -311,7 +311,11 @@ def probe(
         ) from None
     corners, blame = _plans(dims, trace, odd)
     if cost is not None:
-        fit = lambda plans: [(*_fit(lb, s, dims, cost, budget), n) for lb, s, n in plans]  # noqa: E731
+        fitted = cost
+
+        def fit(plans: list[Plan]) -> list[Plan]:
+            return [(*_fit(lb, s, dims, fitted, budget), n) for lb, s, n in plans]
+
         corners, blame = fit(corners), fit(blame)
     runs, problems, blamed = [], [], set()
 
@@ -362,7 +366,7 @@ def _plans(
     """(the corners, the one-dim runs that blame a failing corner): (label, sizes, the one
     dim moved from the trace sizes or None) per run, each size run once."""
     at = sh.corners(dims, ("min", "max"), odd_avoid=trace if odd else None)
-    plans = [
+    plans: list[Plan] = [
         (f"only {n}={c[n]}", {**trace, n: c[n]}, n)
         for n in dims
         for c in at.values()
