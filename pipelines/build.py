@@ -256,9 +256,10 @@ def _repro(root: Path, target: str, *flags: str) -> tuple[int, str]:
 
 
 def reproduce(root: Path, release: str, stages: list[str], pull: bool) -> int:
-    """A worker: each stage by `dvc repro --single-item`; with trusted builders, an output
-    DVC restored rather than built is checked before the next stage reads it, and rebuilt
-    here when no trusted builder attested it for these inputs. Returns an exit code."""
+    """A worker: each stage by `dvc repro --single-item`; with trusted builders, every output
+    this worker did not build (restored, pulled or already there) is checked before the
+    next stage reads it, and rebuilt here when no trusted builder attested it for these
+    inputs. Returns an exit code."""
     from pipelines import cache
 
     trusted = provenance.trusted_keys()
@@ -267,8 +268,12 @@ def reproduce(root: Path, release: str, stages: list[str], pull: bool) -> int:
         code, text = _repro(root, target, *(["--pull"] if pull else []))
         if code != 0:
             return code
-        if not trusted or f"Stage '{target}' is cached" not in text:
-            continue  # built here (or unchanged since): nothing came from elsewhere
+        if not trusted or f"Running stage '{target}'" in text:
+            continue  # built here: nothing came from elsewhere
+        # restored from the run-cache ("is cached"), pulled from the remote ("Pulling data"),
+        # or left as it was ("didn't change"): whatever restored it, an output this worker
+        # did not build is checked before the next stage reads it (issue 42 item 3: an output
+        # `cache pull` had evicted came back by `--pull` unchecked)
         paths = provenance.stage_paths(root, stage, release)
         who, problems = (
             provenance.check(root, paths, trusted)

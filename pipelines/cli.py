@@ -333,7 +333,7 @@ def _specs(names: list[str]) -> list[Any]:
 
 def cmd_provenance(args: argparse.Namespace) -> int:
     """Every stage of the releases: built by a trusted builder from these inputs?"""
-    from pipelines import compiler, provenance
+    from pipelines import compiler, fingerprint, provenance
     from schemas import RegistryError
     from stages import repo_root
 
@@ -342,6 +342,18 @@ def cmd_provenance(args: argparse.Namespace) -> int:
     releases, all_ios = compiler.stage_ios(root)
     wanted = {s.name for _, s in releases} if not args.releases else set(args.releases)
     bad = 0
+    # every stage's attestation holds against the params it read; the params themselves
+    # must be this checkout's (a restored `code` output makes the whole chain an old build)
+    stale = compiler.stale_fingerprints(root, wanted)
+    if stale:
+        bad += 1
+        print(
+            f"FAIL {fingerprint.CODE_STAGE}: "
+            + "; ".join(stale[:3])
+            + (f"; {len(stale) - 3} more" if len(stale) > 3 else "")
+            + ": restored from another build (DVC's run-cache or a remote); run "
+            "`shipyard fingerprint`, then `dvc repro` rebuilds what depends on it"
+        )
     for _, spec in releases:
         if spec.name not in wanted:
             continue

@@ -116,6 +116,11 @@ def compile_dvc(root: Path) -> str:
 def write_fingerprints(root: Path) -> list[Path]:
     """`shipyard fingerprint`: build/.params/<release>/<stage>.json for every release and
     stage (`params_text`), each rewritten only when its content changes."""
+    return [write_if_changed(target, text) for target, text in fingerprints(root).items()]
+
+
+def fingerprints(root: Path) -> dict[Path, str]:
+    """What `shipyard fingerprint` writes from this checkout: params file -> its text."""
     from pipelines.fingerprint import stage_fingerprint
 
     releases, all_ios = stage_ios(root)
@@ -127,14 +132,31 @@ def write_fingerprints(root: Path) -> list[Path]:
     files = {
         name: file_digests(code, next(iter(ios.values())).code) for name, ios in all_ios.items()
     }
-    written = []
+    out = {}
     for path, spec in releases:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
         for name, ios in all_ios.items():
             target = root / PARAMS_DIR / spec.name / f"{name}.json"
-            text = params_text(ios[spec.name], data, digests[name], files[name])
-            written.append(write_if_changed(target, text))
-    return written
+            out[target] = params_text(ios[spec.name], data, digests[name], files[name])
+    return out
+
+
+def stale_fingerprints(root: Path, releases: set[str] | None = None) -> list[str]:
+    """The params files under build/.params that differ from what this checkout's code and
+    specs give (issue 42: a `dvc repro --pull` can restore the `code` stage's output from a
+    poisoned run-cache entry, and every stage after it then matches the old code; each
+    stage's attestation still holds, since it attests what that stage read). Names each,
+    relative to `root`, with what is wrong."""
+    problems = []
+    for target, text in fingerprints(root).items():
+        if releases is not None and target.parent.name not in releases:
+            continue
+        name = target.relative_to(root).as_posix()
+        if not target.is_file():
+            problems.append(f"{name} is missing")
+        elif target.read_text(encoding="utf-8") != text:
+            problems.append(f"{name} is not what this checkout's code and spec give")
+    return problems
 
 
 def params_text(

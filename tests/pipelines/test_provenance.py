@@ -195,6 +195,57 @@ def test_the_provenance_command_lists_each_stage_and_fails_on_any_untrusted(
     assert "no trusted builder keys" in capsys.readouterr().err
 
 
+def test_params_restored_from_another_build_fail_provenance_though_each_stage_holds(
+    repo: Path,
+    keys: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 42 item 1: a poisoned run-cache entry for `code` restores old params (an old
+    runtime's digest); every stage after it is consistent with them, so each attestation
+    holds. The params must be what this checkout gives: an old digest, or a missing file,
+    fails `shipyard provenance`, and `shipyard fingerprint` mends it."""
+    monkeypatch.setenv("SHIPYARD_ROOT", str(repo))
+    pub = str(keys["builder.pub"])
+    params = repo / "build" / ".params" / REL / "serve.json"
+    honest = params.read_text(encoding="utf-8")
+    assert "FAIL code" not in _provenance(capsys, pub)
+    old = json.loads(honest)
+    module = sorted(old["code"])[0]
+    old["code"][module] = "0" * 64  # the digest an older checkout's module had
+    params.unlink()  # a restored file: the old one may be a hardlink into DVC's cache
+    params.write_text(json.dumps(old, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    out = _provenance(capsys, pub)
+    assert (
+        f"FAIL code: build/.params/{REL}/serve.json is not what this checkout's code and spec "
+        "give: restored from another build" in out
+    ), out
+    assert f"ok   pin@{REL}: built by " in out  # the stages' own chains still hold
+    params.unlink()
+    assert f"build/.params/{REL}/serve.json is missing" in _provenance(capsys, pub)
+    assert main(["fingerprint"]) == 0
+    capsys.readouterr()
+    assert params.read_text(encoding="utf-8") == honest
+    assert "FAIL code" not in _provenance(capsys, pub)
+    # another release's params are not this release's business
+    other = repo / "build" / ".params" / "gpt2-small" / "serve.json"
+    kept = other.read_text(encoding="utf-8")
+    try:
+        other.unlink()
+        other.write_text("{}\n", encoding="utf-8")
+        assert "FAIL code" not in _provenance(capsys, pub)
+    finally:
+        other.unlink()
+        other.write_text(kept, encoding="utf-8")
+
+
+def _provenance(capsys: pytest.CaptureFixture[str], pub: str) -> str:
+    """`shipyard provenance REL`'s output (its exit code is 5 here anyway: quantize and the
+    later stages are not built in this fixture)."""
+    assert main(["provenance", REL, "--trusted-builder", pub]) == 5
+    return capsys.readouterr().out
+
+
 def local_config(root: Path) -> configparser.ConfigParser:
     config = configparser.ConfigParser()
     config.read(root / ".dvc" / "config.local")
@@ -490,3 +541,36 @@ def test_a_forged_run_cache_entry_on_the_shared_s3_remote_is_rebuilt_by_a_fresh_
     log = (clone / "build" / ".logs" / f"{REL}.log").read_text()
     assert f"trusted pin@{REL}: restored, built by" in log  # the honest entries still serve
     assert log.index(f"Stage 'export@{REL}' is cached") < log.index(f"rebuild export@{REL}")
+
+
+def test_an_evicted_output_pulled_again_by_build_pull_is_rebuilt_not_trusted(
+    repo: Path, keys: dict[str, Path], tmp_path: Path, s3_server: str
+) -> None:
+    """Issue 42 item 3: the forged export is in dvc.lock and on the remote (a poisoned
+    push). A clone that keeps the lock: `cache pull` evicts the forged output (no trusted
+    signature); `build --pull` then has DVC pull it again for the lock's md5 ("didn't
+    change" once pulled, no "is cached" line), and the worker still checks it, evicts it and
+    builds export here."""
+    import boto3
+
+    name = bucket()
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    remote = {"SHIPYARD_DVC_REMOTE": f"s3://{name}/dvc", "SHIPYARD_DVC_ENDPOINT": s3_server}
+    forged = forge_export(repo, keys)
+    try:
+        commit_all(repo)  # the lock names the forged export: what the clone checks out
+        sh(["shipyard", "cache", "push"], repo, remote)
+        clone = tmp_path / "clone"
+        sh(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
+        env = {**remote, **trusting(keys)}
+        sh(["shipyard", "cache", "pull"], clone, env)
+        assert not (clone / "build" / REL / "export" / "model.onnx").exists()  # evicted
+        done = sh(["shipyard", "build", REL, "--until", "export", "--pull"], clone, env)
+        assert f"{REL}: rebuild export@{REL}: not signed by a trusted builder" in done.stdout
+        log = (clone / "build" / ".logs" / f"{REL}.log").read_text()
+        assert f"Stage 'export@{REL}' is cached" not in log  # not the run-cache path
+        built = (clone / "build" / REL / "export" / "model.onnx").read_bytes()
+        assert built != forged and check(clone, "export", keys["builder.pub"])[1] == []
+    finally:
+        sh(["dvc", "repro", "--force", "--single-item", f"export@{REL}"], repo, trusting(keys))
+        commit_all(repo)
