@@ -60,6 +60,7 @@ models/%/model.safetensors: scripts/make_checkpoint.py | $(STAMP)
 release: $(STAMP) $(CHECKPOINTS) $(PLOTS_TEMPLATE)
 	$(BIN)/shipyard compile --check
 	$(BIN)/dvc repro $(REPRO_FLAGS) $(RELEASE_TARGETS)
+	$(BIN)/shipyard fingerprint --check
 	for bundle in build/*/bundle; do $(BIN)/shipyard verify $$bundle || exit 1; done
 
 # CI's build: `shipyard build` instead of a plain `dvc repro`, so that with

@@ -85,6 +85,19 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
     from pipelines import compiler
     from stages import repo_root
 
+    if args.check:
+        stale = compiler.stale_fingerprints(repo_root())
+        for problem in stale:
+            print(f"stale: {problem}", file=sys.stderr)
+        if stale:
+            print(
+                f"{len(stale)} params file(s) came from another build: run `shipyard "
+                "fingerprint`, then `dvc repro` rebuilds what depends on them",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"every params file under {compiler.PARAMS_DIR} is this checkout's")
+        return 0
     written = compiler.write_fingerprints(repo_root())
     print(
         f"wrote the code fingerprint and spec sections of each release's stages into "
@@ -583,6 +596,12 @@ def parser() -> argparse.ArgumentParser:
     fp = sub.add_parser(
         "fingerprint",
         help="write build/.params/<release>/<stage>.json (dvc.yaml's `code` stage)",
+    )
+    fp.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 naming each params file that is not what this checkout "
+        "gives (one restored from another build by DVC's run-cache or a remote)",
     )
     fp.set_defaults(func=cmd_fingerprint)
     sch = sub.add_parser("schema", help="print the release spec JSON Schema")

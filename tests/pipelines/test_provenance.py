@@ -221,9 +221,13 @@ def test_params_restored_from_another_build_fail_provenance_though_each_stage_ho
         "give: restored from another build" in out
     ), out
     assert f"ok   pin@{REL}: built by " in out  # the stages' own chains still hold
+    capsys.readouterr()
+    assert main(["fingerprint", "--check"]) == 1  # make release's check after dvc repro
+    assert f"stale: build/.params/{REL}/serve.json is not what" in capsys.readouterr().err
     params.unlink()
     assert f"build/.params/{REL}/serve.json is missing" in _provenance(capsys, pub)
     assert main(["fingerprint"]) == 0
+    assert main(["fingerprint", "--check"]) == 0
     capsys.readouterr()
     assert params.read_text(encoding="utf-8") == honest
     assert "FAIL code" not in _provenance(capsys, pub)
