@@ -34,6 +34,8 @@ ports):
 - a V2 stream the engine refuses (a full queue: 503, a bad parameter: 400) answers with
   that status and a JSON error: MLServer commits a stream's 200 before the model runs, so
   the first event is held until it is known;
+- nothing is written into the bundle: no `__pycache__` beside the modules it imports, in
+  this process or in the workers it starts;
 - the V2 binary tensor data extension (what `tritonclient.http` sends by default): binary
   inputs (`Inference-Header-Content-Length`, `binary_data_size`) become JSON data before
   MLServer parses the request, and outputs asked for as binary (`binary_data`,
@@ -601,6 +603,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, folder: Path = HERE) -> None:
+    import sys
+
+    # a bundle stays as signed: served from build/ or a registry copy, nothing it imports
+    # (the runtime, the engine) leaves a __pycache__ beside it; MLServer's workers and the
+    # chat-template worker inherit the environment (issue 43: a later publish refused it)
+    sys.dont_write_bytecode = True
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     args = parser().parse_args(argv)
     for name in ("http_port", "grpc_port", "metrics_port"):
         port = getattr(args, name)

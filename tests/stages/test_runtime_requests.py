@@ -945,3 +945,27 @@ def test_the_metrics_endpoint_shows_ttft_batching_tokens_and_finish_reasons(guar
     again = scrape(guarded)
     empty = ("shipyard_empty_responses_total", model)
     assert again.get(empty, 0.0) - after.get(empty, 0.0) == 1
+
+
+def test_serving_from_the_bundle_writes_nothing_into_it(
+    built_gpt2: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43: served from build/ as the README says, Python's default wrote __pycache__
+    beside the runtime, and a later publish refused the bundle. Run without the
+    PYTHONDONTWRITEBYTECODE this machine sets, a generation request leaves every file of
+    the tree as it was and adds none."""
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    tree = tree_with(built_gpt2, tmp_path / "tree")
+
+    harness = "serving/mlserver/tiny-gpt2/model-settings.json"  # LocalServer re-indents it
+
+    def files() -> dict[str, int]:
+        found = {p.relative_to(tree).as_posix(): p.stat().st_size for p in tree.rglob("*")}
+        return {name: size for name, size in found.items() if name != harness}
+
+    before = files()
+    with LocalServer(tree, "tiny-gpt2", tmp_path / "log", 60) as srv:
+        status, text = asyncio.run(post(srv.url, ids([1, 2, 3], [1, 3], max_new_tokens=2)))
+        assert status == 200, text
+    assert files() == before
+    assert not list(tree.rglob("__pycache__"))
