@@ -4,7 +4,8 @@ with its process group (the python-backend stubs go with it).
 
     python -m stages.serving.triton_server build/tiny-gpt2/bundle tiny-gpt2-generate
 
-runs one in the foreground on Triton's default ports (HTTP 8000, gRPC 8001, metrics 8002).
+runs one in the foreground on Triton's default ports (HTTP 8000, gRPC 8001, metrics 8002),
+on 127.0.0.1, from a hard-linked copy of the bundle (the server never writes into it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 from schemas import Refused, StageError
@@ -32,7 +34,14 @@ def home() -> Path:
     return root
 
 
-def command(root: Path, repository: Path, models: list[str], ports: list[int]) -> list[str]:
+LOOPBACK = "127.0.0.1"
+
+
+def command(
+    root: Path, repository: Path, models: list[str], ports: list[int], host: str = LOOPBACK
+) -> list[str]:
+    """The server's command line: every port bound to `host`, loopback unless told (Triton
+    binds 0.0.0.0 by default, and it checks no token: issue 43)."""
     http, grpc, metrics = ports
     return [
         str(root / "bin" / "tritonserver"),
@@ -40,6 +49,9 @@ def command(root: Path, repository: Path, models: list[str], ports: list[int]) -
         f"--backend-directory={root / 'backends'}",
         "--model-control-mode=explicit",
         *(f"--load-model={m}" for m in models),
+        f"--http-address={host}",
+        f"--grpc-address={host}",
+        f"--metrics-address={host}",
         f"--http-port={http}",
         f"--grpc-port={grpc}",
         f"--metrics-port={metrics}",
@@ -61,6 +73,26 @@ def environment(root: Path) -> dict[str, str]:
     return env
 
 
+def private_tree(bundle: Path, into: Path) -> Path:
+    """`bundle` as a tree the server may write into: every folder made anew, every file
+    hard-linked (copied across file systems). Triton's python-backend stub writes
+    `__pycache__` beside model.py whatever PYTHONDONTWRITEBYTECODE says; in this tree it
+    lands in a folder of its own, and the bundle stays as signed (issue 43)."""
+    import shutil
+
+    into.mkdir(parents=True, exist_ok=True)
+    for source in sorted(bundle.rglob("*")):
+        target = into / source.relative_to(bundle)
+        if source.is_dir() and not source.is_symlink():
+            target.mkdir(exist_ok=True)
+            continue
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+    return into
+
+
 class TritonServer(LocalServer):
     """`with TritonServer(tree, [model], log, startup) as s:` -> s.grpc is ready."""
 
@@ -70,16 +102,19 @@ class TritonServer(LocalServer):
         super().__init__(tree, models[0], log, startup)
         self.models = models
         self.grpc = ""
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
 
     def _start(self) -> TritonServer:
         root = home()
         ports = free_ports(3)
         self.url, self.grpc = f"http://127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
-        repository = self.tree / "serving" / "triton"
+        self._scratch = tempfile.TemporaryDirectory(prefix="shipyard-triton-")
+        served = private_tree(self.tree, Path(self._scratch.name) / "bundle")
+        repository = served / "serving" / "triton"
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 command(root, repository, self.models, ports),
-                cwd=self.tree,
+                cwd=served,
                 env=environment(root),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -92,6 +127,12 @@ class TritonServer(LocalServer):
             self.stop()
             raise
         return self
+
+    def stop(self) -> None:
+        super().stop()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
 
     def _ready_url(self) -> str:
         return f"{self.url}/v2/health/ready"
@@ -110,8 +151,14 @@ def main(argv: list[str]) -> int:
         print(exc, file=sys.stderr)
         return 1
     bundle = Path(argv[0]).resolve()
-    args = command(root, bundle / "serving" / "triton", argv[1:], [8000, 8001, 8002])
-    os.execve(args[0], args, environment(root))
+    with tempfile.TemporaryDirectory(prefix="shipyard-triton-") as scratch:
+        served = private_tree(bundle, Path(scratch) / "bundle")
+        args = command(root, served / "serving" / "triton", argv[1:], [8000, 8001, 8002])
+        server = subprocess.Popen(args, env=environment(root), cwd=served)
+        try:
+            return server.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached the server too: let it finish
+            return server.wait()
 
 
 if __name__ == "__main__":

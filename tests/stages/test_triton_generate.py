@@ -326,3 +326,28 @@ def test_the_generate_entry_ships_the_engine_and_reads_the_one_model_copy(tree: 
     for module in sorted(mlserver.glob("*.py")):
         assert (version / "shipyard_engine" / module.name).read_bytes() == module.read_bytes()
     assert not list(version.glob("*.onnx"))  # the model is stored once, in tiny-gpt2/1/
+
+
+def test_every_port_listens_on_loopback_only(server: TritonServer, tree: Path) -> None:
+    """Issue 43: Triton binds 0.0.0.0 unless told, and checks no token; the entry binds
+    127.0.0.1 (HTTP, gRPC and metrics) unless a host is given, and writes nothing into the
+    bundle it serves."""
+    import ipaddress
+
+    import psutil
+
+    assert server.proc is not None
+    listening = [
+        c.laddr
+        for c in psutil.Process(server.proc.pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert len(listening) == 3, listening
+
+    def loopback(ip: str) -> bool:  # gRPC listens as ::ffff:127.0.0.1
+        address = ipaddress.ip_address(ip)
+        mapped = getattr(address, "ipv4_mapped", None)
+        return (mapped or address).is_loopback
+
+    assert all(loopback(a.ip) for a in listening), listening
+    assert not list(tree.rglob("__pycache__"))
