@@ -520,9 +520,77 @@ def grpc_guard(token: str | None, admin: bool) -> Any:
                     grpc.StatusCode.UNIMPLEMENTED,
                     "the model repository API is off; start the server with --admin-api",
                 )
+            if method == STREAM_GRPC and handler.stream_stream is not None:
+                return triton_stream(handler)
             return handler
 
     return Guard()
+
+
+STREAM_GRPC = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+def triton_stream(handler: Any) -> Any:
+    """ModelStreamInfer as Triton (and `tritonclient`'s `start_stream`) has it: every
+    request on the stream is an inference of its own, answered by one response or, for a
+    generation, one per token, each wrapped as a ModelStreamInferResponse. MLServer's own
+    took the first request as the inference and the rest as its payloads, and answered
+    with bare ModelInferResponses: tritonclient could not read them ("Exception
+    deserializing response") and its stop_stream() waited forever (issue 43)."""
+    import grpc
+
+    original, serialize = handler.stream_stream, handler.response_serializer
+
+    async def each(requests: Any, context: Any) -> Any:
+        async for request in requests:
+
+            async def alone(first: Any = request) -> Any:
+                yield first
+
+            async for response in original(alone(), _OneOfMany(context)):
+                yield stream_response(serialize(response))
+
+    return grpc.stream_stream_rpc_method_handler(
+        each,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=lambda data: data,  # already Triton's message, serialized
+    )
+
+
+class _OneOfMany:
+    """A stream's context as one of its inferences sees it: no trailing metadata. MLServer
+    sets a response's headers as trailers and reads the trailers back as request headers
+    (as plain tuples, which its reader cannot read: the second request on a stream failed
+    "'tuple' object has no attribute 'value'"); trailers end a stream, not an inference."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    def trailing_metadata(self) -> tuple[Any, ...]:
+        return ()
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        return None
+
+
+def stream_response(infer_response: bytes, error: str = "") -> bytes:
+    """Triton's `ModelStreamInferResponse {string error_message = 1; ModelInferResponse
+    infer_response = 2;}` on the wire (tritonclient's protobufs are not MLServer's: the
+    two packages' generated modules clash in one process)."""
+
+    def field(number: int, data: bytes) -> bytes:  # length-delimited (wire type 2)
+        size, length = bytearray(), len(data)
+        while True:  # the length as a varint
+            low, length = length & 0x7F, length >> 7
+            size.append(low | (0x80 if length else 0))
+            if not length:
+                break
+        return bytes([number << 3 | 2]) + bytes(size) + data
+
+    return (field(1, error.encode("utf-8")) if error else b"") + field(2, infer_response)
 
 
 def guarded_h11(read_timeout: float, max_connections: int) -> type:

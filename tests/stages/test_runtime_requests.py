@@ -541,6 +541,64 @@ def test_grpc_needs_the_token_and_its_repository_service_is_off(guarded: Any) ->
     assert client.is_model_ready("tiny-gpt2", headers={"authorization": f"Bearer {TOKEN}"})
 
 
+def test_tritonclient_grpc_streaming_gets_one_response_per_token_and_stop_stream_returns(
+    guarded: Any,
+) -> None:
+    """Issue 43: `start_stream` + `async_stream_infer` got no callback and `stop_stream()`
+    never returned (MLServer answered bare ModelInferResponses). Two requests on one
+    stream: each is its own generation, one response per token, the same tokens as a
+    unary call; a wrong request's error reaches the callback; stop_stream() returns."""
+    import queue
+    import threading
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    client = grpcclient.InferenceServerClient(guarded.grpc)
+
+    def prompt(values: list[int]) -> Any:
+        tensor = grpcclient.InferInput("input_ids", [1, len(values)], "INT64")
+        tensor.set_data_from_numpy(np.array([values], dtype=np.int64))
+        return tensor
+
+    unary = {
+        tuple(p): client.infer(
+            "tiny-gpt2", [prompt(p)], parameters={"max_new_tokens": 4}, headers=auth
+        ).as_numpy("output_ids")
+        for p in ([1, 2, 3], [7, 8])
+    }
+    got: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)), headers=auth)
+    for p in ([1, 2, 3], [7, 8]):
+        client.async_stream_infer(
+            "tiny-gpt2", [prompt(p)], request_id=str(p[0]), parameters={"max_new_tokens": 4}
+        )
+    stopped = threading.Thread(target=client.stop_stream)
+    stopped.start()
+    stopped.join(60)
+    assert not stopped.is_alive(), "stop_stream() did not return"
+    events = []
+    while not got.empty():
+        events.append(got.get())
+    assert all(error is None for _, error in events), [str(e) for _, e in events if e]
+    tokens: dict[str, list[int]] = {}
+    for result, _ in events:
+        request = result.get_response().id
+        tokens.setdefault(request, []).extend(result.as_numpy("output_ids").ravel().tolist())
+    assert len(events) == 8  # one response a token, 4 tokens, two requests
+    assert tokens == {
+        "1": unary[(1, 2, 3)].ravel().tolist(),
+        "7": unary[(7, 8)].ravel().tolist(),
+    }
+    without = grpcclient.InferenceServerClient(guarded.grpc)  # no token: refused in-stream
+    refused: queue.Queue[Any] = queue.Queue()
+    without.start_stream(callback=lambda result, error: refused.put(error))
+    without.async_stream_infer("tiny-gpt2", [prompt([1])])
+    assert "API token" in str(refused.get(timeout=30))
+    without.stop_stream()
+
+
 def test_a_body_past_max_request_bytes_gets_413_and_one_at_it_is_parsed(guarded: Any) -> None:
     cap = json.loads((guarded.tree / "serving" / "mlserver" / "shipyard_server.json").read_text())[
         "max_request_bytes"
