@@ -96,7 +96,7 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-        print(f"every params file under {compiler.PARAMS_DIR} is this checkout's")
+        print(f"every release's params under {compiler.PARAMS_DIR} are this checkout's")
         return 0
     written = compiler.write_fingerprints(repo_root())
     print(
@@ -359,13 +359,13 @@ def cmd_provenance(args: argparse.Namespace) -> int:
     # must be this checkout's (a restored `code` output makes the whole chain an old build)
     stale = compiler.stale_fingerprints(root, wanted)
     if stale:
-        bad += 1
         print(
             f"FAIL {fingerprint.CODE_STAGE}: "
             + "; ".join(stale[:3])
             + (f"; {len(stale) - 3} more" if len(stale) > 3 else "")
-            + ": restored from another build (DVC's run-cache or a remote); run "
-            "`shipyard fingerprint`, then `dvc repro` rebuilds what depends on it"
+            + ": not rebuilt since a change, or restored from another build (DVC's "
+            "run-cache or a remote); run `shipyard fingerprint`, then `dvc repro` rebuilds "
+            "what depends on it"
         )
     for _, spec in releases:
         if spec.name not in wanted:
@@ -390,9 +390,15 @@ def cmd_provenance(args: argparse.Namespace) -> int:
     unknown = wanted - {s.name for _, s in releases}
     if unknown:
         raise RegistryError(f"no such release: {', '.join(sorted(unknown))}")
+    if stale and not bad:
+        raise RegistryError(
+            f"{len(stale)} params file(s) under {compiler.PARAMS_DIR} are not this checkout's: "
+            "run `shipyard fingerprint`, then `dvc repro`"
+        )
     if bad:
         raise RegistryError(
-            f"{bad} stage output(s) without trusted provenance: "
+            (f"{len(stale)} stale params file(s) and " if stale else "")
+            + f"{bad} stage output(s) without trusted provenance: "
             + (
                 "removed with their cached objects and run-cache entries; `dvc repro` rebuilds them"
                 if args.evict

@@ -98,8 +98,10 @@ def corners(
     if odd_avoid is not None:
         odd: dict[str, int] = {}
         for n, r in ranges.items():
-            taken = {*odd.values(), *([odd_avoid[n]] if n in odd_avoid else [])}
-            odd[n] = odd_size(r["min"], r["max"], taken)
+            trace = {odd_avoid[n]} if n in odd_avoid else set()
+            odd[n] = odd_size(r["min"], r["max"], trace | set(odd.values()))
+            if odd[n] == r["max"]:  # every odd size taken by another dim: an odd one still
+                odd[n] = odd_size(r["min"], r["max"], trace)
         out["odd"] = odd
     return out
 

@@ -533,10 +533,11 @@ STREAM_GRPC = "/inference.GRPCInferenceService/ModelStreamInfer"
 def triton_stream(handler: Any) -> Any:
     """ModelStreamInfer as Triton (and `tritonclient`'s `start_stream`) has it: every
     request on the stream is an inference of its own, answered by one response or, for a
-    generation, one per token, each wrapped as a ModelStreamInferResponse. MLServer's own
-    took the first request as the inference and the rest as its payloads, and answered
-    with bare ModelInferResponses: tritonclient could not read them ("Exception
-    deserializing response") and its stop_stream() waited forever (issue 43)."""
+    generation, one per token, each wrapped as a ModelStreamInferResponse; a request that
+    fails gets its `error_message` and the stream goes on. MLServer's own took the first
+    request as the inference and the rest as its payloads, and answered with bare
+    ModelInferResponses: tritonclient could not read them ("Exception deserializing
+    response") and its stop_stream() waited forever (issue 43)."""
     import grpc
 
     original, serialize = handler.stream_stream, handler.response_serializer
@@ -547,8 +548,11 @@ def triton_stream(handler: Any) -> Any:
             async def alone(first: Any = request) -> Any:
                 yield first
 
-            async for response in original(alone(), _OneOfMany(context)):
-                yield stream_response(serialize(response))
+            try:
+                async for response in original(alone(), _OneOfMany(context)):
+                    yield stream_response(serialize(response), _in_band_error(response))
+            except _Refused as refused:  # MLServer aborted this request: not the stream
+                yield stream_response(b"", refused.details)
 
     return grpc.stream_stream_rpc_method_handler(
         each,
@@ -557,11 +561,27 @@ def triton_stream(handler: Any) -> Any:
     )
 
 
+def _in_band_error(response: Any) -> str:
+    """The error a streamed response carries in-band (the runtime's refusal once MLServer
+    has committed the stream: no outputs, `parameters.error`), else ""."""
+    if response.outputs or "error" not in response.parameters:
+        return ""
+    return str(response.parameters["error"].string_param) or "the request failed"
+
+
+class _Refused(Exception):
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+        self.details = details
+
+
 class _OneOfMany:
-    """A stream's context as one of its inferences sees it: no trailing metadata. MLServer
+    """A stream's context as one of its inferences sees it. No trailing metadata: MLServer
     sets a response's headers as trailers and reads the trailers back as request headers
     (as plain tuples, which its reader cannot read: the second request on a stream failed
-    "'tuple' object has no attribute 'value'"); trailers end a stream, not an inference."""
+    "'tuple' object has no attribute 'value'"); trailers end a stream, not an inference.
+    An abort refuses this inference only (`_Refused`), and the stream's own reads and
+    writes are not this inference's to make."""
 
     def __init__(self, context: Any) -> None:
         self._context = context
@@ -574,6 +594,15 @@ class _OneOfMany:
 
     def set_trailing_metadata(self, metadata: Any) -> None:
         return None
+
+    async def abort(self, code: Any = None, details: str = "", *args: Any, **kw: Any) -> None:
+        raise _Refused(details or str(code))
+
+    async def read(self) -> Any:
+        raise RuntimeError("an inference of a stream does not read the stream")
+
+    async def write(self, message: Any) -> None:
+        raise RuntimeError("an inference of a stream does not write to the stream")
 
 
 def stream_response(infer_response: bytes, error: str = "") -> bytes:
@@ -671,13 +700,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, folder: Path = HERE) -> None:
-    import sys
-
-    # a bundle stays as signed: served from build/ or a registry copy, nothing it imports
-    # (the runtime, the engine) leaves a __pycache__ beside it; MLServer's workers and the
-    # chat-template worker inherit the environment (issue 43: a later publish refused it)
-    sys.dont_write_bytecode = True
-    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     args = parser().parse_args(argv)
     for name in ("http_port", "grpc_port", "metrics_port"):
         port = getattr(args, name)
@@ -700,6 +722,13 @@ def main(argv: list[str] | None = None, folder: Path = HERE) -> None:
         raise Refused("--no-auth with a token set: drop one of them")
     if args.no_auth and not _loopback(host):
         raise Refused(f"--no-auth binds loopback only; {host} is not (set a token instead)")
+    import sys
+
+    # a bundle stays as signed: served from build/ or a registry copy, nothing it imports
+    # (the runtime, the engine) leaves a __pycache__ beside it; MLServer's workers and the
+    # chat-template worker inherit the environment (issue 43: a later publish refused it)
+    sys.dont_write_bytecode = True
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     os.environ[GUARD_ENV] = "1"
     asyncio.run(_serve(folder, args, host, token, cap))
 

@@ -10,6 +10,7 @@ on 127.0.0.1, from a hard-linked copy of the bundle (the server never writes int
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -75,21 +76,26 @@ def environment(root: Path) -> dict[str, str]:
 
 def private_tree(bundle: Path, into: Path) -> Path:
     """`bundle` as a tree the server may write into: every folder made anew, every file
-    hard-linked (copied across file systems). Triton's python-backend stub writes
-    `__pycache__` beside model.py whatever PYTHONDONTWRITEBYTECODE says; in this tree it
-    lands in a folder of its own, and the bundle stays as signed (issue 43)."""
-    import shutil
-
+    hard-linked (symlinked where `into` is on another file system: never copied, a model
+    may be GBs). Triton's python-backend stub writes `__pycache__` beside model.py whatever
+    PYTHONDONTWRITEBYTECODE says; in this tree it lands in a folder of its own, and the
+    bundle stays as signed (issue 43). A bundle holding a symlink is refused: the server
+    could write through it (a verified bundle has none)."""
     into.mkdir(parents=True, exist_ok=True)
     for source in sorted(bundle.rglob("*")):
         target = into / source.relative_to(bundle)
-        if source.is_dir() and not source.is_symlink():
+        if source.is_symlink():
+            raise Refused(
+                f"{source} is a symlink: a bundle holds none",
+                "serve a bundle as built or pulled (`shipyard verify` it first)",
+            )
+        if source.is_dir():
             target.mkdir(exist_ok=True)
             continue
         try:
             os.link(source, target)
-        except OSError:
-            shutil.copy2(source, target)
+        except OSError:  # another file system (a tmpfs /tmp): Python caches by this path
+            os.symlink(source, target)
     return into
 
 
@@ -115,6 +121,7 @@ class TritonServer(LocalServer):
             self.proc = subprocess.Popen(
                 command(root, repository, self.models, ports),
                 cwd=served,
+                preexec_fn=self._child(os.getpid()),  # dies with the process that started it
                 env=environment(root),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -131,7 +138,8 @@ class TritonServer(LocalServer):
     def stop(self) -> None:
         super().stop()
         if self._scratch is not None:
-            self._scratch.cleanup()
+            with contextlib.suppress(OSError):  # a stub's last files, racing its exit
+                self._scratch.cleanup()
             self._scratch = None
 
     def _ready_url(self) -> str:
@@ -152,13 +160,40 @@ def main(argv: list[str]) -> int:
         return 1
     bundle = Path(argv[0]).resolve()
     with tempfile.TemporaryDirectory(prefix="shipyard-triton-") as scratch:
-        served = private_tree(bundle, Path(scratch) / "bundle")
-        args = command(root, served / "serving" / "triton", argv[1:], [8000, 8001, 8002])
-        server = subprocess.Popen(args, env=environment(root), cwd=served)
         try:
-            return server.wait()
-        except KeyboardInterrupt:  # Ctrl-C reached the server too: let it finish
-            return server.wait()
+            served = private_tree(bundle, Path(scratch) / "bundle")
+        except StageError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        args = command(root, served / "serving" / "triton", argv[1:], [8000, 8001, 8002])
+        return _foreground(args, environment(root), served)
+
+
+def _foreground(args: list[str], env: dict[str, str], cwd: Path) -> int:
+    """Run the server until it exits, as if it were this process: SIGTERM, SIGINT and SIGHUP
+    are passed on to it (a supervisor signals this process), it dies with this process
+    (Linux's parent-death signal), and its exit status is this process's (128 + a signal
+    that ended it)."""
+    import signal
+
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def setup() -> None:
+        if prctl is not None:
+            prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:
+                os._exit(1)
+
+    server = subprocess.Popen(args, env=env, cwd=cwd, preexec_fn=setup)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda number, _frame: server.send_signal(number))
+    code = server.wait()
+    return 128 - code if code < 0 else code
 
 
 if __name__ == "__main__":

@@ -218,8 +218,9 @@ def test_params_restored_from_another_build_fail_provenance_though_each_stage_ho
     out = _provenance(capsys, pub)
     assert (
         f"FAIL code: build/.params/{REL}/serve.json is not what this checkout's code and spec "
-        "give: restored from another build" in out
+        "give: not rebuilt since a change, or restored from another build" in out
     ), out
+    assert "1 stale params file(s) and " in out  # counted in the verdict, not only printed
     assert f"ok   pin@{REL}: built by " in out  # the stages' own chains still hold
     capsys.readouterr()
     assert main(["fingerprint", "--check"]) == 1  # make release's check after dvc repro
@@ -247,7 +248,8 @@ def _provenance(capsys: pytest.CaptureFixture[str], pub: str) -> str:
     """`shipyard provenance REL`'s output (its exit code is 5 here anyway: quantize and the
     later stages are not built in this fixture)."""
     assert main(["provenance", REL, "--trusted-builder", pub]) == 5
-    return capsys.readouterr().out
+    captured = capsys.readouterr()
+    return captured.out + captured.err
 
 
 def local_config(root: Path) -> configparser.ConfigParser:

@@ -66,6 +66,16 @@ def test_the_odd_sizes_are_low_in_the_range_and_differ_between_dims() -> None:
     assert odd["past_sequence"] != odd["sequence"]
     with_trace = sh.corners({"sequence": same}, (), {"sequence": 257})["odd"]
     assert with_trace == {"sequence": 255}
+    # the same range and the same trace size: only the distinctness rule parts them
+    twins = sh.corners({"a": same, "b": same}, (), {"a": 16, "b": 16})["odd"]
+    assert twins == {"a": 257, "b": 255}
+    # one odd size in range for both: the second dim shares it rather than lose its odd
+    # probe to the max (3 is the only odd size strictly inside [2, 4])
+    narrow = {"min": 2, "opt": 2, "max": 4}
+    assert sh.corners({"a": narrow, "b": narrow}, (), {"a": 2, "b": 2})["odd"] == {
+        "a": 3,
+        "b": 3,
+    }
 
 
 def test_a_size_probed_twice_is_run_once_and_the_trace_size_never_alone() -> None:

@@ -562,7 +562,7 @@ def test_tritonclient_grpc_streaming_gets_one_response_per_token_and_stop_stream
         tensor.set_data_from_numpy(np.array([values], dtype=np.int64))
         return tensor
 
-    unary = {
+    unary: dict[tuple[int, ...], Any] = {
         tuple(p): client.infer(
             "tiny-gpt2", [prompt(p)], parameters={"max_new_tokens": 4}, headers=auth
         ).as_numpy("output_ids")
@@ -591,6 +591,22 @@ def test_tritonclient_grpc_streaming_gets_one_response_per_token_and_stop_stream
         "1": unary[(1, 2, 3)].ravel().tolist(),
         "7": unary[(7, 8)].ravel().tolist(),
     }
+    # a refused request gets its error and the stream goes on: a bad parameter (refused
+    # in-band by the runtime), an unknown model (MLServer aborts: that request only)
+    got = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)), headers=auth)
+    client.async_stream_infer("tiny-gpt2", [prompt([1])], parameters={"max_new_tokens": "x"})
+    client.async_stream_infer("no-such-model", [prompt([1])])
+    client.async_stream_infer("tiny-gpt2", [prompt([7, 8])], parameters={"max_new_tokens": 4})
+    client.stop_stream()
+    events = []
+    while not got.empty():
+        events.append(got.get())
+    errors = [str(error) for _, error in events if error is not None]
+    assert len(errors) == 2 and "max_new_tokens must be an integer" in errors[0], errors
+    assert "no-such-model" in errors[1], errors
+    after = [r.as_numpy("output_ids").ravel().tolist() for r, e in events if e is None]
+    assert sum(after, []) == unary[(7, 8)].ravel().tolist()
     without = grpcclient.InferenceServerClient(guarded.grpc)  # no token: refused in-stream
     refused: queue.Queue[Any] = queue.Queue()
     without.start_stream(callback=lambda result, error: refused.put(error))

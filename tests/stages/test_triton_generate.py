@@ -25,7 +25,7 @@ from stages.serving.engine.settings import RuntimeSettings
 from stages.serving.render import parse_triton
 from stages.serving.server import assemble
 from stages.serving.triton_server import TritonServer
-from tests.conftest import Workspace, gpt2_spec
+from tests.conftest import REPO, Workspace, gpt2_spec
 
 MODEL = "tiny-gpt2-generate"
 VARIED = {"repetition_penalty": 5.0}  # the random-weight model repeats one token otherwise
@@ -337,11 +337,16 @@ def test_every_port_listens_on_loopback_only(server: TritonServer, tree: Path) -
     import psutil
 
     assert server.proc is not None
-    listening = [
-        c.laddr
-        for c in psutil.Process(server.proc.pid).net_connections(kind="inet")
-        if c.status == psutil.CONN_LISTEN
-    ]
+    listening: list[Any] = []
+    for _ in range(100):  # the metrics port may open just after HTTP answers ready
+        listening = [
+            c.laddr
+            for c in psutil.Process(server.proc.pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        if len(listening) == 3:
+            break
+        time.sleep(0.1)
     assert len(listening) == 3, listening
 
     def loopback(ip: str) -> bool:  # gRPC listens as ::ffff:127.0.0.1
@@ -351,3 +356,66 @@ def test_every_port_listens_on_loopback_only(server: TritonServer, tree: Path) -
 
     assert all(loopback(a.ip) for a in listening), listening
     assert not list(tree.rglob("__pycache__"))
+
+
+def test_the_private_tree_links_every_file_and_refuses_a_symlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files hard-linked (symlinked across file systems, never copied); what the server
+    writes there stays there; a bundle holding a symlink is refused (the server could write
+    through it)."""
+    from schemas import Refused
+    from stages.serving.triton_server import private_tree
+
+    bundle = tmp_path / "bundle"
+    (bundle / "serving" / "triton" / "m" / "1").mkdir(parents=True)
+    (bundle / "serving" / "triton" / "m" / "1" / "model.py").write_text("x = 1\n")
+    (bundle / "model.onnx").write_bytes(b"weights")
+    served = private_tree(bundle, tmp_path / "a")
+    model = served / "serving" / "triton" / "m" / "1" / "model.py"
+    assert model.stat().st_ino == (bundle / "serving/triton/m/1/model.py").stat().st_ino
+    (model.parent / "__pycache__").mkdir()
+    assert not (bundle / "serving" / "triton" / "m" / "1" / "__pycache__").exists()
+
+    def cross_device(source: Any, target: Any) -> None:
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr("os.link", cross_device)
+    linked = private_tree(bundle, tmp_path / "b")
+    assert (linked / "model.onnx").is_symlink()
+    assert (linked / "model.onnx").read_bytes() == b"weights"
+    monkeypatch.undo()
+    (bundle / "escape").symlink_to(tmp_path)
+    with pytest.raises(Refused, match="is a symlink"):
+        private_tree(bundle, tmp_path / "c")
+
+
+def test_the_foreground_server_gets_the_signal_and_its_status_is_ours(tmp_path: Path) -> None:
+    """`python -m stages.serving.triton_server` runs Triton as a child now (it serves a
+    private tree): a SIGTERM to it reaches the server, and it exits 128 + 15 as the server
+    would have."""
+    import signal
+    import subprocess
+    import sys
+
+    marker = tmp_path / "got"
+    child = (
+        "import signal, sys, time, pathlib\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path("
+        f"{str(marker)!r}).write_text('term'), signal.signal(signal.SIGTERM, "
+        "signal.SIG_DFL), signal.raise_signal(signal.SIGTERM)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    wrapper = (
+        "import sys, pathlib\n"
+        "from stages.serving.triton_server import _foreground\n"
+        f"sys.exit(_foreground([sys.executable, '-c', {child!r}], {{}}, pathlib.Path('.')))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", wrapper], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    assert marker.read_text() == "term"
