@@ -552,7 +552,7 @@ def triton_stream(handler: Any) -> Any:
                 async for response in original(alone(), _OneOfMany(context)):
                     yield stream_response(serialize(response), _in_band_error(response))
             except _Refused as refused:  # MLServer aborted this request: not the stream
-                yield stream_response(b"", refused.details)
+                yield stream_response(b"", refused.reason)
 
     return grpc.stream_stream_rpc_method_handler(
         each,
@@ -570,9 +570,9 @@ def _in_band_error(response: Any) -> str:
 
 
 class _Refused(Exception):
-    def __init__(self, details: str) -> None:
-        super().__init__(details)
-        self.details = details
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class _OneOfMany:
