@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from types import TracebackType
 
@@ -59,6 +59,28 @@ def assemble(tree: Path, model_files: list[Path], serve: Path) -> None:
 def log_tail(log: Path, lines: int = LOG_TAIL) -> str:
     text = log.read_text(encoding="utf-8", errors="replace") if log.is_file() else ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+def dies_with(parent: int, cpus: Collection[int] | None = None) -> Callable[[], None]:
+    """A preexec_fn: the child pinned to `cpus` when asked, and killed when the process that
+    started it dies, however it dies (kill -9 of a load test left its server serving 48
+    minutes): Linux's parent-death signal, kept across the launcher's re-exec; a parent
+    already gone means no server at all."""
+    prctl = None
+    if sys.platform.startswith("linux"):  # resolved here: the child only calls it
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if prctl is not None:
+            prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:
+                os._exit(1)
+
+    return setup
 
 
 class LocalServer:
@@ -159,26 +181,8 @@ class LocalServer:
         self.stop()
 
     def _child(self, parent: int) -> Callable[[], None]:
-        """Run in the server's process before it starts: pinned to `cpus` when asked, and
-        killed when the process that started it dies, however it dies (kill -9 of a load
-        test left its server serving 48 minutes): Linux's parent-death signal, kept across
-        the launcher's re-exec; a parent already gone means no server at all."""
-        cpus = self.cpus
-        prctl = None
-        if sys.platform.startswith("linux"):  # resolved here: the child only calls it
-            import ctypes
-
-            prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-        def setup() -> None:
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-            if prctl is not None:
-                prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-                if os.getppid() != parent:
-                    os._exit(1)
-
-        return setup
+        """Run in the server's process before it starts: see `dies_with`."""
+        return dies_with(parent, self.cpus)
 
     # what _wait_ready and _fail say; a subclass for another server changes these
     WHO, PRODUCT, STAGE = "the server", "MLServer", "loadtest"

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from schemas import Refused, StageError
-from stages.serving.server import LocalServer, free_ports
+from stages.serving.server import LocalServer, dies_with, free_ports
 
 HOME = Path(__file__).resolve().parents[2] / ".triton"
 
@@ -176,20 +176,7 @@ def _foreground(args: list[str], env: dict[str, str], cwd: Path) -> int:
     that ended it)."""
     import signal
 
-    prctl = None
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def setup() -> None:
-        if prctl is not None:
-            prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-            if os.getppid() != parent:
-                os._exit(1)
-
-    server = subprocess.Popen(args, env=env, cwd=cwd, preexec_fn=setup)
+    server = subprocess.Popen(args, env=env, cwd=cwd, preexec_fn=dies_with(os.getpid()))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda number, _frame: server.send_signal(number))
     code = server.wait()
