@@ -7,7 +7,9 @@ through the real server and the openai client; the template worker's limits on t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,7 +127,7 @@ def test_a_chat_template_that_loops_is_stopped_and_the_server_goes_on(gpt2_serve
         return tuple(await asyncio.gather(looping, beside()))  # type: ignore[return-value]
 
     refusal, other = asyncio.run(both())
-    assert "took more than 2 s to render the messages and was stopped" in refusal
+    assert "took more than 2 s of CPU time to render the messages and was stopped" in refusal
     assert other < 1.5, other
     done = client.chat.completions.create(
         model="tiny-gpt2", messages=[{"role": "user", "content": "hi"}], max_tokens=2
@@ -240,6 +242,47 @@ def test_a_looping_template_is_killed_and_the_next_render_gets_a_fresh_worker(te
         t.chat([{"role": "user", "content": "loop"}], 2048)
     assert time.perf_counter() - start < 10
     assert t.chat(HI, 2048) == "<|hi there|>"
+
+
+def test_a_render_starved_of_the_cpu_is_not_stopped_by_the_wall_clock(text: Any) -> None:
+    """The render limit counts the worker's CPU time: a worker that waits 3 s for a CPU (a
+    busy machine, here a SIGSTOP) still renders a template that needs little of it, and a
+    template that needs more than 2 s is stopped however long it had to wait. (On wall time,
+    CI's busy runner turned the memory-growing template above into a timeout.)"""
+    import signal
+    import threading
+
+    t = text(
+        "{% if messages[0].content == 'loop' %}{% for i in range(99999) %}"
+        "{% for j in range(99999) %}{% endfor %}{% endfor %}{% endif %}"
+        "{% for i in range(20000) %}{% endfor %}<|{{ messages[0].content }}|>"
+    )
+    assert t.chat(HI, 2048) == "<|hi there|>"  # the worker is up
+    assert t._template is not None and t._template._proc is not None
+    pid = t._template._proc.pid
+    for content, want in (("hi there", "<|hi there|>"), ("loop", "took more than 2 s of CPU")):
+        out: list[Any] = []
+
+        def render(content: str = content, out: list[Any] = out) -> None:
+            try:
+                out.append(t.chat([{"role": "user", "content": content}], 2048))
+            except ValueError as exc:
+                out.append(exc)
+
+        os.kill(pid, signal.SIGSTOP)
+        worker = threading.Thread(target=render)
+        start = time.perf_counter()
+        worker.start()
+        time.sleep(3.0)
+        with contextlib.suppress(ProcessLookupError):  # killed on the wall clock
+            os.kill(pid, signal.SIGCONT)
+        worker.join(60)
+        assert out and want in str(out[0]), out
+        assert time.perf_counter() - start > 3.0
+        if content == "loop":  # stopped: the next render gets a fresh worker
+            assert t._template._proc is None
+            assert t.chat(HI, 2048) == "<|hi there|>"
+            pid = t._template._proc.pid
 
 
 def test_a_chat_too_big_for_the_context_is_refused_before_rendering(text: Any) -> None:

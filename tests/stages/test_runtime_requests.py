@@ -553,6 +553,7 @@ def test_tritonclient_grpc_streaming_gets_one_response_per_token_and_stop_stream
 
     import numpy as np
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
 
     auth = {"authorization": f"Bearer {TOKEN}"}
     client = grpcclient.InferenceServerClient(guarded.grpc)
@@ -610,7 +611,10 @@ def test_tritonclient_grpc_streaming_gets_one_response_per_token_and_stop_stream
     without = grpcclient.InferenceServerClient(guarded.grpc)  # no token: refused in-stream
     refused: queue.Queue[Any] = queue.Queue()
     without.start_stream(callback=lambda result, error: refused.put(error))
-    without.async_stream_infer("tiny-gpt2", [prompt([1])])
+    try:  # the stream may be refused, at its metadata, before the request is sent
+        without.async_stream_infer("tiny-gpt2", [prompt([1])])
+    except InferenceServerException as exc:
+        assert "no longer in valid state" in str(exc), exc
     assert "API token" in str(refused.get(timeout=30))
     without.stop_stream()
 

@@ -8,8 +8,10 @@ Nothing here may stall the server or take its memory, whatever a request holds:
   3.9 MB prompt stalled every other request 2.7 s from a thread; `encode_batch` 12 ms);
 - a chat is refused before it is rendered when it has more messages or characters than
   the context could hold, and it is rendered in a worker process of its own
-  (`GuardedTemplate`), which is killed past `timeout_s`, has `memory` bytes of address space
-  and returns at most the characters asked for: a template that loops (99,999 x 99,999),
+  (`GuardedTemplate`), which is killed past `timeout_s` of its own CPU time (not wall time:
+  a busy machine must not turn a render that fits into a refusal, nor decide which limit a
+  template meets first), has `memory` bytes of address space and returns at most the
+  characters asked for: a template that loops (99,999 x 99,999),
   grows a string without end or asks for range(10**9) is a refused request, not a stalled
   or swollen server.
 """
@@ -148,18 +150,31 @@ for line in sys.stdin:
 """
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """A process's CPU time (user + system) so far from /proc, or None where there is none."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class GuardedTemplate:
     """A chat template rendered in a worker process (sandboxed Jinja, as transformers
-    renders it), one render at a time: killed and refused past `timeout_s`, with `memory`
-    bytes of address space, and at most the characters asked for. A killed or dead worker
-    is replaced at the next render."""
+    renders it), one render at a time: killed and refused past `timeout_s` of the worker's
+    CPU time (wall time where /proc is missing; a render also stops at `WALL_FACTOR` times
+    that much wall time, whatever the machine's load), with `memory` bytes of address
+    space, and at most the characters asked for. A killed or dead worker is replaced at the
+    next render."""
+
+    WALL_FACTOR = 15.0
 
     def __init__(
         self,
         template: str,
         special: dict[str, str],
         timeout_s: float = 2.0,
-        memory: int = 1 << 30,
+        memory: int = 256 << 20,
     ) -> None:
         self.template, self.special = template, special
         self.timeout_s, self.memory = timeout_s, memory
@@ -177,13 +192,13 @@ class GuardedTemplate:
                 assert proc.stdin is not None
                 proc.stdin.write(ask.encode("utf-8", "surrogatepass"))
                 proc.stdin.flush()
-                answer = self._read(proc, self.timeout_s)
+                answer = self._read(proc, self.timeout_s, cpu=True)
             except (OSError, TimeoutError) as exc:
                 self._kill()
                 if isinstance(exc, TimeoutError):
                     raise ValueError(
-                        f"the chat template took more than {self.timeout_s:g} s to render the "
-                        "messages and was stopped"
+                        f"the chat template took more than {self.timeout_s:g} s of CPU time to "
+                        "render the messages and was stopped"
                     ) from None
                 raise ValueError("the chat template's worker failed; try again") from None
         if "error" in answer:
@@ -213,17 +228,28 @@ class GuardedTemplate:
         return proc
 
     @staticmethod
-    def _read(proc: subprocess.Popen[bytes], timeout_s: float) -> dict[str, Any]:
-        """One answer line, within `timeout_s` (TimeoutError), or OSError when it died."""
+    def _read(proc: subprocess.Popen[bytes], timeout_s: float, cpu: bool = False) -> dict[str, Any]:
+        """One answer line, or OSError when the worker died, or TimeoutError: past
+        `timeout_s` of wall time, or with `cpu` past `timeout_s` of the worker's CPU time
+        (checked every 50 ms) or `WALL_FACTOR` times that of wall time."""
         assert proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
+        spent = cpu_seconds(proc.pid) if cpu else None
+        wall = timeout_s * GuardedTemplate.WALL_FACTOR if spent is not None else timeout_s
+        deadline = time.monotonic() + wall
         buffer = b""
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
             while not buffer.endswith(b"\n"):
                 left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
+                if left <= 0:
                     raise TimeoutError
+                if not sel.select(min(left, 0.05) if spent is not None else left):
+                    if spent is None:
+                        raise TimeoutError
+                    now = cpu_seconds(proc.pid)
+                    if now is None or now - spent > timeout_s:
+                        raise TimeoutError
+                    continue
                 chunk = os.read(proc.stdout.fileno(), 1 << 20)
                 if not chunk:
                     raise OSError("the worker exited")
