@@ -182,6 +182,23 @@ def test_a_left_padded_tiny_gpt2_batch_matches_each_row_alone_in_onnx_runtime(
         out = run(kv.feeds(lay, nxt, mask, kv.presents(lay, out)))
 
 
+def test_a_full_pass_keeps_the_last_logits_and_not_every_positions() -> None:
+    """The reference keeps [batch, vocab]: a view of the last position held the whole
+    [batch, n, vocab] output alive under the next pass (0.2 GB at 1024 tokens of a 49k
+    vocabulary; issue 40's kvcheck memory)."""
+    from stages.onnx import kvcache as kv
+    from stages.onnx import shapes as sh
+
+    lay = sh.Layout(
+        inputs=(sh.Tensor("input_ids", "int64", ("batch", "sequence"), high=50),),
+        outputs=(sh.Tensor("logits", "float32", ("batch", "sequence", 50)),),
+    )
+    every = np.random.default_rng(0).normal(size=(1, 300, 50)).astype(np.float32)
+    kept = kv.full_pass(lambda feeds: {"logits": every}, lay, np.ones((1, 300), np.int64))
+    assert kept["logits"].shape == (1, 50) and kept["logits"].base is None
+    assert np.array_equal(kept["logits"], every[:, -1])
+
+
 def test_without_position_ids_a_padded_row_is_wrong_and_kvcheck_says_so(
     gpt2: Workspace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
