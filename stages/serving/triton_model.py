@@ -19,10 +19,18 @@ Outputs: `output_ids` INT64 [n], `text_output` BYTES [1] (with a tokenizer),
 `finish_reason` BYTES [1] (on the last response: stop, length, abort).
 A bad request gets an INVALID_ARG error, a full queue UNAVAILABLE; a cancelled request
 leaves the running batch at the next step.
+
+Every request needs `authorization: Bearer <token>` (HTTP header or gRPC metadata), which
+the server forwards as a request parameter (`stages/serving/triton_server.py` starts it
+so); the token is read at load from the file `SHIPYARD_API_TOKEN_FILE` names. Without one
+(and without the launcher's --no-auth) the model does not load: it never answers unchecked.
+A request without the right token gets INVALID_ARG "a valid API token is required" (the
+python backend has no UNAUTHENTICATED) before anything of it is read.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import sys
@@ -71,6 +79,7 @@ class TritonPythonModel:
         here = Path(args["model_repository"]) / args["model_version"]
         session_config = json.loads((here / settings.ort_session).read_text(encoding="utf-8"))
         session = eng.session.session_from(here / parameters["model"], session_config)
+        self.token = _token()
         self.settings = settings
         self.text = eng.text.Text(here / settings.text) if settings.text else None
         self.engine = eng.core.Engine(eng.runner.Graph(session), settings.engine, self.text)
@@ -88,6 +97,13 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ one request
     def _start(self, request: Any) -> None:
         sender = request.get_response_sender()
+        if self.token is not None and not _authorized(request, self.token):
+            _fail(
+                sender,
+                "a valid API token is required: send 'authorization: Bearer <token>'",
+                pb_utils.TritonError.INVALID_ARG,
+            )
+            return
         try:
             prompt, params, stream = self._arguments(request)
             call = _Call(sender, stream, self.text is not None)
@@ -183,6 +199,43 @@ class _Call:
             outputs.append(pb_utils.Tensor("finish_reason", np.array([finish.encode()], object)))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finish else 0
         self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+
+
+def _token() -> bytes | None:
+    """The API token from the file the launcher wrote, or None under its --no-auth; a model
+    started any other way refuses to load rather than answer anyone."""
+    if os.environ.get("SHIPYARD_TRITON_NO_AUTH") == "1":
+        return None
+    file = os.environ.get("SHIPYARD_API_TOKEN_FILE")
+    token = b""
+    if file:
+        try:
+            token = Path(file).read_bytes().strip()
+        except OSError as exc:
+            raise pb_utils.TritonModelException(f"SHIPYARD_API_TOKEN_FILE={file}: {exc}") from None
+    if len(token) < 16:
+        raise pb_utils.TritonModelException(
+            "no API token for this model: start the server with `python -m "
+            "stages.serving.triton_server` and SHIPYARD_API_TOKEN set (or --no-auth)"
+        )
+    return token
+
+
+def _authorized(request: Any, token: bytes) -> bool:
+    """The forwarded `authorization` parameter (any case) is `Bearer <token>`."""
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except ValueError:
+        return False
+    given = [v for k, v in parameters.items() if k.lower() == "authorization"]
+    if len(given) != 1 or not isinstance(given[0], str):
+        return False
+    scheme, _, value = given[0].partition(" ")
+    try:
+        raw = value.strip().encode("ascii")
+    except UnicodeEncodeError:
+        return False
+    return scheme.lower() == "bearer" and hmac.compare_digest(raw, token)
 
 
 def _one_string(array: Any, name: str) -> str:

@@ -2,10 +2,26 @@
 `scripts/install_triton.py` puts in `.triton/`): random free ports, health-checked, stopped
 with its process group (the python-backend stubs go with it).
 
-    python -m stages.serving.triton_server build/tiny-gpt2/bundle tiny-gpt2-generate
+    SHIPYARD_API_TOKEN=... python -m stages.serving.triton_server build/tiny-gpt2/bundle \
+        tiny-gpt2-generate [--no-auth]
 
 runs one in the foreground on Triton's default ports (HTTP 8000, gRPC 8001, metrics 8002),
 on 127.0.0.1, from a hard-linked copy of the bundle (the server never writes into it).
+
+The token check is the MLServer launcher's (issue 43): the token comes from
+`SHIPYARD_API_TOKEN` or the file `SHIPYARD_API_TOKEN_FILE` names; without one the server
+does not start unless `--no-auth`. Triton checks no token itself, and its
+`--*-restricted-api` takes the expected value on its command line (which any local user
+can read in /proc), so: the server forwards each request's `authorization` header (HTTP and
+gRPC, a stream's metadata too; on the HTTP generate extension, which forwards no header,
+the body's `authorization` key) as a request parameter, and the python-backend model
+compares it with the token, which it reads from a 0600 file in the server's private folder
+(never its environment or command line). A model whose backend runs no such check (the
+onnxruntime entry) is refused unless `--no-auth`. The APIs that change the server or read
+beyond a request (model repository, shared memory, trace, logging) are restricted to a
+header whose value is drawn at random per start and told to no one: they are off, as the
+MLServer launcher's repository API is without `--admin-api`. Health, metadata, model
+config and statistics stay open on loopback (read-only).
 """
 
 from __future__ import annotations
@@ -19,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 from schemas import Refused, StageError
+from stages.serving.front_door import TOKEN_FILE_ENV, read_token
 from stages.serving.server import LocalServer, dies_with, free_ports
 
 HOME = Path(__file__).resolve().parents[2] / ".triton"
@@ -36,14 +53,23 @@ def home() -> Path:
 
 
 LOOPBACK = "127.0.0.1"
+# the header forwarded to the model as a request parameter, whatever its case (HTTP/1.1
+# header names are case-insensitive; gRPC's are lower case)
+AUTH_PATTERN = "^" + "".join(f"[{c.upper()}{c}]" for c in "authorization") + "$"
+OFF_APIS = "model-repository,shared-memory,trace,logging"  # restricted to a secret no one has
+NO_AUTH_ENV = "SHIPYARD_TRITON_NO_AUTH"  # the launcher's --no-auth, for the model
 
 
 def command(
     root: Path, repository: Path, models: list[str], ports: list[int], host: str = LOOPBACK
 ) -> list[str]:
     """The server's command line: every port bound to `host`, loopback unless told (Triton
-    binds 0.0.0.0 by default, and it checks no token: issue 43)."""
+    binds 0.0.0.0 by default, and it checks no token: issue 43); the `authorization`
+    header forwarded to the models, which check it; the admin APIs off."""
+    import secrets
+
     http, grpc, metrics = ports
+    off = f"{OFF_APIS}:shipyard-off={secrets.token_urlsafe(32)}"
     return [
         str(root / "bin" / "tritonserver"),
         f"--model-repository={repository}",
@@ -56,14 +82,53 @@ def command(
         f"--http-port={http}",
         f"--grpc-port={grpc}",
         f"--metrics-port={metrics}",
+        f"--http-header-forward-pattern={AUTH_PATTERN}",
+        f"--grpc-header-forward-pattern={AUTH_PATTERN}",
+        f"--http-restricted-api={off}",
+        f"--grpc-restricted-protocol={off}",
         "--allow-gpu-metrics=false",
         "--exit-timeout-secs=5",
     ]
 
 
-def environment(root: Path) -> dict[str, str]:
-    """The server's libraries; for the model, numpy 1.26 first, then this venv's packages."""
-    env = dict(os.environ)
+def guard(scratch: Path, token: str | None) -> dict[str, str]:
+    """The model's token check, as environment for the server: the token in a 0600 file in
+    the server's private folder (`scratch`), or --no-auth (`token` None)."""
+    if token is None:
+        return {NO_AUTH_ENV: "1"}
+    file = scratch / "api-token"
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as out:
+        out.write(token)
+    return {TOKEN_FILE_ENV: str(file)}
+
+
+def checked(repository: Path, models: list[str], token: str | None) -> None:
+    """Refuse, with a token set, a model that cannot check it: only the python-backend
+    entries compare the forwarded header (an onnxruntime entry would answer anyone)."""
+    from stages.serving.render import parse_triton
+
+    for model in models:
+        config = repository / model / "config.pbtxt"
+        if not config.is_file():
+            raise Refused(f"{model}: no {config}", "name a folder under serving/triton/")
+        try:
+            backend = parse_triton(config.read_text(encoding="utf-8")).backend
+        except ValueError as exc:
+            raise Refused(f"{config}: {exc}", "rebuild the bundle") from None
+        if token is not None and backend != "python":
+            raise Refused(
+                f"{model} runs on Triton's {backend} backend, which checks no API token",
+                "serve the python-backend (-generate) entry, or pass --no-auth on loopback",
+            )
+
+
+def environment(root: Path, auth: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's libraries; for the model, numpy 1.26 first, then this venv's packages;
+    the token check's file (`auth`, from `guard`), never the token itself."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIPYARD_API_TOKEN")}
+    env.pop(NO_AUTH_ENV, None)
+    env.update(auth or {TOKEN_FILE_ENV: os.devnull})  # no guard: an empty token, refused
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (str(root / "lib"), env.get("LD_LIBRARY_PATH", "")) if p
     )
@@ -104,9 +169,11 @@ class TritonServer(LocalServer):
 
     WHO, PRODUCT, STAGE, HINT = "Triton", "Triton", "serve", "read the log above"
 
-    def __init__(self, tree: Path, models: list[str], log: Path, startup: float) -> None:
+    def __init__(
+        self, tree: Path, models: list[str], log: Path, startup: float, token: str | None
+    ) -> None:
         super().__init__(tree, models[0], log, startup)
-        self.models = models
+        self.models, self.token = models, token
         self.grpc = ""
         self._scratch: tempfile.TemporaryDirectory[str] | None = None
 
@@ -117,12 +184,14 @@ class TritonServer(LocalServer):
         self._scratch = tempfile.TemporaryDirectory(prefix="shipyard-triton-")
         served = private_tree(self.tree, Path(self._scratch.name) / "bundle")
         repository = served / "serving" / "triton"
+        checked(repository, self.models, self.token)
+        auth = guard(Path(self._scratch.name), self.token)
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 command(root, repository, self.models, ports),
                 cwd=served,
                 preexec_fn=self._child(os.getpid()),  # dies with the process that started it
-                env=environment(root),
+                env=environment(root, auth),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -149,12 +218,29 @@ class TritonServer(LocalServer):
         return False  # no log marker to watch: its exit code and readiness tell
 
 
+USAGE = "usage: python -m stages.serving.triton_server BUNDLE MODEL... [--no-auth]"
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2:
-        print("usage: python -m stages.serving.triton_server BUNDLE MODEL...", file=sys.stderr)
+    no_auth = "--no-auth" in argv
+    argv = [a for a in argv if a != "--no-auth"]
+    if len(argv) < 2 or any(a.startswith("-") for a in argv):
+        print(USAGE, file=sys.stderr)
         return 2
     try:
         root = home()
+        try:
+            token = read_token(dict(os.environ))
+        except SystemExit as exc:  # the MLServer launcher's refusal, named for it
+            raise Refused(str(exc).removeprefix("shipyard_serve: ")) from None
+        if token is None and not no_auth:
+            raise Refused(
+                "no API token: set SHIPYARD_API_TOKEN or SHIPYARD_API_TOKEN_FILE (clients "
+                "then send 'Authorization: Bearer <token>'), or pass --no-auth (it binds "
+                "loopback only)"
+            )
+        if token is not None and no_auth:
+            raise Refused("--no-auth with a token set: drop one of them")
     except StageError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -162,11 +248,13 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="shipyard-triton-") as scratch:
         try:
             served = private_tree(bundle, Path(scratch) / "bundle")
+            checked(served / "serving" / "triton", argv[1:], token)
+            auth = guard(Path(scratch), token)
         except StageError as exc:
             print(exc, file=sys.stderr)
             return 1
         args = command(root, served / "serving" / "triton", argv[1:], [8000, 8001, 8002])
-        return _foreground(args, environment(root), served)
+        return _foreground(args, environment(root, auth), served)
 
 
 def _foreground(args: list[str], env: dict[str, str], cwd: Path) -> int:

@@ -28,6 +28,8 @@ from stages.serving.triton_server import TritonServer
 from tests.conftest import REPO, Workspace, gpt2_spec
 
 MODEL = "tiny-gpt2-generate"
+TOKEN = "triton-test-token-0123456789"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
 VARIED = {"repetition_penalty": 5.0}  # the random-weight model repeats one token otherwise
 
 
@@ -54,7 +56,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tree: Path) -> Iterator[TritonServer]:
-    with TritonServer(tree, [MODEL], tree.parent / "triton.log", 90) as srv:
+    with TritonServer(tree, [MODEL], tree.parent / "triton.log", 90, TOKEN) as srv:
         yield srv
 
 
@@ -105,12 +107,15 @@ def tensor(name: str, value: Any) -> Any:
 class Stream:
     """One gRPC stream; requests sent on it, responses collected by request id."""
 
-    def __init__(self, server: TritonServer) -> None:
+    def __init__(self, server: TritonServer, headers: dict[str, str] | None = None) -> None:
         import tritonclient.grpc as grpcclient
 
         self.client = grpcclient.InferenceServerClient(server.grpc)
         self.responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+        self.client.start_stream(
+            callback=lambda result, error: self.responses.put((result, error)),
+            headers=AUTH if headers is None else headers,
+        )
 
     def send(self, rid: str, prompt: list[int] | str, stream: bool | None = None, **p: Any) -> None:
         inputs = [tensor("input_ids" if isinstance(prompt, list) else "text_input", prompt)]
@@ -237,13 +242,17 @@ def test_each_bad_parameter_is_an_invalid_argument(
     assert status == 400 and message in body["error"], (status, body)
 
 
-def generate(server: TritonServer, body: dict[str, Any]) -> tuple[int, Any]:
+def generate(
+    server: TritonServer, body: dict[str, Any], auth: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """POST to the generate extension; `auth` goes in the body, where Triton makes it a
+    request parameter (it forwards no header there)."""
     import urllib.error
     import urllib.request
 
     request = urllib.request.Request(
         f"{server.url}/v2/models/{MODEL}/generate",
-        data=json.dumps(body).encode(),
+        data=json.dumps({**body, **(AUTH if auth is None else auth)}).encode(),
         headers={"content-type": "application/json"},
     )
     try:
@@ -304,6 +313,163 @@ def test_a_cancelled_stream_leaves_and_the_server_goes_on(server: TritonServer) 
         assert one(after, [1, 2, 3], max_tokens=3)[-1]["finish"] == "length"
     finally:
         after.close()
+
+
+# ------------------------------------------------------------------ the token check
+def test_every_inference_needs_the_token_over_grpc_http_and_streams(server: TritonServer) -> None:
+    """Issue 43: the Triton entry checks the token the MLServer launcher does: a request
+    without it, with another one, or with a scheme other than Bearer is refused before it
+    runs, over gRPC (unary and stream) and HTTP; the header's case does not matter."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    body = {
+        "input_ids": [1, 2, 3],
+        "sampling_parameters": json.dumps({"max_tokens": 2}),
+        "stream": False,
+    }
+    wrong = [
+        {},
+        {"authorization": "Bearer " + TOKEN[:-1] + "X"},
+        {"authorization": "Basic " + TOKEN},
+        {"authorization": TOKEN},
+        {"x-api-key": TOKEN},
+    ]
+    for auth in wrong:
+        status, answer = generate(server, body, auth)
+        assert status == 400 and "a valid API token is required" in answer["error"], auth
+        refused = Stream(server, auth)
+        try:
+            (got,) = one(refused, [1, 2, 3], max_tokens=2)
+            assert "a valid API token is required" in got.get("error", ""), (auth, got)
+        finally:
+            refused.close()
+    for name in ("Authorization", "AUTHORIZATION", "authorization"):
+        status, answer = generate(server, body, {name: f"bearer {TOKEN}"})
+        assert status == 200 and len(answer["output_ids"]) == 2, (name, answer)
+        accepted = Stream(server, {name.lower(): f"bearer {TOKEN}"})  # gRPC: lower case
+        try:
+            assert len(one(accepted, [1, 2, 3], max_tokens=2)) == 2
+        finally:
+            accepted.close()
+    # the HTTP header is not what Triton forwards on generate: it is refused, not let in
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{server.url}/v2/models/{MODEL}/generate",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json", **AUTH},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused_header:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused_header.value.code == 400
+    assert "a valid API token is required" in refused_header.value.read().decode()
+    client = grpcclient.InferenceServerClient(server.grpc)
+    try:
+        inputs = [tensor("input_ids", [1, 2, 3])]
+        with pytest.raises(InferenceServerException, match="decoupled|a valid API token"):
+            client.infer(MODEL, inputs)  # a decoupled model over unary gRPC: refused
+    finally:
+        client.close()
+
+
+def test_the_admin_apis_are_off_and_the_token_is_in_no_process_block(
+    server: TritonServer,
+) -> None:
+    """Loading, unloading, shared memory, trace and logging are refused (restricted to a
+    header value drawn per start and told to no one); health and metadata answer. The token
+    is in no server process's command line or environment (/proc), only in a 0600 file."""
+    import urllib.error
+    import urllib.request
+
+    import psutil
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(server.grpc)
+    try:
+        assert client.is_server_ready() and client.get_model_metadata(MODEL).name == MODEL
+        for call in (
+            lambda: client.unload_model(MODEL, headers=AUTH),
+            lambda: client.load_model(MODEL, headers=AUTH),
+            lambda: client.get_model_repository_index(headers=AUTH),
+            lambda: client.get_system_shared_memory_status(headers=AUTH),
+            lambda: client.get_log_settings(headers=AUTH),
+        ):
+            with pytest.raises(InferenceServerException, match="restricted|unavailable|denied"):
+                call()
+        assert client.is_model_ready(MODEL)
+    finally:
+        client.close()
+    request = urllib.request.Request(
+        f"{server.url}/v2/repository/models/{MODEL}/unload", data=b"{}", headers=AUTH
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code in (401, 403), refused.value.code
+    assert server.proc is not None
+    parent = psutil.Process(server.proc.pid)
+    processes = [parent, *parent.children(recursive=True)]
+    assert len(processes) >= 2  # the server and the model's stub
+    for proc in processes:
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert TOKEN.encode() not in environ and TOKEN.encode() not in cmdline, proc.name()
+    file = Path(parent.environ()["SHIPYARD_API_TOKEN_FILE"])
+    assert file.read_text() == TOKEN and file.stat().st_mode & 0o777 == 0o600
+
+
+def test_the_launcher_refuses_no_token_and_an_entry_that_checks_none(
+    tree: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a token the launcher starts nothing (unless --no-auth); with one it refuses
+    to serve the onnxruntime entry, which answers whoever asks."""
+    from stages.serving.triton_server import main
+
+    monkeypatch.delenv("SHIPYARD_API_TOKEN", raising=False)
+    monkeypatch.delenv("SHIPYARD_API_TOKEN_FILE", raising=False)
+    assert main([str(tree), MODEL]) == 1
+    assert "no API token" in capsys.readouterr().err
+    monkeypatch.setenv("SHIPYARD_API_TOKEN", TOKEN)
+    assert main([str(tree), "tiny-gpt2"]) == 1
+    assert "onnxruntime backend, which checks no API token" in capsys.readouterr().err
+    assert main([str(tree), MODEL, "--no-auth"]) == 1
+    assert "--no-auth with a token set" in capsys.readouterr().err
+    monkeypatch.setenv("SHIPYARD_API_TOKEN", "short")
+    assert main([str(tree), MODEL]) == 1
+    assert "at least 16 printable characters" in capsys.readouterr().err
+
+
+def test_a_server_started_without_the_launcher_does_not_load_the_model(tree: Path) -> None:
+    """tritonserver run on the bundle by hand (no token file, no --no-auth) fails to load
+    the entry rather than serve it unchecked."""
+    import subprocess
+
+    from stages.serving.server import free_ports
+    from stages.serving.triton_server import command, environment, home, private_tree
+
+    root = home()
+    served = private_tree(tree, tree.parent / "by-hand")
+    env = environment(root)
+    env.pop("SHIPYARD_API_TOKEN_FILE")
+    log = tree.parent / "by-hand.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command(root, served / "serving" / "triton", [MODEL], free_ports(3)),
+            cwd=served,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            code = proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert code != 0
+    assert "no API token for this model" in log.read_text(errors="replace")
 
 
 # ------------------------------------------------------------------ the rendered config
