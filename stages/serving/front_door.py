@@ -433,7 +433,10 @@ class _Replay:
 class _StreamStatus:
     """Holds a stream's response start until its first event: when that event is the
     runtime's in-band refusal (`parameters.status_code`), the client gets that status and
-    a JSON error instead of a 200 stream."""
+    a JSON error instead of a 200 stream. Every event loses `parameters.headers`: MLServer
+    sends its CloudEvents headers as headers of a unary response, but repeated them in the
+    body of every event of a stream (eight of them, 400 bytes a token; issue 43); the first
+    event's go in the stream's response head instead, as a unary response has them."""
 
     def __init__(self, send: Send) -> None:
         self._send, self._first = send, True
@@ -446,6 +449,9 @@ class _StreamStatus:
         if message["type"] == "http.response.start" and self._first:
             self._start = message
             return
+        if message["type"] == "http.response.body":
+            body, headers = _without_headers(message.get("body", b""))
+            message = {**message, "body": body}
         if message["type"] == "http.response.body" and self._first:
             self._first = False
             start, self._start = self._start, None
@@ -456,8 +462,52 @@ class _StreamStatus:
                 await _answer(self._send, status, error)
                 return
             if start is not None:
-                await self._send(start)
+                extra = [
+                    (k.lower().encode("latin-1"), v.encode("latin-1"))
+                    for k, v in headers.items()
+                    if _header_safe(k) and _header_safe(v)
+                ]
+                await self._send({**start, "headers": [*start.get("headers", []), *extra]})
         await self._send(message)
+
+
+def _header_safe(text: Any) -> bool:
+    return (
+        isinstance(text, str)
+        and text.isascii()
+        and text.isprintable()
+        and not any(c in text for c in "\r\n")
+    )
+
+
+def _without_headers(chunk: bytes) -> tuple[bytes, dict[str, Any]]:
+    """The SSE chunk with each event's `parameters.headers` taken out (an emptied
+    `parameters` goes too), and the first event's headers; a chunk that is not JSON events
+    passes as it came."""
+    if not chunk.startswith(b"data: "):
+        return chunk, {}
+    events, first = [], None
+    for raw in chunk.split(b"\n\n"):
+        if not raw.startswith(b"data: "):
+            events.append(raw)
+            continue
+        try:
+            event = json.loads(raw[6:])
+        except ValueError:
+            events.append(raw)
+            continue
+        params = event.get("parameters") if isinstance(event, dict) else None
+        if not isinstance(params, dict) or "headers" not in params:
+            events.append(raw)
+            continue
+        headers = params.pop("headers")
+        if first is None and isinstance(headers, dict):
+            first = headers
+        if not params:
+            del event["parameters"]
+        text = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
+        events.append(b"data: " + text.encode("utf-8"))
+    return b"\n\n".join(events), first or {}
 
 
 def _refusal(chunk: bytes) -> tuple[int, str] | None:

@@ -177,6 +177,42 @@ def test_a_stream_whose_first_event_is_not_a_refusal_streams_on(first: dict[str,
     assert status == 200 and body.startswith(b"data: ")
 
 
+def test_stream_events_lose_their_headers_and_the_first_ones_go_in_the_head() -> None:
+    """Each event's `parameters.headers` is taken out (an emptied `parameters` too); the
+    first event's become response headers, lower-cased, unless a value could split a
+    header; a chunk of several events, a non-JSON event and a keep-alive pass intact."""
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    def event(params: dict[str, Any], token: int) -> bytes:
+        body = {"id": "r1", "parameters": params, "outputs": [{"data": [token], "x": "é"}]}
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    heads = {"Ce-Id": "r1", "Ce-Type": "t", "Bad": "a\r\nSet-Cookie: x"}
+    chunks = [
+        event({"headers": heads}, 1),
+        event({"headers": heads}, 2) + event({"headers": heads, "finish_reason": "stop"}, 3),
+        b"data: not json\n\n",
+        b": keep-alive\n\n",
+    ]
+
+    async def run() -> None:
+        door = fd._StreamStatus(send)
+        await door.send({"type": "http.response.start", "status": 200, "headers": [(b"a", b"b")]})
+        for chunk in chunks:
+            await door.send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    asyncio.run(run())
+    assert sent[0]["headers"] == [(b"a", b"b"), (b"ce-id", b"r1"), (b"ce-type", b"t")]
+    bodies = [m["body"] for m in sent[1:]]
+    events = [json.loads(e[6:]) for b in bodies[:2] for e in b.split(b"\n\n") if e]
+    assert [e.get("parameters") for e in events] == [None, None, {"finish_reason": "stop"}]
+    assert [e["outputs"][0] for e in events] == [{"data": [t], "x": "é"} for t in (1, 2, 3)]
+    assert bodies[2:] == chunks[2:]
+
+
 def test_only_stream_paths_are_held() -> None:
     status, body, _ = call("/v2/models/m/infer", b"{}", AUTH, app=stream_app(REFUSED))
     assert status == 200 and body.startswith(b"data: ")

@@ -150,6 +150,42 @@ def test_a_malformed_stream_gets_400_with_its_reason_and_no_stream(server: str) 
     assert "INT64 needs integers" in json.loads(text)["error"]
 
 
+def test_stream_events_carry_no_headers_and_the_head_has_the_unary_ones(server: str) -> None:
+    """Issue 43: MLServer repeated its eight CloudEvents headers in the body of every REST
+    stream event (400 bytes a token); a unary response has them as HTTP headers. Now no
+    event has `parameters.headers`, the stream's head has the first event's, and the
+    tokens are the unary call's."""
+
+    async def both(path: str) -> tuple[Any, list[dict[str, Any]]]:
+        body = ids([1, 2, 3], [1, 3], max_new_tokens=4, ignore_eos=True)
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{server}/v2/models/tiny-gpt2/{path}",
+                data=json.dumps(body),
+                headers={"content-type": "application/json", **AUTH},
+                timeout=aiohttp.ClientTimeout(total=60),
+            ) as resp,
+        ):
+            raw = await resp.read()
+            if path == "infer":
+                return resp.headers, [json.loads(raw)]
+            return resp.headers, [
+                json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: ")
+            ]
+
+    unary_head, (unary,) = asyncio.run(both("infer"))
+    assert unary_head.get("ce-id") and unary_head.get("ce-modelid") == "tiny-gpt2"
+    for path in ("infer_stream", "generate_stream"):
+        head, events = asyncio.run(both(path))
+        assert len(events) == 4, (path, events)
+        assert all("headers" not in (e.get("parameters") or {}) for e in events), events[0]
+        assert head.get("ce-modelid") == "tiny-gpt2" and head.get("ce-id") == events[0]["id"]
+        tokens = [e["outputs"][0]["data"][0] for e in events]
+        assert tokens == unary["outputs"][0]["data"], (path, tokens)
+        assert events[-1]["parameters"] == {"finish_reason": "length"}
+
+
 def test_two_prompts_of_different_lengths_in_one_batch_window_are_both_right(
     server: str,
 ) -> None:
