@@ -4,7 +4,8 @@ Deterministic for the pinned torch/transformers: the same bytes every run.
 Usage: python scripts/make_checkpoint.py {tiny-gpt2|gpt2-small} [OUT_DIR]
   tiny-gpt2   2 layers, 149K parameters; committed under models/tiny-gpt2
   gpt2-small  GPT-2-small geometry (12 layers, 768 wide, 124M parameters); ~500 MB, not
-              committed: `make release` generates it into models/gpt2-small
+              committed: `make release` generates it into models/gpt2-small, beside the
+              committed tokenizer.json (scripts/make_tokenizer.py's)
 """
 
 from __future__ import annotations
