@@ -316,14 +316,18 @@ def cmd_require_signature(args: argparse.Namespace) -> int:
     return 0
 
 
-def _registry(args: argparse.Namespace) -> Any:
+def _registry_url(args: argparse.Namespace) -> str:
     import os
 
-    from pipelines.registry import Registry
     from stages import repo_root
 
-    url = args.registry or os.environ.get("SHIPYARD_REGISTRY") or str(repo_root() / "registry")
-    return Registry(url)
+    return args.registry or os.environ.get("SHIPYARD_REGISTRY") or str(repo_root() / "registry")
+
+
+def _registry(args: argparse.Namespace) -> Any:
+    from pipelines.registry import Registry
+
+    return Registry(_registry_url(args))
 
 
 def _specs(names: list[str]) -> list[Any]:
@@ -457,6 +461,20 @@ def cmd_publish(args: argparse.Namespace) -> int:
     print(f"{spec.name}@{spec.version} {state} (bundle digest {record['digest']})")
     _warn(registry)
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pipelines.serving import run
+
+    passed = []
+    if args.host:
+        passed += ["--host", args.host]
+    for name in ("http_port", "grpc_port", "metrics_port"):
+        value = getattr(args, name)
+        if value is not None:
+            passed += [f"--{name.replace('_', '-')}", str(value)]
+    passed += ["--admin-api"] * args.admin_api + ["--no-auth"] * args.no_auth
+    return run(args.target, _registry_url(args), args.device, passed)
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
@@ -652,6 +670,27 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fail a production comparison that cannot run (nothing in production yet)",
     )
+    sv = sub.add_parser(
+        "serve",
+        help="serve a built or published bundle (OpenAI and V2, from a verified private copy)",
+    )
+    sv.add_argument(
+        "target",
+        metavar="RELEASE[@VERSION|@CHANNEL]",
+        help="a release built here (build/RELEASE/bundle), a published version, or the "
+        "version a channel points at",
+    )
+    sv.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="ONNX Runtime's CPU or CUDA execution provider (cuda: the gpu extra)",
+    )
+    sv.add_argument("--host", help="interface to bind (default: the bundle's, 127.0.0.1)")
+    for port in ("--http-port", "--grpc-port", "--metrics-port"):
+        sv.add_argument(port, type=int, help="default: the bundle's settings")
+    sv.add_argument("--admin-api", action="store_true", help="serve the model repository API")
+    sv.add_argument("--no-auth", action="store_true", help="serve without a token (loopback only)")
     pub = sub.add_parser("publish", help="copy a built bundle into the registry")
     pub.add_argument("release", help="release name: its built bundle is published")
     pro = sub.add_parser("promote", help="move a channel to a published version")
@@ -677,6 +716,7 @@ def parser() -> argparse.ArgumentParser:
         (unl, cmd_registry_unlock),
         (req, cmd_require_signature),
         (g, cmd_gate),
+        (sv, cmd_serve),
         (pub, cmd_publish),
         (pro, cmd_promote),
         (rb, cmd_rollback),

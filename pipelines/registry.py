@@ -421,6 +421,45 @@ class Registry:
             self._verify_published(folder, name, version)
             return read_facts(folder, FactsHead)
 
+    def checkout(self, name: str, ref: str, into: Path) -> dict[str, Any]:
+        """A private copy of `name@ref` at `into` (absent: made here), verified as a
+        promotion verifies it: `ref` a version (Semantic Versioning, a digit first) or a
+        channel (a letter first: its live version, whose digest the pointer names, and
+        its signature where the channel requires one). Copied, never linked: a server of
+        the copy cannot write into the registry, nor a registry writer change what was
+        verified. Returns release, version, digest and channel (None for a version)."""
+        import shutil
+
+        check_name(name)
+        channel: str | None = None
+        pointer: dict[str, Any] | None = None
+        if re.fullmatch(SEMVER_PATTERN, ref):
+            version = ref
+        else:
+            channel = check_channel(ref)
+            pointer = self.channel(name, channel)
+            if pointer is None:
+                raise RegistryError(
+                    f"{name} has no {channel!r} channel in {self.url}: promote a version to it "
+                    f"first (`shipyard promote {name}@VERSION --to {channel}`), or name a "
+                    "version"
+                )
+            version = pointer["version"]
+        with self._local_copy(name, version) as folder:
+            shutil.copytree(folder, into, symlinks=True)
+        digest = self._verify_published(into, name, version)
+        if channel is not None and pointer is not None:
+            if digest != pointer["digest"]:
+                raise RegistryError(
+                    f"{name}'s {channel} channel points at {version} with digest "
+                    f"{pointer['digest'][:16]}, but that version holds {digest[:16]}: "
+                    "refusing it (promote again, or restore the version from a backup)"
+                )
+            policy = self.policy(channel)
+            if policy and policy.get("require_signature"):
+                _check_signature(into, policy, f"{name}@{version}", channel, digest)
+        return {"release": name, "version": version, "digest": digest, "channel": channel}
+
     # ------------------------------------------------------------------ internals
     def _checked(self, name: str, version: str, channel: str) -> dict[str, Any]:
         with self._local_copy(name, version) as folder:

@@ -61,6 +61,7 @@ HERE = Path(__file__).resolve().parent
 CONFIG = "shipyard_server.json"
 TOKEN_ENV, TOKEN_FILE_ENV = "SHIPYARD_API_TOKEN", "SHIPYARD_API_TOKEN_FILE"
 TOKEN_FD_ENV = "SHIPYARD_API_TOKEN_FD"  # set by the re-exec: the pipe the token is on
+DEVICE_ENV = "SHIPYARD_DEVICE"  # read by the runtime's sessions (engine/session.py)
 GUARD_ENV = "SHIPYARD_FRONT_DOOR"  # the runtime's proof that it runs behind this door
 HEALTH = frozenset({"/v2/health/live", "/v2/health/ready"})
 HEALTH_GRPC = frozenset(
@@ -746,6 +747,13 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Serve without a token (only on a loopback host).",
     )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="Run the model on ONNX Runtime's CPU or CUDA execution provider (cuda needs "
+        "onnxruntime-gpu: the gpu extra).",
+    )
     return p
 
 
@@ -772,6 +780,16 @@ def main(argv: list[str] | None = None, folder: Path = HERE) -> None:
         raise Refused("--no-auth with a token set: drop one of them")
     if args.no_auth and not _loopback(host):
         raise Refused(f"--no-auth binds loopback only; {host} is not (set a token instead)")
+    if args.device == "cuda":
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise Refused(
+                f"--device cuda: this onnxruntime ({ort.__version__}) has no CUDA execution "
+                "provider; install the gpu extra's onnxruntime-gpu in its place (bash "
+                "scripts/gpu_check.sh does), or serve with --device cpu"
+            )
+    os.environ[DEVICE_ENV] = args.device  # the runtime's sessions (engine/session.py)
     import sys
 
     # a bundle stays as signed: served from build/ or a registry copy, nothing it imports
