@@ -7,6 +7,17 @@ the load test's p95; resident memory above MARGIN_MEMORY x its peak; the error s
 finished requests above MAX_ERROR_SHARE; the queue above QUEUE_SHARE of max_queue_depth;
 empty responses above MAX_EMPTY_SHARE of answered ones. Each rule says its baseline and
 margin in its annotations, so an operator reading a page knows what "normal" was.
+
+Scope (issue 43): every rule names the release. The process-wide memory series has no
+`model` label, so its rule joins on `shipyard_model_info{model}` by the scrape's `instance`
+and `job`: another process over the limit (a node exporter, another release) never fires
+it. `ShipyardTargetDown` fires when no scraped process has announced the release for
+TARGET_DOWN_FOR (its servers are down, or none is scraped).
+
+The dashboard loads through Grafana's import: `__inputs` asks for the Prometheus data
+source, and a `datasource` variable (defaulting to it) lets the viewer switch; every panel
+reads `${datasource}`, and a panel of two series has two queries, not `A or B` (which
+drops B wherever A has a value).
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ MAX_ERROR_SHARE = 0.01
 QUEUE_SHARE = 0.8
 MAX_EMPTY_SHARE = 0.05
 WINDOW = "5m"
+TARGET_DOWN_FOR = "5m"
+SCRAPE = ("instance", "job")  # the labels Prometheus adds to every scraped series
 ERRORS = "error|timeout|rejected"
 ANSWERED = "stop|length"
 
@@ -49,12 +62,22 @@ def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> di
             }
         )
 
+    info = f'shipyard_model_info{{model="{model}"}}'
+    rule(
+        "ShipyardTargetDown",
+        f"absent({info})",
+        TARGET_DOWN_FOR,
+        f"{model}: no scraped server announces it (down, or not scraped)",
+        "a serving process exports shipyard_model_info for every model it loaded",
+    )
     rss = baseline.peak_rss_mb
     if rss is not None and rss > 0:
         limit = int(rss * MARGIN_MEMORY * 2**20)
+        on = ", ".join(SCRAPE)
         rule(
             "ShipyardMemoryHigh",
-            f"process_resident_memory_bytes > {limit}",
+            f"process_resident_memory_bytes * on ({on}) group_left () "
+            f"max by ({on}) ({info}) > {limit}",
             "10m",
             f"{model}: server memory above {MARGIN_MEMORY}x the load test's peak",
             f"load-test peak RSS {rss} MB; alert above {limit} bytes",
@@ -131,7 +154,9 @@ def rule_tests(rule_file: str, group: dict[str, Any]) -> dict[str, Any]:
         model = r["labels"]["release"]
         bad, good = _series(r["alert"], r["expr"], model)
         labels = {**r["labels"]}
-        if r["alert"] != "ShipyardMemoryHigh" and "sum(" not in r["expr"]:
+        if r["alert"] == "ShipyardMemoryHigh":
+            labels |= {"instance": "server:8002", "job": "shipyard"}
+        elif "sum(" not in r["expr"]:
             labels["model"] = model
         if r["alert"].startswith(("ShipyardTTFT", "ShipyardITL")):
             labels["model"] = model
@@ -151,11 +176,27 @@ def rule_tests(rule_file: str, group: dict[str, Any]) -> dict[str, Any]:
 
 def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
     """(breaching, calm) input series for one rule."""
+    info = f'shipyard_model_info{{model="{model}",instance="server:8002",job="shipyard"}}'
+    other = f'shipyard_model_info{{model="other-{model}",instance="other:8002",job="shipyard"}}'
+    if alert == "ShipyardTargetDown":  # down: only another release's server is scraped
+        return [{"series": other, "values": "1x40"}], [{"series": info, "values": "1x40"}]
     threshold = float(expr.rsplit(">", 1)[1])
     if alert == "ShipyardMemoryHigh":
         high, low = int(threshold * 2), int(threshold / 2)
-        s = "process_resident_memory_bytes"
-        return [{"series": s, "values": f"{high}x40"}], [{"series": s, "values": f"{low}x40"}]
+        s = 'process_resident_memory_bytes{instance="server:8002",job="shipyard"}'
+        # processes that do not serve this release, far over its limit: never its alert
+        strangers = [
+            {"series": 'process_resident_memory_bytes{instance="node:9100",job="node"}',
+             "values": f"{high * 10}x40"},
+            {"series": 'process_resident_memory_bytes{instance="other:8002",job="shipyard"}',
+             "values": f"{high * 10}x40"},
+            {"series": other, "values": "1x40"},
+            {"series": info, "values": "1x40"},
+        ]  # fmt: skip
+        return (
+            [{"series": s, "values": f"{high}x40"}, *strangers],
+            [{"series": s, "values": f"{low}x40"}, *strangers],
+        )
     if alert == "ShipyardQueueDeep":
         s = f'shipyard_queue_depth{{model="{model}"}}'
         return (
@@ -204,9 +245,12 @@ def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
 def dashboard(model: str, generates: bool) -> dict[str, Any]:
     """A Grafana dashboard (JSON model) of the runtime's series for `model`."""
     m = f'model="{model}"'
-    panels: list[tuple[str, str, str]] = [
-        ("Resident memory", "process_resident_memory_bytes", "bytes"),
-    ]
+    on = ", ".join(SCRAPE)
+    memory = (
+        f"process_resident_memory_bytes * on ({on}) group_left () "
+        f"max by ({on}) (shipyard_model_info{{{m}}})"
+    )
+    panels: list[tuple[str, list[str], str]] = [("Resident memory", [memory], "bytes")]
     if generates:
         ttft = _quantile("shipyard_time_to_first_token_seconds", model)
         itl = _quantile("shipyard_inter_token_latency_seconds", model)
@@ -215,38 +259,78 @@ def dashboard(model: str, generates: bool) -> dict[str, Any]:
             f"(rate(shipyard_running_batch_size_bucket{{{m}}}[5m])))"
         )
         reasons = f"sum by (reason) (rate(shipyard_requests_finished_total{{{m}}}[5m]))"
-        quality = (
-            f"sum(rate(shipyard_empty_responses_total{{{m}}}[5m])) or "
-            f"sum(rate(shipyard_length_limited_total{{{m}}}[5m]))"
-        )
+        empty = f"sum(rate(shipyard_empty_responses_total{{{m}}}[5m]))"
+        limited = f"sum(rate(shipyard_length_limited_total{{{m}}}[5m]))"
+        running = f"shipyard_requests_running{{{m}}}"
+        waiting = f"shipyard_requests_waiting{{{m}}}"
         panels = [
-            ("Time to first token (p95)", ttft, "s"),
-            ("Inter-token latency (p95)", itl, "s"),
-            ("Output tokens/s", f"sum(rate(shipyard_generated_tokens_total{{{m}}}[1m]))", "none"),
-            ("Running batch size (p95)", rows, "none"),
-            ("Queue depth", f"shipyard_queue_depth{{{m}}}", "none"),
-            ("KV cache use", f"shipyard_kv_cache_usage_ratio{{{m}}}", "percentunit"),
-            ("Finished requests by reason", reasons, "reqps"),
-            ("Empty and length-limited outputs", quality, "reqps"),
+            ("Time to first token (p95)", [ttft], "s"),
+            ("Inter-token latency (p95)", [itl], "s"),
+            (
+                "Output tokens/s",
+                [f"sum(rate(shipyard_generated_tokens_total{{{m}}}[1m]))"],
+                "none",
+            ),
+            ("Running batch size (p95)", [rows], "none"),
+            ("Requests running and waiting", [running, waiting], "none"),
+            ("KV cache use", [f"shipyard_kv_cache_usage_ratio{{{m}}}"], "percentunit"),
+            ("Finished requests by reason", [reasons], "reqps"),
+            ("Empty and length-limited outputs", [empty, limited], "reqps"),
             *panels,
         ]
+    source = {"type": "prometheus", "uid": "${datasource}"}
     return {
+        "__inputs": [
+            {
+                "name": "DS_PROMETHEUS",
+                "label": "Prometheus",
+                "description": "The Prometheus that scrapes the release's servers",
+                "type": "datasource",
+                "pluginId": "prometheus",
+                "pluginName": "Prometheus",
+            }
+        ],
+        "__requires": [
+            {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+            {"type": "panel", "id": "timeseries", "name": "Time series", "version": ""},
+        ],
         "title": f"Shipyard: {model}",
         "uid": f"shipyard-{model}"[:40],
         "schemaVersion": 39,
         "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": []},
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Data source",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {
+                        "selected": True,
+                        "text": "${DS_PROMETHEUS}",
+                        "value": "${DS_PROMETHEUS}",
+                    },
+                    "hide": 0,
+                    "refresh": 1,
+                    "regex": "",
+                    "options": [],
+                }  # fmt: skip
+            ]
+        },
         "panels": [
             {
                 "id": i + 1,
                 "type": "timeseries",
                 "title": title,
-                "datasource": {"type": "prometheus", "uid": "${DS_PROMETHEUS}"},
+                "datasource": source,
                 "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
                 "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-                "targets": [{"refId": "A", "expr": expr}],
+                "targets": [
+                    {"refId": chr(ord("A") + k), "datasource": source, "expr": expr}
+                    for k, expr in enumerate(exprs)
+                ],
             }
-            for i, (title, expr, unit) in enumerate(panels)
+            for i, (title, exprs, unit) in enumerate(panels)
         ],
     }
 

@@ -312,6 +312,7 @@ class ShipyardOnnxRuntime(MLModel):
         self.text = eng.text.Text(folder / c.text) if c.text else None
         self.max_request_rows = c.batching.max_rows
         self.engine = None
+        eng.metrics.announce(self.name)  # every task: the alerts' scope and target-down
         if self.serving == "generate":
             assert c.engine is not None, "a generating task needs engine settings"
             graph = eng.runner.Graph(self.session)

@@ -4,6 +4,7 @@ plots only series the runtime exports."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -58,11 +59,11 @@ def test_the_rules_pass_promtool_check_and_their_unit_tests(
     ]
     if generates:
         assert names == [
-            "ShipyardMemoryHigh", "ShipyardTTFTHigh", "ShipyardITLHigh", "ShipyardErrorRateHigh",
-            "ShipyardQueueDeep", "ShipyardEmptyResponses",
+            "ShipyardTargetDown", "ShipyardMemoryHigh", "ShipyardTTFTHigh", "ShipyardITLHigh",
+            "ShipyardErrorRateHigh", "ShipyardQueueDeep", "ShipyardEmptyResponses",
         ]  # fmt: skip
     else:
-        assert names == ["ShipyardMemoryHigh"]
+        assert names == ["ShipyardTargetDown", "ShipyardMemoryHigh"]
 
 
 def test_thresholds_are_the_baseline_times_the_stated_margins(tmp_path: Path) -> None:
@@ -75,7 +76,8 @@ def test_thresholds_are_the_baseline_times_the_stated_margins(tmp_path: Path) ->
     # a baseline the load test did not measure makes no rule, never a rule at 0
     partial = monitoring.rules("m", baseline(p95_ttft_ms=None, peak_rss_mb=0), 64, True)
     assert {r["alert"] for r in partial["groups"][0]["rules"]} == {
-        "ShipyardErrorRateHigh", "ShipyardQueueDeep", "ShipyardEmptyResponses",
+        "ShipyardTargetDown", "ShipyardErrorRateHigh", "ShipyardQueueDeep",
+        "ShipyardEmptyResponses",
     }  # fmt: skip
 
 
@@ -96,7 +98,7 @@ def test_a_baseline_finer_than_the_histogram_alerts_at_its_first_bucket(tmp_path
         assert "the histogram's first bucket" in rules[name]["annotations"]["baseline"]
     # at the bucket's edge exactly the baseline's own margin holds
     edge = baseline(p95_itl_ms=LATENCY[0] * 1000 / 2)
-    (rule,) = monitoring.rules("m", edge, 64, True)["groups"][0]["rules"][:1]
+    (rule,) = monitoring.rules("m", edge, 64, True)["groups"][0]["rules"][1:2]
     assert rule["expr"].endswith(f"> {LATENCY[0]}") and "first bucket" not in str(rule)
 
 
@@ -104,6 +106,9 @@ def test_the_unit_tests_fail_when_a_rule_is_wrong(tmp_path: Path) -> None:
     folder = written(tmp_path, BASELINE)
     alerts = yaml.safe_load((folder / "alerts.yml").read_text())
     for rule in alerts["groups"][0]["rules"]:  # a threshold ten times too lax
+        if rule["alert"] == "ShipyardTargetDown":  # no threshold: another release's name
+            rule["expr"] = rule["expr"].replace('model="', 'model="other-')
+            continue
         head, limit = rule["expr"].rsplit(">", 1)
         rule["expr"] = f"{head}> {float(limit) * 10 + 100}"
     (folder / "alerts.yml").write_text(yaml.safe_dump(alerts, sort_keys=False, width=1000))
@@ -111,27 +116,96 @@ def test_the_unit_tests_fail_when_a_rule_is_wrong(tmp_path: Path) -> None:
     assert tested.returncode != 0 and "FAILED" in tested.stdout + tested.stderr
 
 
-def test_the_dashboard_plots_only_series_the_runtime_exports() -> None:
+PROMQL_WORDS = {
+    "sum", "max", "min", "avg", "count", "rate", "irate", "increase", "histogram_quantile",
+    "max_over_time", "absent", "by", "on", "group_left", "group_right", "or", "and", "unless",
+    "without", "ignoring",
+}  # fmt: skip
+
+
+def series_names(expr: str) -> set[str]:
+    """The metric names an expression reads: label matchers, grouping label lists and
+    PromQL's own words taken out."""
     import re
 
-    board = monitoring.dashboard("tiny-gpt2", True)
-    exported = {
-        "process_resident_memory_bytes",
-        *(f"{f}_bucket" for f in ("shipyard_time_to_first_token_seconds",
-                                  "shipyard_inter_token_latency_seconds",
-                                  "shipyard_running_batch_size", "shipyard_output_tokens")),
-        "shipyard_queue_depth", "shipyard_kv_cache_usage_ratio",
-        "shipyard_requests_waiting", "shipyard_requests_running",
-        *(f"shipyard_{c}_total" for c in ("generated_tokens", "prompt_tokens",
-                                          "requests_finished", "empty_responses",
-                                          "length_limited")),
-    }  # fmt: skip
-    used = set()
+    bare = re.sub(r"\{[^}]*\}", "", expr)
+    bare = re.sub(r"\b(by|on|without|ignoring|group_left|group_right)\s*\([^)]*\)", "", bare)
+    bare = re.sub(r"\[[^\]]*\]", "", bare)
+    words = set(re.findall(r"\b[a-zA-Z_:][a-zA-Z0-9_:]*\b", bare))
+    return {w for w in words if w not in PROMQL_WORDS and not w[0].isdigit()}
+
+
+def exported() -> set[str]:
+    """Every sample name the runtime's registry serves (engine series and the process's)."""
+    import prometheus_client as prom
+
+    from stages.serving.engine import metrics
+
+    metrics.Metrics("tiny-gpt2")
+    metrics.announce("tiny-gpt2-embed")
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
+    names = set()
+    for family in prom.REGISTRY.collect():  # a labelled family has no samples until used
+        names |= {family.name + end for end in suffixes.get(family.type, ("",))}
+        names |= {sample.name for sample in family.samples}
+    return names
+
+
+@pytest.mark.parametrize("generates", [True, False])
+def test_the_dashboard_imports_and_every_query_parses_and_reads_exported_series(
+    tmp_path: Path, generates: bool
+) -> None:
+    """Issue 43: the dashboard used ${DS_PROMETHEUS} with no __inputs or variable, so no
+    panel resolved on import, and one panel was `A or B` (B never shows where A has a
+    value). Now: __inputs names the data source, a `datasource` variable defaults to it,
+    every panel and query reads it; every query is valid PromQL (promtool checks each as a
+    recording rule) and reads only series the runtime exports."""
+    board = json.loads(json.dumps(monitoring.dashboard("tiny-gpt2", generates)))
+    (source,) = board["__inputs"]
+    assert source["name"] == "DS_PROMETHEUS" and source["pluginId"] == "prometheus"
+    (variable,) = board["templating"]["list"]
+    assert variable["type"] == "datasource" and variable["query"] == "prometheus"
+    assert variable["current"]["value"] == "${DS_PROMETHEUS}"
+    names = exported()
+    queries = []
     for panel in board["panels"]:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(set(refs)) == len(refs)
         for target in panel["targets"]:
-            used |= set(re.findall(r"\b(shipyard_\w+|process_\w+)\{?", target["expr"]))
-    assert used and used <= exported, used - exported
+            assert target["datasource"]["uid"] == "${datasource}"
+            assert " or " not in target["expr"], target["expr"]
+            used = series_names(target["expr"])
+            assert used and used <= names, (panel["title"], used - names)
+            queries.append(target["expr"])
     assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [{"record": f"dashboard:q{i}", "expr": q} for i, q in enumerate(queries)],
+            }
+        ]
+    }
+    (tmp_path / "queries.yml").write_text(yaml.safe_dump(rules, width=1000))
+    checked = promtool("check", "rules", "queries.yml", cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # and the rules' series are exported too (a renamed metric breaks an alert silently)
+    for rule in monitoring.rules("tiny-gpt2", BASELINE, 64, generates)["groups"][0]["rules"]:
+        assert series_names(rule["expr"]) <= names, (rule["alert"], rule["expr"])
+
+
+def test_a_broken_query_or_an_unexported_series_is_caught(tmp_path: Path) -> None:
+    """The dashboard test's own checks bite: promtool refuses bad PromQL, and a name the
+    runtime does not export is seen."""
+    (tmp_path / "q.yml").write_text(
+        yaml.safe_dump({"groups": [{"name": "g", "rules": [{"record": "a:b", "expr": "sum(("}]}]})
+    )
+    assert promtool("check", "rules", "q.yml", cwd=tmp_path).returncode != 0
+    assert series_names('sum by (model) (rate(shipyard_nope_total{model="m"}[5m]))') == {
+        "shipyard_nope_total"
+    }
+    assert "shipyard_nope_total" not in exported()
 
 
 @pytest.mark.parametrize(

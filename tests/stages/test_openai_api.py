@@ -334,7 +334,27 @@ def bert(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]
     ws.root = root
     tree = serve(ws, slug, matrix.spec_for(arch, slug))
     with LocalServer(tree, slug, root / "log", 60) as srv:
+        METRICS[srv.url] = f"http://127.0.0.1:{srv.ports[2]}/metrics"
         yield srv.url, ws.out(slug, "quantize") / "model.onnx"
+
+
+def test_an_embedding_server_announces_its_model(bert: Any) -> None:
+    """Issue 43: an embedding bundle exported no series of its own, so its release's alerts
+    had nothing to scope to and no target-down rule could see it."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, model = bert
+    with urllib.request.urlopen(METRICS[url], timeout=10) as r:
+        text = r.read().decode()
+    info = [
+        s
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "shipyard_model_info"
+    ]
+    assert [(s.labels, s.value) for s in info] == [({"model": model.parents[1].name}, 1.0)]
 
 
 def test_embeddings_through_the_openai_client_equal_the_graphs_output(bert: Any) -> None:

@@ -1045,6 +1045,8 @@ def test_the_metrics_endpoint_shows_ttft_batching_tokens_and_finish_reasons(guar
         time.sleep(0.1)
     assert {name: now.get((name, model)) for name in idle} == dict.fromkeys(idle, 0.0)
     assert after[("process_resident_memory_bytes", ())] > 0
+    # the release's servers announce it: the alerts' scope and their target-down rule
+    assert after[("shipyard_model_info", model)] == 1
     assert grew("shipyard_output_tokens_count") == streams  # one length per finished output
     assert grew("shipyard_output_tokens_sum") == streams * tokens
     assert grew("shipyard_empty_responses_total") == 0

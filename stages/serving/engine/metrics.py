@@ -17,6 +17,11 @@ the registry MLServer's metrics endpoint serves):
   token), `shipyard_output_tokens` (histogram: abnormal lengths show as its tails) and
   `shipyard_length_limited_total` (outputs cut at their token limit).
 
+- `shipyard_model_info` (gauge, 1): this process serves `model`, whatever its task
+  (`announce`; a generating model's engine sets it too). Alert rules join on it to scope
+  process-wide series (`process_resident_memory_bytes`) to the release's own servers, and
+  its absence is the release's target-down alert.
+
 Every series carries the `model` label. Without prometheus_client, `for_model` returns None
 and the engine measures nothing.
 """
@@ -46,10 +51,23 @@ def _family(kind: str, name: str, doc: str, **kw: Any) -> Any:
     return _SHARED[name]
 
 
+def announce(model: str) -> None:
+    """`shipyard_model_info{model} 1`: this process serves `model` (no-op without
+    prometheus_client)."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return
+    _family("Gauge", "shipyard_model_info", "1: this process serves the model.").labels(model).set(
+        1
+    )
+
+
 class Metrics:
     """The engine's series for one model."""
 
     def __init__(self, model: str) -> None:
+        announce(model)
         self.ttft = _family(
             "Histogram", "shipyard_time_to_first_token_seconds",
             "Arrival to first token, per request.", buckets=LATENCY,
