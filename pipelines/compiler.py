@@ -103,7 +103,11 @@ def compile_dvc(root: Path) -> str:
             # `dvc exp show` show what changed in a spec, and DVC parses each spec once per
             # `dvc repro` (the stages themselves depend on their params files, as before)
             "params": [{path.relative_to(root).as_posix(): None} for path, _ in releases],
-            "outs": [PARAMS_DIR],
+            # persist: DVC removes a stage's outs before it runs; one bad spec then failed
+            # the stage and left every release without its params (issue 43). Kept, a
+            # failed fingerprint leaves them as they were (and DVC's run-cache, which
+            # never restores a persisted out, cannot hand this stage another build's)
+            "outs": [{PARAMS_DIR: {"persist": True}}],
         }
     }
     for name, (items, template) in templates(root, releases, all_ios).items():

@@ -85,7 +85,7 @@ def test_the_code_stage_depends_on_the_folders_of_the_code_and_every_spec(
         "cmd": "shipyard fingerprint",
         "deps": ["pipelines", "pyproject.toml", "schemas", "stages", "releases"],
         "params": [{"releases/a-small.yaml": None}, {"releases/b-small.yaml": None}],
-        "outs": ["build/.params"],
+        "outs": [{"build/.params": {"persist": True}}],
     }
 
 

@@ -326,3 +326,28 @@ def test_a_fresh_clone_with_the_shared_remote_recomputes_nothing(
     done = sh(["dvc", "repro", "--pull", "bundle@tiny-gpt2"], c)
     assert ran(done.stdout) == [], done.stdout
     sh(["shipyard", "verify", "build/tiny-gpt2/bundle"], c)
+
+
+def test_a_bad_spec_fails_the_build_and_deletes_no_releases_params(tmp_path: Path) -> None:
+    """Issue 43: DVC removes a stage's outs before it runs, so one bad spec failed the
+    `code` stage and left build/.params empty: every stage of every release then read as
+    changed. The params folder persists: the failed run leaves each release's params as
+    they were, and fixing the spec rewrites them the same."""
+    root = commit_all(copy_worktree(tmp_path / "repo"))
+    sh(["dvc", "repro", "-q", "code"], root)
+    params = root / "build" / ".params"
+    before = {p.relative_to(params): p.read_bytes() for p in params.rglob("*.json")}
+    assert {p.parts[0] for p in before} == {"gpt2-small", "tiny-gpt2"}
+    spec = root / "releases" / "tiny-gpt2.yaml"
+    good = spec.read_text()
+    spec.write_text(good.replace("task: causal-lm", "task: causal-lm\nno_such_field: 1", 1))
+    env = {**os.environ, "PATH": f"{VENV / 'bin'}:{os.environ['PATH']}"}
+    env.pop("SHIPYARD_ROOT", None)
+    failed = subprocess.run(
+        ["dvc", "repro", "code"], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert failed.returncode != 0 and "no_such_field" in failed.stdout + failed.stderr
+    assert {p.relative_to(params): p.read_bytes() for p in params.rglob("*.json")} == before
+    spec.write_text(good)
+    sh(["dvc", "repro", "-q", "code"], root)
+    assert {p.relative_to(params): p.read_bytes() for p in params.rglob("*.json")} == before
