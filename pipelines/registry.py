@@ -428,8 +428,6 @@ class Registry:
         its signature where the channel requires one). Copied, never linked: a server of
         the copy cannot write into the registry, nor a registry writer change what was
         verified. Returns release, version, digest and channel (None for a version)."""
-        import shutil
-
         check_name(name)
         channel: str | None = None
         pointer: dict[str, Any] | None = None
@@ -445,8 +443,10 @@ class Registry:
                     "version"
                 )
             version = pointer["version"]
-        with self._local_copy(name, version) as folder:
-            shutil.copytree(folder, into, symlinks=True)
+        source = self._version_dir(name, version)
+        if not self.store.exists(source):
+            raise RegistryError(f"{name}@{version} has no bundle in {self.url}")
+        self.store.copy_out(source, into)
         digest = self._verify_published(into, name, version)
         if channel is not None and pointer is not None:
             if digest != pointer["digest"]:

@@ -174,6 +174,12 @@ class Store(ABC):
     def local_copy(self, source: str) -> AbstractContextManager[Path]:
         """The folder at `source` as a local path, for as long as the context lasts."""
 
+    def copy_out(self, source: str, into: Path) -> None:
+        """The folder at `source` copied (never linked) to the local path `into`, which
+        must not exist; symlinks stay symlinks (a verify refuses them)."""
+        with self.local_copy(source) as folder:
+            shutil.copytree(folder, into, symlinks=True)
+
 
 class LocalStore(Store):
     """A registry in a local folder."""
