@@ -263,7 +263,15 @@ def dashboard(model: str, generates: bool) -> dict[str, Any]:
         limited = f"sum(rate(shipyard_length_limited_total{{{m}}}[5m]))"
         running = f"shipyard_requests_running{{{m}}}"
         waiting = f"shipyard_requests_waiting{{{m}}}"
+        e2e = _quantile("shipyard_e2e_request_latency_seconds", model)
+        queued = _quantile("shipyard_request_queue_time_seconds", model)
+        hit_rate = (
+            f"sum(rate(shipyard_prefix_cache_hits_total{{{m}}}[5m])) / "
+            f"sum(rate(shipyard_prefix_cache_queries_total{{{m}}}[5m]))"
+        )
         panels = [
+            ("End-to-end request latency (p95)", [e2e], "s"),
+            ("Queue time (p95)", [queued], "s"),
             ("Time to first token (p95)", [ttft], "s"),
             ("Inter-token latency (p95)", [itl], "s"),
             (
@@ -276,6 +284,7 @@ def dashboard(model: str, generates: bool) -> dict[str, Any]:
             ("KV cache use", [f"shipyard_kv_cache_usage_ratio{{{m}}}"], "percentunit"),
             ("Finished requests by reason", [reasons], "reqps"),
             ("Empty and length-limited outputs", [empty, limited], "reqps"),
+            ("Prefix cache hit rate (prompt tokens)", [hit_rate], "percentunit"),
             *panels,
         ]
     source = {"type": "prometheus", "uid": "${datasource}"}

@@ -1047,6 +1047,22 @@ def test_the_metrics_endpoint_shows_ttft_batching_tokens_and_finish_reasons(guar
     assert after[("process_resident_memory_bytes", ())] > 0
     # the release's servers announce it: the alerts' scope and their target-down rule
     assert after[("shipyard_model_info", model)] == 1
+    # vLLM's request timings: one sample a request, the end never before the first token
+    for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time"):
+        assert grew(f"shipyard_{name}_seconds_count") == streams, name
+    assert grew("shipyard_e2e_request_latency_seconds_sum") >= grew(
+        "shipyard_time_to_first_token_seconds_sum"
+    )
+    assert (
+        grew("shipyard_request_queue_time_seconds_sum")
+        + grew("shipyard_request_prefill_time_seconds_sum")
+        <= grew("shipyard_time_to_first_token_seconds_sum") + 1e-6
+    )
+    queried, hits = (
+        grew("shipyard_prefix_cache_queries_total"),
+        grew("shipyard_prefix_cache_hits_total"),
+    )
+    assert queried in (0, streams * 4) and 0 <= hits <= queried, (queried, hits)
     assert grew("shipyard_output_tokens_count") == streams  # one length per finished output
     assert grew("shipyard_output_tokens_sum") == streams * tokens
     assert grew("shipyard_empty_responses_total") == 0

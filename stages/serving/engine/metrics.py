@@ -17,6 +17,13 @@ the registry MLServer's metrics endpoint serves):
   token), `shipyard_output_tokens` (histogram: abnormal lengths show as its tails) and
   `shipyard_length_limited_total` (outputs cut at their token limit).
 
+- `shipyard_e2e_request_latency_seconds`, `shipyard_request_queue_time_seconds`,
+  `shipyard_request_prefill_time_seconds` (histograms, vLLM's names after the prefix):
+  arrival to the end (every finished request, aborted and failed ones too), arrival to
+  admission, admission to the first token;
+- `shipyard_prefix_cache_queries_total`, `shipyard_prefix_cache_hits_total` (counters, in
+  prompt tokens, where prefix caching is on): looked up in the prefix cache, and found
+  there (hit rate: their ratio);
 - `shipyard_model_info` (gauge, 1): this process serves `model`, whatever its task
   (`announce`; a generating model's engine sets it too). Alert rules join on it to scope
   process-wide series (`process_resident_memory_bytes`) to the release's own servers, and
@@ -109,6 +116,26 @@ class Metrics:
         ).labels(model)
         self.output_tokens = _family(
             "Histogram", "shipyard_output_tokens", "Tokens per finished output.", buckets=TOKENS
+        ).labels(model)
+        self.e2e = _family(
+            "Histogram", "shipyard_e2e_request_latency_seconds",
+            "Arrival to the end of a request (any reason).", buckets=LATENCY,
+        ).labels(model)  # fmt: skip
+        self.queue_time = _family(
+            "Histogram", "shipyard_request_queue_time_seconds",
+            "Arrival to admission, per request.", buckets=LATENCY,
+        ).labels(model)  # fmt: skip
+        self.prefill_time = _family(
+            "Histogram", "shipyard_request_prefill_time_seconds",
+            "Admission to the first token, per request.", buckets=LATENCY,
+        ).labels(model)  # fmt: skip
+        self.prefix_queried = _family(
+            "Counter",
+            "shipyard_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+        ).labels(model)
+        self.prefix_hits = _family(
+            "Counter", "shipyard_prefix_cache_hits", "Prompt tokens found in the prefix cache."
         ).labels(model)
 
     def finished(self, reason: str, tokens: int, empty: bool) -> None:

@@ -51,6 +51,7 @@ class OutputProcessor:
         """A sequence that ends without a token (cancelled, timed out, failed)."""
         if self.metrics is not None:
             self.metrics.finished(reason, len(seq.generated), False)
+            self.metrics.e2e.observe(time.monotonic() - seq.arrival)
         seq.emit(event)
 
     def _measure(self, seq: Sequence, event: Event, stopped: bool) -> None:
@@ -58,6 +59,12 @@ class OutputProcessor:
         if len(seq.generated) == 1:
             m.ttft.observe(now - seq.arrival)
             m.prompt.inc(len(seq.prompt))
+            admitted = seq.admitted or seq.arrival
+            m.queue_time.observe(max(0.0, admitted - seq.arrival))
+            m.prefill_time.observe(max(0.0, now - admitted))
+            if seq.looked_up:
+                m.prefix_queried.inc(len(seq.prompt))
+                m.prefix_hits.inc(seq.cached)
         else:
             m.itl.observe(now - seq.last)
         seq.last = now
@@ -65,3 +72,4 @@ class OutputProcessor:
         if event.finish:
             # empty: the first token was already a stop (nothing a user would read)
             m.finished(event.finish, len(seq.generated), stopped and len(seq.generated) == 1)
+            m.e2e.observe(now - seq.arrival)

@@ -199,6 +199,8 @@ class Sequence:
     cached: int = 0
     cancelled: bool = False
     last: float = 0.0  # when its latest token was emitted (inter-token latency)
+    admitted: float = 0.0  # when the scheduler admitted it (queue and prefill time)
+    looked_up: bool = False  # its prompt was looked up in the prefix cache
 
     @property
     def total(self) -> int:
@@ -334,6 +336,7 @@ class Scheduler:
                 return
             if self._fits(seq):
                 del self.waiting[skipped]
+                seq.admitted = now
                 self._start(seq)
                 continue
             if s.policy == "request" or now - seq.arrival >= s.max_wait_s:
@@ -365,7 +368,7 @@ class Scheduler:
     def _start(self, seq: Sequence) -> None:
         if self.prefix is not None:
             seq.cached, seq.past = self.prefix.lookup(seq.prompt)
-            seq.done = seq.cached
+            seq.done, seq.looked_up = seq.cached, True
         self.prefilling.append(seq)
 
     def _group(self, budget: int) -> list[Sequence]:
