@@ -75,14 +75,16 @@ class Metrics:
 
     def __init__(self, model: str) -> None:
         announce(model)
-        self.ttft = _family(
-            "Histogram", "shipyard_time_to_first_token_seconds",
-            "Arrival to first token, per request.", buckets=LATENCY,
-        ).labels(model)  # fmt: skip
-        self.itl = _family(
-            "Histogram", "shipyard_inter_token_latency_seconds",
-            "Between consecutive tokens of one request.", buckets=LATENCY,
-        ).labels(model)  # fmt: skip
+
+        def seconds(name: str, doc: str) -> Any:  # a latency histogram of this model
+            return _family("Histogram", name, doc, buckets=LATENCY).labels(model)
+
+        self.ttft = seconds(
+            "shipyard_time_to_first_token_seconds", "Arrival to first token, per request."
+        )
+        self.itl = seconds(
+            "shipyard_inter_token_latency_seconds", "Between consecutive tokens of one request."
+        )
         self.queue = _family("Gauge", "shipyard_queue_depth", "Requests waiting.").labels(model)
         self.waiting = _family(
             "Gauge", "shipyard_requests_waiting", "Requests waiting for admission."
@@ -117,18 +119,15 @@ class Metrics:
         self.output_tokens = _family(
             "Histogram", "shipyard_output_tokens", "Tokens per finished output.", buckets=TOKENS
         ).labels(model)
-        self.e2e = _family(
-            "Histogram", "shipyard_e2e_request_latency_seconds",
-            "Arrival to the end of a request (any reason).", buckets=LATENCY,
-        ).labels(model)  # fmt: skip
-        self.queue_time = _family(
-            "Histogram", "shipyard_request_queue_time_seconds",
-            "Arrival to admission, per request.", buckets=LATENCY,
-        ).labels(model)  # fmt: skip
-        self.prefill_time = _family(
-            "Histogram", "shipyard_request_prefill_time_seconds",
-            "Admission to the first token, per request.", buckets=LATENCY,
-        ).labels(model)  # fmt: skip
+        self.e2e = seconds(
+            "shipyard_e2e_request_latency_seconds", "Arrival to the end of a request (any reason)."
+        )
+        self.queue_time = seconds(
+            "shipyard_request_queue_time_seconds", "Arrival to admission, per request."
+        )
+        self.prefill_time = seconds(
+            "shipyard_request_prefill_time_seconds", "Admission to the first token, per request."
+        )
         self.prefix_queried = _family(
             "Counter",
             "shipyard_prefix_cache_queries",
