@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from schemas import RegistryError, ShipyardError
+from schemas import ShipyardError
 
 SERVE_DIR_ENV = "SHIPYARD_SERVE_DIR"
 LAUNCHER = Path("serving") / "mlserver" / "shipyard_serve.py"
@@ -144,9 +144,7 @@ def run(target: str, registry_url: str, device: str, launcher_args: list[str]) -
             raise ServeError(f"--device cuda: {problem}")
     try:
         bundle, what = checkout(target, registry_url, serve_dir())
-    except RegistryError:
-        raise
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # a RegistryError is neither: it passes as it is
         raise ServeError(f"{target}: {exc}") from None
     launcher = bundle / LAUNCHER
     if not launcher.is_file():
@@ -166,7 +164,6 @@ def run(target: str, registry_url: str, device: str, launcher_args: list[str]) -
     env = dict(os.environ)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     argv = [sys.executable, str(launcher), *launcher_args, "--device", device]
-    with contextlib.suppress(AttributeError):
-        sys.stdout.flush()
+    sys.stdout.flush()
     os.execve(sys.executable, argv, env)
     return 1  # not reached

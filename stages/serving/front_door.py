@@ -141,6 +141,20 @@ def read_token(env: MutableMapping[str, str]) -> str | None:
     return token
 
 
+def check_auth(token: str | None, no_auth: bool, host: str) -> None:
+    """A token, or --no-auth on a loopback host: never both, never neither (this launcher's
+    rule, and the Triton entry's)."""
+    if token is None and not no_auth:
+        raise Refused(
+            f"no API token: set {TOKEN_ENV} or {TOKEN_FILE_ENV} (clients then send "
+            "'Authorization: Bearer <token>'), or pass --no-auth on a loopback host"
+        )
+    if token is not None and no_auth:
+        raise Refused("--no-auth with a token set: drop one of them")
+    if no_auth and not _loopback(host):
+        raise Refused(f"--no-auth binds loopback only; {host} is not (set a token instead)")
+
+
 def _loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -771,15 +785,7 @@ def main(argv: list[str] | None = None, folder: Path = HERE) -> None:
     _more_files()
     settings_file = json.loads((folder / "settings.json").read_text(encoding="utf-8"))
     host = args.host or settings_file.get("host", "127.0.0.1")
-    if token is None and not args.no_auth:
-        raise Refused(
-            f"no API token: set {TOKEN_ENV} or {TOKEN_FILE_ENV} (clients then send "
-            "'Authorization: Bearer <token>'), or pass --no-auth on a loopback host"
-        )
-    if token is not None and args.no_auth:
-        raise Refused("--no-auth with a token set: drop one of them")
-    if args.no_auth and not _loopback(host):
-        raise Refused(f"--no-auth binds loopback only; {host} is not (set a token instead)")
+    check_auth(token, args.no_auth, host)
     if args.device == "cuda":
         import onnxruntime as ort
 

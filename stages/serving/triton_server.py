@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from schemas import Refused, StageError
-from stages.serving.front_door import TOKEN_FILE_ENV, read_token
+from stages.serving.front_door import TOKEN_FILE_ENV, check_auth, read_token
 from stages.serving.server import LocalServer, dies_with, free_ports
 
 HOME = Path(__file__).resolve().parents[2] / ".triton"
@@ -231,16 +231,9 @@ def main(argv: list[str]) -> int:
         root = home()
         try:
             token = read_token(dict(os.environ))
-        except SystemExit as exc:  # the MLServer launcher's refusal, named for it
+            check_auth(token, no_auth, LOOPBACK)
+        except SystemExit as exc:  # the MLServer launcher's refusals, named for it
             raise Refused(str(exc).removeprefix("shipyard_serve: ")) from None
-        if token is None and not no_auth:
-            raise Refused(
-                "no API token: set SHIPYARD_API_TOKEN or SHIPYARD_API_TOKEN_FILE (clients "
-                "then send 'Authorization: Bearer <token>'), or pass --no-auth (it binds "
-                "loopback only)"
-            )
-        if token is not None and no_auth:
-            raise Refused("--no-auth with a token set: drop one of them")
     except StageError as exc:
         print(exc, file=sys.stderr)
         return 1
