@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# the KServe SDK, for its InferenceService and ServingRuntime models in the tests only:
+	# without its dependencies (its server pins fastapi, starlette and psutil unlike MLServer)
+	$(BIN)/python -m pip install --quiet --no-deps kserve==0.21.0
 	touch $(STAMP)
 
 # A CPU Triton server with the python backend (from the nvidia-pytriton wheel), for the

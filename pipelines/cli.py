@@ -484,12 +484,45 @@ def cmd_promote(args: argparse.Namespace) -> int:
         raise RegistryError(f"{args.target!r}: write NAME@VERSION, e.g. tiny-gpt2@0.1.0")
     name, version = args.target.rsplit("@", 1)
     registry = _registry(args)
-    entry = registry.promote(name, version, args.to, args.reason)
+    entry = registry.promote(name, version, args.to, args.reason, args.canary)
+    step = "" if args.canary is None else f", canary {args.canary} %"
     if entry.get("noop"):
-        print(f"{args.to}: {entry['to']} is already live there; nothing moved or recorded")
+        print(f"{args.to}: {entry['to']}{step} is already live there; nothing moved or recorded")
     else:
-        print(f"{args.to}: {entry['from'] or '(empty)'} -> {entry['to']} (#{entry['seq']})")
+        print(f"{args.to}: {entry['from'] or '(empty)'} -> {entry['to']}{step} (#{entry['seq']})")
     _warn(registry)
+    if args.manifests:
+        _manifests(args, registry, f"{name}@{version}", args.canary)
+    return 0
+
+
+def _deploy_choices(args: argparse.Namespace, canary: int | None) -> Any:
+    from pipelines.deploy import Choices
+
+    return Choices(
+        storage_base=args.storage_uri,
+        image=args.image,
+        namespace=args.namespace,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        canary_percent=canary,
+    )
+
+
+def _manifests(args: argparse.Namespace, registry: Any, target: str, canary: int | None) -> None:
+    from pipelines.deploy import render
+
+    done = render(registry, target, Path(args.manifests), _deploy_choices(args, canary))
+    step = "" if canary is None else f" (canaryTrafficPercent {canary})"
+    print(
+        f"wrote the cluster manifests of {done['release']}@{done['version']}{step} to "
+        f"{args.manifests}: storageUri {done['storage_uri']}; apply with `kubectl apply -f "
+        f"{args.manifests}/kserve` (KServe) or `-f {args.manifests}/kubernetes`"
+    )
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    _manifests(args, _registry(args), args.target, args.canary)
     return 0
 
 
@@ -507,6 +540,8 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     entry = registry.rollback(name, args.channel, args.reason)
     print(f"{args.channel}: {entry['from']} -> {entry['to']} (#{entry['seq']}, rollback)")
     _warn(registry)
+    if args.manifests:  # the version rolled back to, with all of the traffic
+        _manifests(args, registry, entry["to"], None)
     return 0
 
 
@@ -517,6 +552,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             f"#{e['seq']:<3} {e['at']} {e['who']:10} {e['action']:8} {e['channel']:10} "
             f"{e['from'] or '(empty)'} -> {e['to']}  {str(e.get('digest'))[:12]}  "
             f"{e.get('reason', '')}"
+            + (f" (canary {e['canary_percent']} %)" if e.get("canary_percent") is not None else "")
         )
     _warn(registry)
     return 0
@@ -699,6 +735,37 @@ def parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rollback", help="move a channel back to its previous version")
     rb.add_argument("channel", help="the channel to move back")
     rb.add_argument("--release", help="release name (needed when several have the channel)")
+    dep = sub.add_parser(
+        "deploy",
+        help="write a published version's cluster manifests (KServe, Kubernetes)",
+        description="Check out NAME@VERSION or NAME@CHANNEL from the registry, verify it, and "
+        "write its cluster manifests (the bundle's deploy/ folder) under --out, with the "
+        "registry URI the cluster fetches it from.",
+    )
+    dep.add_argument("target", metavar="NAME@VERSION|NAME@CHANNEL", help="what to deploy")
+    dep.add_argument("--out", dest="manifests", required=True, metavar="DIR", help="where to write")
+    dep.add_argument("--canary", type=int, metavar="PCT", help="canaryTrafficPercent (KServe)")
+    pro.add_argument(
+        "--canary",
+        type=int,
+        metavar="PCT",
+        help="a canary step: PCT %% of traffic to this version (recorded in the history)",
+    )
+    for cmd in (pro, rb):
+        cmd.add_argument(
+            "--manifests", metavar="DIR", help="also write the cluster manifests of the new state"
+        )
+    for cmd in (pro, rb, dep):
+        cmd.add_argument(
+            "--storage-uri",
+            metavar="BASE",
+            help="the registry as the cluster reaches it (default: the registry URL; "
+            "pvc://CLAIM for a folder registry on a PersistentVolumeClaim)",
+        )
+        cmd.add_argument("--image", help="the runtime image (default: the bundle's)")
+        cmd.add_argument("--namespace", help="metadata.namespace of every object")
+        cmd.add_argument("--min-replicas", type=int, metavar="N")
+        cmd.add_argument("--max-replicas", type=int, metavar="N")
     hist = sub.add_parser("history", help="print the append-only promotion history")
     st = sub.add_parser("status", help="print every channel pointer")
     reg = sub.add_parser("registry", help="registry maintenance and policy")
@@ -720,6 +787,7 @@ def parser() -> argparse.ArgumentParser:
         (pub, cmd_publish),
         (pro, cmd_promote),
         (rb, cmd_rollback),
+        (dep, cmd_deploy),
         (hist, cmd_history),
         (st, cmd_status),
     ):

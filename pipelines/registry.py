@@ -366,14 +366,27 @@ class Registry:
         path = self.path("policy", f"{check_channel(channel)}.json")
         return self._json(path, SignaturePolicy)
 
-    def promote(self, name: str, version: str, channel: str, reason: str) -> dict[str, Any]:
-        """Re-verify name@version, then point name's `channel` at it and record why."""
+    def promote(
+        self, name: str, version: str, channel: str, reason: str, canary: int | None = None
+    ) -> dict[str, Any]:
+        """Re-verify name@version, then point name's `channel` at it and record why; with
+        `canary` (a percent), the move is a canary step: the cluster sends that share of
+        traffic to it (`shipyard deploy`), and a later step of the same version (a larger
+        share, or None: all) is recorded as a move of its own."""
         check_name(name), check_version(version), check_channel(channel)
+        if canary is not None and not 0 <= canary <= 100:
+            raise RegistryError(f"--canary {canary}: a percent of traffic, 0 to 100")
         with self.lock():
             self.warnings += self._pointers()  # an interrupted move first
             target = self._checked(name, version, channel)
             current = self.channel(name, channel)
-            if current and (current["version"], current["digest"]) == (version, target["digest"]):
+            if canary is not None:
+                target = {**target, "canary_percent": canary}
+            if current and (
+                current["version"],
+                current["digest"],
+                current.get("canary_percent"),
+            ) == (version, target["digest"], canary):
                 # a retried deploy: nothing moves and nothing is recorded (a duplicate on
                 # the rollback stack made the next rollback a move from 0.2.0 to 0.2.0)
                 return {
@@ -516,6 +529,8 @@ class Registry:
             "digest": target["digest"],
             "reason": reason,
         }
+        if target.get("canary_percent") is not None:
+            entry["canary_percent"] = target["canary_percent"]
         self.store.fence()
         self._append(entry)
         self._write(

@@ -36,6 +36,13 @@ class ChannelPointer(_Kept):
     version: str
     digest: str = Field(pattern=DIGEST)
     since: str | None = None
+    canary_percent: int | None = Field(
+        default=None,
+        ge=0,
+        le=100,
+        description="A canary step: the share of traffic the cluster sends this version "
+        "(`promote --canary`); None: all of it.",
+    )
 
 
 class SignaturePolicy(_Kept):
@@ -59,3 +66,4 @@ class HistoryEntry(_Kept):
     to: str = Field(pattern=r"^[^@]+@[^@]+$", description="release@version")
     digest: str | None = None
     reason: str | None = None
+    canary_percent: int | None = Field(default=None, ge=0, le=100)

@@ -1,5 +1,6 @@
 """bundle: model + manifest + reports + model card + serving configs + monitoring (alert
-rules from the load test's baseline, their promtool tests, a Grafana dashboard), all
+rules from the load test's baseline, their promtool tests, a Grafana dashboard) + cluster
+manifests (KServe and plain Kubernetes, sized from the plan and the load test), all
 hashed."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import ReleaseSpec, StageError
-from schemas.artifacts import LoadTestSummary, ModelInfo
+from schemas.artifacts import CapacityPlan, LoadTestSummary, ModelInfo
 from schemas.facts import BundleFacts
 from schemas.manifest import (
     BUNDLE_UNHASHED,
@@ -23,7 +24,7 @@ from stages._contract import (
     StageResult,
     link_or_copy,
 )
-from stages.bundling import monitoring
+from stages.bundling import cluster, monitoring
 from stages.bundling.files import CHECKED, payload, provenance
 from stages.bundling.hashing import hash_shards
 from stages.bundling.oms import (
@@ -41,7 +42,7 @@ RENDERED = {"MODEL_CARD.md": "MODEL_CARD.md.j2"}
 def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         params=("version", "task", "bundle.model_card"),
-        reads=(ModelInfo, LoadTestSummary),
+        reads=(ModelInfo, LoadTestSummary, CapacityPlan),
         upstream=(*CHECKED, "manifest"),
         # the manifest hashes every payload file; verify_bundle refuses any that differs
         sealed_by="manifest",
@@ -64,6 +65,14 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     generates = TASKS[release.task].serving == "generate"
     shipped = monitoring.files(
         ctx.release, loadtest.summary, facts.serving.max_queue_depth, generates
+    )
+    shipped |= cluster.files(
+        ctx.release,
+        release.version,
+        ctx.read(CapacityPlan),
+        loadtest.summary.peak_rss_mb,
+        facts.serving.max_batch_size,
+        cluster.defaults(ctx.release, release.version),
     )
     for name, text in shipped.items():
         (ctx.work / name).parent.mkdir(parents=True, exist_ok=True)
