@@ -151,6 +151,14 @@ def render(registry: Any, target: str, out: Path, choices: Choices) -> dict[str,
             f"{target!r}: write NAME@VERSION or NAME@CHANNEL, e.g. tiny-gpt2@production"
         )
     name, ref = target.rsplit("@", 1)
+    if choices.canary_percent is not None and not 0 <= choices.canary_percent <= 100:
+        raise RegistryError(f"--canary {choices.canary_percent}: a percent of traffic, 0 to 100")
+    for flag, value in (
+        ("--min-replicas", choices.min_replicas),
+        ("--max-replicas", choices.max_replicas),
+    ):
+        if value is not None and value < 1:
+            raise RegistryError(f"{flag} {value}: at least 1")
     with tempfile.TemporaryDirectory(prefix="shipyard-deploy-") as tmp:
         got = registry.checkout(name, ref, Path(tmp) / "bundle")
         objects = load(Path(tmp) / "bundle")

@@ -91,6 +91,12 @@ def test_the_bundle_ships_manifests_and_deploy_writes_them_for_the_registry(
         "--registry", str(registry), "--storage-uri", "pvc://m", "--min-replicas", "9",
     )  # fmt: skip
     assert rc != 0 and "--max-replicas" in text and "Traceback" not in text
+    for bad in (["--canary", "-5"], ["--min-replicas", "0"], ["--canary", "x"]):
+        rc, text = shipyard(built_gpt2, "deploy", f"tiny-gpt2@{version}", "--out",
+                            str(tmp_path / "x"), "--registry", str(registry),
+                            "--storage-uri", "pvc://m", *bad)  # fmt: skip
+        assert rc != 0 and "Traceback" not in text, (bad, text)
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_canary_step_and_its_rollback_are_recorded_and_rendered(
