@@ -764,8 +764,12 @@ def parser() -> argparse.ArgumentParser:
         )
         cmd.add_argument("--image", help="the runtime image (default: the bundle's)")
         cmd.add_argument("--namespace", help="metadata.namespace of every object")
-        cmd.add_argument("--min-replicas", type=int, metavar="N")
-        cmd.add_argument("--max-replicas", type=int, metavar="N")
+        cmd.add_argument(
+            "--min-replicas", type=int, metavar="N", help="fewest pods (default: the bundle's, 1)"
+        )
+        cmd.add_argument(
+            "--max-replicas", type=int, metavar="N", help="most pods (default: the bundle's, 4)"
+        )
     hist = sub.add_parser("history", help="print the append-only promotion history")
     st = sub.add_parser("status", help="print every channel pointer")
     reg = sub.add_parser("registry", help="registry maintenance and policy")
