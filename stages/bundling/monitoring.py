@@ -9,8 +9,8 @@ empty responses above MAX_EMPTY_SHARE of answered ones. Each rule says its basel
 margin in its annotations, so an operator reading a page knows what "normal" was.
 
 Scope (issue 43): every rule names the release. The process-wide memory series has no
-`model` label, so its rule joins on `shipyard_model_info{model}` by the scrape's `instance`
-and `job`: another process over the limit (a node exporter, another release) never fires
+`model_name` label, so its rule joins on `shipyard_model_info{model_name}` by the scrape's
+`instance` and `job`: another process over the limit (a node exporter, another release) never fires
 it. `ShipyardTargetDown` fires when no scraped process has announced the release for
 TARGET_DOWN_FOR (its servers are down, or none is scraped).
 
@@ -42,8 +42,8 @@ ANSWERED = "stop|length"
 
 def _quantile(metric: str, model: str) -> str:
     return (
-        f"histogram_quantile(0.95, sum by (le, model) "
-        f'(rate({metric}_bucket{{model="{model}"}}[{WINDOW}])))'
+        f"histogram_quantile(0.95, sum by (le, model_name) "
+        f'(rate({metric}_bucket{{model_name="{model}"}}[{WINDOW}])))'
     )
 
 
@@ -62,7 +62,7 @@ def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> di
             }
         )
 
-    info = f'shipyard_model_info{{model="{model}"}}'
+    info = f'shipyard_model_info{{model_name="{model}"}}'
     rule(
         "ShipyardTargetDown",
         f"absent({info})",
@@ -118,7 +118,7 @@ def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> di
                 f"{model}: p95 {label} above {MARGIN_LATENCY}x the load test's",
                 why,
             )
-        finished = f'shipyard_requests_finished_total{{model="{model}"'
+        finished = f'shipyard_requests_finished_total{{model_name="{model}"'
         rule(
             "ShipyardErrorRateHigh",
             f'sum(rate({finished},reason=~"{ERRORS}"}}[{WINDOW}])) / '
@@ -130,14 +130,14 @@ def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> di
         depth = max(1, int(max_queue * QUEUE_SHARE))
         rule(
             "ShipyardQueueDeep",
-            f'max_over_time(shipyard_queue_depth{{model="{model}"}}[{WINDOW}]) > {depth}',
+            f'max_over_time(shipyard_queue_depth{{model_name="{model}"}}[{WINDOW}]) > {depth}',
             "5m",
             f"{model}: the queue stays near max_queue_depth ({max_queue}): 503s follow",
             f"max_queue_depth {max_queue}; alert above {depth} waiting",
         )
         rule(
             "ShipyardEmptyResponses",
-            f'sum(rate(shipyard_empty_responses_total{{model="{model}"}}[{WINDOW}])) / '
+            f'sum(rate(shipyard_empty_responses_total{{model_name="{model}"}}[{WINDOW}])) / '
             f'sum(rate({finished},reason=~"{ANSWERED}"}}[{WINDOW}])) > {MAX_EMPTY_SHARE}',
             "15m",
             f"{model}: more than {MAX_EMPTY_SHARE:.0%} of answers are empty",
@@ -157,9 +157,9 @@ def rule_tests(rule_file: str, group: dict[str, Any]) -> dict[str, Any]:
         if r["alert"] == "ShipyardMemoryHigh":
             labels |= {"instance": "server:8002", "job": "shipyard"}
         elif "sum(" not in r["expr"]:
-            labels["model"] = model
+            labels["model_name"] = model
         if r["alert"].startswith(("ShipyardTTFT", "ShipyardITL")):
-            labels["model"] = model
+            labels["model_name"] = model
         expected = [{"exp_labels": labels, "exp_annotations": r["annotations"]}]
         for series, alerts in ((bad, expected), (good, [])):
             tests.append(
@@ -176,8 +176,9 @@ def rule_tests(rule_file: str, group: dict[str, Any]) -> dict[str, Any]:
 
 def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
     """(breaching, calm) input series for one rule."""
-    info = f'shipyard_model_info{{model="{model}",instance="server:8002",job="shipyard"}}'
-    other = f'shipyard_model_info{{model="other-{model}",instance="other:8002",job="shipyard"}}'
+    scrape = ',instance="server:8002",job="shipyard"}'
+    info = f'shipyard_model_info{{model_name="{model}"{scrape}'
+    other = f'shipyard_model_info{{model_name="other-{model}"{scrape.replace("server", "other")}'
     if alert == "ShipyardTargetDown":  # down: only another release's server is scraped
         return [{"series": other, "values": "1x40"}], [{"series": info, "values": "1x40"}]
     threshold = float(expr.rsplit(">", 1)[1])
@@ -198,7 +199,7 @@ def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
             [{"series": s, "values": f"{low}x40"}, *strangers],
         )
     if alert == "ShipyardQueueDeep":
-        s = f'shipyard_queue_depth{{model="{model}"}}'
+        s = f'shipyard_queue_depth{{model_name="{model}"}}'
         return (
             [{"series": s, "values": f"{int(threshold) + 1}x40"}],
             [{"series": s, "values": f"{max(0, int(threshold) - 1)}x40"}],
@@ -220,12 +221,12 @@ def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
             out = []
             for le in [*LATENCY, "+Inf"]:
                 n = 10 if le == "+Inf" or float(str(le)) >= edge else 0
-                out.append({"series": f'{metric}_bucket{{model="{model}",le="{le}"}}',
+                out.append({"series": f'{metric}_bucket{{model_name="{model}",le="{le}"}}',
                             "values": f"0+{n}x40"})  # fmt: skip
             return out
 
         return buckets(True), buckets(False)
-    finished = f'shipyard_requests_finished_total{{model="{model}",reason='
+    finished = f'shipyard_requests_finished_total{{model_name="{model}",reason='
     if alert == "ShipyardErrorRateHigh":
         return (
             [{"series": finished + '"stop"}', "values": "0+90x40"},
@@ -233,7 +234,7 @@ def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
             [{"series": finished + '"stop"}', "values": "0+1000x40"},
              {"series": finished + '"error"}', "values": "0+1x40"}],
         )  # fmt: skip
-    empty = f'shipyard_empty_responses_total{{model="{model}"}}'
+    empty = f'shipyard_empty_responses_total{{model_name="{model}"}}'
     return (
         [{"series": finished + '"stop"}', "values": "0+10x40"},
          {"series": empty, "values": "0+5x40"}],
@@ -244,7 +245,7 @@ def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
 
 def dashboard(model: str, generates: bool) -> dict[str, Any]:
     """A Grafana dashboard (JSON model) of the runtime's series for `model`."""
-    m = f'model="{model}"'
+    m = f'model_name="{model}"'
     on = ", ".join(SCRAPE)
     memory = (
         f"process_resident_memory_bytes * on ({on}) group_left () "

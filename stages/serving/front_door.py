@@ -907,8 +907,26 @@ async def _serve(
             return aio.server(*a, interceptors=[guard, *interceptors], **kw)
 
     grpc_server.aio = _Aio()  # type: ignore[assignment]
+    _one_version_label({m.name: m.version for m in models})
     server = MLServer(settings)
     await server.start(models)
+
+
+def _one_version_label(versions: dict[str, str | None]) -> None:
+    """MLServer labels its inference series (`model_infer_request_success`, `_failure`,
+    `_duration`) with the request's version as given: REST without one passes None (the
+    label reads "None"), gRPC an empty string, so one model's requests split into two
+    series by the door they came through. A request that names no version is served by the
+    model's default one: it is labelled with that version (the bundle's, model-settings'
+    `parameters.version`), whichever door."""
+    from mlserver.handlers.dataplane import DataPlane
+
+    plain = DataPlane._infer_contextmanager
+
+    def labelled(self: Any, name: str, version: str | None = None) -> Any:
+        return plain(self, name, version or versions.get(name) or None)
+
+    DataPlane._infer_contextmanager = labelled  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

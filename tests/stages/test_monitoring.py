@@ -107,7 +107,7 @@ def test_the_unit_tests_fail_when_a_rule_is_wrong(tmp_path: Path) -> None:
     alerts = yaml.safe_load((folder / "alerts.yml").read_text())
     for rule in alerts["groups"][0]["rules"]:  # a threshold ten times too lax
         if rule["alert"] == "ShipyardTargetDown":  # no threshold: another release's name
-            rule["expr"] = rule["expr"].replace('model="', 'model="other-')
+            rule["expr"] = rule["expr"].replace('model_name="', 'model_name="other-')
             continue
         head, limit = rule["expr"].rsplit(">", 1)
         rule["expr"] = f"{head}> {float(limit) * 10 + 100}"

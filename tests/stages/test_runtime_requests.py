@@ -997,7 +997,7 @@ def scrape(srv: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_the_metrics_endpoint_shows_ttft_batching_tokens_and_finish_reasons(guarded: Any) -> None:
-    model = (("model", "tiny-gpt2"),)
+    model = (("model_name", "tiny-gpt2"),)
     streams, tokens = 4, 16  # within the fixture's max_connections (8)
 
     async def one(s: Any) -> None:
@@ -1025,7 +1025,7 @@ def test_the_metrics_endpoint_shows_ttft_batching_tokens_and_finish_reasons(guar
     assert grew("shipyard_inter_token_latency_seconds_count") == streams * (tokens - 1)
     assert grew("shipyard_generated_tokens_total") == streams * tokens
     assert grew("shipyard_prompt_tokens_total") == streams * 4
-    finished = (("model", "tiny-gpt2"), ("reason", "length"))
+    finished = (("model_name", "tiny-gpt2"), ("reason", "length"))
     assert grew("shipyard_requests_finished_total", finished) == streams
     assert grew("shipyard_length_limited_total") == streams
     steps = grew("shipyard_running_batch_size_count")
@@ -1101,3 +1101,34 @@ def test_serving_from_the_bundle_writes_nothing_into_it(
         assert status == 200, text
     assert files() == before
     assert not list(tree.rglob("__pycache__"))
+
+
+def test_rest_and_grpc_requests_count_in_one_series_labelled_with_the_version(
+    guarded: Any,
+) -> None:
+    """Issue 43 item 4: MLServer labelled a REST request without a version `version="None"`
+    and a gRPC one `version=""`, two series for one model."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    def success(samples: dict[Any, float]) -> dict[str, float]:
+        return {
+            dict(labels)["version"]: value
+            for (name, labels), value in samples.items()
+            if name.startswith("model_infer_request_success")
+            and not name.endswith("_created")
+            and dict(labels).get("model") == "tiny-gpt2"
+        }
+
+    before = success(scrape(guarded))
+    path, body = "/v2/models/tiny-gpt2/infer", ids([1, 2, 3], [1, 3])
+    assert asyncio.run(call(guarded.url, path, body=body, headers=AUTH))[0] == 200
+    client = grpcclient.InferenceServerClient(guarded.grpc)
+    ids_in = grpcclient.InferInput("input_ids", [1, 3], "INT64")
+    ids_in.set_data_from_numpy(np.array([[1, 2, 3]], dtype="int64"))
+    client.infer("tiny-gpt2", [ids_in], headers={"authorization": f"Bearer {TOKEN}"})
+    after = success(scrape(guarded))
+    settings = guarded.tree / "serving" / "mlserver" / "tiny-gpt2" / "model-settings.json"
+    version = json.loads(settings.read_text())["parameters"]["version"]
+    assert set(after) == {version}, after  # no "None", no "": the model's own version
+    assert after[version] - before.get(version, 0.0) == 2

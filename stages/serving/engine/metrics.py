@@ -24,12 +24,13 @@ the registry MLServer's metrics endpoint serves):
 - `shipyard_prefix_cache_queries_total`, `shipyard_prefix_cache_hits_total` (counters, in
   prompt tokens, where prefix caching is on): looked up in the prefix cache, and found
   there (hit rate: their ratio);
-- `shipyard_model_info` (gauge, 1): this process serves `model`, whatever its task
+- `shipyard_model_info` (gauge, 1): this process serves `model_name`, whatever its task
   (`announce`; a generating model's engine sets it too). Alert rules join on it to scope
   process-wide series (`process_resident_memory_bytes`) to the release's own servers, and
   its absence is the release's target-down alert.
 
-Every series carries the `model` label. Without prometheus_client, `for_model` returns None
+Every series carries the `model_name` label (vLLM's name for it, so one dashboard query
+reads both). Without prometheus_client, `for_model` returns None
 and the engine measures nothing.
 """
 
@@ -47,6 +48,7 @@ LATENCY = (
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 
+LABEL = "model_name"  # the model's label on every series (vLLM's)
 _SHARED: dict[str, Any] = {}  # one family per name per process, however many models load
 
 
@@ -54,7 +56,7 @@ def _family(kind: str, name: str, doc: str, **kw: Any) -> Any:
     import prometheus_client as prom
 
     if name not in _SHARED:
-        _SHARED[name] = getattr(prom, kind)(name, doc, ["model", *kw.pop("labels", [])], **kw)
+        _SHARED[name] = getattr(prom, kind)(name, doc, [LABEL, *kw.pop("labels", [])], **kw)
     return _SHARED[name]
 
 
