@@ -118,23 +118,25 @@ def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> di
                 f"{model}: p95 {label} above {MARGIN_LATENCY}x the load test's",
                 why,
             )
-        finished = f'shipyard_requests_finished_total{{model_name="{model}"'
-        rule(
-            "ShipyardErrorRateHigh",
-            f'sum(rate({finished},reason=~"{ERRORS}"}}[{WINDOW}])) / '
-            f"sum(rate({finished}}}[{WINDOW}])) > {MAX_ERROR_SHARE}",
-            "5m",
-            f"{model}: more than {MAX_ERROR_SHARE:.0%} of requests fail, time out or are refused",
-            f"the load test ran without errors; alert above {MAX_ERROR_SHARE}",
-        )
-        depth = max(1, int(max_queue * QUEUE_SHARE))
-        rule(
-            "ShipyardQueueDeep",
-            f'max_over_time(shipyard_queue_depth{{model_name="{model}"}}[{WINDOW}]) > {depth}',
-            "5m",
-            f"{model}: the queue stays near max_queue_depth ({max_queue}): 503s follow",
-            f"max_queue_depth {max_queue}; alert above {depth} waiting",
-        )
+    # every task: a one-pass bundle's batcher counts its requests and queue as the engine does
+    finished = f'shipyard_requests_finished_total{{model_name="{model}"'
+    rule(
+        "ShipyardErrorRateHigh",
+        f'sum(rate({finished},reason=~"{ERRORS}"}}[{WINDOW}])) / '
+        f"sum(rate({finished}}}[{WINDOW}])) > {MAX_ERROR_SHARE}",
+        "5m",
+        f"{model}: more than {MAX_ERROR_SHARE:.0%} of requests fail, time out or are refused",
+        f"the load test ran without errors; alert above {MAX_ERROR_SHARE}",
+    )
+    depth = max(1, int(max_queue * QUEUE_SHARE))
+    rule(
+        "ShipyardQueueDeep",
+        f'max_over_time(shipyard_queue_depth{{model_name="{model}"}}[{WINDOW}]) > {depth}',
+        "5m",
+        f"{model}: the queue stays near max_queue_depth ({max_queue}): 503s follow",
+        f"max_queue_depth {max_queue}; alert above {depth} waiting",
+    )
+    if generates:
         rule(
             "ShipyardEmptyResponses",
             f'sum(rate(shipyard_empty_responses_total{{model_name="{model}"}}[{WINDOW}])) / '
@@ -252,27 +254,32 @@ def dashboard(model: str, generates: bool) -> dict[str, Any]:
         f"max by ({on}) (shipyard_model_info{{{m}}})"
     )
     panels: list[tuple[str, list[str], str]] = [("Resident memory", [memory], "bytes")]
+    # every task: requests, their latency and queue, batch sizes (one-pass bundles count
+    # them in their batcher, generating ones in the engine)
+    rows = (
+        "histogram_quantile(0.95, sum by (le) "
+        f"(rate(shipyard_running_batch_size_bucket{{{m}}}[5m])))"
+    )
+    reasons = f"sum by (reason) (rate(shipyard_requests_finished_total{{{m}}}[5m]))"
+    running = f"shipyard_requests_running{{{m}}}"
+    waiting = f"shipyard_requests_waiting{{{m}}}"
+    e2e = _quantile("shipyard_e2e_request_latency_seconds", model)
+    queued = _quantile("shipyard_request_queue_time_seconds", model)
+    common: list[tuple[str, list[str], str]] = [
+        ("End-to-end request latency (p95)", [e2e], "s"),
+        ("Queue time (p95)", [queued], "s"),
+    ]
     if generates:
         ttft = _quantile("shipyard_time_to_first_token_seconds", model)
         itl = _quantile("shipyard_inter_token_latency_seconds", model)
-        rows = (
-            "histogram_quantile(0.95, sum by (le) "
-            f"(rate(shipyard_running_batch_size_bucket{{{m}}}[5m])))"
-        )
-        reasons = f"sum by (reason) (rate(shipyard_requests_finished_total{{{m}}}[5m]))"
         empty = f"sum(rate(shipyard_empty_responses_total{{{m}}}[5m]))"
         limited = f"sum(rate(shipyard_length_limited_total{{{m}}}[5m]))"
-        running = f"shipyard_requests_running{{{m}}}"
-        waiting = f"shipyard_requests_waiting{{{m}}}"
-        e2e = _quantile("shipyard_e2e_request_latency_seconds", model)
-        queued = _quantile("shipyard_request_queue_time_seconds", model)
         hit_rate = (
             f"sum(rate(shipyard_prefix_cache_hits_total{{{m}}}[5m])) / "
             f"sum(rate(shipyard_prefix_cache_queries_total{{{m}}}[5m]))"
         )
         panels = [
-            ("End-to-end request latency (p95)", [e2e], "s"),
-            ("Queue time (p95)", [queued], "s"),
+            *common,
             ("Time to first token (p95)", [ttft], "s"),
             ("Inter-token latency (p95)", [itl], "s"),
             (
@@ -286,6 +293,15 @@ def dashboard(model: str, generates: bool) -> dict[str, Any]:
             ("Finished requests by reason", [reasons], "reqps"),
             ("Empty and length-limited outputs", [empty, limited], "reqps"),
             ("Prefix cache hit rate (prompt tokens)", [hit_rate], "percentunit"),
+            *panels,
+        ]
+    else:
+        panels = [
+            *common,
+            ("Input tokens/s", [f"sum(rate(shipyard_prompt_tokens_total{{{m}}}[1m]))"], "none"),
+            ("Rows a batch (p95)", [rows], "none"),
+            ("Requests running and waiting", [running, waiting], "none"),
+            ("Finished requests by reason", [reasons], "reqps"),
             *panels,
         ]
     source = {"type": "prometheus", "uid": "${datasource}"}

@@ -29,6 +29,7 @@ import base64
 import contextlib
 import json
 import os
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
@@ -161,13 +162,20 @@ class Batcher:
         instances: int = 1,
         max_queue: int = 0,
         timeout: float = 0.0,
+        metrics: Any = None,
     ) -> None:
         self.run, self.max_rows, self.delay = run, max_rows, delay
+        # the engine's series (engine/metrics.py) for a one-pass task: requests waiting and
+        # running, queue time and end-to-end latency, rows a batch, prompt tokens, and how
+        # each request ended (stop: answered; rejected, timeout, error)
+        self.metrics = metrics
+        self.arrived: dict[int, float] = {}  # id(future) -> arrival, while it waits
         self.pending: dict[Any, list[tuple[dict[str, np.ndarray], asyncio.Future[Any]]]] = {}
         self.due: set[Any] = set()
         self.instances = instances
         self.max_queue, self.timeout = max_queue, timeout
         self.waiting = 0  # requests queued, not yet running
+        self.running = 0  # requests in a batch that runs now
         self._slots: asyncio.Semaphore | None = None
 
     def _admit(self) -> None:
@@ -183,13 +191,25 @@ class Batcher:
         return self._slots
 
     async def submit(self, key: Any, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self._admit()
+        start = time.monotonic()
+        try:
+            self._admit()
+        except QueueFull:
+            self._ended("rejected", start)
+            raise
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         future.add_done_callback(_consume)
         queue = self.pending.setdefault(key, [])
         queue.append((arrays, future))
+        self.arrived[id(future)] = start
         self.waiting += 1
+        self._gauges()
+        if self.metrics is not None:
+            mask = arrays.get("attention_mask")
+            ids = arrays.get("input_ids")
+            tokens = mask.sum() if mask is not None else ids.size if ids is not None else 0
+            self.metrics.prompt.inc(int(tokens))
         if len(queue) == 1:
             loop.call_later(self.delay, self._make_due, key)
         if _rows(queue) >= self.max_rows:
@@ -203,10 +223,31 @@ class Batcher:
             if any(f is future for _, f in still):  # never started: it leaves the queue
                 self.pending[key] = [item for item in still if item[1] is not future]
                 self.waiting -= 1
+                self.arrived.pop(id(future), None)
+                self._gauges()
+            self._ended("timeout", start)
             raise TimedOut(
                 f"request timed out after {self.timeout:g} s (request_timeout_seconds)"
             ) from None
+        except asyncio.CancelledError:  # the client went away
+            self._ended("abort", start)
+            raise
+        except Exception:
+            self._ended("error", start)
+            raise
+        self._ended("stop", start)
         return result
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.waiting.set(self.waiting)
+            self.metrics.queue.set(self.waiting)
+            self.metrics.running.set(self.running)
+
+    def _ended(self, reason: str, start: float) -> None:
+        if self.metrics is not None:
+            self.metrics.e2e.observe(time.monotonic() - start)
+            self.metrics.finished(reason, 0, False)
 
     def _make_due(self, key: Any) -> None:
         if self.pending.get(key) and key not in self.due:
@@ -222,6 +263,11 @@ class Batcher:
                 take += 1
             queue, rest = queue[:take], queue[take:]
             self.waiting -= len(queue)
+            now = time.monotonic()
+            for _, f in queue:
+                arrived = self.arrived.pop(id(f), None)
+                if self.metrics is not None and arrived is not None:
+                    self.metrics.queue_time.observe(now - arrived)
             if rest:  # the next batch of this key, on the next free instance
                 self.pending[key] = rest
                 self._make_due(key)
@@ -231,8 +277,12 @@ class Batcher:
     async def _execute(self, key: Any, queue: list[Any]) -> None:
         """Merge, run, split: any failure (the merge included) answers every request of the
         batch at once, instead of leaving them to their timeout."""
+        rows = [_rows([item]) for item in queue]
+        self.running += len(queue)
+        self._gauges()
+        if self.metrics is not None:
+            self.metrics.rows.observe(sum(rows))
         try:
-            rows = [_rows([item]) for item in queue]
             merged = {n: np.concatenate([a[n] for a, _ in queue]) for n in queue[0][0]}
             out = await asyncio.to_thread(self.run, key, merged)
             bounds = np.cumsum([0, *rows])
@@ -245,6 +295,9 @@ class Batcher:
                 if not f.done():
                     f.set_exception(exc)
             return
+        finally:
+            self.running -= len(queue)
+            self._gauges()
         for (_, f), part in zip(queue, parts, strict=True):
             if not f.done():
                 f.set_result(part)
@@ -327,6 +380,8 @@ class ShipyardOnnxRuntime(MLModel):
             b.instances,
             max_queue=b.max_queue,
             timeout=b.timeout_s,
+            # a generating task's requests go to the engine, which has its own series
+            metrics=None if self.serving == "generate" else eng.metrics.for_model(self.name),
         )
         self.ready = True
         return self.ready

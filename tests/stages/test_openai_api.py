@@ -354,7 +354,51 @@ def test_an_embedding_server_announces_its_model(bert: Any) -> None:
         for s in f.samples
         if s.name == "shipyard_model_info"
     ]
-    assert [(s.labels, s.value) for s in info] == [({"model": model.parents[1].name}, 1.0)]
+    assert [(s.labels, s.value) for s in info] == [({"model_name": model.parents[1].name}, 1.0)]
+
+
+def test_an_embedding_server_counts_its_requests_tokens_and_latency(bert: Any) -> None:
+    """Issue 43 item 4: a one-pass bundle exported no engine series: no request counts,
+    latency, queue or batch sizes (its dashboard and alerts had nothing but memory)."""
+    import urllib.request
+
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, model = bert
+    name = model.parents[1].name
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(METRICS[url], timeout=10) as r:
+            text = r.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.labels.get("model_name") == name
+        }
+
+    own = (("model_name", name),)
+    before = scrape()
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    done = client.embeddings.create(model=name, input=["one two three", "four"])
+    client.embeddings.create(model=name, input="five six")
+    with pytest.raises(openai.BadRequestError):  # refused before it is queued: not counted
+        client.embeddings.create(model=name, input=[[1] * 100_000])
+    after = scrape()
+
+    def grew(series: str, labels: tuple[tuple[str, str], ...] = own) -> float:
+        return after.get((series, labels), 0.0) - before.get((series, labels), 0.0)
+
+    stop = (("model_name", name), ("reason", "stop"))
+    assert grew("shipyard_requests_finished_total", stop) == 2
+    assert grew("shipyard_e2e_request_latency_seconds_count") == 2
+    assert grew("shipyard_request_queue_time_seconds_count") == 2
+    assert grew("shipyard_prompt_tokens_total") >= done.usage.prompt_tokens + 2
+    assert grew("shipyard_running_batch_size_count") >= 1
+    assert grew("shipyard_running_batch_size_sum") == 3  # three texts, in batches
+    for gauge in ("shipyard_requests_running", "shipyard_requests_waiting"):
+        assert after[(gauge, own)] == 0  # idle again
 
 
 def test_embeddings_through_the_openai_client_equal_the_graphs_output(bert: Any) -> None:
