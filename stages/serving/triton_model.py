@@ -82,7 +82,12 @@ class TritonPythonModel:
         self.token = _token()
         self.settings = settings
         self.text = eng.text.Text(here / settings.text) if settings.text else None
-        self.engine = eng.core.Engine(eng.runner.Graph(session), settings.engine, self.text)
+        # the engine's series on Triton's metrics port, with the names and labels an
+        # MLServer bundle exports (the dashboard and the alerts read either)
+        metrics = eng.metrics.for_triton(args["model_name"], pb_utils)
+        self.engine = eng.core.Engine(
+            eng.runner.Graph(session), settings.engine, self.text, metrics=metrics
+        )
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:

@@ -174,13 +174,14 @@ class TritonServer(LocalServer):
     ) -> None:
         super().__init__(tree, models[0], log, startup)
         self.models, self.token = models, token
-        self.grpc = ""
+        self.grpc = self.metrics = ""
         self._scratch: tempfile.TemporaryDirectory[str] | None = None
 
     def _start(self) -> TritonServer:
         root = home()
         ports = free_ports(3)
         self.url, self.grpc = f"http://127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
+        self.metrics = f"http://127.0.0.1:{ports[2]}/metrics"
         self._scratch = tempfile.TemporaryDirectory(prefix="shipyard-triton-")
         served = private_tree(self.tree, Path(self._scratch.name) / "bundle")
         repository = served / "serving" / "triton"

@@ -585,3 +585,49 @@ def test_the_foreground_server_gets_the_signal_and_its_status_is_ours(tmp_path: 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 128 + signal.SIGTERM
     assert marker.read_text() == "term"
+
+
+def test_the_entry_exports_the_engines_series_on_tritons_metrics_port(
+    server: TritonServer, stream: Stream
+) -> None:
+    """Issue 43 item 4: the Triton entry exported no engine metrics. Its series carry the
+    names and labels of an MLServer bundle's (the bundle's dashboard and alerts read them)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(server.metrics, timeout=10) as r:
+            text = r.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name.startswith("shipyard_")
+        }
+
+    model = (("model_name", MODEL),)
+    before = scrape()
+    got = one(stream, [1, 2, 3], max_tokens=5, ignore_eos=True)
+    assert [r.get("finish") for r in got] == [None] * 4 + ["length"], got
+    after = scrape()
+
+    def grew(name: str, labels: tuple[tuple[str, str], ...] = model) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert after[("shipyard_model_info", model)] == 1
+    assert grew("shipyard_generated_tokens_total") == 5
+    assert grew("shipyard_prompt_tokens_total") == 3
+    assert grew("shipyard_time_to_first_token_seconds_count") == 1
+    assert grew("shipyard_inter_token_latency_seconds_count") == 4
+    assert grew("shipyard_requests_finished_total", (*model, ("reason", "length"))) == 1
+    assert grew("shipyard_e2e_request_latency_seconds_count") == 1
+    # the histograms have the engine's buckets, as prometheus_client writes them
+    from stages.serving.engine.metrics import LATENCY
+
+    edges = {
+        dict(labels)["le"]
+        for name, labels in after
+        if name == "shipyard_time_to_first_token_seconds_bucket"
+    }
+    assert {float(e) for e in edges if e != "+Inf"} == set(LATENCY)

@@ -50,14 +50,72 @@ TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 
 LABEL = "model_name"  # the model's label on every series (vLLM's)
 _SHARED: dict[str, Any] = {}  # one family per name per process, however many models load
+_TRITON: dict[str, Any] = {}  # the same inside Triton's python backend (for_triton)
 
 
-def _family(kind: str, name: str, doc: str, **kw: Any) -> Any:
+def _prometheus(kind: str, name: str, doc: str, **kw: Any) -> Any:
     import prometheus_client as prom
 
     if name not in _SHARED:
         _SHARED[name] = getattr(prom, kind)(name, doc, [LABEL, *kw.pop("labels", [])], **kw)
     return _SHARED[name]
+
+
+class _TritonFamily:
+    """A prometheus_client-like family over Triton's python-backend metrics
+    (`pb_utils.MetricFamily`), served on Triton's own metrics port beside its nv_* series:
+    the same names a scrape of an MLServer bundle reads (a counter's `_total` is part of
+    its name here: Triton adds no suffix), the same labels and buckets."""
+
+    def __init__(self, pb: Any, kind: str, name: str, doc: str, **kw: Any) -> None:
+        kinds = {"Counter": "COUNTER", "Gauge": "GAUGE", "Histogram": "HISTOGRAM"}
+        self.family = pb.MetricFamily(
+            name=name + ("_total" if kind == "Counter" else ""),
+            description=doc,
+            kind=getattr(pb.MetricFamily, kinds[kind]),
+        )
+        self.kind, self.names = kind, [LABEL, *kw.get("labels", [])]
+        self.buckets = list(kw["buckets"]) if kind == "Histogram" else None
+        self.children: dict[tuple[str, ...], _TritonMetric] = {}
+
+    def labels(self, *values: str) -> _TritonMetric:
+        if values not in self.children:
+            labels = dict(zip(self.names, values, strict=True))
+            made = (
+                self.family.Metric(labels=labels, buckets=self.buckets)
+                if self.buckets is not None
+                else self.family.Metric(labels=labels)
+            )
+            self.children[values] = _TritonMetric(made)
+        return self.children[values]
+
+
+class _TritonMetric:
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+
+    def inc(self, value: float = 1.0) -> None:
+        self.metric.increment(value)
+
+    def set(self, value: float) -> None:
+        self.metric.set(value)
+
+    def observe(self, value: float) -> None:
+        self.metric.observe(value)
+
+
+def for_triton(model: str, pb: Any) -> Metrics:
+    """The engine's series for `model` inside Triton's python backend (`pb`: its
+    triton_python_backend_utils), one family per name per process as with prometheus.
+    The families live as long as the process: Triton refuses a metric whose family was
+    collected ("MetricFamily has been deleted")."""
+
+    def family(kind: str, name: str, doc: str, **kw: Any) -> Any:
+        if name not in _TRITON:
+            _TRITON[name] = _TritonFamily(pb, kind, name, doc, **kw)
+        return _TRITON[name]
+
+    return Metrics(model, family)
 
 
 def announce(model: str) -> None:
@@ -67,16 +125,21 @@ def announce(model: str) -> None:
         import prometheus_client  # noqa: F401
     except ImportError:
         return
-    _family("Gauge", "shipyard_model_info", "1: this process serves the model.").labels(model).set(
-        1
-    )
+    _prometheus("Gauge", "shipyard_model_info", "1: this process serves the model.").labels(
+        model
+    ).set(1)
 
 
 class Metrics:
     """The engine's series for one model."""
 
-    def __init__(self, model: str) -> None:
-        announce(model)
+    def __init__(self, model: str, family: Any = None) -> None:
+        """`family(kind, name, doc, **kw)` makes a labelled family: prometheus_client's
+        (MLServer's registry) unless given (Triton's python backend: `for_triton`)."""
+        _family = family or _prometheus
+        _family("Gauge", "shipyard_model_info", "1: this process serves the model.").labels(
+            model
+        ).set(1)
 
         def seconds(name: str, doc: str) -> Any:  # a latency histogram of this model
             return _family("Histogram", name, doc, buckets=LATENCY).labels(model)
