@@ -436,9 +436,14 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from schemas import GateError
     from stages import repo_root
 
-    result = gate(repo_root(), _specs(args.releases), _registry(args), args.require_baseline)
+    result = gate(
+        repo_root(), _specs(args.releases), _registry(args), args.require_baseline, args.base
+    )
+    if result.base_note:
+        print(f"warning: not compared with {args.base}: {result.base_note}", file=sys.stderr)
     for row in result.rows:
-        print(f"{row.verdict:4} {row.release:16} {row.check:32} {row.detail}")
+        change = f" [{row.change}]" if row.change and row.change != "=" else ""
+        print(f"{row.verdict:4} {row.release:16} {row.check:32} {row.detail}{change}")
     if args.report:
         Path(args.report).write_text(result.markdown(), encoding="utf-8")
         print(f"wrote {args.report}")
@@ -705,6 +710,12 @@ def parser() -> argparse.ArgumentParser:
         "--require-baseline",
         action="store_true",
         help="fail a production comparison that cannot run (nothing in production yet)",
+    )
+    g.add_argument(
+        "--base",
+        metavar="REV",
+        help="show each stage's metrics against this git revision's (`dvc metrics diff`), "
+        "e.g. origin/main on a pull request",
     )
     sv = sub.add_parser(
         "serve",

@@ -12,6 +12,8 @@ from stages import load_stages
 from stages._contract import report_dir
 from stages.quant.thresholds import check, has_change
 
+MARKER = "<!-- shipyard-release-gate -->"  # how the PR comment script finds its own comment
+
 
 @dataclass
 class Row:
@@ -19,26 +21,41 @@ class Row:
     check: str
     verdict: str  # PASS, FAIL or n/a
     detail: str
+    change: str = ""  # the stage's metrics against the base branch's (`--base`)
 
 
 @dataclass
 class GateResult:
     rows: list[Row] = field(default_factory=list)
+    base: str | None = None  # the revision the metrics were compared with, if any
+    base_note: str = ""  # why the comparison could not run, if it could not
 
     @property
     def ok(self) -> bool:
         return all(r.verdict != "FAIL" for r in self.rows)
 
     def markdown(self) -> str:
-        head = f"## Shipyard release gate: {'PASS' if self.ok else 'FAIL'}\n\n"
-        table = ["| release | check | verdict | detail |", "|---|---|---|---|"]
-        table += [
-            f"| {r.release} | {r.check} | {_icon(r.verdict)} {r.verdict} | "
-            f"{r.detail.replace('|', '/')} |"
-            for r in self.rows
-        ]
+        head = f"{MARKER}\n## Shipyard release gate: {'PASS' if self.ok else 'FAIL'}\n\n"
+        if self.base is not None:
+            head += (
+                f"Metrics against `{self.base}` (`dvc metrics diff`): a stage's row says what "
+                "moved; `=` is no change.\n\n"
+                if not self.base_note
+                else f"Metrics against `{self.base}`: not compared ({self.base_note}).\n\n"
+            )
+        compared = self.base is not None and not self.base_note
+        columns = ["release", "check", "verdict", *(["vs base"] if compared else []), "detail"]
+        table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        for r in self.rows:
+            cells = [r.release, r.check, f"{_icon(r.verdict)} {r.verdict}"]
+            cells += [r.change] if compared else []
+            cells.append(r.detail)
+            table.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
         failed = sum(r.verdict == "FAIL" for r in self.rows)
         tail = f"\n\n{failed} check(s) failed." if failed else "\n\nEvery check passed."
+        changed = sum(bool(r.change and r.change != "=") for r in self.rows)
+        if compared:
+            tail += f" {changed} stage(s) moved against `{self.base}`."
         return head + "\n".join(table) + tail + "\n"
 
 
@@ -47,14 +64,26 @@ def _icon(verdict: str) -> str:
 
 
 def gate(
-    root: Path, releases: list[ReleaseSpec], registry: Any, require_baseline: bool = False
+    root: Path,
+    releases: list[ReleaseSpec],
+    registry: Any,
+    require_baseline: bool = False,
+    base: str | None = None,
 ) -> GateResult:
     """Every release's rows: stage reports (missing, failed or skipped = FAIL), the bundle,
     SLOs and thresholds vs production; with `require_baseline`, a production comparison
-    that cannot run (nothing in production, no registry) fails instead of reading n/a."""
-    result = GateResult()
+    that cannot run (nothing in production, no registry) fails instead of reading n/a; with
+    `base` (a git revision: the pull request's base branch), each stage row says how its
+    metrics moved against that revision's (`dvc metrics diff`)."""
+    result = GateResult(base=base)
+    diff: dict[str, Any] = {}
+    if base is not None:
+        diff, result.base_note = metrics_diff(root, base)
     for spec in releases:
         stages, checks = _stage_rows(root, spec)
+        if base is not None and not result.base_note:
+            for row in stages:
+                row.change = describe(diff.get(f"build/{spec.name}/metrics/{row.check}.json"))
         result.rows += stages
         result.rows += _bundle_rows(root, spec.name)
         result.rows += checks
@@ -175,3 +204,53 @@ def _production_rows(
         outcome = check(t, metrics, base, absolute=False)  # absolute bounds: evaluate stage
         rows.append(Row(spec.name, label, "PASS" if outcome["ok"] else "FAIL", outcome["message"]))
     return rows
+
+
+def metrics_diff(root: Path, base: str) -> tuple[dict[str, Any], str]:
+    """`dvc metrics diff BASE --json` in `root`: {file: {key: {old, new, diff}}} of what
+    changed, and "" (or why it could not run: an unknown revision, no git history)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", "metrics", "diff", base, "--json"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0:
+        why = " ".join((done.stderr or done.stdout).split())[:300]
+        return {}, f"`dvc metrics diff {base}` failed: {why or f'exit {done.returncode}'}"
+    try:
+        data = json.loads(done.stdout or "{}")
+    except ValueError:
+        return {}, f"`dvc metrics diff {base}` wrote no JSON"
+    return dict(data.get("diff", data)), ""
+
+
+SHOWN = 4  # changed metrics a row lists before "and N more"
+
+
+def describe(changes: dict[str, Any] | None) -> str:
+    """A stage's changed metrics as `key old -> new (+diff)`; `=` when nothing moved."""
+    if not changes:
+        return "="
+    parts = []
+    for key, c in sorted(changes.items()):
+        old, new = c.get("old"), c.get("new")
+        if old is None:
+            parts.append(f"{key} new: {_num(new)}")
+        elif new is None:
+            parts.append(f"{key} gone (was {_num(old)})")
+        else:
+            delta = c.get("diff")
+            sign = f" ({'+' if isinstance(delta, int | float) and delta > 0 else ''}{_num(delta)})"
+            parts.append(f"{key} {_num(old)} -> {_num(new)}{sign if delta is not None else ''}")
+    more = len(parts) - SHOWN
+    return "; ".join(parts[:SHOWN]) + (f"; and {more} more" if more > 0 else "")
+
+
+def _num(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -74,7 +74,41 @@ def test_the_suite_runs_the_comment_is_allowed_updated_and_summarised() -> None:
     gate = data["jobs"]["gate"]
     assert gate["permissions"]["pull-requests"] == "write"
     runs = " ".join(s.get("run", "") for s in gate["steps"])
-    assert "--edit-last" in runs and "GITHUB_STEP_SUMMARY" in runs
+    # its own comment only (scripts/pr_comment.py, tested in test_pr_comment.py), and the
+    # metrics against the base branch
+    assert "scripts/pr_comment.py" in runs and "--edit-last" not in runs
+    assert "GITHUB_STEP_SUMMARY" in runs and "--base" in runs
+    checkout = next(s for s in gate["steps"] if "checkout" in s.get("uses", ""))
+    assert checkout["with"]["fetch-depth"] == 0
+    build = data["jobs"]["build"]
+    upload = next(s for s in build["steps"] if "upload-artifact" in s.get("uses", ""))
+    assert "metrics/" in upload["with"]["path"]
+
+
+def test_cloud_credentials_are_per_job_roles_and_only_main_writes() -> None:
+    """Issue 43 item 5: AWS keys were set for every job (the test job on main had the
+    read-write pair). Now no job has stored keys; the two that reach the cloud assume a role
+    with the OIDC token, read-only except main's build."""
+    data = workflow()
+    text = WORKFLOW.read_text()
+    assert "AWS_ACCESS_KEY_ID" not in text and "AWS_SECRET_ACCESS_KEY" not in text
+    assert "secrets.SHIPYARD_AWS" not in text and "secrets.SHIPYARD_RO_AWS" not in text
+    for name, job in data["jobs"].items():
+        roles = [s for s in job["steps"] if "configure-aws-credentials" in s.get("uses", "")]
+        token = job.get("permissions", {}).get("id-token")
+        if name in ("build", "gate"):
+            assert len(roles) == 1 and token == "write", name
+        else:
+            assert not roles and token is None, name
+    build_role = next(
+        s for s in data["jobs"]["build"]["steps"] if "configure-aws" in s.get("uses", "")
+    )["with"]["role-to-assume"]
+    assert "SHIPYARD_AWS_ROLE_WRITE" in build_role and "refs/heads/main" in build_role
+    assert "github.event_name == 'push'" in build_role  # never a pull request's run
+    gate_role = next(
+        s for s in data["jobs"]["gate"]["steps"] if "configure-aws" in s.get("uses", "")
+    )["with"]["role-to-assume"]
+    assert "WRITE" not in gate_role
     assert data["concurrency"]["cancel-in-progress"] is True
     assert "download.pytorch.org/whl/cpu" in data["env"]["PIP_EXTRA_INDEX_URL"]
     setups = [

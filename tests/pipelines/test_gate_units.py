@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pipelines.cli import main
-from pipelines.gate import GateResult, Row, gate
+from pipelines.gate import MARKER, GateResult, Row, describe, gate
 from pipelines.registry import Registry
 from schemas import ReleaseSpec
 from schemas.loader import load_release
@@ -67,7 +67,7 @@ def test_every_stage_passed_is_a_pass(ws: Workspace) -> None:
     result = gate(ws.root, [spec(ws)], None)
     assert verdicts(result) == dict.fromkeys(STAGES, "PASS")
     assert result.ok and [r.detail for r in result.rows][0] == f"{STAGES[0]} summary"
-    assert result.markdown().startswith("## Shipyard release gate: PASS\n\n")
+    assert result.markdown().startswith(f"{MARKER}\n## Shipyard release gate: PASS\n\n")
     assert result.markdown().endswith("\n\nEvery check passed.\n")
 
 
@@ -274,7 +274,7 @@ def test_the_markdown_counts_failures_and_escapes_table_pipes() -> None:
     )
     assert not result.ok
     assert result.markdown() == (
-        "## Shipyard release gate: FAIL\n\n"
+        f"{MARKER}\n## Shipyard release gate: FAIL\n\n"
         "| release | check | verdict | detail |\n|---|---|---|---|\n"
         "| r | a | ✅ PASS | fine |\n| r | b | ❌ FAIL | x / y |\n"
         "| r | c | ➖ n/a | skipped |\n| r | d | ❌ FAIL | z |\n\n2 check(s) failed.\n"
@@ -407,3 +407,51 @@ def test_a_report_that_is_not_one_is_a_failed_row_naming_the_file(ws: Workspace,
     assert "is not a stage report (" in row.detail
     assert row.detail.endswith(f"rerun `dvc repro -f parity@{RELEASE}`")
     assert "report.json" in row.detail
+
+
+# ----------------------------------------------------------------- against the base branch
+def git(root: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.email=t@t", "-c", "user.name=t", *args],
+        cwd=root, check=True, capture_output=True,
+    )  # fmt: skip
+
+
+def test_each_stage_row_says_how_its_metrics_moved_against_the_base(ws: Workspace) -> None:
+    """Issue 43 item 5: the PR comment was a 38-row all-PASS table with no deltas. With
+    `--base`, `dvc metrics diff` against the base revision fills a `vs base` column."""
+    all_passed(ws)
+    metrics = ws.root / "build" / RELEASE / "metrics"
+    metrics.mkdir(parents=True)
+    for stage in STAGES:
+        (metrics / f"{stage}.json").write_text(json.dumps({"passed": 1, "x": 1.0}))
+    (ws.root / "dvc.yaml").write_text(
+        "metrics:\n" + "".join(f"- build/{RELEASE}/metrics/{s}.json\n" for s in STAGES)
+    )
+    git(ws.root, "init", "-q")
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=ws.root, check=True)
+    git(ws.root, "add", "-A")
+    git(ws.root, "commit", "-qm", "base")
+    (metrics / "quantize.json").write_text(json.dumps({"passed": 1, "x": 1.25, "size": 0.5}))
+    (metrics / "evaluate.json").write_text(json.dumps({"passed": 0, "x": 1.0}))
+    result = gate(ws.root, [spec(ws)], None, base="HEAD")
+    change = {r.check: r.change for r in result.rows}
+    assert change["quantize"] == "size new: 0.5; x 1 -> 1.25 (+0.25)"
+    assert change["evaluate"] == "passed 1 -> 0 (-1)"
+    assert {change[s] for s in STAGES if s not in ("quantize", "evaluate")} == {"="}
+    text = result.markdown()
+    assert "| release | check | verdict | vs base | detail |" in text
+    assert "| tiny-gpt2 | quantize | ✅ PASS | size new: 0.5; x 1 -> 1.25 (+0.25) |" in text
+    assert text.rstrip().endswith("2 stage(s) moved against `HEAD`.")
+    # an unknown revision: said once, no column, the verdicts unchanged
+    missing = gate(ws.root, [spec(ws)], None, base="no-such-branch")
+    assert "no-such-branch" in missing.base_note and "unknown" in missing.base_note.lower()
+    assert "vs base" not in missing.markdown() and "not compared" in missing.markdown()
+    assert verdicts(missing) == verdicts(result)
+
+
+def test_describe_lists_a_few_changes_then_counts_the_rest() -> None:
+    assert describe(None) == describe({}) == "="
+    many = {f"k{i}": {"old": i, "new": i + 1, "diff": 1} for i in range(6)}
+    assert describe(many).endswith("; and 2 more")
+    assert describe({"a": {"old": 2.0, "new": None}}) == "a gone (was 2)"
