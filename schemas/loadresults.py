@@ -167,13 +167,21 @@ class Headline(_Row):
     target: str
     knee_concurrency: int
     knee_throughput_rps: float | None
+    knee_throughput_rps_low: float | None = _optional(
+        "The knee's throughput windows span low to high: the noise a rebuild may show."
+    )
+    knee_throughput_rps_high: float | None = _optional()
     knee_p95_latency_ms: float | None
     knee_stable: bool
     slo_judged_at_concurrency: int | None
     streaming_concurrency: int | None = _optional()
     p95_ttft_ms: float | None = _optional()
     p95_itl_ms: float | None = _optional()
+    p95_ttft_ms_low: float | None = _optional("The streaming point's windows, low to high.")
+    p95_ttft_ms_high: float | None = _optional()
     tokens_per_s: float | None = _optional()
+    tokens_per_s_low: float | None = _optional()
+    tokens_per_s_high: float | None = _optional()
     batching_ratio: float | None = _optional()
     peak_rss_mb: float | None = _optional()
 

@@ -25,7 +25,7 @@ from schemas.loadresults import (
 from schemas.report import Check
 from stages._contract import Plot, StageContext, StageIO, StageResult, write_json
 from stages.loadtesting import measure
-from stages.loadtesting.load_phases import MB
+from stages.loadtesting.load_phases import MB, spread
 from stages.loadtesting.slo import check_slo
 
 NAME = "loadtest"
@@ -138,10 +138,13 @@ def verdict(results: LoadTestResults, plots: list[str]) -> tuple[StageResult, Lo
 def _headline(results: LoadTestResults) -> Headline:
     ramp = results.ramp
     knee = ramp.knee_point
+    low, high = spread(knee.window_metrics.throughput_rps, knee.throughput_rps)
     head: dict[str, Any] = {
         "target": results.target,
         "knee_concurrency": ramp.knee,
         "knee_throughput_rps": _round(knee.throughput_rps),
+        "knee_throughput_rps_low": _round(low),
+        "knee_throughput_rps_high": _round(high),
         "knee_p95_latency_ms": _round(knee.p95_latency_ms),
         "knee_stable": knee.stable,
         "slo_judged_at_concurrency": ramp.judged_at,
@@ -155,6 +158,10 @@ def _headline(results: LoadTestResults) -> Headline:
             p95_itl_ms=_round(at.p95_itl_ms),
             tokens_per_s=_round(at.tokens_per_s),
         )
+        for name in ("p95_ttft_ms", "tokens_per_s"):  # what a rebuild may measure: the windows
+            if getattr(at, name) is not None:
+                low, high = spread(getattr(at.window_metrics, name), getattr(at, name))
+                head[f"{name}_low"], head[f"{name}_high"] = _round(low), _round(high)
     if isinstance(results.batching, Batching) and results.batching.ratio:
         head["batching_ratio"] = round(results.batching.ratio, 3)
     if results.peak_rss_bytes:

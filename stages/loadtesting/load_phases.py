@@ -163,7 +163,10 @@ def find_knee(
     points: list[Point], gain: float, patience: int, slo_ms: float | None
 ) -> tuple[int, bool]:
     """(knee concurrency, stop?) after the points so far. The knee is the last point that
-    raised throughput by at least `gain`; stop after `patience` points that did not, or at
+    raised throughput by at least `gain` beyond the noise: its slowest window at least
+    `1 + gain` times the fastest window of the knee so far (`spread`), so two builds of the
+    same code, whose windows scatter, find the same knee (one compared merged values, and
+    a rebuild moved the knee from 8 to 4). Stop after `patience` points that did not, or at
     the first point (beyond the first) whose p95 latency breaks the SLO (marked so in
     `points`)."""
     best, flat, knee = 0.0, 0, points[0].concurrency
@@ -171,11 +174,19 @@ def find_knee(
         if slo_ms and i > 0 and (p.p95_latency_ms or 0) > slo_ms:
             points[i] = p.model_copy(update={"breaks_slo": True})
             return knee, True
-        if p.throughput_rps >= best * (1 + gain):
-            best, flat, knee = p.throughput_rps, 0, p.concurrency
+        low, high = spread(p.window_metrics.throughput_rps, p.throughput_rps)
+        if low >= best * (1 + gain):
+            best, flat, knee = high, 0, p.concurrency
         else:
             flat += 1
     return knee, flat >= patience
+
+
+def spread(windows: list[float | None], merged: float | None) -> tuple[float, float]:
+    """A point's value as the interval its windows span (the merged value where no window
+    has one): what a rebuild of the same code may measure."""
+    values = [v for v in windows if v is not None] or [merged or 0.0]
+    return min(values), max(values)
 
 
 def _at(points: list[Point], concurrency: int) -> Point:

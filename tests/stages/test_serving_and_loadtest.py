@@ -520,8 +520,32 @@ def test_soak_growth_flags_a_steady_climb_not_a_warm_up() -> None:
     assert edge.growth_ok is False and edge.growth_note is None
 
 
-def _pt(c: int, rps: float, p95: float = 10.0) -> Point:
-    return point(c, throughput_rps=rps, p95_latency_ms=p95)
+def _pt(c: int, rps: float, p95: float = 10.0, windows: list[float] | None = None) -> Point:
+    """A ramp point whose windows measured `windows` (all `rps` unless told)."""
+    spread = windows or [rps] * 3
+    metrics = point().window_metrics.model_copy(update={"throughput_rps": spread})
+    return point(
+        c, throughput_rps=rps, p95_latency_ms=p95, window_throughput=spread, window_metrics=metrics
+    )
+
+
+def test_a_gain_inside_the_windows_noise_does_not_move_the_knee() -> None:
+    """Issue 43 item 5: two builds of the same code found knees 8 and 4, from merged values
+    that differed by noise. A gain counts when the point's slowest window clears the knee's
+    fastest by the gain: the same scatter, whichever way it fell, gives the same knee."""
+    from stages.loadtesting.load_phases import find_knee
+
+    rising = [_pt(1, 100, windows=[96, 100, 104]), _pt(2, 190, windows=[182, 190, 198])]
+    saturated = [96 * 4, 100 * 4, 104 * 4]  # 2x the requests: no more throughput
+    one = [*rising, _pt(4, 380, windows=[370, 380, 392]), _pt(8, 404, windows=saturated)]
+    other = [*rising, _pt(4, 380, windows=[368, 380, 390]), _pt(8, 408, windows=saturated)]
+    # merged values 404 and 408 both clear 380 x 1.05 = 399: the old rule said knee 8 ...
+    assert 404 >= 380 * 1.05 and 408 >= 380 * 1.05
+    # ... the windows say the gain is inside the noise, both times
+    assert find_knee(one, 0.05, 4, None)[0] == find_knee(other, 0.05, 4, None)[0] == 4
+    # a real gain, beyond the scatter, still moves it
+    real = [*rising, _pt(4, 380, windows=[370, 380, 392]), _pt(8, 600, windows=[590, 600, 610])]
+    assert find_knee(real, 0.05, 4, None)[0] == 8
 
 
 def test_the_knee_is_the_last_real_gain_and_the_ramp_stops_after_four_flat_steps() -> None:
