@@ -13,7 +13,7 @@ from pipelines.fingerprint import CODE_STAGE, FINGERPRINT_CODE, write_if_changed
 from schemas import ReleaseSpec, SpecError
 from schemas.artifacts import VersionLock
 from schemas.loader import load_release
-from stages import load_stages, stage_io
+from stages import METRICS_STAGE, RELEASE_METRICS, load_stages, stage_io
 from stages._contract import COMMON_CODE, Plot, StageIO, attestation_file, report_dir
 from stages.onnx.model import model_paths
 
@@ -293,8 +293,9 @@ def _template(name: str, io: Any, slots: int, data: list[str], plots: list[Plot]
             *(f"build/${{key}}/{p}" for p in dict.fromkeys((name, report_dir(Path(), name).name))),
             f"build/${{key}}/{attestation_file(name)}",
         ],
-        "metrics": [{f"build/${{key}}/metrics/{name}.json": {"cache": False}}],
     }
+    if name == METRICS_STAGE:  # the release's one metrics file, from every stage's report
+        template["metrics"] = [{f"build/${{key}}/{RELEASE_METRICS}": {"cache": False}}]
     if plots:
         template["plots"] = [_plot(name, p) for p in plots]
     return template

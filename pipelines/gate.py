@@ -8,7 +8,7 @@ from typing import Any
 
 from schemas import RegistryError, ReleaseSpec, StageReport, StageStatus
 from schemas.problems import first_problem
-from stages import load_stages
+from stages import RELEASE_METRICS, load_stages
 from stages._contract import report_dir
 from stages.quant.thresholds import check, has_change
 
@@ -82,8 +82,13 @@ def gate(
     for spec in releases:
         stages, checks = _stage_rows(root, spec)
         if base is not None and not result.base_note:
+            # the release's one metrics file, flattened by DVC: `quantize.size_ratio`
+            moved = diff.get(f"build/{spec.name}/{RELEASE_METRICS}") or {}
             for row in stages:
-                row.change = describe(diff.get(f"build/{spec.name}/metrics/{row.check}.json"))
+                prefix = f"{row.check}."
+                row.change = describe(
+                    {k[len(prefix) :]: v for k, v in moved.items() if k.startswith(prefix)}
+                )
         result.rows += stages
         result.rows += _bundle_rows(root, spec.name)
         result.rows += checks

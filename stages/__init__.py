@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from schemas import ReleaseSpec, StageError, StageReport, StageStatus
 from stages._contract import (
@@ -42,6 +43,14 @@ STAGES: tuple[str, ...] = (
     "manifest",
     "bundle",
 )
+# The release's one DVC metrics file (build/<release>/metrics.json, committed: `cache:
+# false`), written by the last stage from every stage's report: {stage: {passed, ...}}.
+# One file a release keeps `dvc exp show` and `dvc metrics diff` to a column group per
+# release (thirteen files a release made 300+ columns); each stage's own numbers stay in its
+# report. The other stages declare no metrics: their outputs are all cached, which DVC's
+# run-cache needs (an uncached output must be a metric or a plot).
+RELEASE_METRICS = "metrics.json"
+METRICS_STAGE = STAGES[-1]
 
 
 def load_stages() -> dict[str, ModuleType]:
@@ -145,21 +154,36 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
         publish(work, out)
         publish(report_work, reports)
     _commit_plots(build, name, out, io.plots)
-    # The DVC metrics file (committed to git, recorded in dvc.lock): results only, so a
-    # rebuild on unchanged inputs changes neither it nor dvc.lock. Wall-clock time goes to
-    # timings/, which nothing declares or depends on.
-    for folder in ("metrics", "timings"):
-        (build / folder).mkdir(exist_ok=True)
-    # a skip is its own value (`skipped: 1`), never `passed: 0` (which reads as a failure)
-    verdict = (
-        {"skipped": 1}
-        if report.status is StageStatus.SKIPPED
-        else {"passed": int(report.status is StageStatus.PASSED)}
-    )
-    metrics_file = {**verdict, **result.metrics}
-    write_json(build / "metrics" / f"{name}.json", metrics_file)
+    # The release's DVC metrics file (committed to git, recorded in dvc.lock), from the last
+    # stage: results only, so a rebuild on unchanged inputs changes neither it nor dvc.lock.
+    # Wall-clock time goes to timings/, which nothing declares or depends on.
+    if name == METRICS_STAGE:
+        write_json(build / RELEASE_METRICS, release_metrics(build, report))
+    (build / "timings").mkdir(exist_ok=True)
     write_json(build / "timings" / f"{name}.json", {"seconds": seconds})
     return report
+
+
+def release_metrics(build: Path, last: StageReport) -> dict[str, dict[str, Any]]:
+    """{stage: its verdict and metrics} for every stage, in pipeline order, from the reports
+    (each an upstream of the last stage; `last` is the last stage's own). A skip is its own
+    value (`skipped: 1`), never `passed: 0` (which reads as a failure)."""
+    out: dict[str, dict[str, Any]] = {}
+    for stage in STAGES:
+        if stage == last.stage:
+            report = last
+        else:
+            path = report_dir(build, stage) / "report.json"
+            if not path.is_file():
+                continue
+            report = StageReport.model_validate_json(path.read_text(encoding="utf-8"))
+        verdict = (
+            {"skipped": 1}
+            if report.status is StageStatus.SKIPPED
+            else {"passed": int(report.status is StageStatus.PASSED)}
+        )
+        out[stage] = {**verdict, **report.metrics}
+    return out
 
 
 def _keep_evidence(work: Path, build: Path, name: str) -> bool:

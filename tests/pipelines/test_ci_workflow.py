@@ -82,7 +82,7 @@ def test_the_suite_runs_the_comment_is_allowed_updated_and_summarised() -> None:
     assert checkout["with"]["fetch-depth"] == 0
     build = data["jobs"]["build"]
     upload = next(s for s in build["steps"] if "upload-artifact" in s.get("uses", ""))
-    assert "metrics/" in upload["with"]["path"]
+    assert "metrics.json" in upload["with"]["path"]
 
 
 def test_cloud_credentials_are_per_job_roles_and_only_main_writes() -> None:

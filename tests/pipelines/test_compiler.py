@@ -172,12 +172,16 @@ def test_stages_depend_on_their_code_and_upstream_artifacts() -> None:
         "build/.params/${key}/bundle.json",
         "build/${key}/export/model_info.json",
         "build/${key}/loadtest/summary.json",
+        "build/${key}/plan/plan.json",
         "build/${key}/manifest",
     ]
     assert [d for d in bundle if "/attestations/" in d] == [
         f"build/${{key}}/attestations/{s}.json" for s in (*CHECKED, "manifest")
     ]
-    assert do["metrics"] == [{"build/${key}/metrics/parity.json": {"cache": False}}]
+    # one metrics file a release, the last stage's, from every stage's report
+    assert "metrics" not in do
+    assert stages["bundle"]["do"]["metrics"] == [{"build/${key}/metrics.json": {"cache": False}}]
+    assert [s for s, e in stages.items() if "metrics" in e.get("do", {})] == ["bundle"]
 
 
 def test_two_releases_become_foreach_items(tmp_path: Path) -> None:

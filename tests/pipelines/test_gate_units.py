@@ -421,19 +421,17 @@ def test_each_stage_row_says_how_its_metrics_moved_against_the_base(ws: Workspac
     """Issue 43 item 5: the PR comment was a 38-row all-PASS table with no deltas. With
     `--base`, `dvc metrics diff` against the base revision fills a `vs base` column."""
     all_passed(ws)
-    metrics = ws.root / "build" / RELEASE / "metrics"
-    metrics.mkdir(parents=True)
-    for stage in STAGES:
-        (metrics / f"{stage}.json").write_text(json.dumps({"passed": 1, "x": 1.0}))
-    (ws.root / "dvc.yaml").write_text(
-        "metrics:\n" + "".join(f"- build/{RELEASE}/metrics/{s}.json\n" for s in STAGES)
-    )
+    metrics = ws.root / "build" / RELEASE / "metrics.json"
+    values = {stage: {"passed": 1, "x": 1.0} for stage in STAGES}
+    metrics.write_text(json.dumps(values))
+    (ws.root / "dvc.yaml").write_text(f"metrics:\n- build/{RELEASE}/metrics.json\n")
     git(ws.root, "init", "-q")
     subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=ws.root, check=True)
     git(ws.root, "add", "-A")
     git(ws.root, "commit", "-qm", "base")
-    (metrics / "quantize.json").write_text(json.dumps({"passed": 1, "x": 1.25, "size": 0.5}))
-    (metrics / "evaluate.json").write_text(json.dumps({"passed": 0, "x": 1.0}))
+    values["quantize"] = {"passed": 1, "x": 1.25, "size": 0.5}
+    values["evaluate"] = {"passed": 0, "x": 1.0}
+    metrics.write_text(json.dumps(values))
     result = gate(ws.root, [spec(ws)], None, base="HEAD")
     change = {r.check: r.change for r in result.rows}
     assert change["quantize"] == "size new: 0.5; x 1 -> 1.25 (+0.25)"

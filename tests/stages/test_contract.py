@@ -218,7 +218,9 @@ def test_reports_do_not_change_when_a_stage_reruns_on_the_same_inputs(ws: Worksp
     first = (ws.out("tiny-gpt2", "pin") / "report.json").read_bytes()
     ws.run("pin", gpt2_spec())
     assert (ws.out("tiny-gpt2", "pin") / "report.json").read_bytes() == first
-    assert Path(ws.root / "build/tiny-gpt2/metrics/pin.json").is_file()
+    # only the last stage writes the release's metrics file; every stage its timing
+    assert not (ws.root / "build/tiny-gpt2/metrics.json").exists()
+    assert Path(ws.root / "build/tiny-gpt2/timings/pin.json").is_file()
 
 
 def test_the_dvc_metrics_file_says_passed_failed_or_skipped_each_as_itself(
@@ -226,17 +228,32 @@ def test_the_dvc_metrics_file_says_passed_failed_or_skipped_each_as_itself(
 ) -> None:
     import json
 
-    metrics = ws.root / "build" / "tiny-gpt2" / "metrics"
+    from schemas import StageReport, StageStatus
+    from stages import METRICS_STAGE, STAGES, release_metrics
+
+    build = ws.root / "build" / "tiny-gpt2"
+    last = StageReport(
+        stage=METRICS_STAGE, release="tiny-gpt2", status=StageStatus.PASSED, summary="s",
+        metrics={"files": 3},
+    )  # fmt: skip
+
+    def pin() -> dict[str, object]:
+        written = json.loads(json.dumps(release_metrics(build, last)))
+        assert list(written) == ["pin", METRICS_STAGE]  # only stages with a report, in order
+        assert list(STAGES).index("pin") < list(STAGES).index(METRICS_STAGE)
+        assert written[METRICS_STAGE] == {"passed": 1, "files": 3}
+        return dict(written["pin"])
+
     ws.run("pin", gpt2_spec())
-    assert json.loads((metrics / "pin.json").read_text())["passed"] == 1
+    assert pin()["passed"] == 1
     ws.run("pin", gpt2_spec(pins={"packages": {"torch": "==1.0"}}))
-    assert json.loads((metrics / "pin.json").read_text()) == {"passed": 0}
+    assert pin() == {"passed": 0}
     from stages._contract import StageResult
 
     module = importlib.import_module("stages.pin")
     monkeypatch.setattr(module, "run", lambda ctx, release: StageResult.skipped("not here"))
     ws.run("pin", gpt2_spec())
-    skipped = json.loads((metrics / "pin.json").read_text())
+    skipped = pin()
     assert skipped == {"skipped": 1}, skipped
 
 
