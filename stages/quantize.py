@@ -17,7 +17,7 @@ from schemas.quantsearch import (
     RecipeSearchDetails,
     SensitivityRow,
 )
-from schemas.spec.quantization import AccuracyBudget
+from schemas.spec.quantization import AccuracyBudget, dtype_of
 from stages._contract import Plot, StageContext, StageIO, StageResult, link_or_copy, write_json
 from stages.onnx import model as m
 from stages.quant import accuracy as acc
@@ -40,13 +40,6 @@ LAYER_PLOT = Plot(
     x_label="module, in execution order",
     y_label="SNR (dB)",
 )
-DTYPE = {
-    "none": "float32",
-    "int8-dynamic": "int8",
-    "int8-static": "int8",
-    "int4-weight-only": "int4",
-    "int8-weight-only": "int8",
-}
 
 
 def io(release: ReleaseSpec) -> StageIO:
@@ -141,7 +134,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     shutil.rmtree(ctx.work / "_variants")
     shutil.rmtree(pre.parent)
     return StageResult.passed(
-        f"{DTYPE[q.method]} ({q.method}), {len(chosen.excluded)} of {len(ranked)} node(s) "
+        f"{dtype_of(q.method)} ({q.method}), {len(chosen.excluded)} of {len(ranked)} node(s) "
         f"kept in float; held-out {search.brief(held)}; size {sizes.ratio:.2f}x FP32"
         + (" (pre-processed without symbolic shape inference)" if fallback else ""),
         details=details.model_dump(),
@@ -216,7 +209,7 @@ def _auto(
     ctx.write(
         QuantInfo(
             method=outcome.method,
-            dtype=DTYPE[outcome.method],
+            dtype=dtype_of(outcome.method),
             float_nodes=[
                 FloatNode(node=n, why=f"its layer class ({why}) kept in float by the recipe search")
                 for n in outcome.excluded
@@ -232,7 +225,7 @@ def _auto(
     chosen = next(r for r in outcome.table if r.chosen)
     details.chosen = outcome.recipe
     return StageResult.passed(
-        f"recipe {outcome.recipe} ({DTYPE[outcome.method]})"
+        f"recipe {outcome.recipe} ({dtype_of(outcome.method)})"
         + (f" with {why} in float" if why else "")
         + f"; held-out {search.brief(outcome.holdout)}; size {sizes.ratio:.2f}x FP32, "
         f"{chosen.speedup:.2f}x FP32 speed ("
@@ -262,7 +255,7 @@ def _fp32_fallback(
     ctx.write(
         QuantInfo(
             method="none",
-            dtype=DTYPE["none"],
+            dtype=dtype_of("none"),
             float_nodes=[],
             recipes=[r.shipped() for r in outcome.table],
             budget=details.budget.model_dump(exclude_none=True),
@@ -323,7 +316,7 @@ def _info(
     }
     return QuantInfo(
         method=q.method,
-        dtype=DTYPE[q.method],
+        dtype=dtype_of(q.method),
         float_nodes=[FloatNode(node=n, why=why[n]) for n in float_nodes],
         # an explicit method keeps nodes in float until the bounds themselves hold: no margin
         budget=budget.model_dump(exclude_none=True) if budget else None,

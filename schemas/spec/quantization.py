@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -98,6 +98,7 @@ class QuantizedBase(Strict):
 
 
 class NoQuantization(Strict):
+    DTYPE: ClassVar[str] = "float32"  # what the shipped weights are stored as
     method: Literal["none"] = Field(description="Ship the FP32 model.")
 
 
@@ -114,12 +115,14 @@ def _smooth_alpha() -> Any:
 
 
 class Int8Dynamic(QuantizedBase):
+    DTYPE: ClassVar[str] = "int8"  # what the shipped weights are stored as
     method: Literal["int8-dynamic"] = Field(description="Weights INT8, activations at run time.")
     per_channel: bool = Field(default=False, description="Per-output-channel weight scales.")
     smooth_alpha: float | None = _smooth_alpha()
 
 
 class Int8Static(QuantizedBase):
+    DTYPE: ClassVar[str] = "int8"  # what the shipped weights are stored as
     method: Literal["int8-static"] = Field(description="QDQ with calibrated activation ranges.")
     per_channel: bool = Field(default=True, description="Per-output-channel weight scales.")
     calibrate_method: Literal["minmax", "entropy", "percentile"] = Field(
@@ -153,10 +156,12 @@ class WeightOnly(QuantizedBase):
 
 
 class Int4WeightOnly(WeightOnly):
+    DTYPE: ClassVar[str] = "int4"  # what the shipped weights are stored as
     method: Literal["int4-weight-only"] = Field(description="Block-wise 4-bit MatMul weights.")
 
 
 class Int8WeightOnly(WeightOnly):
+    DTYPE: ClassVar[str] = "int8"  # what the shipped weights are stored as
     method: Literal["int8-weight-only"] = Field(
         description="Block-wise 8-bit MatMul weights (MatMulNBits), activations in float."
     )
@@ -230,3 +235,12 @@ Quantization = Annotated[
     NoQuantization | Int8Dynamic | Int8Static | Int4WeightOnly | Int8WeightOnly | AutoQuantization,
     Field(discriminator="method"),
 ]
+
+
+def dtype_of(method: str) -> str:
+    """The stored weight type of an explicit method (`int8-dynamic` -> int8), from the
+    models' DTYPE: one place, whatever method a recipe search ends on."""
+    for cls in (NoQuantization, Int8Dynamic, Int8Static, Int4WeightOnly, Int8WeightOnly):
+        if method in get_args(cls.model_fields["method"].annotation):
+            return cls.DTYPE
+    raise KeyError(f"{method!r} is not an explicit quantization method")

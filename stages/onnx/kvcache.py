@@ -35,7 +35,10 @@ if TYPE_CHECKING:
     from schemas.spec.parity import KVCheck, ParityConfig, Tolerance
 
 Run = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
-PAST = "past_key_values."
+# the KV-cache graph's input and output name prefixes (the export's), for every build-side
+# module; the shipped runtime keeps its own copy (it imports nothing of the repository), held
+# equal by a test
+PAST, PRESENT = "past_key_values.", "present."
 
 
 def greedy(
@@ -66,7 +69,7 @@ def greedy(
         made[:, k] = out["logits"][:, -1].argmax(-1)
         step = made[:, k : k + 1]
         mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], axis=1)
-        feeds = {name: out[name.replace(PAST, "present.")] for name in empty}
+        feeds = {name: out[name.replace(PAST, PRESENT)] for name in empty}
     return made
 
 

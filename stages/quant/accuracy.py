@@ -8,6 +8,7 @@ import numpy as np
 
 from schemas.contract import BUDGET_METRICS
 from schemas.tasks import TASKS
+from stages.onnx.kvcache import PAST, PRESENT
 
 if TYPE_CHECKING:
     from schemas.spec.quantization import AccuracyBudget
@@ -206,9 +207,6 @@ def greedy_continuations(
             text = ids[row : row + 1, : ends[row]]
             out[i] = (with_ids(samples[i], text), prompts[i].size)
     return out
-
-
-PAST, PRESENT = "past_key_values.", "present."
 
 
 def _cacheable(session: Any, sample: dict[str, np.ndarray]) -> bool:

@@ -32,6 +32,7 @@ import numpy as np
 from schemas import StageError
 from schemas.quantsearch import RecipeTrial, SpeedCheck
 from stages.onnx.graph import node_scope
+from stages.onnx.kvcache import PAST, PRESENT
 from stages.quant import accuracy as acc
 from stages.quant import speed as sp
 from stages.quant.methods import Quantizer
@@ -116,9 +117,6 @@ def tightened(budget: AccuracyBudget, margin: float) -> AccuracyBudget:
         else:
             changes[name] = bound + margin * abs(bound)
     return budget.model_copy(update=changes)
-
-
-PAST, PRESENT = acc.PAST, acc.PRESENT
 
 
 def decode_feeds(session: Any, sample: dict[str, np.ndarray], rows: int) -> dict[str, Any] | None:
