@@ -26,6 +26,9 @@ import json
 from typing import Any
 
 from schemas.loadresults import Headline
+from stages.serving.engine.metrics import SERIES
+
+N = {key: s.sample for key, s in SERIES.items()}  # the scraped names, from the engine's table
 
 FOLDER = "monitoring/"  # where a bundle carries these files
 MARGIN_LATENCY = 2.0
@@ -62,7 +65,7 @@ def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> di
             }
         )
 
-    info = f'shipyard_model_info{{model_name="{model}"}}'
+    info = f'{N["model_info"]}{{model_name="{model}"}}'
     rule(
         "ShipyardTargetDown",
         f"absent({info})",
@@ -87,13 +90,13 @@ def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> di
             (
                 baseline.p95_ttft_ms,
                 "ShipyardTTFTHigh",
-                "shipyard_time_to_first_token_seconds",
+                N["time_to_first_token_seconds"],
                 "time to first token",
             ),
             (
                 baseline.p95_itl_ms,
                 "ShipyardITLHigh",
-                "shipyard_inter_token_latency_seconds",
+                N["inter_token_latency_seconds"],
                 "inter-token latency",
             ),
         ):
@@ -119,7 +122,7 @@ def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> di
                 why,
             )
     # every task: a one-pass bundle's batcher counts its requests and queue as the engine does
-    finished = f'shipyard_requests_finished_total{{model_name="{model}"'
+    finished = f'{N["requests_finished"]}{{model_name="{model}"'
     rule(
         "ShipyardErrorRateHigh",
         f'sum(rate({finished},reason=~"{ERRORS}"}}[{WINDOW}])) / '
@@ -131,7 +134,7 @@ def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> di
     depth = max(1, int(max_queue * QUEUE_SHARE))
     rule(
         "ShipyardQueueDeep",
-        f'max_over_time(shipyard_queue_depth{{model_name="{model}"}}[{WINDOW}]) > {depth}',
+        f'max_over_time({N["queue_depth"]}{{model_name="{model}"}}[{WINDOW}]) > {depth}',
         "5m",
         f"{model}: the queue stays near max_queue_depth ({max_queue}): 503s follow",
         f"max_queue_depth {max_queue}; alert above {depth} waiting",
@@ -139,7 +142,7 @@ def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> di
     if generates:
         rule(
             "ShipyardEmptyResponses",
-            f'sum(rate(shipyard_empty_responses_total{{model_name="{model}"}}[{WINDOW}])) / '
+            f'sum(rate({N["empty_responses"]}{{model_name="{model}"}}[{WINDOW}])) / '
             f'sum(rate({finished},reason=~"{ANSWERED}"}}[{WINDOW}])) > {MAX_EMPTY_SHARE}',
             "15m",
             f"{model}: more than {MAX_EMPTY_SHARE:.0%} of answers are empty",
@@ -179,8 +182,8 @@ def rule_tests(rule_file: str, group: dict[str, Any]) -> dict[str, Any]:
 def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
     """(breaching, calm) input series for one rule."""
     scrape = ',instance="server:8002",job="shipyard"}'
-    info = f'shipyard_model_info{{model_name="{model}"{scrape}'
-    other = f'shipyard_model_info{{model_name="other-{model}"{scrape.replace("server", "other")}'
+    info = f'{N["model_info"]}{{model_name="{model}"{scrape}'
+    other = f'{N["model_info"]}{{model_name="other-{model}"{scrape.replace("server", "other")}'
     if alert == "ShipyardTargetDown":  # down: only another release's server is scraped
         return [{"series": other, "values": "1x40"}], [{"series": info, "values": "1x40"}]
     threshold = float(expr.rsplit(">", 1)[1])
@@ -201,7 +204,7 @@ def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
             [{"series": s, "values": f"{low}x40"}, *strangers],
         )
     if alert == "ShipyardQueueDeep":
-        s = f'shipyard_queue_depth{{model_name="{model}"}}'
+        s = f'{N["queue_depth"]}{{model_name="{model}"}}'
         return (
             [{"series": s, "values": f"{int(threshold) + 1}x40"}],
             [{"series": s, "values": f"{max(0, int(threshold) - 1)}x40"}],
@@ -228,7 +231,7 @@ def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
             return out
 
         return buckets(True), buckets(False)
-    finished = f'shipyard_requests_finished_total{{model_name="{model}",reason='
+    finished = f'{N["requests_finished"]}{{model_name="{model}",reason='
     if alert == "ShipyardErrorRateHigh":
         return (
             [{"series": finished + '"stop"}', "values": "0+90x40"},
@@ -236,7 +239,7 @@ def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
             [{"series": finished + '"stop"}', "values": "0+1000x40"},
              {"series": finished + '"error"}', "values": "0+1x40"}],
         )  # fmt: skip
-    empty = f'shipyard_empty_responses_total{{model_name="{model}"}}'
+    empty = f'{N["empty_responses"]}{{model_name="{model}"}}'
     return (
         [{"series": finished + '"stop"}', "values": "0+10x40"},
          {"series": empty, "values": "0+5x40"}],
@@ -251,32 +254,31 @@ def dashboard(model: str, generates: bool) -> dict[str, Any]:
     on = ", ".join(SCRAPE)
     memory = (
         f"process_resident_memory_bytes * on ({on}) group_left () "
-        f"max by ({on}) (shipyard_model_info{{{m}}})"
+        f"max by ({on}) ({N['model_info']}{{{m}}})"
     )
     panels: list[tuple[str, list[str], str]] = [("Resident memory", [memory], "bytes")]
     # every task: requests, their latency and queue, batch sizes (one-pass bundles count
     # them in their batcher, generating ones in the engine)
     rows = (
-        "histogram_quantile(0.95, sum by (le) "
-        f"(rate(shipyard_running_batch_size_bucket{{{m}}}[5m])))"
+        f"histogram_quantile(0.95, sum by (le) (rate({N['running_batch_size']}_bucket{{{m}}}[5m])))"
     )
-    reasons = f"sum by (reason) (rate(shipyard_requests_finished_total{{{m}}}[5m]))"
-    running = f"shipyard_requests_running{{{m}}}"
-    waiting = f"shipyard_requests_waiting{{{m}}}"
-    e2e = _quantile("shipyard_e2e_request_latency_seconds", model)
-    queued = _quantile("shipyard_request_queue_time_seconds", model)
+    reasons = f"sum by (reason) (rate({N['requests_finished']}{{{m}}}[5m]))"
+    running = f"{N['requests_running']}{{{m}}}"
+    waiting = f"{N['requests_waiting']}{{{m}}}"
+    e2e = _quantile(N["e2e_request_latency_seconds"], model)
+    queued = _quantile(N["request_queue_time_seconds"], model)
     common: list[tuple[str, list[str], str]] = [
         ("End-to-end request latency (p95)", [e2e], "s"),
         ("Queue time (p95)", [queued], "s"),
     ]
     if generates:
-        ttft = _quantile("shipyard_time_to_first_token_seconds", model)
-        itl = _quantile("shipyard_inter_token_latency_seconds", model)
-        empty = f"sum(rate(shipyard_empty_responses_total{{{m}}}[5m]))"
-        limited = f"sum(rate(shipyard_length_limited_total{{{m}}}[5m]))"
+        ttft = _quantile(N["time_to_first_token_seconds"], model)
+        itl = _quantile(N["inter_token_latency_seconds"], model)
+        empty = f"sum(rate({N['empty_responses']}{{{m}}}[5m]))"
+        limited = f"sum(rate({N['length_limited']}{{{m}}}[5m]))"
         hit_rate = (
-            f"sum(rate(shipyard_prefix_cache_hits_total{{{m}}}[5m])) / "
-            f"sum(rate(shipyard_prefix_cache_queries_total{{{m}}}[5m]))"
+            f"sum(rate({N['prefix_cache_hits']}{{{m}}}[5m])) / "
+            f"sum(rate({N['prefix_cache_queries']}{{{m}}}[5m]))"
         )
         panels = [
             *common,
@@ -284,12 +286,12 @@ def dashboard(model: str, generates: bool) -> dict[str, Any]:
             ("Inter-token latency (p95)", [itl], "s"),
             (
                 "Output tokens/s",
-                [f"sum(rate(shipyard_generated_tokens_total{{{m}}}[1m]))"],
+                [f"sum(rate({N['generated_tokens']}{{{m}}}[1m]))"],
                 "none",
             ),
             ("Running batch size (p95)", [rows], "none"),
             ("Requests running and waiting", [running, waiting], "none"),
-            ("KV cache use", [f"shipyard_kv_cache_usage_ratio{{{m}}}"], "percentunit"),
+            ("KV cache use", [f"{N['kv_cache_usage_ratio']}{{{m}}}"], "percentunit"),
             ("Finished requests by reason", [reasons], "reqps"),
             ("Empty and length-limited outputs", [empty, limited], "reqps"),
             ("Prefix cache hit rate (prompt tokens)", [hit_rate], "percentunit"),
@@ -298,7 +300,7 @@ def dashboard(model: str, generates: bool) -> dict[str, Any]:
     else:
         panels = [
             *common,
-            ("Input tokens/s", [f"sum(rate(shipyard_prompt_tokens_total{{{m}}}[1m]))"], "none"),
+            ("Input tokens/s", [f"sum(rate({N['prompt_tokens']}{{{m}}}[1m]))"], "none"),
             ("Rows a batch (p95)", [rows], "none"),
             ("Requests running and waiting", [running, waiting], "none"),
             ("Finished requests by reason", [reasons], "reqps"),

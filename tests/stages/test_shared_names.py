@@ -34,3 +34,18 @@ def test_every_explicit_method_says_what_its_weights_are_stored_as() -> None:
     assert all(q.dtype_of(m) == d for m, d in methods.items())
     with pytest.raises(KeyError, match="auto"):
         q.dtype_of("auto")  # a search ends on an explicit method, never on auto itself
+
+
+def test_the_engines_series_table_is_what_it_registers_and_what_monitoring_reads() -> None:
+    import prometheus_client as prom
+
+    from stages.bundling import monitoring
+    from stages.serving.engine import metrics
+
+    metrics.Metrics("series-table-test")
+    registered = {f.name: f.type for f in prom.REGISTRY.collect() if f.name.startswith("shipyard_")}
+    table = {s.name: s.kind.lower() for s in metrics.SERIES.values()}
+    assert registered == table  # one table: nothing registered outside it, nothing unused
+    assert {k: s.sample for k, s in metrics.SERIES.items()} == monitoring.N
+    assert metrics.SERIES["requests_finished"].sample == "shipyard_requests_finished_total"
+    assert metrics.SERIES["requests_finished"].labels == ("reason",)

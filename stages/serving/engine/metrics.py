@@ -36,6 +36,7 @@ and the engine measures nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 # seconds: from half a millisecond (a small model's decode step) to a minute (a long
@@ -125,82 +126,119 @@ def announce(model: str) -> None:
         import prometheus_client  # noqa: F401
     except ImportError:
         return
-    _prometheus("Gauge", "shipyard_model_info", "1: this process serves the model.").labels(
-        model
-    ).set(1)
+    info = SERIES["model_info"]
+    _prometheus(info.kind, info.name, info.doc).labels(model).set(1)
+
+
+@dataclass(frozen=True)
+class Series:
+    """One exported series: the one place its name, kind, help, buckets and extra labels
+    are spelled (the engine registers it from here; bundling/monitoring.py's rules and
+    dashboard, and the tests, read the names from here too)."""
+
+    name: str
+    kind: str  # Counter, Gauge or Histogram
+    doc: str
+    buckets: tuple[float, ...] | None = None
+    labels: tuple[str, ...] = ()
+
+    @property
+    def sample(self) -> str:
+        """The name a scrape shows: a counter's with `_total` (prometheus_client's)."""
+        return f"{self.name}_total" if self.kind == "Counter" else self.name
+
+
+SERIES: dict[str, Series] = {
+    s.name.removeprefix("shipyard_"): s
+    for s in (
+        Series("shipyard_model_info", "Gauge", "1: this process serves the model."),
+        Series(
+            "shipyard_time_to_first_token_seconds", "Histogram",
+            "Arrival to first token, per request.", LATENCY,
+        ),
+        Series(
+            "shipyard_inter_token_latency_seconds", "Histogram",
+            "Between consecutive tokens of one request.", LATENCY,
+        ),
+        Series("shipyard_queue_depth", "Gauge", "Requests waiting."),
+        Series("shipyard_requests_waiting", "Gauge", "Requests waiting for admission."),
+        Series("shipyard_requests_running", "Gauge", "Requests admitted: prefilling or decoding."),
+        Series(
+            "shipyard_running_batch_size", "Histogram",
+            "Sequences decoded together, per decode step.", ROWS,
+        ),
+        Series("shipyard_generated_tokens", "Counter", "Tokens generated."),
+        Series("shipyard_prompt_tokens", "Counter", "Prompt tokens taken in."),
+        Series(
+            "shipyard_kv_cache_usage_ratio", "Gauge", "Padded running KV cache / the KV budget."
+        ),
+        Series(
+            "shipyard_requests_finished", "Counter", "Requests ended, by reason.",
+            labels=("reason",),
+        ),
+        Series(
+            "shipyard_empty_responses", "Counter", "Sequences that ended without a real token."
+        ),
+        Series("shipyard_length_limited", "Counter", "Outputs cut at their token limit."),
+        Series("shipyard_output_tokens", "Histogram", "Tokens per finished output.", TOKENS),
+        Series(
+            "shipyard_e2e_request_latency_seconds", "Histogram",
+            "Arrival to the end of a request (any reason).", LATENCY,
+        ),
+        Series(
+            "shipyard_request_queue_time_seconds", "Histogram",
+            "Arrival to admission, per request.", LATENCY,
+        ),
+        Series(
+            "shipyard_request_prefill_time_seconds", "Histogram",
+            "Admission to the first token, per request.", LATENCY,
+        ),
+        Series(
+            "shipyard_prefix_cache_queries", "Counter",
+            "Prompt tokens looked up in the prefix cache.",
+        ),
+        Series(
+            "shipyard_prefix_cache_hits", "Counter", "Prompt tokens found in the prefix cache."
+        ),
+    )
+}  # fmt: skip
 
 
 class Metrics:
-    """The engine's series for one model."""
+    """The engine's series for one model (SERIES)."""
 
     def __init__(self, model: str, family: Any = None) -> None:
         """`family(kind, name, doc, **kw)` makes a labelled family: prometheus_client's
         (MLServer's registry) unless given (Triton's python backend: `for_triton`)."""
-        _family = family or _prometheus
-        _family("Gauge", "shipyard_model_info", "1: this process serves the model.").labels(
-            model
-        ).set(1)
+        make = family or _prometheus
 
-        def seconds(name: str, doc: str) -> Any:  # a latency histogram of this model
-            return _family("Histogram", name, doc, buckets=LATENCY).labels(model)
+        def series(key: str) -> Any:
+            s = SERIES[key]
+            kw: dict[str, Any] = {"buckets": s.buckets} if s.buckets is not None else {}
+            if s.labels:
+                kw["labels"] = list(s.labels)
+            return make(s.kind, s.name, s.doc, **kw)
 
-        self.ttft = seconds(
-            "shipyard_time_to_first_token_seconds", "Arrival to first token, per request."
-        )
-        self.itl = seconds(
-            "shipyard_inter_token_latency_seconds", "Between consecutive tokens of one request."
-        )
-        self.queue = _family("Gauge", "shipyard_queue_depth", "Requests waiting.").labels(model)
-        self.waiting = _family(
-            "Gauge", "shipyard_requests_waiting", "Requests waiting for admission."
-        ).labels(model)
-        self.running = _family(
-            "Gauge", "shipyard_requests_running", "Requests admitted: prefilling or decoding."
-        ).labels(model)
-        self.rows = _family(
-            "Histogram", "shipyard_running_batch_size",
-            "Sequences decoded together, per decode step.", buckets=ROWS,
-        ).labels(model)  # fmt: skip
-        self.generated = _family(
-            "Counter", "shipyard_generated_tokens", "Tokens generated."
-        ).labels(model)
-        self.prompt = _family(
-            "Counter", "shipyard_prompt_tokens", "Prompt tokens taken in."
-        ).labels(model)
-        self.kv = _family(
-            "Gauge", "shipyard_kv_cache_usage_ratio", "Padded running KV cache / the KV budget."
-        ).labels(model)
-        self._finished = _family(
-            "Counter", "shipyard_requests_finished", "Requests ended, by reason.",
-            labels=["reason"],
-        )  # fmt: skip
+        series("model_info").labels(model).set(1)
         self.model = model
-        self.empty = _family(
-            "Counter", "shipyard_empty_responses", "Sequences that ended without a real token."
-        ).labels(model)
-        self.length_limited = _family(
-            "Counter", "shipyard_length_limited", "Outputs cut at their token limit."
-        ).labels(model)
-        self.output_tokens = _family(
-            "Histogram", "shipyard_output_tokens", "Tokens per finished output.", buckets=TOKENS
-        ).labels(model)
-        self.e2e = seconds(
-            "shipyard_e2e_request_latency_seconds", "Arrival to the end of a request (any reason)."
-        )
-        self.queue_time = seconds(
-            "shipyard_request_queue_time_seconds", "Arrival to admission, per request."
-        )
-        self.prefill_time = seconds(
-            "shipyard_request_prefill_time_seconds", "Admission to the first token, per request."
-        )
-        self.prefix_queried = _family(
-            "Counter",
-            "shipyard_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-        ).labels(model)
-        self.prefix_hits = _family(
-            "Counter", "shipyard_prefix_cache_hits", "Prompt tokens found in the prefix cache."
-        ).labels(model)
+        self.ttft = series("time_to_first_token_seconds").labels(model)
+        self.itl = series("inter_token_latency_seconds").labels(model)
+        self.queue = series("queue_depth").labels(model)
+        self.waiting = series("requests_waiting").labels(model)
+        self.running = series("requests_running").labels(model)
+        self.rows = series("running_batch_size").labels(model)
+        self.generated = series("generated_tokens").labels(model)
+        self.prompt = series("prompt_tokens").labels(model)
+        self.kv = series("kv_cache_usage_ratio").labels(model)
+        self._finished = series("requests_finished")
+        self.empty = series("empty_responses").labels(model)
+        self.length_limited = series("length_limited").labels(model)
+        self.output_tokens = series("output_tokens").labels(model)
+        self.e2e = series("e2e_request_latency_seconds").labels(model)
+        self.queue_time = series("request_queue_time_seconds").labels(model)
+        self.prefill_time = series("request_prefill_time_seconds").labels(model)
+        self.prefix_queried = series("prefix_cache_queries").labels(model)
+        self.prefix_hits = series("prefix_cache_hits").labels(model)
 
     def finished(self, reason: str, tokens: int, empty: bool) -> None:
         self._finished.labels(self.model, reason).inc()
