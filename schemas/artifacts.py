@@ -12,7 +12,7 @@ Artifacts marked `SHIPS = False` stay in the build folder: they feed the manifes
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,11 +24,18 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_DECLARED: list[type[Artifact]] = []  # every artifact class below, in definition order
+
+
 class Artifact(_Model):
     STAGE: ClassVar[str]
     FILE: ClassVar[str]
     SHIPS: ClassVar[bool] = True
     OPTIONAL: ClassVar[bool] = False  # written only sometimes: read with optional=True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _DECLARED.append(cls)
 
     @classmethod
     def location(cls) -> str:
@@ -300,18 +307,7 @@ class LoadTestSummary(Artifact):
     ramp: list[RampRow]
 
 
-ARTIFACTS: tuple[type[Artifact], ...] = (
-    VersionLock,
-    Provenance,
-    ModelInfo,
-    QuantInfo,
-    CalibrationUsed,
-    Evaluation,
-    CapacityPlan,
-    EngineProfiles,
-    EngineBuild,
-    ServingValues,
-    LoadTestSummary,
-)
+# every artifact class of this module, as declared (no hand-kept list to forget one in)
+ARTIFACTS: tuple[type[Artifact], ...] = tuple(_DECLARED)
 # Files that stay in the build folder when a stage's outputs ship.
 NOT_SHIPPED: frozenset[str] = frozenset(a.location() for a in ARTIFACTS if not a.SHIPS)

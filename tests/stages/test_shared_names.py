@@ -49,3 +49,19 @@ def test_the_engines_series_table_is_what_it_registers_and_what_monitoring_reads
     assert {k: s.sample for k, s in metrics.SERIES.items()} == monitoring.N
     assert metrics.SERIES["requests_finished"].sample == "shipyard_requests_finished_total"
     assert metrics.SERIES["requests_finished"].labels == ("reason",)
+
+
+def test_the_artifact_list_is_every_artifact_class() -> None:
+    import inspect
+
+    from schemas import artifacts
+
+    declared = [
+        c
+        for _, c in inspect.getmembers(artifacts, inspect.isclass)
+        if issubclass(c, artifacts.Artifact)
+        and c is not artifacts.Artifact
+        and c.__module__ == artifacts.__name__
+    ]
+    assert set(artifacts.ARTIFACTS) == set(declared) and len(artifacts.ARTIFACTS) == len(declared)
+    assert all(a.STAGE and a.FILE for a in artifacts.ARTIFACTS)
