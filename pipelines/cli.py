@@ -189,22 +189,45 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bundle = _bundle_folder(args.bundle)
     identity = _identity(args)
     trusted = _trusted(args) if args.provenance else {}
+    say = _Say(args.json)
     if identity is not None:
         from pipelines.signing import verify_signed
 
         digest = verify_signed(bundle, identity)
-        print(f"{bundle}: signed by {identity.describe()}; every file matches manifest.json")
-        print(f"bundle digest {digest}")
-        return _chain(bundle, trusted) if args.provenance else 0
-    problems = verify_bundle(bundle)
-    if problems:
-        raise RegistryError(
-            f"bundle {args.bundle} does not match its manifest:\n"
-            + "\n".join(f"  {p}" for p in problems)
-        )
-    print(f"{bundle}: every file matches manifest.json (signature not checked: no key given)")
-    print(f"bundle digest {load_manifest(bundle / 'manifest.json').digest}")
-    return _chain(bundle, trusted) if args.provenance else 0
+        say(f"{bundle}: signed by {identity.describe()}; every file matches manifest.json")
+        say(f"bundle digest {digest}")
+        say.data |= {"bundle": str(bundle), "digest": digest, "signed_by": identity.describe()}
+    else:
+        problems = verify_bundle(bundle)
+        if problems:
+            raise RegistryError(
+                f"bundle {args.bundle} does not match its manifest:\n"
+                + "\n".join(f"  {p}" for p in problems)
+            )
+        digest = load_manifest(bundle / "manifest.json").digest
+        say(f"{bundle}: every file matches manifest.json (signature not checked: no key given)")
+        say(f"bundle digest {digest}")
+        say.data |= {"bundle": str(bundle), "digest": digest, "signed_by": None}
+    if args.provenance:
+        _chain(bundle, trusted, say)
+    say.done()
+    return 0
+
+
+class _Say:
+    """A command's report: lines for people, or (`--json`) one JSON document at the end."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.data: dict[str, Any] = {}
+
+    def __call__(self, line: str) -> None:
+        if not self.as_json:
+            print(line)
+
+    def done(self) -> None:
+        if self.as_json:
+            print(json.dumps(self.data, indent=2, sort_keys=True))
 
 
 def _trusted(args: argparse.Namespace) -> dict[str, Any]:
@@ -223,21 +246,21 @@ def _trusted(args: argparse.Namespace) -> dict[str, Any]:
     return trusted
 
 
-def _chain(bundle: Path, trusted: dict[str, Any]) -> int:
+def _chain(bundle: Path, trusted: dict[str, Any], say: _Say) -> None:
     from pipelines.bundle_provenance import bundle_chain
     from schemas import RegistryError
     from stages.bundling.files import CHECKED
 
     lines, problems = bundle_chain(bundle, trusted, (*CHECKED, "manifest", "bundle"))
     for line in lines:
-        print(f"  {line}")
+        say(f"  {line}")
     if problems:
         raise RegistryError(
             f"bundle {bundle}: its provenance does not hold:\n"
             + "\n".join(f"  {p}" for p in problems)
         )
-    print(f"{bundle}: every stage attested by a trusted builder; every shipped file attested")
-    return 0
+    say(f"{bundle}: every stage attested by a trusted builder; every shipped file attested")
+    say.data["provenance"] = lines
 
 
 def _identity(args: argparse.Namespace) -> Any:
@@ -441,16 +464,24 @@ def cmd_gate(args: argparse.Namespace) -> int:
     )
     if result.base_note:
         print(f"warning: not compared with {args.base}: {result.base_note}", file=sys.stderr)
-    for row in result.rows:
-        change = f" [{row.change}]" if row.change and row.change != "=" else ""
-        print(f"{row.verdict:4} {row.release:16} {row.check:32} {row.detail}{change}")
+    if args.json:
+        from dataclasses import asdict
+
+        rows = [asdict(r) for r in result.rows]
+        print(json.dumps({"ok": result.ok, "base": result.base, "rows": rows}, indent=2))
+    else:
+        for row in result.rows:
+            change = f" [{row.change}]" if row.change and row.change != "=" else ""
+            print(f"{row.verdict:4} {row.release:16} {row.check:32} {row.detail}{change}")
     if args.report:
         Path(args.report).write_text(result.markdown(), encoding="utf-8")
-        print(f"wrote {args.report}")
+        if not args.json:
+            print(f"wrote {args.report}")
     if not result.ok:
         failed = sum(r.verdict == "FAIL" for r in result.rows)
         raise GateError(f"gate failed: {failed} check(s) did not pass")
-    print("gate passed")
+    if not args.json:
+        print("gate passed")
     return 0
 
 
@@ -552,6 +583,10 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 def cmd_history(args: argparse.Namespace) -> int:
     registry = _registry(args)
+    if args.json:
+        print(json.dumps(registry.history(), indent=2))
+        _warn(registry)
+        return 0
     for e in registry.history():
         print(
             f"#{e['seq']:<3} {e['at']} {e['who']:10} {e['action']:8} {e['channel']:10} "
@@ -569,6 +604,9 @@ def _warn(registry: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps(_registry(args).channels(), indent=2))
+        return 0
     for c in _registry(args).channels():
         print(
             f"{c['release']:16} {c['channel']:10} {c['version']:10} {c['digest'][:16]} "
@@ -810,7 +848,21 @@ def parser() -> argparse.ArgumentParser:
         cmd.set_defaults(func=func)
     for cmd in (pro, rb):
         cmd.add_argument("--reason", default="", help="why (goes into the history)")
+    for cmd in (st, hist, g, f):
+        cmd.add_argument("--json", action="store_true", help="print one JSON document")
+    for cmd in sub.choices.values():  # `--verbose` after the command as well as before it
+        _verbose_option(cmd)
     return p
+
+
+def _verbose_option(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--verbose", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+    for action in cmd._actions:  # the nested `registry check|unlock|...` parsers too
+        if isinstance(action, argparse._SubParsersAction):
+            for nested in action.choices.values():
+                _verbose_option(nested)
 
 
 def _record_imports(target: Path) -> None:
