@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ShipyardError, StageStatus
+from schemas.errors import EXIT_CODES
 
 VERDICT = {StageStatus.PASSED: "PASS", StageStatus.FAILED: "FAIL", StageStatus.SKIPPED: "SKIP"}
 
@@ -631,7 +632,9 @@ def parser() -> argparse.ArgumentParser:
         description="Build, check and ship model releases: one YAML spec per release "
         "(releases/<name>.yaml), one command to build them all (`dvc repro`).",
         epilog="Start with `shipyard init models/<folder> --data data/<texts>.jsonl`, then "
-        "`shipyard compile` and `dvc repro`; `shipyard <command> --help` for each command.",
+        "`shipyard compile` and `dvc repro`; `shipyard <command> --help` for each command.\n\n"
+        "exit codes:\n" + "\n".join(f"  {code}  {why}" for code, why in EXIT_CODES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("--verbose", action="store_true", help="show tracebacks")

@@ -68,3 +68,15 @@ class RegistryError(ShipyardError):
     """The registry refused an operation (tampered bundle, digest conflict, unknown channel)."""
 
     exit_code = 5
+
+
+# The CLI's exit codes, one per class of mistake, whatever the command (`shipyard --help`
+# prints this table; argparse's own usage errors exit 2 as well).
+EXIT_CODES: dict[int, str] = {
+    0: "done",
+    ShipyardError.exit_code: "an error without a class of its own",
+    SpecError.exit_code: "a release spec, a flag or an argument is wrong",
+    StageError.exit_code: "a stage failed (its report says why)",
+    GateError.exit_code: "the gate failed: a stage did not pass or a metric regressed",
+    RegistryError.exit_code: "the registry or a bundle refused: tampered, missing, conflicting",
+}

@@ -74,3 +74,17 @@ def test_verbose_is_taken_after_the_command_too(
     assert main(["verify", missing]) == 5
     assert "Traceback" not in capsys.readouterr().err
     assert main(["registry", "check", "--verbose", "--registry", str(tmp_path / "r")]) == 0
+
+
+def test_help_lists_the_exit_codes_each_error_class_uses(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from schemas import GateError, RegistryError, SpecError, StageError
+    from schemas.errors import EXIT_CODES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for cls in (SpecError, StageError, GateError, RegistryError):
+        assert f"  {cls.exit_code}  {EXIT_CODES[cls.exit_code]}" in text
+    assert len(set(EXIT_CODES)) == 6
