@@ -165,9 +165,10 @@ def execute(name: str, release: ReleaseSpec, spec_path: Path, root: Path) -> Sta
 
 
 def release_metrics(build: Path, last: StageReport) -> dict[str, dict[str, Any]]:
-    """{stage: its verdict and metrics} for every stage, in pipeline order, from the reports
-    (each an upstream of the last stage; `last` is the last stage's own). A skip is its own
-    value (`skipped: 1`), never `passed: 0` (which reads as a failure)."""
+    """{stage: its verdict and metrics} for every stage with a report (each an upstream of
+    the last stage; `last` is the last stage's own), written with sorted keys like every
+    JSON file of a build. A skip is its own value (`skipped: 1`), never `passed: 0` (which
+    reads as a failure)."""
     out: dict[str, dict[str, Any]] = {}
     for stage in STAGES:
         if stage == last.stage:
