@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.gate import gate
+from pipelines.gate import MARKER, gate
 from pipelines.registry import Registry
 from schemas import RegistryError
 from tests.conftest import Workspace, built_as, gpt2_spec
@@ -178,7 +178,9 @@ def test_cli_pr_flow_gate_publish_promote_status(built_gpt2, tmp_path) -> None:
 
     done = run("gate", "tiny-gpt2", "--report", str(tmp_path / "gate.md"))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert (tmp_path / "gate.md").read_text().startswith("## Shipyard release gate: PASS")
+    marker, head = (tmp_path / "gate.md").read_text().splitlines()[:2]
+    assert marker == MARKER  # what the PR comment script finds its own comment by
+    assert head.startswith("## Shipyard release gate: PASS")
     assert run("publish", "tiny-gpt2").returncode == 0
     assert run("promote", "tiny-gpt2@0.1.0", "--to", "staging").returncode == 0
     assert "tiny-gpt2        staging    0.1.0" in run("status").stdout
