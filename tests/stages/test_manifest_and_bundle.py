@@ -94,6 +94,13 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
         ),
         "serving/text/tokenizer.json",  # tiny-gpt2 ships no tokenizer_config.json
         "MODEL_CARD.md",
+        # cluster manifests (KServe and plain Kubernetes) and the runtime image they name
+        "deploy/kserve/servingruntime.yaml",
+        "deploy/kserve/inferenceservice.yaml",
+        "deploy/kubernetes/deployment.yaml",
+        "deploy/kubernetes/service.yaml",
+        "deploy/kubernetes/hpa.yaml",
+        "deploy/Dockerfile",
     }
     onnx = "serving/triton/tiny-gpt2/1/model.onnx"  # stored once: Triton's folder
     onnx_bytes = (built_gpt2.out("tiny-gpt2", "bundle") / onnx).read_bytes()
