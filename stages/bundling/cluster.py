@@ -316,12 +316,14 @@ def kubernetes(
     return deployment, service, hpa
 
 
-def dockerfile() -> str:
+def dockerfile(image: str) -> str:
     """The runtime image: Python 3.11 and the runtime's dependencies as this build had them."""
     pins = " ".join(f"{p}=={installed(p)}" for p in RUNTIME_PACKAGES)
     return (
         "# The runtime image the manifests in deploy/ name; the bundle is not in it (KServe's\n"
-        "# storage initializer fetches it into /mnt/models). Build: docker build -t IMAGE deploy/\n"
+        "# storage initializer fetches it into /mnt/models). Build it under the name they use:\n"
+        f"#   docker build -t {image} deploy/\n"
+        "# (or under your registry's name, then `shipyard deploy ... --image NAME`)\n"
         "FROM python:3.11-slim\n"
         f"RUN pip install --no-cache-dir {pins}\n"
         "RUN useradd --uid 1000 --create-home shipyard\n"
@@ -349,5 +351,5 @@ def files(
         f"{FOLDER}kubernetes/deployment.yaml": documents([deployment]),
         f"{FOLDER}kubernetes/service.yaml": documents([service]),
         f"{FOLDER}kubernetes/hpa.yaml": documents([hpa]),
-        f"{FOLDER}Dockerfile": dockerfile(),
+        f"{FOLDER}Dockerfile": dockerfile(opts.image),
     }

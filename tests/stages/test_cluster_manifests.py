@@ -223,3 +223,6 @@ def test_the_dockerfile_pins_what_the_runtime_imports() -> None:
     for package in cluster.RUNTIME_PACKAGES:
         assert f"{package}=={version(package)}" in text
     assert "USER 1000" in text  # the manifests ask for runAsNonRoot
+    assert f"docker build -t {OPTS.image} deploy/" in text  # the name the manifests use
+    [runtime] = rendered()["deploy/kserve/servingruntime.yaml"]
+    assert runtime["spec"]["containers"][0]["image"] == OPTS.image
