@@ -243,10 +243,12 @@ class Registry:
                 pointer = self.channel(name, channel)
             except RegistryError:
                 continue  # unreadable: check names it (`_unreadable`); a move rewrites it
-            if pointer and (pointer.get("version"), pointer.get("digest")) == (
-                version,
-                entry.get("digest"),
-            ):
+            canary = entry.get("canary_percent")  # a canary step is a move of its own
+            if pointer and (
+                pointer.get("version"),
+                pointer.get("digest"),
+                pointer.get("canary_percent"),
+            ) == (version, entry.get("digest"), canary):
                 continue
             where = f"{name}'s {channel}: history #{entry['seq']} ({entry['action']}) moved it to "
             where += f"{entry['to']}, its pointer says {_label(pointer) or '(empty)'}"
@@ -258,8 +260,10 @@ class Registry:
                 first = str(exc).splitlines()[0]
                 actions.append(f"{where}; {entry['to']} does not verify ({first}): left as is")
                 continue
+            step = {} if canary is None else {"canary_percent": canary}
             self._write(
-                self.path("channels", name, f"{channel}.json"), {**target, "since": entry["at"]}
+                self.path("channels", name, f"{channel}.json"),
+                {**target, **step, "since": entry["at"]},
             )
             actions.append(f"finished {where}: an interrupted move, pointer now {entry['to']}")
         return actions

@@ -1060,3 +1060,32 @@ def test_object_store_lock_is_stamped_and_an_unstamped_one_is_stale(
     with s3.lock():  # no expiry stamped: a crashed writer's; broken
         pass
     assert s3.warnings == ["broke a stale registry lock held by x@h since 5"]
+
+
+def test_an_interrupted_canary_step_is_finished_with_its_share(
+    registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A canary step of the version already live (10 % -> 100 %) killed between its history
+    entry and its pointer left the pointer at 10 %: recovery compared only version and digest
+    and called it finished, and the retried step then recorded a second entry."""
+    published(registry, tmp_path, "1.0.0", "1.1.0")
+    registry.promote("demo", "1.0.0", "production", "first")
+    registry.promote("demo", "1.1.0", "production", "canary", canary=10)
+    real_write = reg.Registry._write
+
+    def crash(self: Registry, path: str, data: dict[str, Any]) -> None:
+        if "/channels/" in path.replace(os.sep, "/"):
+            raise KeyboardInterrupt("killed between the history append and the pointer")
+        real_write(self, path, data)
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(reg.Registry, "_write", crash)
+        registry.promote("demo", "1.1.0", "production", "all of it", canary=100)
+    assert registry.channel("demo", "production")["canary_percent"] == 10  # type: ignore[index]
+    assert registry.check()  # finishes it, saying so
+    assert registry.channel("demo", "production")["canary_percent"] == 100  # type: ignore[index]
+    retried = registry.promote("demo", "1.1.0", "production", "retry", canary=100)
+    assert retried.get("noop") and len(registry.history()) == 3
+    # a rollback moves the channel back with all of the traffic
+    registry.rollback("demo", "production", "back")
+    assert "canary_percent" not in registry.channel("demo", "production")  # type: ignore[operator]
