@@ -229,10 +229,9 @@ def metrics_diff(root: Path, base: str) -> tuple[dict[str, Any], str]:
         why = " ".join((done.stderr or done.stdout).split())[:300]
         return {}, f"`dvc metrics diff {base}` failed: {why or f'exit {done.returncode}'}"
     try:
-        data = json.loads(done.stdout or "{}")
+        return dict(json.loads(done.stdout or "{}")), ""
     except ValueError:
         return {}, f"`dvc metrics diff {base}` wrote no JSON"
-    return dict(data.get("diff", data)), ""
 
 
 SHOWN = 4  # changed metrics a row lists before "and N more"

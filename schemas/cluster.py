@@ -31,11 +31,6 @@ class ObjectMeta(ApiObject):
     annotations: dict[str, str] | None = None
 
 
-class SecretKeySelector(ApiObject):
-    name: str
-    key: str
-
-
 class EnvVar(ApiObject):
     name: str
     value: str | None = None
@@ -74,7 +69,6 @@ class VolumeMount(ApiObject):
 class SecurityContext(ApiObject):
     allow_privilege_escalation: bool = False
     run_as_non_root: bool | None = None
-    read_only_root_filesystem: bool | None = None
 
 
 class Container(ApiObject):

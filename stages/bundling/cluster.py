@@ -103,7 +103,6 @@ class Options:
     namespace: str | None = None
     min_replicas: int = 1
     max_replicas: int = 4
-    canary_percent: int | None = None
 
 
 def defaults(name: str, version: str) -> Options:
@@ -210,7 +209,6 @@ def kserve(
             predictor=PredictorSpec(
                 min_replicas=opts.min_replicas,
                 max_replicas=opts.max_replicas,
-                canary_traffic_percent=opts.canary_percent,
                 automount_service_account_token=False,
                 volumes=[_token_volume(name)],
                 model=ModelSpec(
