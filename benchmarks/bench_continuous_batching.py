@@ -34,7 +34,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from stages.serving.server import LocalServer, assemble  # noqa: E402
+from stages.bundling import layout  # noqa: E402
+from stages.loadtesting.server import LocalServer, assemble  # noqa: E402
 
 RELEASE = "gpt2-small"
 
@@ -63,15 +64,10 @@ def served_tree(dest: Path, policy: str, rows: int, prefix: bool = False) -> Pat
     assemble(dest, sorted((build / "quantize").glob("model.onnx*")), build / "serve")
     entry = dest / "serving" / "mlserver" / RELEASE
     # this checkout's runtime and engine, whatever the last build shipped
-    shutil.copyfile(
-        REPO / "stages" / "serving" / "mlserver_runtime.py", entry / "shipyard_runtime.py"
-    )
-    shutil.copyfile(
-        REPO / "stages" / "serving" / "front_door.py",
-        dest / "serving" / "mlserver" / "shipyard_serve.py",
-    )
-    for module in (REPO / "stages" / "serving" / "engine").glob("*.py"):
-        shutil.copyfile(module, entry / "shipyard_engine" / module.name)
+    for f in layout.shipped(RELEASE, generating=False):
+        if not f.rendered and f.path.startswith("serving/mlserver/"):
+            (dest / f.path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f.file, dest / f.path)
     path = entry / "model-settings.json"
     data = json.loads(path.read_text())
     engine = data["parameters"]["extra"]["engine"]
@@ -171,8 +167,7 @@ def offline(jobs: list[Any], batch: int) -> dict[str, Any]:
       offline generate loop over these requests, static batches)."""
     import onnxruntime as ort
 
-    sys.path.insert(0, str(REPO / "stages" / "serving"))
-    from engine.kv import positions_from_mask  # the engine's own rule, nothing of its loop
+    from shipyard_runtime.generation.kv import positions_from_mask  # the rule, not the loop
 
     config = json.loads((REPO / "build" / RELEASE / "serve" / "ort_session.json").read_text())
     options = ort.SessionOptions()
@@ -233,9 +228,8 @@ def machine_bound(jobs: list[Any], batch: int) -> dict[str, Any]:
     (compute-bound), unlike the flat cost on a GPU that the 2x goal assumes."""
     import onnxruntime as ort
 
-    sys.path.insert(0, str(REPO / "stages" / "serving"))
-    from engine.kv import empty_past
-    from engine.runner import Graph
+    from shipyard_runtime.generation.kv import empty_past
+    from shipyard_runtime.generation.runner import Graph
 
     graph = Graph(
         ort.InferenceSession(

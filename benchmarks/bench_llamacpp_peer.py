@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_continuous_batching import drive, served, workload  # noqa: E402
 
-from stages.serving.server import free_ports  # noqa: E402
+from stages.loadtesting.server import free_ports  # noqa: E402
 
 CHECKPOINT = REPO / "models" / "gpt2-small"
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from stages.loadtesting import loadgen as lg  # noqa: E402
-from stages.serving.server import LocalServer, assemble  # noqa: E402
+from stages.loadtesting.server import LocalServer, assemble  # noqa: E402
 
 WINDOW = 1.0
 

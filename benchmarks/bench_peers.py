@@ -116,7 +116,7 @@ def build(root: Path, model: Path | None, method: str | None) -> Path:
 
 
 def shipyard(root: Path, work: list[tuple[list[int], int]]) -> dict[int, dict[str, Any]]:
-    from stages.serving.server import LocalServer, assemble
+    from stages.loadtesting.server import LocalServer, assemble
 
     build = root / "build" / NAME
     tree = root / "tree"
@@ -134,8 +134,8 @@ def profile(root: Path, work: list[tuple[list[int], int]], rows: int) -> dict[st
     """The same jobs through the engine in-process on the served graph, `rows` at once."""
     import onnxruntime as ort
 
-    from stages.serving.engine.core import Engine, EngineSettings, Graph
-    from stages.serving.engine.params import parse
+    from shipyard_runtime.generation.core import Engine, EngineSettings, Graph
+    from shipyard_runtime.generation.params import parse
 
     build = root / "build" / NAME
     served = json.loads(next((build / "serve").rglob("model-settings.json")).read_text())

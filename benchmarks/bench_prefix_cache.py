@@ -6,7 +6,7 @@ the two workloads it exists for, side by side in one run.
 - `multi-turn chat`: 6 conversations of 4 turns, each turn's prompt the whole conversation
   so far (previous prompt + 24 generated tokens + a new 12-24-token user turn).
 
-Each request is run through the engine (`stages/serving/engine`, its thread, the real
+Each request is run through the engine (`shipyard_runtime/generation`, its thread, the real
 graph: any KV-cache `model.onnx`; default the gpt2-small example's export, `make release`
 first) with `prefix_caching` on and with it off, alternating request by request, so both
 see the same machine. Printed: TTFT median and p95 per setting, the ratio off/on with
@@ -30,8 +30,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from stages.serving.engine.core import Engine, EngineSettings, Graph  # noqa: E402
-from stages.serving.engine.params import parse  # noqa: E402
+from shipyard_runtime.generation.core import Engine, EngineSettings, Graph  # noqa: E402
+from shipyard_runtime.generation.params import parse  # noqa: E402
 
 
 def ttft(engine: Engine, prompt: list[int], tokens: int = 24) -> tuple[float, list[int], int]:

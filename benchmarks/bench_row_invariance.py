@@ -66,7 +66,7 @@ def build(model: Path, into: Path) -> dict[str, Path]:
 
 def feeds_for(session: Any, rows: int, past: int, new: int) -> dict[str, np.ndarray]:
     """A step of `new` tokens for `rows` rows on a left-padded past of up to `past`."""
-    from stages.serving.engine.kv import positions_from_mask
+    from shipyard_runtime.generation.kv import positions_from_mask
 
     rng = np.random.default_rng(rows * 1000 + new)
     inputs = {i.name: i for i in session.get_inputs()}

@@ -874,7 +874,7 @@ def _record_imports(target: Path) -> None:
     files = set()
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if name.split(".")[0] in ("schemas", "stages", "pipelines") and path:
+        if name.split(".")[0] in ("schemas", "stages", "pipelines", "shipyard_runtime") and path:
             files.add(Path(path).resolve().relative_to(root).as_posix())
     target.write_text("\n".join(sorted(files)) + "\n", encoding="utf-8")
 

@@ -16,7 +16,7 @@ import ast
 from functools import cache
 from pathlib import Path
 
-PACKAGES = ("schemas", "stages", "pipelines")
+PACKAGES = ("schemas", "stages", "pipelines", "shipyard_runtime")
 
 
 # The spec assembles every section; a stage sees only the sections it declares (`scoped`

@@ -137,7 +137,7 @@ def checkout(target: str, registry_url: str, root: Path) -> tuple[Path, dict[str
 def run(target: str, registry_url: str, device: str, launcher_args: list[str]) -> int:
     """Check, copy, verify, then exec the copy's launcher (returns only on a refusal)."""
     if device == "cuda":
-        from stages.serving.engine.session import cuda_missing
+        from shipyard_runtime.session import cuda_missing
 
         problem = cuda_missing()
         if problem:

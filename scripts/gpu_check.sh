@@ -56,7 +56,7 @@ python -m pytest -q tests/stages/test_engine.py tests/stages/test_tensorrt_contr
 python - <<'PYEOF'
 import os, numpy as np
 from pathlib import Path
-from stages.serving.engine import session as s
+from shipyard_runtime import session as s
 model = Path("build/tiny-gpt2/export/model.onnx")
 outs = {}
 for device in ("cpu", "cuda"):

@@ -154,7 +154,7 @@ def render(
     content: Manifest,
     facts: BundleFacts,
 ) -> list[str]:
-    from stages.serving.render import render as render_templates
+    from stages.rendering.render import render as render_templates
 
     context = {
         **values,

@@ -65,7 +65,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     with tempfile.TemporaryDirectory(prefix="shipyard-serve-") as tmp:
         tree = Path(tmp)
         if cfg.target is None:
-            from stages.serving.server import assemble
+            from stages.loadtesting.server import assemble
 
             models = sorted(ctx.upstream("quantize").glob("model.onnx*"))
             assemble(tree, models, ctx.upstream("serve"))

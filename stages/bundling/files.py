@@ -9,7 +9,7 @@ from schemas.artifacts import NOT_SHIPPED, ModelInfo, QuantInfo
 from schemas.manifest import PROVENANCE_DIR
 from stages import STAGES
 from stages._contract import StageContext, attestation_file
-from stages.serving.layout import MODEL_DIR
+from stages.bundling.layout import MODEL_DIR
 
 DIAGNOSTICS = ("server.log", ".lock")  # stay in the build folder
 

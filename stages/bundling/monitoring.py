@@ -1,6 +1,6 @@
 """The monitoring a bundle ships (`monitoring/`): Prometheus alert rules whose thresholds
 come from the release's own load-test baseline with stated margins, promtool unit tests for
-them, and a Grafana dashboard of the runtime's series (stages/serving/engine/metrics.py).
+them, and a Grafana dashboard of the runtime's series (shipyard_runtime/metrics.py).
 
 Margins: time to first token and inter-token latency alert at p95 above MARGIN_LATENCY x
 the load test's p95; resident memory above MARGIN_MEMORY x its peak; the error share of
@@ -26,7 +26,7 @@ import json
 from typing import Any
 
 from schemas.loadresults import Headline
-from stages.serving.engine.metrics import SERIES
+from shipyard_runtime.metrics import SERIES
 
 N = {key: s.sample for key, s in SERIES.items()}  # the scraped names, from the engine's table
 
@@ -102,7 +102,7 @@ def rules(model: str, baseline: Headline, max_queue: int, generates: bool) -> di
         ):
             if value is None or value <= 0:
                 continue
-            from stages.serving.engine.metrics import LATENCY
+            from shipyard_runtime.metrics import LATENCY
 
             limit_s = round(value * MARGIN_LATENCY / 1000, 6)
             why = f"load-test p95 {value} ms; alert above {limit_s} s"
@@ -211,7 +211,7 @@ def _series(alert: str, expr: str, model: str) -> tuple[list[Any], list[Any]]:
         )
     if alert.startswith(("ShipyardTTFT", "ShipyardITL")):
         metric = expr.split("rate(", 1)[1].split("_bucket", 1)[0]
-        from stages.serving.engine.metrics import LATENCY
+        from shipyard_runtime.metrics import LATENCY
 
         def buckets(slow: bool) -> list[Any]:
             # every observation in the first bucket wholly above (slow) or below (calm) the

@@ -19,7 +19,7 @@ from stages.onnx import shapes as sh
 
 if TYPE_CHECKING:
     from schemas import ReleaseSpec
-    from stages.serving.server import LocalServer
+    from stages.loadtesting.server import LocalServer
 
 MB = 1 << 20
 P = TypeVar("P", bound=Window)

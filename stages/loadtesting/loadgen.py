@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from schemas.loadresults import WINDOW_METRICS, Point, Window, WindowMetrics
-from stages.serving.engine.dtypes import V2_OF_NUMPY
+from shipyard_runtime.dtypes import V2_OF_NUMPY
 
 STABLE_WINDOWS = 3
 DRAIN_SECONDS = 30.0

@@ -28,7 +28,7 @@ def measure_all(
     ctx: StageContext, release: ReleaseSpec, info: ModelInfo, model: str, tree: Path
 ) -> Measured:
     """Everything measured against one server (plus one without batching)."""
-    from stages.serving.server import LocalServer
+    from stages.loadtesting.server import LocalServer
 
     cfg = release.loadtest
     local = cfg.target is None
@@ -67,7 +67,7 @@ def batching(
     ramp_result: Ramp,
 ) -> Batching | Skipped:
     """Throughput at the knee with the server's batching off, against the ramp's (on)."""
-    from stages.serving.server import LocalServer
+    from stages.loadtesting.server import LocalServer
 
     cfg = release.loadtest
     if not cfg.batching_comparison:
@@ -75,7 +75,7 @@ def batching(
     if cfg.target is not None:
         return Skipped(skipped="external target: its batching cannot be switched from here")
     settings = tree / "serving" / "mlserver" / model / "model-settings.json"
-    from stages.serving.engine.settings import RuntimeSettings
+    from shipyard_runtime.settings import RuntimeSettings
 
     served = RuntimeSettings.model_validate(json.loads(settings.read_text())["parameters"]["extra"])
     if not (served.batching.enabled or (served.engine and served.engine.max_rows > 1)):

@@ -23,7 +23,7 @@ column of ones) and a division; each MatMul reading its probabilities (directly 
 a Cast or Identity) becomes that sum of probabilities x V. Bit-identical rows at any
 padding, with 1, 2 or 4 threads, up to at least 1,100 keys x 1,500 padding
 (tests/stages/test_onnx_invariant.py), and through the engine in FP32 and INT8
-(tests/stages/test_engine_rows.py). The cost: up to KEY_BLOCK - 1 zero keys per row in
+(tests/runtime/test_generation_rows.py). The cost: up to KEY_BLOCK - 1 zero keys per row in
 both products and a copy of V per attention; on gpt2-small, a decode step of 16 rows on a
 256-token past 1.12x FP32's own and a 256-token prefill 1.13x (blocks of 256 were 1.30x
 and 1.21x: benchmarks/bench_row_invariance.py, docs/benchmarks.md).

@@ -1,3 +1,5 @@
-"""Serving: config rendering and escaping, the MLServer runtime, front door, Triton entry
-and generation engine that ship in the bundle, and starting a bundle's servers locally.
-The load test against them is its own subsystem: stages/loadtesting."""
+"""Serving, the build side: the serve stage's values and the shipped runtime's settings
+(`configs`), built from the spec, the model's facts and the capacity plan, and checked. The
+runtime itself is the top-level package `shipyard_runtime`; where its files ship is
+stages/bundling/layout.py; the templates are rendered by stages/rendering; the harnesses
+that start a bundle's servers locally sit beside the load test (stages/loadtesting)."""

@@ -19,13 +19,14 @@ from schemas.artifacts import (
 )
 from schemas.spec.bundle import batch_limits
 from schemas.tasks import TASKS
+from shipyard_runtime.dtypes import TRITON_OF_NUMPY
+from shipyard_runtime.front_door import Limits
+from shipyard_runtime.generation.scheduler import EngineSettings
+from shipyard_runtime.generation.text import eos_ids, sampling_defaults
+from shipyard_runtime.settings import BatchingSettings, RuntimeSettings
+from stages.bundling import layout
 from stages.onnx import shapes as sh
-from stages.serving.engine.dtypes import TRITON_OF_NUMPY
-from stages.serving.engine.scheduler import EngineSettings
-from stages.serving.engine.settings import BatchingSettings, RuntimeSettings
-from stages.serving.engine.text import eos_ids, sampling_defaults
-from stages.serving.layout import MODEL_DIR
-from stages.serving.render import parse_triton
+from stages.rendering.render import parse_triton
 
 if TYPE_CHECKING:
     from schemas import ReleaseSpec
@@ -92,7 +93,7 @@ def serving_values(
     _within("bundle.serving.kv_cache_budget", kv_budget, room, source)
     generates = TASKS[release.task].serving == "generate"
     return ServingValues(
-        model_path=f"{MODEL_DIR.format(release=release.name)}/model.onnx",
+        model_path=layout.at(layout.MODEL_FILE, release.name),
         dtype=dtype,
         port=s.port,
         max_batch_size=batch,
@@ -169,7 +170,7 @@ def runtime_settings(
         },
         max_sequence=info.dims["sequence"].max if "sequence" in info.dims else None,
         embedding_output="sentence_embedding" if task.pooled else None,
-        ort_session="../../../ort_session.json",
+        ort_session=layout.relative(layout.MLSERVER_ENTRY, layout.ORT_SESSION, release.name),
         text=text,
         sampling_defaults=sampling_defaults(generation),
         batching=batching,
@@ -273,13 +274,13 @@ def check_triton(config: Any, info: ModelInfo, values: ServingValues) -> None:
             raise ValueError(f"preferred_batch_size {b} > max_batch_size")
 
 
-def front_door(values: ServingValues) -> dict[str, int | float | bool]:
-    """`serving/mlserver/shipyard_server.json`: the limits the shipped launcher enforces
-    (stages/serving/front_door.py reads exactly these keys)."""
-    return {
-        "max_request_bytes": values.max_request_bytes,
-        "read_timeout_s": values.read_timeout_seconds,
-        "idle_timeout_s": values.idle_timeout_seconds,
-        "max_connections": values.max_connections,
-        "metrics_auth": values.metrics_auth,
-    }
+def front_door(values: ServingValues) -> Limits:
+    """`serving/mlserver/shipyard_server.json`: the limits the shipped launcher enforces,
+    as its own model (shipyard_runtime/front_door.py) reads them back."""
+    return Limits(
+        max_request_bytes=values.max_request_bytes,
+        read_timeout_s=values.read_timeout_seconds,
+        idle_timeout_s=values.idle_timeout_seconds,
+        max_connections=values.max_connections,
+        metrics_auth=values.metrics_auth,
+    )

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from schemas import Refused
-from stages.serving.render import parse_triton, render
+from stages.rendering.render import parse_triton, render
 
 if TYPE_CHECKING:
     from schemas.spec.bundle import ServingConfig

@@ -64,7 +64,14 @@ def test_each_stage_depends_on_a_file_of_only_its_own_spec_sections(tmp_path: Pa
         "bundle": ["bundle.model_card", "task", "version"],
     }
     code = stages["code"]
-    assert code["deps"] == ["pipelines", "pyproject.toml", "schemas", "stages", "releases"]
+    assert code["deps"] == [
+        "pipelines",
+        "pyproject.toml",
+        "schemas",
+        "shipyard_runtime",
+        "stages",
+        "releases",
+    ]
     assert code["outs"] == [{"build/.params": {"persist": True}}]
 
 
@@ -81,7 +88,7 @@ def test_templates_and_shipped_files_are_in_the_params_file_byte_for_byte(
             assert "pyproject.toml" not in body["do"]["deps"], name
     ws = Workspace(tmp_path)
     ws.write(gpt2_spec())
-    for rel in ("pipelines", "schemas", "stages", "pyproject.toml"):
+    for rel in ("pipelines", "schemas", "stages", "shipyard_runtime", "pyproject.toml"):
         source = REPO / rel
         if source.is_dir():
             shutil.copytree(source, tmp_path / rel, ignore=shutil.ignore_patterns("__pycache__"))
@@ -95,7 +102,7 @@ def test_templates_and_shipped_files_are_in_the_params_file_byte_for_byte(
 
     before = snapshot()
     serve = json.loads(before["serve"])["files"]
-    assert "stages/serving/mlserver_runtime.py" in serve
+    assert "shipyard_runtime/mlserver.py" in serve
     assert "stages/templates/triton_config.pbtxt.j2" in serve
     assert list(json.loads(before["pin"])["files"]) == ["pyproject.toml"]
     assert "files" not in json.loads(before["export"])  # reads none: its file is unchanged
@@ -105,7 +112,7 @@ def test_templates_and_shipped_files_are_in_the_params_file_byte_for_byte(
     after = snapshot()
     assert [s for s in before if after[s] != before[s]] == ["serve"]
     # a shipped Python file counts by its bytes, not its syntax tree
-    runtime = tmp_path / "stages" / "serving" / "mlserver_runtime.py"
+    runtime = tmp_path / "shipyard_runtime" / "mlserver.py"
     runtime.write_text(runtime.read_text() + "# a comment\n")
     compiler.write_fingerprints(tmp_path)
     assert [s for s in after if snapshot()[s] != after[s]] == ["serve"]

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from pipelines.registry import Registry
-from stages.serving.server import free_ports
+from stages.loadtesting.server import free_ports
 from tests.conftest import Workspace
 
 TOKEN = "serve-cli-test-token-0123456789"
@@ -191,7 +191,7 @@ def test_the_runtime_never_falls_back_to_the_cpu_when_cuda_is_asked(
     error naming the fix, not a CPU session; an unknown device is refused; cpu runs."""
     import onnxruntime as ort
 
-    from stages.serving.engine import session as s
+    from shipyard_runtime import session as s
 
     model = built_gpt2.out("tiny-gpt2", "export") / "model.onnx"
     monkeypatch.setenv(s.DEVICE_ENV, "cpu")

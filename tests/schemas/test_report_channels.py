@@ -24,7 +24,7 @@ ALLOWED = {
 def details_reads(root: Path) -> list[tuple[str, str, int]]:
     """Every `x.details` read, `x["details"]` and `x.get("details")` in the package code."""
     found = []
-    for folder in ("stages", "pipelines", "schemas", "scripts"):
+    for folder in ("stages", "pipelines", "schemas", "scripts", "shipyard_runtime"):
         for path in sorted((root / folder).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

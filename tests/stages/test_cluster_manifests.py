@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from schemas.artifacts import CapacityPlan, MemoryParts
+from shipyard_runtime import front_door
 from stages.bundling import cluster
-from stages.serving import front_door
 
 K8S_VERSION = "1.33.0"
 PLAN = CapacityPlan(
@@ -166,7 +166,7 @@ def test_resources_come_from_the_plan_and_the_load_test() -> None:
 def test_the_autoscaler_reads_series_the_engine_exports() -> None:
     from prometheus_client import REGISTRY, generate_latest
 
-    from stages.serving.engine.metrics import Metrics
+    from shipyard_runtime.metrics import Metrics
 
     Metrics("cluster-manifest-test")  # the series a served engine registers
     exported = generate_latest(REGISTRY).decode()

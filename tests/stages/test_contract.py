@@ -354,7 +354,7 @@ def test_shared_code_raises_without_knowing_its_stage() -> None:
     import ast
 
     found = []
-    for folder in ("onnx", "quant", "serving", "loadtesting", "tensorrt", "bundling"):
+    for folder in ("onnx", "quant", "serving", "loadtesting", "tensorrt", "bundling", "rendering"):
         for path in sorted((REPO / "stages" / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 named = isinstance(node, ast.Call) and getattr(node.func, "id", "") == "StageError"

@@ -9,7 +9,7 @@ from schemas import SpecError, StageError
 from schemas.loader import load_release
 from schemas.release import CudaGraphs, EngineConfig, ServingConfig
 from stages import engine as build_engine
-from stages.serving.render import parse_triton
+from stages.rendering.render import parse_triton
 from tests.conftest import REPO, Workspace, gpt2_spec, model_info
 
 INFO = model_info(

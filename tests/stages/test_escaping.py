@@ -12,10 +12,10 @@ import yaml
 from markdown_it import MarkdownIt
 
 from schemas.artifacts import ServingValues
-from stages.serve import rendered
+from stages.bundling.layout import templates
+from stages.rendering.escape import comment, markdown, markdown_cell, pbtxt, yaml_scalar
+from stages.rendering.render import parse_triton, render
 from stages.serving.configs import triton_values
-from stages.serving.escape import comment, markdown, markdown_cell, pbtxt, yaml_scalar
-from stages.serving.render import parse_triton, render
 from tests.conftest import model_info
 
 HOSTILE = [
@@ -141,7 +141,7 @@ def hostile_context(value: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         "prefix_caching": True,
         "max_wait_ms": 1000.0,
     }
-    from stages.serving.engine.settings import BatchingSettings, RuntimeSettings
+    from shipyard_runtime.settings import BatchingSettings, RuntimeSettings
 
     runtime = RuntimeSettings(
         task="generic",
@@ -170,16 +170,18 @@ def hostile_context(value: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         },
         "triton": triton_values(info, ServingValues(**values)),
         "runtime": runtime.model_dump(mode="json"),
+        "implementation": f"{value}.Runtime",
+        "model_uri": f"../../../models/{value}",
     }
     return info, values, context
 
 
 @pytest.mark.parametrize("value", HOSTILE, ids=IDS)
 def test_every_serving_template_round_trips_hostile_values(tmp_path: Path, value: str) -> None:
-    from stages.serving.engine.settings import RuntimeSettings
+    from shipyard_runtime.settings import RuntimeSettings
 
     info, values, context = hostile_context(value)
-    render(tmp_path, rendered("r"), context)
+    render(tmp_path, templates("r", generating=False), context)
     serving = yaml.safe_load((tmp_path / "serving.yaml").read_text())
     assert serving["model_path"] == f"models/{value}" and serving["dtype"] == value
     assert set(serving) == {
@@ -207,6 +209,7 @@ def test_every_serving_template_round_trips_hostile_values(tmp_path: Path, value
     back = RuntimeSettings.model_validate(settings["parameters"]["extra"])
     assert back.text == value and back.labels == [value, "plain"]
     assert settings["parameters"]["uri"] == f"../../../models/{value}"
+    assert settings["implementation"] == f"{value}.Runtime"
 
 
 @pytest.mark.parametrize("value", HOSTILE, ids=IDS)

@@ -9,10 +9,13 @@ import yaml
 
 from schemas.artifacts import LoadTestSummary
 from stages.bundling.hashing import hash_range, hash_shards, shard_ranges
+from stages.bundling.layout import core_modules
 from stages.bundling.oms import load_manifest, verify_bundle
 from stages.engine import why_unavailable
 from stages.manifest import CHECKED
-from tests.conftest import REPO, Workspace, gpt2_spec, writable_copy
+from tests.conftest import Workspace, gpt2_spec, writable_copy
+
+RUNTIME_CORE = core_modules()
 
 
 @pytest.fixture
@@ -80,18 +83,13 @@ def test_manifest_lists_weights_and_reports_in_oms_layout(built_gpt2: Workspace)
         "serving/triton/tiny-gpt2/1/model.onnx",
         "serving/mlserver/settings.json",
         "serving/mlserver/tiny-gpt2/model-settings.json",
-        "serving/mlserver/tiny-gpt2/shipyard_runtime.py",
-        *(
-            f"serving/mlserver/tiny-gpt2/shipyard_engine/{p.name}"
-            for p in (REPO / "stages" / "serving" / "engine").glob("*.py")
-        ),
+        # the runtime package: its core modules and the MLServer adapter
+        "serving/mlserver/tiny-gpt2/shipyard_runtime/mlserver.py",
+        *(f"serving/mlserver/tiny-gpt2/shipyard_runtime/{m}" for m in RUNTIME_CORE),
         # the Triton entry that generates: the same engine, the model read from tiny-gpt2/1/
         "serving/triton/tiny-gpt2-generate/config.pbtxt",
         "serving/triton/tiny-gpt2-generate/1/model.py",
-        *(
-            f"serving/triton/tiny-gpt2-generate/1/shipyard_engine/{p.name}"
-            for p in (REPO / "stages" / "serving" / "engine").glob("*.py")
-        ),
+        *(f"serving/triton/tiny-gpt2-generate/1/shipyard_runtime/{m}" for m in RUNTIME_CORE),
         "serving/text/tokenizer.json",  # tiny-gpt2 ships no tokenizer_config.json
         "MODEL_CARD.md",
         # cluster manifests (KServe and plain Kubernetes) and the runtime image they name

@@ -89,7 +89,7 @@ def test_a_baseline_finer_than_the_histogram_alerts_at_its_first_bucket(tmp_path
     below the latency histogram's first bucket: histogram_quantile reads healthy traffic
     there as up to 0.95 x the bucket's edge, so 2 x the baseline would fire all the time. The
     limit is the first bucket, said so in the rule, and promtool's calm case stays quiet."""
-    from stages.serving.engine.metrics import LATENCY
+    from shipyard_runtime.metrics import LATENCY
 
     fast = baseline(p95_ttft_ms=0.1, p95_itl_ms=0.2, peak_rss_mb=100.0)
     folder = written(tmp_path, fast)
@@ -142,7 +142,7 @@ def exported() -> set[str]:
     """Every sample name the runtime's registry serves (engine series and the process's)."""
     import prometheus_client as prom
 
-    from stages.serving.engine import metrics
+    from shipyard_runtime import metrics
 
     metrics.Metrics("tiny-gpt2")
     metrics.announce("tiny-gpt2-embed")

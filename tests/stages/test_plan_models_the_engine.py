@@ -26,8 +26,8 @@ ENGINE = """
 import json, queue, sys
 import numpy as np
 import onnxruntime as ort
-from stages.serving.engine.params import parse
-from stages.serving.engine.core import Engine, EngineSettings, Graph
+from shipyard_runtime.generation.params import parse
+from shipyard_runtime.generation.core import Engine, EngineSettings, Graph
 
 path, batch, context, chunk = sys.argv[1], *map(int, sys.argv[2:5])
 def status(key):
@@ -37,7 +37,7 @@ graph = Graph(ort.InferenceSession(path, providers=["CPUExecutionProvider"]))
 settings = EngineSettings(max_rows=batch, max_context=context, chunk=chunk,
                           max_past=context - chunk, kv_budget_tokens=int(sys.argv[5]))
 engine = Engine(graph, settings)
-import stages.serving.engine.kv as kvm
+import shipyard_runtime.generation.kv as kvm
 advance, slots = kvm.Batch.advance, [0]
 def counted(self, presents):  # the padded cache the batch held at its largest
     advance(self, presents)

@@ -28,8 +28,8 @@ from schemas.loadresults import (
     WindowMetrics,
 )
 from stages.loadtesting import loadgen as lg
-from stages.serving.render import parse_triton
-from stages.serving.server import LocalServer, assemble
+from stages.loadtesting.server import LocalServer, assemble
+from stages.rendering.render import parse_triton
 from tests.conftest import QUICK_LOADTEST, REPO, Workspace, gpt2_spec
 
 
@@ -66,7 +66,7 @@ def test_a_malformed_template_variable_is_refused_at_render(
     built_gpt2: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     templates = tmp_path / "templates"
-    from stages.serving import render as _render
+    from stages.rendering import render as _render
 
     shutil.copytree(_render.TEMPLATES, templates)
     broken = templates / "triton_config.pbtxt.j2"
@@ -136,7 +136,7 @@ def test_server_batches_concurrent_requests_without_mixing_rows(
 BATCHER_CHECK = """
 import asyncio, json, time
 import numpy as np
-from stages.serving.mlserver_runtime import Batcher
+from shipyard_runtime.mlserver import Batcher
 
 batches = []
 

@@ -12,9 +12,9 @@ from schemas.spec import quantization as q
 
 
 def test_the_runtime_and_the_build_name_the_kv_cache_alike() -> None:
+    from shipyard_runtime.generation import runner
     from stages.onnx import kvcache
     from stages.quant import accuracy, recipes
-    from stages.serving.engine import runner
 
     assert (runner.PAST, runner.PRESENT) == (kvcache.PAST, kvcache.PRESENT)
     assert accuracy.PAST is kvcache.PAST and recipes.PRESENT is kvcache.PRESENT
@@ -39,8 +39,8 @@ def test_every_explicit_method_says_what_its_weights_are_stored_as() -> None:
 def test_the_engines_series_table_is_what_it_registers_and_what_monitoring_reads() -> None:
     import prometheus_client as prom
 
+    from shipyard_runtime import metrics
     from stages.bundling import monitoring
-    from stages.serving.engine import metrics
 
     metrics.Metrics("series-table-test")
     registered = {f.name: f.type for f in prom.REGISTRY.collect() if f.name.startswith("shipyard_")}

@@ -50,8 +50,6 @@ def test_no_stage_branches_on_a_task_name() -> None:
     the registry and the code drift apart."""
     offenders = []
     for path in sorted((REPO / "stages").rglob("*.py")):
-        if path.name == "mlserver_runtime.py":
-            continue  # ships alone; it reads its task's behaviour from model-settings
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if "task ==" in line or "task !=" in line or "task in (" in line:
                 offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
@@ -169,8 +167,8 @@ def test_label_scores_name_the_top_class_with_its_probability() -> None:
     not meet tritonclient's in the test process)."""
     code = (
         "import numpy as np, json, sys\n"
-        f"sys.path.insert(0, {str(REPO / 'stages' / 'serving')!r})\n"
-        "from mlserver_runtime import label_scores\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from shipyard_runtime.mlserver import label_scores\n"
         "out = label_scores(np.array([[[0.0, 2.0, 0.0], [5.0, 0.0, 0.0]]]), ['O', 'B', 'I'])\n"
         "print(json.dumps({'label': out['label'].tolist(), 'score': out['score'].tolist()}))\n"
         "try:\n    label_scores(np.zeros((1, 3)), ['a', 'b'])\nexcept RuntimeError as e:\n"
@@ -191,7 +189,7 @@ def test_a_classifier_is_served_with_its_labels_over_http(tmp_path: Path) -> Non
     import aiohttp
 
     from stages.loadtesting import loadgen as lg
-    from stages.serving.server import LocalServer, assemble
+    from stages.loadtesting.server import LocalServer, assemble
 
     (tmp_path / "repo").mkdir()
     ws = Workspace(tmp_path / "repo")
@@ -262,7 +260,7 @@ def test_every_bounded_input_of_a_bert_is_refused_past_its_range_with_400(
     import aiohttp
 
     from stages.loadtesting import loadgen as lg
-    from stages.serving.server import LocalServer
+    from stages.loadtesting.server import LocalServer
 
     tree, slug = served_bert(encoders, tmp_path / "tree")
     info = json.loads((encoders.out(slug, "export") / "model_info.json").read_text())
@@ -314,7 +312,7 @@ def test_every_bounded_input_of_a_bert_is_refused_past_its_range_with_400(
 
 def served_bert(ws: Workspace, tree: Path) -> tuple[Path, str]:
     """A BERT text-embedding release quantized, planned and served into `tree`."""
-    from stages.serving.server import assemble
+    from stages.loadtesting.server import assemble
 
     arch = encoder("BERT", "text-embedding")
     spec, slug = prepare(ws, arch), matrix.slug_of(arch)
@@ -335,7 +333,7 @@ def test_an_embedding_bundle_answers_only_the_outputs_asked_for_to_tritonclient(
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
-    from stages.serving.server import LocalServer
+    from stages.loadtesting.server import LocalServer
 
     tree, slug = served_bert(encoders, tmp_path / "tree")
     ids = np.array([[5, 6, 7, 8], [9, 10, 11, 0]], dtype=np.int64)

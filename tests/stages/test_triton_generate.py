@@ -17,14 +17,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from shipyard_runtime.generation.core import Engine, Graph
+from shipyard_runtime.generation.params import parse_tensor_request
+from shipyard_runtime.session import session_from
+from shipyard_runtime.settings import RuntimeSettings
+from stages.loadtesting.server import assemble
+from stages.loadtesting.triton_server import TritonServer
+from stages.rendering.render import parse_triton
 from stages.serving.configs import check_generate
-from stages.serving.engine.core import Engine, Graph
-from stages.serving.engine.params import parse_tensor_request
-from stages.serving.engine.session import session_from
-from stages.serving.engine.settings import RuntimeSettings
-from stages.serving.render import parse_triton
-from stages.serving.server import assemble
-from stages.serving.triton_server import TritonServer
 from tests.conftest import REPO, Workspace, gpt2_spec
 
 MODEL = "tiny-gpt2-generate"
@@ -425,7 +425,7 @@ def test_the_launcher_refuses_no_token_and_an_entry_that_checks_none(
 ) -> None:
     """Without a token the launcher starts nothing (unless --no-auth); with one it refuses
     to serve the onnxruntime entry, which answers whoever asks."""
-    from stages.serving.triton_server import main
+    from stages.loadtesting.triton_server import main
 
     monkeypatch.delenv("SHIPYARD_API_TOKEN", raising=False)
     monkeypatch.delenv("SHIPYARD_API_TOKEN_FILE", raising=False)
@@ -446,8 +446,8 @@ def test_a_server_started_without_the_launcher_does_not_load_the_model(tree: Pat
     the entry rather than serve it unchecked."""
     import subprocess
 
-    from stages.serving.server import free_ports
-    from stages.serving.triton_server import command, environment, home, private_tree
+    from stages.loadtesting.server import free_ports
+    from stages.loadtesting.triton_server import command, environment, home, private_tree
 
     root = home()
     served = private_tree(tree, tree.parent / "by-hand")
@@ -488,9 +488,15 @@ def test_the_serve_stage_refuses_a_generate_config_that_is_not_decoupled(tree: P
 
 def test_the_generate_entry_ships_the_engine_and_reads_the_one_model_copy(tree: Path) -> None:
     version = tree / f"serving/triton/{MODEL}/1"
-    mlserver = tree / "serving/mlserver/tiny-gpt2/shipyard_engine"
-    for module in sorted(mlserver.glob("*.py")):
-        assert (version / "shipyard_engine" / module.name).read_bytes() == module.read_bytes()
+    mlserver = tree / "serving/mlserver/tiny-gpt2/shipyard_runtime"
+    shipped = sorted(p.relative_to(mlserver) for p in mlserver.rglob("*.py"))
+    assert len(shipped) > 10 and Path("generation/core.py") in shipped
+    for module in shipped:
+        copy = version / "shipyard_runtime" / module
+        if module != Path("mlserver.py"):  # the MLServer adapter is MLServer's entry's own
+            assert copy.read_bytes() == (mlserver / module).read_bytes()
+    assert not (version / "shipyard_runtime" / "mlserver.py").exists()
+    assert (version / "model.py").read_bytes() == (REPO / "shipyard_runtime/triton.py").read_bytes()
     assert not list(version.glob("*.onnx"))  # the model is stored once, in tiny-gpt2/1/
 
 
@@ -531,7 +537,7 @@ def test_the_private_tree_links_every_file_and_refuses_a_symlink(
     writes there stays there; a bundle holding a symlink is refused (the server could write
     through it)."""
     from schemas import Refused
-    from stages.serving.triton_server import private_tree
+    from stages.loadtesting.triton_server import private_tree
 
     bundle = tmp_path / "bundle"
     (bundle / "serving" / "triton" / "m" / "1").mkdir(parents=True)
@@ -557,7 +563,7 @@ def test_the_private_tree_links_every_file_and_refuses_a_symlink(
 
 
 def test_the_foreground_server_gets_the_signal_and_its_status_is_ours(tmp_path: Path) -> None:
-    """`python -m stages.serving.triton_server` runs Triton as a child now (it serves a
+    """`python -m stages.loadtesting.triton_server` runs Triton as a child now (it serves a
     private tree): a SIGTERM to it reaches the server, and it exits 128 + 15 as the server
     would have."""
     import signal
@@ -575,7 +581,7 @@ def test_the_foreground_server_gets_the_signal_and_its_status_is_ours(tmp_path: 
     )
     wrapper = (
         "import sys, pathlib\n"
-        "from stages.serving.triton_server import _foreground\n"
+        "from stages.loadtesting.triton_server import _foreground\n"
         f"sys.exit(_foreground([sys.executable, '-c', {child!r}], {{}}, pathlib.Path('.')))\n"
     )
     proc = subprocess.Popen(
@@ -623,7 +629,7 @@ def test_the_entry_exports_the_engines_series_on_tritons_metrics_port(
     assert grew("shipyard_requests_finished_total", (*model, ("reason", "length"))) == 1
     assert grew("shipyard_e2e_request_latency_seconds_count") == 1
     # the histograms have the engine's buckets, as prometheus_client writes them
-    from stages.serving.engine.metrics import LATENCY
+    from shipyard_runtime.metrics import LATENCY
 
     edges = {
         dict(labels)["le"]

@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .params import BadParameter, GenerationParams, parse
-from .scheduler import Event
+from shipyard_runtime.generation.params import BadParameter, GenerationParams, parse
+from shipyard_runtime.generation.scheduler import Event
 
 
 class ApiError(Exception):

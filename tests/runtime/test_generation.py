@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stages.serving.engine import sampler
-from stages.serving.engine.core import Engine, EngineSettings, Event, Graph, QueueFull
-from stages.serving.engine.params import BadParameter, parse
-from stages.serving.engine.text import Detokenizer, Text
+from shipyard_runtime.generation import sampler
+from shipyard_runtime.generation.core import Engine, EngineSettings, Event, Graph, QueueFull
+from shipyard_runtime.generation.params import BadParameter, parse
+from shipyard_runtime.generation.text import Detokenizer, Text
 from tests.conftest import TINY, Workspace, gpt2_spec
 from tests.fixtures.counting import Counting
 
@@ -216,7 +216,7 @@ def test_prompts_on_one_cached_prefix_are_prefilled_together_and_decode_as_alone
 
 
 def test_the_prefix_cache_evicts_the_least_recently_used_within_its_budget() -> None:
-    from stages.serving.engine.scheduler import PrefixCache
+    from shipyard_runtime.generation.scheduler import PrefixCache
 
     cache = PrefixCache(capacity=32, block=16)
     past = {"k": np.arange(60, dtype=np.float32).reshape(1, 1, 60, 1)}
@@ -242,7 +242,7 @@ def test_any_prompt_sharing_whole_blocks_reuses_them_and_leaves_go_first() -> No
     (cached_tokens 0 of 101). Blocks are kept under a hash chain: a shared system prompt, a
     chat growing turn by turn; a block another cached block extends is never evicted
     before it."""
-    from stages.serving.engine.scheduler import PrefixCache
+    from shipyard_runtime.generation.scheduler import PrefixCache
 
     cache = PrefixCache(capacity=16 * 8, block=16)
     system = list(range(1000, 1064))  # 64 tokens: four blocks
@@ -665,7 +665,7 @@ def test_the_batch_keeps_every_rows_cache_through_joins_leaves_and_steps(
     a new row, or widening every row), makes room for a group in one copy, leaves, compacts
     or steps, each live row holds its own tokens right-aligned under a mask of exactly its
     length."""
-    from stages.serving.engine.kv import Batch
+    from shipyard_runtime.generation.kv import Batch
 
     batch = Batch([("k", 1, 1)], np.dtype(np.float32))
     own: dict[int, list[float]] = {}

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .scheduler import EngineSettings
+from shipyard_runtime.generation.scheduler import EngineSettings
 
 
 class BatchingSettings(BaseModel):

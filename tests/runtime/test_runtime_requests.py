@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stages.serving.server import LocalServer, assemble, free_ports
+from stages.loadtesting.server import LocalServer, assemble, free_ports
 from tests.conftest import REPO, Workspace
 
 TOKEN = "served-test-token-0123456789"
@@ -811,7 +811,7 @@ def test_a_server_dies_with_the_process_that_started_it_even_by_kill_9(
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from stages.serving.server import LocalServer\n"
+        "from stages.loadtesting.server import LocalServer\n"
         f"log = Path({str(tmp_path / 'log')!r})\n"
         f"srv = LocalServer(Path({str(tree)!r}), 'tiny-gpt2', log, 60)\n"
         "srv.__enter__()\n"

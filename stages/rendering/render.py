@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import Refused
-from stages.serving.escape import FILTERS
+from stages.rendering.escape import FILTERS
 
 TEMPLATES = Path(__file__).parents[1] / "templates"
 

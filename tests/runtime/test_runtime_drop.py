@@ -1,7 +1,7 @@
 """A non-streamed OpenAI request whose client goes away stops generating (issue 41: it
 generated to the end, holding its rows): `unless_dropped` cancels the work once Starlette's
 request reports the disconnect, and lets work that finishes first through untouched. (Not
-through mlserver_runtime: its protobufs and tritonclient's cannot share one process.)"""
+through shipyard_runtime.mlserver: its protobufs and tritonclient's cannot share one process.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from stages.serving.engine.openai_api import unless_dropped
+from shipyard_runtime.openai_api import unless_dropped
 
 
 def _request(gone_after: float) -> Request:

@@ -1,4 +1,4 @@
-"""One table of tensor datatypes (stages/serving/engine/dtypes.py): each row's spellings name
+"""One table of tensor datatypes (shipyard_runtime/dtypes.py): each row's spellings name
 the same type, and the copy the front door ships with (it ships alone) is the table's."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from stages.serving import configs, front_door
-from stages.serving.engine import dtypes
-from stages.serving.engine.dtypes import TYPES
+from shipyard_runtime import dtypes, front_door
+from shipyard_runtime.dtypes import TYPES
+from stages.serving import configs
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.v2)

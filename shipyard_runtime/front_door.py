@@ -57,11 +57,13 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 HERE = Path(__file__).resolve().parent
 CONFIG = "shipyard_server.json"
 TOKEN_ENV, TOKEN_FILE_ENV = "SHIPYARD_API_TOKEN", "SHIPYARD_API_TOKEN_FILE"
 TOKEN_FD_ENV = "SHIPYARD_API_TOKEN_FD"  # set by the re-exec: the pipe the token is on
-DEVICE_ENV = "SHIPYARD_DEVICE"  # read by the runtime's sessions (engine/session.py)
+DEVICE_ENV = "SHIPYARD_DEVICE"  # read by the runtime's sessions (shipyard_runtime/session.py)
 GUARD_ENV = "SHIPYARD_FRONT_DOOR"  # the runtime's proof that it runs behind this door
 HEALTH = frozenset({"/v2/health/live", "/v2/health/ready"})
 HEALTH_GRPC = frozenset(
@@ -90,22 +92,34 @@ class Refused(SystemExit):
         super().__init__(f"shipyard_serve: {message}")
 
 
-def limits(folder: Path) -> dict[str, Any]:
+class Limits(BaseModel):
+    """`shipyard_server.json`: the limits this launcher enforces, written by the serve stage
+    from `bundle.serving` (stages/serving/configs.py builds this model) and read back here;
+    a missing, unknown or out-of-range key refuses to start."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_request_bytes: int = Field(gt=0, description="413 above it; gRPC's message cap")
+    read_timeout_s: float = Field(gt=0, description="a request head or body slower: 408")
+    idle_timeout_s: float = Field(gt=0, description="a kept-alive connection idle longer")
+    max_connections: int = Field(gt=0, description="open at once (503 beyond); gRPC calls")
+    metrics_auth: bool = Field(description="the metrics port asks for the token too")
+
+    def dump(self) -> str:
+        return json.dumps(self.model_dump(), indent=2) + "\n"
+
+
+def limits(folder: Path) -> Limits:
     path = folder / CONFIG
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        return Limits.model_validate_json(path.read_bytes())
+    except OSError as exc:
         raise Refused(f"cannot read {path}: {exc}; rebuild the bundle") from None
-    keys = {
-        "max_request_bytes",
-        "read_timeout_s",
-        "idle_timeout_s",
-        "max_connections",
-        "metrics_auth",
-    }
-    if not isinstance(data, dict) or set(data) != keys:
-        raise Refused(f"{path} must hold exactly {sorted(keys)}; rebuild the bundle")
-    return data
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '(file)'}: {e['msg']}" for e in exc.errors()
+        )
+        raise Refused(f"{path}: {problems}; rebuild the bundle") from None
 
 
 def read_token(env: MutableMapping[str, str]) -> str | None:
@@ -275,7 +289,7 @@ class FrontDoor:
 # ------------------------------------------------------------------ binary tensor data
 HEADER_LENGTH = b"inference-header-content-length"
 INFER_SUFFIXES = ("/infer",)
-# stages/serving/engine/dtypes.py's WIRE_OF_V2 (this file ships alone; a test holds them equal)
+# shipyard_runtime/dtypes.py's WIRE_OF_V2 (this file ships alone; a test holds them equal)
 NUMPY = {
     "BOOL": "?", "UINT8": "u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
     "INT8": "i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",
@@ -795,7 +809,7 @@ def main(argv: list[str] | None = None, folder: Path = HERE) -> None:
                 "provider; install the gpu extra's onnxruntime-gpu in its place (bash "
                 "scripts/gpu_check.sh does), or serve with --device cpu"
             )
-    os.environ[DEVICE_ENV] = args.device  # the runtime's sessions (engine/session.py)
+    os.environ[DEVICE_ENV] = args.device  # the runtime's sessions (shipyard_runtime/session.py)
     import sys
 
     # a bundle stays as signed: served from build/ or a registry copy, nothing it imports
@@ -834,9 +848,7 @@ def _more_files() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-async def _serve(
-    folder: Path, args: Any, host: str, token: str | None, cap: dict[str, Any]
-) -> None:
+async def _serve(folder: Path, args: Any, host: str, token: str | None, cap: Limits) -> None:
     import mlserver.grpc.server as grpc_server
     import mlserver.metrics.server as metrics_server
     import mlserver.rest.server as rest_server
@@ -849,11 +861,11 @@ async def _serve(
     for name in ("http_port", "grpc_port", "metrics_port"):
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))
-    settings.grpc_max_message_length = cap["max_request_bytes"]
+    settings.grpc_max_message_length = cap.max_request_bytes
     guarded = {
-        "http": guarded_h11(cap["read_timeout_s"], cap["max_connections"]),
-        "timeout_keep_alive": cap["idle_timeout_s"],
-        "limit_concurrency": cap["max_connections"],
+        "http": guarded_h11(cap.read_timeout_s, cap.max_connections),
+        "timeout_keep_alive": cap.idle_timeout_s,
+        "limit_concurrency": cap.max_connections,
         "h11_max_incomplete_event_size": 64 * 1024,  # request line and headers
     }
     settings._custom_rest_server_settings = dict(guarded)
@@ -865,8 +877,8 @@ async def _serve(
         app.add_middleware(
             FrontDoor,
             token=token,
-            max_body=cap["max_request_bytes"],
-            read_timeout=cap["read_timeout_s"],
+            max_body=cap.max_request_bytes,
+            read_timeout=cap.read_timeout_s,
             admin=args.admin_api,
         )
         return app
@@ -880,21 +892,21 @@ async def _serve(
             FrontDoor,
             token=token,
             max_body=64 * 1024,
-            read_timeout=cap["read_timeout_s"],
+            read_timeout=cap.read_timeout_s,
             admin=False,
-            loopback_free=not cap["metrics_auth"],
+            loopback_free=not cap.metrics_auth,
         )
         return app
 
     metrics_server.MetricsServer._get_app = metrics_app  # type: ignore[method-assign]
     guard = grpc_guard(token, args.admin_api)
     limited = [
-        ("grpc.max_allowed_incoming_connections", cap["max_connections"]),
+        ("grpc.max_allowed_incoming_connections", cap.max_connections),
         ("grpc.max_concurrent_streams", 64),
         # gRPC channels are long-lived: an idle one is closed after minutes, not REST's
         # keep-alive seconds (a client's next call raced the GOAWAY and failed)
-        ("grpc.max_connection_idle_ms", int(max(cap["idle_timeout_s"], 300) * 1000)),
-        ("grpc.server_handshake_timeout_ms", int(cap["read_timeout_s"] * 1000)),
+        ("grpc.max_connection_idle_ms", int(max(cap.idle_timeout_s, 300) * 1000)),
+        ("grpc.server_handshake_timeout_ms", int(cap.read_timeout_s * 1000)),
     ]
 
     class _Aio:  # grpc.aio for MLServer's gRPC server, with the guard first and the limits
@@ -903,7 +915,7 @@ async def _serve(
 
         def server(self, *a: Any, interceptors: Any = (), **kw: Any) -> Any:
             kw["options"] = [*(kw.get("options") or ()), *limited]
-            kw.setdefault("maximum_concurrent_rpcs", cap["max_connections"])
+            kw.setdefault("maximum_concurrent_rpcs", cap.max_connections)
             return aio.server(*a, interceptors=[guard, *interceptors], **kw)
 
     grpc_server.aio = _Aio()  # type: ignore[assignment]

@@ -16,11 +16,18 @@ from typing import Any
 
 import numpy as np
 
-from .output import OutputProcessor
-from .params import BadParameter, GenerationParams, check_rows
-from .runner import Graph, Runner
-from .scheduler import EngineSettings, ErrorKind, Event, QueueFull, Scheduler, Sequence
-from .text import Detokenizer, Text
+from shipyard_runtime.generation.output import OutputProcessor
+from shipyard_runtime.generation.params import BadParameter, GenerationParams, check_rows
+from shipyard_runtime.generation.runner import Graph, Runner
+from shipyard_runtime.generation.scheduler import (
+    EngineSettings,
+    ErrorKind,
+    Event,
+    QueueFull,
+    Scheduler,
+    Sequence,
+)
+from shipyard_runtime.generation.text import Detokenizer, Text
 
 __all__ = ["Engine", "EngineSettings", "Event", "Graph", "Handle", "QueueFull"]
 

@@ -9,7 +9,7 @@ from typing import cast
 
 import numpy as np
 
-from .params import GenerationParams
+from shipyard_runtime.generation.params import GenerationParams
 
 CANDIDATES = 256
 

@@ -2,7 +2,7 @@
 LLM servers split it (vLLM's `Scheduler.schedule()` -> `SchedulerOutput`, TGI's
 `next_batch(budget)`). It holds the waiting, prefilling and running sequences and the
 prefix cache, and each `schedule()` returns a `StepPlan`; it runs no graph and samples
-nothing (stages/serving/engine/runner.py runs a plan, output.py turns logits into tokens,
+nothing (shipyard_runtime/generation/runner.py runs a plan, output.py turns logits into tokens,
 core.py's `Engine.step()` ties them together). Each step:
 1. cancelled and timed-out requests leave; waiting ones are admitted while a row is free and
    the padded cache (rows x longest total) stays within the KV budget, first come first
@@ -31,9 +31,9 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from .kv import Batch
-from .params import GenerationParams
-from .text import Detokenizer
+from shipyard_runtime.generation.kv import Batch
+from shipyard_runtime.generation.params import GenerationParams
+from shipyard_runtime.generation.text import Detokenizer
 
 
 class EngineSettings(BaseModel):

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from stages.serving.engine import openai_api as api
+from shipyard_runtime import openai_api as api
 
 SERVED = "tiny"
 

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stages.serving.engine.core import Engine, EngineSettings, Event, Graph
-from stages.serving.engine.params import parse
+from shipyard_runtime.generation.core import Engine, EngineSettings, Event, Graph
+from shipyard_runtime.generation.params import parse
 from tests.conftest import Workspace, gpt2_spec
 
 ROWS, CONTEXT = 16, 88
@@ -151,7 +151,7 @@ def test_a_cached_decode_equals_a_full_recompute_of_the_served_graph(
     in one chunk and in two."""
     import onnxruntime as ort
 
-    from stages.serving.engine.kv import empty_past
+    from shipyard_runtime.generation.kv import empty_past
 
     session = ort.InferenceSession(str(int8_path), providers=["CPUExecutionProvider"])
     engine = Engine(int8, limits())

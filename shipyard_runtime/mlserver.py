@@ -1,10 +1,11 @@
 """MLServer runtime for a Shipyard bundle: ONNX Runtime behind the Open Inference Protocol
 and, for generating and embedding tasks, the OpenAI API.
 
-The bundle ships this file next to `model-settings.json` (`implementation:
-shipyard_runtime.ShipyardOnnxRuntime`) with the generation engine beside it
-(`shipyard_engine/`); `parameters.extra` is the typed `RuntimeSettings`. It needs mlserver,
-onnxruntime, numpy, and for text the `tokenizers` library (jinja2 for chat templates).
+The bundle ships the runtime package next to `model-settings.json` (`implementation:
+shipyard_runtime.mlserver.ShipyardOnnxRuntime`), this adapter with the generation engine
+(`shipyard_runtime.generation`); `parameters.extra` is the typed `RuntimeSettings`. It
+needs mlserver, onnxruntime, numpy, and for text the `tokenizers` library (jinja2 for chat
+templates).
 
 - every task: `infer` feeds the request's tensors by name and returns every graph output;
   a label task (sequence/token classification, `serving: labels`) adds `label` (BYTES, the
@@ -12,7 +13,7 @@ onnxruntime, numpy, and for text the `tokenizers` library (jinja2 for chat templ
   Concurrent requests are batched by the runtime itself (Batcher), not by MLServer's
   adaptive batching, which would merge incompatible requests.
 - a generating task (causal-lm, `serving: generate`): every request goes to one engine
-  (shipyard_engine.scheduler) that batches decode steps, so requests join and leave between
+  (shipyard_runtime.generation) that batches decode steps, so requests join and leave between
   steps. `infer` takes `input_ids` INT64 [batch, prompt] or `text` BYTES [batch] and the
   generation parameters (`max_new_tokens` or `max_tokens`, `temperature` (default 0:
   greedy), `top_k`, `top_p`, `repetition_penalty`, `seed`, `stop`, `stop_token_ids`,
@@ -51,6 +52,17 @@ from mlserver.types import (
     ResponseOutput,
 )
 from mlserver.utils import get_model_uri
+
+from shipyard_runtime import openai_api
+from shipyard_runtime.dtypes import INTEGER_V2, V2_OF_ONNX
+from shipyard_runtime.generation.core import Engine
+from shipyard_runtime.generation.params import BadParameter, check_rows, parse_tensor_request
+from shipyard_runtime.generation.runner import Graph
+from shipyard_runtime.generation.scheduler import QueueFull as EngineQueueFull
+from shipyard_runtime.generation.text import Text
+from shipyard_runtime.metrics import announce, for_model
+from shipyard_runtime.session import session_from
+from shipyard_runtime.settings import RuntimeSettings
 
 
 class BadRequest(MLServerError):
@@ -165,9 +177,9 @@ class Batcher:
         metrics: Any = None,
     ) -> None:
         self.run, self.max_rows, self.delay = run, max_rows, delay
-        # the engine's series (engine/metrics.py) for a one-pass task: requests waiting and
-        # running, queue time and end-to-end latency, rows a batch, prompt tokens, and how
-        # each request ended (stop: answered; rejected, timeout, error)
+        # the engine's series (shipyard_runtime/metrics.py) for a one-pass task: requests
+        # waiting and running, queue time and end-to-end latency, rows a batch, prompt
+        # tokens, and how each request ended (stop: answered; rejected, timeout, error)
         self.metrics = metrics
         self.arrived: dict[int, float] = {}  # id(future) -> arrival, while it waits
         self.pending: dict[Any, list[tuple[dict[str, np.ndarray], asyncio.Future[Any]]]] = {}
@@ -330,14 +342,25 @@ def _rows(queue: list[tuple[dict[str, np.ndarray], Any]]) -> int:
     return sum(len(next(iter(arrays.values()))) for arrays, _ in queue)
 
 
-try:  # in a bundle: the engine ships beside this file as shipyard_engine/
-    import shipyard_engine as eng  # type: ignore[import-not-found]
-except ModuleNotFoundError:  # in the repository
-    from stages.serving import engine as eng
-
 # Open Inference Protocol datatypes of the ONNX tensor types a graph may take (engine.dtypes)
-V2_TYPES: dict[str, str] = eng.dtypes.V2_OF_ONNX
-INTEGER_TYPES: frozenset[str] = eng.dtypes.INTEGER_V2
+V2_TYPES: dict[str, str] = V2_OF_ONNX
+INTEGER_TYPES: frozenset[str] = INTEGER_V2
+
+
+def foreign_runtime(folder: Path) -> str | None:
+    """Why this code is not the runtime the bundle ships in `folder` (None when it is, or
+    when the folder ships none: a test's). MLServer imports the implementation with the
+    model's folder first on the path, but a `shipyard_runtime` imported before (another
+    model's, or an installed Shipyard's) would serve instead of the signed copy."""
+    shipped = folder / "shipyard_runtime"
+    here = Path(__file__).resolve().parent
+    if shipped.is_dir() and shipped.resolve() != here:
+        return (
+            f"the runtime in use is {here}, not this bundle's {shipped}: another "
+            "shipyard_runtime was imported first; serve one bundle per server, from an "
+            "environment where no other copy is importable"
+        )
+    return None
 
 
 class ShipyardOnnxRuntime(MLModel):
@@ -352,26 +375,27 @@ class ShipyardOnnxRuntime(MLModel):
             )
         extra = dict(self.settings.parameters.extra or {}) if self.settings.parameters else {}
         try:
-            self.config = eng.settings.RuntimeSettings.model_validate(extra)
+            self.config = RuntimeSettings.model_validate(extra)
         except ValueError as exc:
             raise RuntimeError(f"model-settings.json parameters.extra: {exc}") from None
         c = self.config
         model_path = Path(await get_model_uri(self.settings))
         folder = Path(self.settings._source or ".").parent
+        problem = foreign_runtime(folder)
+        if problem:
+            raise RuntimeError(problem)
         session_config = json.loads((folder / c.ort_session).read_text())
         self.task, self.serving, self.labels = c.task, c.serving, list(c.labels)
         self.bounds = {k: (int(v[0]), int(v[1])) for k, v in c.input_bounds.items()}
-        self.session = eng.session.session_from(model_path, session_config)
-        self.text = eng.text.Text(folder / c.text) if c.text else None
+        self.session = session_from(model_path, session_config)
+        self.text = Text(folder / c.text) if c.text else None
         self.max_request_rows = c.batching.max_rows
         self.engine = None
-        eng.metrics.announce(self.name)  # every task: the alerts' scope and target-down
+        announce(self.name)  # every task: the alerts' scope and target-down
         if self.serving == "generate":
             assert c.engine is not None, "a generating task needs engine settings"
-            graph = eng.runner.Graph(self.session)
-            self.engine = eng.core.Engine(
-                graph, c.engine, self.text, metrics=eng.metrics.for_model(self.name)
-            )
+            graph = Graph(self.session)
+            self.engine = Engine(graph, c.engine, self.text, metrics=for_model(self.name))
         b = c.batching
         self.batcher = Batcher(
             self._run_batch,
@@ -381,7 +405,7 @@ class ShipyardOnnxRuntime(MLModel):
             max_queue=b.max_queue,
             timeout=b.timeout_s,
             # a generating task's requests go to the engine, which has its own series
-            metrics=None if self.serving == "generate" else eng.metrics.for_model(self.name),
+            metrics=None if self.serving == "generate" else for_model(self.name),
         )
         self.ready = True
         return self.ready
@@ -508,8 +532,8 @@ class ShipyardOnnxRuntime(MLModel):
         if len(batches) != 1:
             raise BadRequest(f"inputs disagree on the batch size: {sorted(batches)}")
         try:
-            eng.params.check_rows(batches.pop(), self.max_request_rows)
-        except eng.params.BadParameter as exc:
+            check_rows(batches.pop(), self.max_request_rows)
+        except BadParameter as exc:
             raise BadRequest(str(exc)) from None
         return feeds
 
@@ -534,9 +558,9 @@ class ShipyardOnnxRuntime(MLModel):
         assert self.engine is not None
         try:
             handle = self.engine.submit(prompt, params, emit)
-        except eng.params.BadParameter as exc:
+        except BadParameter as exc:
             raise BadRequest(str(exc)) from None
-        except eng.scheduler.QueueFull as exc:
+        except EngineQueueFull as exc:
             raise QueueFull(str(exc)) from None
         try:
             while True:
@@ -589,7 +613,7 @@ class ShipyardOnnxRuntime(MLModel):
         assert self.engine is not None
         try:
             self.engine.admit(prompts, params, self.max_request_rows)
-        except eng.params.BadParameter as exc:
+        except BadParameter as exc:
             raise BadRequest(str(exc)) from None
         return prompts, params
 
@@ -629,8 +653,8 @@ class ShipyardOnnxRuntime(MLModel):
     def _v2_params(self, payload: InferenceRequest) -> Any:
         given = dict((payload.parameters.model_extra if payload.parameters else None) or {})
         try:
-            return eng.params.parse_tensor_request(given, dict(self.config.sampling_defaults))
-        except eng.params.BadParameter as exc:
+            return parse_tensor_request(given, dict(self.config.sampling_defaults))
+        except BadParameter as exc:
             raise BadRequest(str(exc)) from None
 
     async def predict_stream(
@@ -694,10 +718,10 @@ class ShipyardOnnxRuntime(MLModel):
     async def openai_embeddings(self, request: Request) -> Response:
         try:
             if self.config.embedding_output is None:
-                raise eng.openai_api.ApiError(404, f"{self.task} serves no embeddings")
-            inputs, b64 = eng.openai_api.embeddings(await _json_body(request), self.name)
+                raise openai_api.ApiError(404, f"{self.task} serves no embeddings")
+            inputs, b64 = openai_api.embeddings(await _json_body(request), self.name)
             vectors, tokens = await self._embed(inputs)
-        except eng.openai_api.ApiError as exc:
+        except openai_api.ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         data = [
             {
@@ -713,22 +737,23 @@ class ShipyardOnnxRuntime(MLModel):
         return JSONResponse({"object": "list", "data": data, "model": self.name, "usage": usage})
 
     async def _embed(self, inputs: list[Any]) -> tuple[np.ndarray, int]:
-        api = eng.openai_api
         rows = []
         for item in inputs:
             if isinstance(item, str):
                 if self.text is None:
-                    raise api.ApiError(400, "this bundle ships no tokenizer.json: send token ids")
+                    raise openai_api.ApiError(
+                        400, "this bundle ships no tokenizer.json: send token ids"
+                    )
                 item = await self._encode(item, "input")
             rows.append(item)
         try:
-            eng.params.check_rows(len(rows), self.max_request_rows)
-        except eng.params.BadParameter as exc:
-            raise api.ApiError(400, str(exc), "input") from None
+            check_rows(len(rows), self.max_request_rows)
+        except BadParameter as exc:
+            raise openai_api.ApiError(400, str(exc), "input") from None
         longest = max(len(r) for r in rows)
         limit = self.config.max_sequence
         if limit and longest > limit:
-            raise api.ApiError(
+            raise openai_api.ApiError(
                 400, f"an input of {longest} tokens exceeds the exported maximum {limit}", "input"
             )
         ids = np.zeros((len(rows), longest), np.int64)
@@ -743,31 +768,36 @@ class ShipyardOnnxRuntime(MLModel):
             for name, array in feeds.items():
                 check_bounds(name, array, self.bounds.get(name))
         except BadRequest as exc:
-            raise api.ApiError(400, str(exc), "input") from None
+            raise openai_api.ApiError(400, str(exc), "input") from None
         key = tuple(sorted((n, v.shape[1:], str(v.dtype)) for n, v in feeds.items()))
+        output = self.config.embedding_output
+        assert output is not None, "openai_embeddings serves embedding tasks only"
         out = await self.batcher.submit(key, feeds)
-        return out[self.config.embedding_output], int(mask.sum())
+        return out[output], int(mask.sum())
 
     async def _openai(self, request: Request, kind: str) -> Response:
-        api = eng.openai_api
         try:
             if self.serving != "generate":
-                raise api.ApiError(404, f"{self.task} does not generate; see /v2 or /v1/embeddings")
+                raise openai_api.ApiError(
+                    404, f"{self.task} does not generate; see /v2 or /v1/embeddings"
+                )
             body = await _json_body(request)
             defaults = dict(self.config.sampling_defaults)
             if kind == "chat":
-                call, messages = api.chat(body, self.name, defaults)
+                call, messages = openai_api.chat(body, self.name, defaults)
                 if self.text is None:
-                    raise api.ApiError(400, "this bundle ships no tokenizer: chat needs text")
+                    raise openai_api.ApiError(
+                        400, "this bundle ships no tokenizer: chat needs text"
+                    )
                 try:  # off the event loop, limited in size, time and memory (text.py)
                     rendered = await asyncio.to_thread(
                         self.text.chat, messages, self._context_tokens
                     )
                 except ValueError as exc:
-                    raise api.ApiError(400, str(exc), "messages") from None
+                    raise openai_api.ApiError(400, str(exc), "messages") from None
                 call.prompts = [await self._encode(rendered, "messages", special=False)]
             else:
-                call = api.completion(body, self.name, defaults)
+                call = openai_api.completion(body, self.name, defaults)
             prompts = [await self._prompt_ids(p) for p in call.prompts]
             assert self.engine is not None
             if call.rest_of_context:  # a chat without max_tokens: the rest of the context
@@ -775,47 +805,48 @@ class ShipyardOnnxRuntime(MLModel):
                 call.params = call.params.model_copy(update={"max_tokens": room})
             try:
                 self.engine.admit(prompts, call.params, self.max_request_rows)
-            except eng.params.BadParameter as exc:
-                raise api.ApiError(400, str(exc)) from None
-        except api.ApiError as exc:
+            except BadParameter as exc:
+                raise openai_api.ApiError(400, str(exc)) from None
+        except openai_api.ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         decode = self.text.decode if self.text is not None else (lambda ids: "")
         if call.stream:
             return await self._openai_stream(call, rid, prompts[0], decode)
         try:
-            results = await eng.openai_api.unless_dropped(
+            results = await openai_api.unless_dropped(
                 request.is_disconnected, self._generate_all(prompts, call.params)
             )
         except MLServerError as exc:
-            error = api.ApiError(getattr(exc, "status_code", 500), str(exc.args[0]))
+            error = openai_api.ApiError(getattr(exc, "status_code", 500), str(exc.args[0]))
             return JSONResponse(error.body(), status_code=error.status)
         if results is None:  # the client went away: its sequences were cancelled
             return Response(status_code=499)
-        return JSONResponse(api.response(call, rid, self.name, results, decode))
+        return JSONResponse(openai_api.response(call, rid, self.name, results, decode))
 
     async def _openai_stream(self, call: Any, rid: str, prompt: list[int], decode: Any) -> Response:
-        api = eng.openai_api
         events = self._events(prompt, call.params)
         try:  # admission errors (queue full, ...) are still an HTTP status, not an event
             first = await events.__anext__()
         except MLServerError as exc:
-            error = api.ApiError(getattr(exc, "status_code", 500), str(exc.args[0]))
+            error = openai_api.ApiError(getattr(exc, "status_code", 500), str(exc.args[0]))
             return JSONResponse(error.body(), status_code=error.status)
 
         async def body() -> AsyncIterator[str]:
             last = first
             try:
-                yield api.chunk(call, rid, self.name, first, decode, first=True)
+                yield openai_api.chunk(call, rid, self.name, first, decode, first=True)
                 if not first.finish:
                     async for event in events:
                         last = event
-                        yield api.chunk(call, rid, self.name, event, decode)
+                        yield openai_api.chunk(call, rid, self.name, event, decode)
                 if call.include_usage:
-                    yield api.usage_chunk(call, rid, self.name, last)
-                yield api.DONE
+                    yield openai_api.usage_chunk(call, rid, self.name, last)
+                yield openai_api.DONE
             except MLServerError as exc:
-                yield api.sse(api.ApiError(getattr(exc, "status_code", 500), str(exc)).body())
+                yield openai_api.sse(
+                    openai_api.ApiError(getattr(exc, "status_code", 500), str(exc)).body()
+                )
             finally:
                 await events.aclose()
 
@@ -824,7 +855,7 @@ class ShipyardOnnxRuntime(MLModel):
     async def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if self.text is None:
-                raise eng.openai_api.ApiError(
+                raise openai_api.ApiError(
                     400, "this bundle ships no tokenizer: send token ids as the prompt", "prompt"
                 )
             return await self._encode(prompt, "prompt")
@@ -837,7 +868,7 @@ class ShipyardOnnxRuntime(MLModel):
         try:
             self.text.fits(text, self._context_tokens, field)
         except ValueError as exc:
-            raise eng.openai_api.ApiError(400, str(exc), field) from None
+            raise openai_api.ApiError(400, str(exc), field) from None
         return cast(list[int], await asyncio.to_thread(self.text.encode, text, special))
 
 
@@ -851,12 +882,12 @@ async def _json_body(request: Request) -> Any:
     try:
         body = json.loads(await request.body())
     except ValueError:  # JSONDecodeError, UnicodeDecodeError, an integer of 4,300+ digits
-        raise eng.openai_api.ApiError(400, "the request body is not valid JSON") from None
+        raise openai_api.ApiError(400, "the request body is not valid JSON") from None
     except RecursionError:
-        raise eng.openai_api.ApiError(400, "the request body is nested too deeply") from None
+        raise openai_api.ApiError(400, "the request body is nested too deeply") from None
     where = _not_text(body)
     if where is not None:
-        raise eng.openai_api.ApiError(
+        raise openai_api.ApiError(
             400, f"the request body's {where} holds a lone surrogate: not Unicode text"
         )
     return body

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from stages.serving import front_door as fd
+from shipyard_runtime import front_door as fd
 
 TOKEN = "t0ken-that-is-long-enough"
 CAP = 1000
@@ -270,9 +270,20 @@ def test_no_auth_binds_loopback_only_and_a_missing_token_refuses_to_start(tmp_pa
         with pytest.raises(fd.Refused) as exc:
             fd.main(argv, tmp_path)
         assert why in str(exc.value.code), case
-    (tmp_path / fd.CONFIG).write_text("{}")
-    with pytest.raises(fd.Refused, match="must hold exactly"):
-        fd.main(["--no-auth"], tmp_path)
+    good = json.loads((tmp_path / fd.CONFIG).read_text())
+    broken = {
+        "empty": ({}, "max_request_bytes: Field required"),
+        "unknown key": ({**good, "max_body": 5}, "max_body: Extra inputs are not permitted"),
+        "zero cap": ({**good, "max_connections": 0}, "max_connections: Input should be greater"),
+        "a string": ({**good, "read_timeout_s": "soon"}, "read_timeout_s: Input should be"),
+        "not an object": ([], "(file): Input should be an object"),
+    }
+    for case, (data, why) in broken.items():
+        (tmp_path / fd.CONFIG).write_text(json.dumps(data))
+        with pytest.raises(fd.Refused) as exc:
+            fd.main(["--no-auth"], tmp_path)
+        message = str(exc.value.code)
+        assert why in message and message.endswith("rebuild the bundle"), (case, message)
 
 
 # ------------------------------------------------------------ binary tensor data extension

@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from stages.serving.mlserver_runtime import Batcher  # noqa: E402
+from shipyard_runtime.mlserver import Batcher  # noqa: E402
 
 
 async def failed_merge() -> dict[str, Any]:

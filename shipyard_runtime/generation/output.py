@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from . import sampler
-from .scheduler import Event, Sequence
+from shipyard_runtime.generation import sampler
+from shipyard_runtime.generation.scheduler import Event, Sequence
 
 _NONE = np.zeros(0, np.int64)
 

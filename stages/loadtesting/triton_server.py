@@ -2,7 +2,7 @@
 `scripts/install_triton.py` puts in `.triton/`): random free ports, health-checked, stopped
 with its process group (the python-backend stubs go with it).
 
-    SHIPYARD_API_TOKEN=... python -m stages.serving.triton_server build/tiny-gpt2/bundle \
+    SHIPYARD_API_TOKEN=... python -m stages.loadtesting.triton_server build/tiny-gpt2/bundle \
         tiny-gpt2-generate [--no-auth]
 
 runs one in the foreground on Triton's default ports (HTTP 8000, gRPC 8001, metrics 8002),
@@ -35,8 +35,8 @@ import tempfile
 from pathlib import Path
 
 from schemas import Refused, StageError
-from stages.serving.front_door import TOKEN_FILE_ENV, check_auth, read_token
-from stages.serving.server import LocalServer, dies_with, free_ports
+from shipyard_runtime.front_door import TOKEN_FILE_ENV, check_auth, read_token
+from stages.loadtesting.server import LocalServer, dies_with, free_ports
 
 HOME = Path(__file__).resolve().parents[2] / ".triton"
 
@@ -106,7 +106,7 @@ def guard(scratch: Path, token: str | None) -> dict[str, str]:
 def checked(repository: Path, models: list[str], token: str | None) -> None:
     """Refuse, with a token set, a model that cannot check it: only the python-backend
     entries compare the forwarded header (an onnxruntime entry would answer anyone)."""
-    from stages.serving.render import parse_triton
+    from stages.rendering.render import parse_triton
 
     for model in models:
         config = repository / model / "config.pbtxt"
@@ -219,7 +219,7 @@ class TritonServer(LocalServer):
         return False  # no log marker to watch: its exit code and readiness tell
 
 
-USAGE = "usage: python -m stages.serving.triton_server BUNDLE MODEL... [--no-auth]"
+USAGE = "usage: python -m stages.loadtesting.triton_server BUNDLE MODEL... [--no-auth]"
 
 
 def main(argv: list[str]) -> int:

@@ -17,14 +17,14 @@ import aiohttp
 import numpy as np
 import pytest
 
-from stages.serving.server import LocalServer, assemble
+from stages.loadtesting.server import LocalServer, assemble
 from tests.conftest import TINY, Workspace, gpt2_spec
 from tests.fixtures import architectures as matrix
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    # a hostile template's loop, on one message only (tests/stages/test_front_door_input.py)
+    # a hostile template's loop, on one message only (tests/runtime/test_front_door_input.py)
     "{% if messages[0].content == '__loop__' %}"
     "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{% endif %}"
 )
@@ -187,14 +187,14 @@ def test_every_top_logprob_asked_for_comes_back_even_when_tokens_decode_alike(
 
 
 def test_alternatives_keyed_by_text_fall_back_to_token_ids_where_texts_clash() -> None:
-    from stages.serving.engine.openai_api import _top_by_text
+    from shipyard_runtime.openai_api import _top_by_text
 
     texts = {1: "a", 2: "\ufffd", 3: "\ufffd", 4: "", 5: "b", 6: "b", 7: "c"}
     top = [(t, -float(t)) for t in texts]
     out = _top_by_text(top, lambda ids: texts[ids[0]])
     # and the chosen token is named as its alternatives name it
-    from stages.serving.engine.openai_api import _logprobs_block
-    from stages.serving.engine.scheduler import Event
+    from shipyard_runtime.generation.scheduler import Event
+    from shipyard_runtime.openai_api import _logprobs_block
 
     events = [Event(token=t, logprob=-1.0, top=top) for t in (1, 3, 6)]
     block = _logprobs_block("completion", events, lambda ids: texts[ids[0]])

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stages.serving.engine.core import Engine, EngineSettings, Event
-from stages.serving.engine.params import parse
-from stages.serving.engine.scheduler import Scheduler, StepPlan
+from shipyard_runtime.generation.core import Engine, EngineSettings, Event
+from shipyard_runtime.generation.params import parse
+from shipyard_runtime.generation.scheduler import Scheduler, StepPlan
 from tests.fixtures.counting import Counting
 
 
@@ -135,8 +135,8 @@ def test_a_cancelled_sequence_leaves_at_the_next_step_and_its_row_with_it() -> N
 
 def test_the_scheduler_alone_plans_without_a_graph() -> None:
     """Policy over plain state: admission, groups and chunks come out as a plan."""
-    from stages.serving.engine.kv import Batch
-    from stages.serving.engine.scheduler import Sequence
+    from shipyard_runtime.generation.kv import Batch
+    from shipyard_runtime.generation.scheduler import Sequence
 
     settings = EngineSettings(max_rows=2, max_context=100, chunk=16, max_past=100,
                               kv_budget_tokens=400)  # fmt: skip

@@ -1,5 +1,6 @@
 """Triton python-backend entry of a generating bundle: a decoupled model that generates with
-the same engine as the MLServer runtime (`shipyard_engine`, shipped beside this file).
+the same engine as the MLServer runtime (`shipyard_runtime.generation`, shipped beside this
+file as `shipyard_runtime/`).
 
 The bundle ships it as `serving/triton/<release>-generate/1/model.py`; `config.pbtxt`
 carries the typed RuntimeSettings (`parameters.runtime`, JSON, paths relative to the version
@@ -21,7 +22,7 @@ A bad request gets an INVALID_ARG error, a full queue UNAVAILABLE; a cancelled r
 leaves the running batch at the next step.
 
 Every request needs `authorization: Bearer <token>` (HTTP header or gRPC metadata), which
-the server forwards as a request parameter (`stages/serving/triton_server.py` starts it
+the server forwards as a request parameter (`stages/loadtesting/triton_server.py` starts it
 so); the token is read at load from the file `SHIPYARD_API_TOKEN_FILE` names. Without one
 (and without the launcher's --no-auth) the model does not load: it never answers unchecked.
 A request without the right token gets INVALID_ARG "a valid API token is required" (the
@@ -51,10 +52,14 @@ _environment()
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # type: ignore[import-not-found]  # noqa: E402
 
-try:  # in a bundle: the engine ships beside this file as shipyard_engine/
-    import shipyard_engine as eng  # type: ignore[import-not-found]  # noqa: E402
-except ModuleNotFoundError:  # in the repository
-    from stages.serving import engine as eng  # noqa: E402
+from shipyard_runtime.generation.core import Engine  # noqa: E402
+from shipyard_runtime.generation.params import BadParameter, parse_tensor_request  # noqa: E402
+from shipyard_runtime.generation.runner import Graph  # noqa: E402
+from shipyard_runtime.generation.scheduler import QueueFull as EngineQueueFull  # noqa: E402
+from shipyard_runtime.generation.text import Text  # noqa: E402
+from shipyard_runtime.metrics import for_triton  # noqa: E402
+from shipyard_runtime.session import session_from  # noqa: E402
+from shipyard_runtime.settings import RuntimeSettings  # noqa: E402
 
 INPUTS = ("text_input", "input_ids", "sampling_parameters", "stream")
 
@@ -69,7 +74,7 @@ class TritonPythonModel:
             )
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         try:
-            settings = eng.settings.RuntimeSettings.model_validate_json(parameters["runtime"])
+            settings = RuntimeSettings.model_validate_json(parameters["runtime"])
         except (KeyError, ValueError) as exc:
             raise pb_utils.TritonModelException(
                 f"config.pbtxt parameters.runtime is not the engine's settings: {exc}"
@@ -78,16 +83,14 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("parameters.runtime has no engine settings")
         here = Path(args["model_repository"]) / args["model_version"]
         session_config = json.loads((here / settings.ort_session).read_text(encoding="utf-8"))
-        session = eng.session.session_from(here / parameters["model"], session_config)
+        session = session_from(here / parameters["model"], session_config)
         self.token = _token()
         self.settings = settings
-        self.text = eng.text.Text(here / settings.text) if settings.text else None
+        self.text = Text(here / settings.text) if settings.text else None
         # the engine's series on Triton's metrics port, with the names and labels an
         # MLServer bundle exports (the dashboard and the alerts read either)
-        metrics = eng.metrics.for_triton(args["model_name"], pb_utils)
-        self.engine = eng.core.Engine(
-            eng.runner.Graph(session), settings.engine, self.text, metrics=metrics
-        )
+        metrics = for_triton(args["model_name"], pb_utils)
+        self.engine = Engine(Graph(session), settings.engine, self.text, metrics=metrics)
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -113,9 +116,9 @@ class TritonPythonModel:
             prompt, params, stream = self._arguments(request)
             call = _Call(sender, stream, self.text is not None)
             call.handle = self.engine.submit(prompt, params, call.emit)
-        except eng.params.BadParameter as exc:
+        except BadParameter as exc:
             _fail(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
-        except eng.scheduler.QueueFull as exc:
+        except EngineQueueFull as exc:
             _fail(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
         except Exception as exc:  # never leave a request without its final response
             _fail(sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
@@ -129,22 +132,22 @@ class TritonPythonModel:
             if (t := pb_utils.get_input_tensor_by_name(request, name)) is not None
         }
         if ("text_input" in tensors) == ("input_ids" in tensors):
-            raise eng.params.BadParameter("send exactly one of text_input (BYTES) or input_ids")
+            raise BadParameter("send exactly one of text_input (BYTES) or input_ids")
         if "input_ids" in tensors:
             ids = tensors["input_ids"]
             if ids.dtype.kind not in "iu" or ids.ndim != 1:
-                raise eng.params.BadParameter(
+                raise BadParameter(
                     f"input_ids must be INT64 [n]; got {ids.dtype} {list(ids.shape)}"
                 )
             prompt = [int(i) for i in ids]
         else:
             if self.text is None:
-                raise eng.params.BadParameter("this bundle ships no tokenizer.json: send input_ids")
+                raise BadParameter("this bundle ships no tokenizer.json: send input_ids")
             text = _one_string(tensors["text_input"], "text_input")
             try:  # refused before tokenizing when the served context could not hold it
                 self.text.fits(text, self.engine.settings.max_context, "text_input")
             except ValueError as exc:
-                raise eng.params.BadParameter(str(exc)) from None
+                raise BadParameter(str(exc)) from None
             prompt = self.text.encode(text)
         given: Any = {}
         if "sampling_parameters" in tensors:
@@ -152,18 +155,18 @@ class TritonPythonModel:
             try:
                 given = json.loads(raw)
             except ValueError as exc:  # not JSON, or an integer of 4,300+ digits
-                raise eng.params.BadParameter(f"sampling_parameters is not JSON: {exc}") from None
+                raise BadParameter(f"sampling_parameters is not JSON: {exc}") from None
             except RecursionError:
-                raise eng.params.BadParameter("sampling_parameters is nested too deeply") from None
+                raise BadParameter("sampling_parameters is nested too deeply") from None
             if not isinstance(given, dict):
-                raise eng.params.BadParameter("sampling_parameters must be a JSON object")
-        params = eng.params.parse_tensor_request(given, dict(self.settings.sampling_defaults))
+                raise BadParameter("sampling_parameters must be a JSON object")
+        params = parse_tensor_request(given, dict(self.settings.sampling_defaults))
         self.engine.admit([prompt], params, 1)  # one sequence a Triton request
         stream = True
         if "stream" in tensors:
             flag = tensors["stream"]
             if flag.dtype != np.bool_ or flag.size != 1:
-                raise eng.params.BadParameter("stream must be BOOL [1]")
+                raise BadParameter("stream must be BOOL [1]")
             stream = bool(flag.reshape(-1)[0])
         return prompt, params, stream
 
@@ -221,7 +224,7 @@ def _token() -> bytes | None:
     if len(token) < 16:
         raise pb_utils.TritonModelException(
             "no API token for this model: start the server with `python -m "
-            "stages.serving.triton_server` and SHIPYARD_API_TOKEN set (or --no-auth)"
+            "stages.loadtesting.triton_server` and SHIPYARD_API_TOKEN set (or --no-auth)"
         )
     return token
 
@@ -245,14 +248,14 @@ def _authorized(request: Any, token: bytes) -> bool:
 
 def _one_string(array: Any, name: str) -> str:
     if array.dtype != np.object_ or array.size != 1:
-        raise eng.params.BadParameter(f"{name} must be BYTES [1]")
+        raise BadParameter(f"{name} must be BYTES [1]")
     value = array.reshape(-1)[0]
     try:
         text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError:
-        raise eng.params.BadParameter(f"{name} must be UTF-8") from None
+        raise BadParameter(f"{name} must be UTF-8") from None
     if not text:
-        raise eng.params.BadParameter(f"{name} is empty")
+        raise BadParameter(f"{name} is empty")
     return text
 
 

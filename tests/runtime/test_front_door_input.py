@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stages.serving.engine.text import Text
+from shipyard_runtime.generation.text import Text
 from tests.conftest import TINY
 
 pytest_plugins = ["tests.stages.test_openai_api"]  # its module-scoped gpt2_server

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .kv import Batch, empty_past, positions_from_mask
+from shipyard_runtime.generation.kv import Batch, empty_past, positions_from_mask
 
 PAST, PRESENT = "past_key_values.", "present."
 

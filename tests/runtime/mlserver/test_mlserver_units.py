@@ -18,8 +18,9 @@ import pytest
 from mlserver.types import InferenceRequest
 from onnx import TensorProto, helper
 
-from stages.serving import mlserver_runtime as rt
-from stages.serving.mlserver_runtime import Batcher, QueueFull, TimedOut, decode
+from shipyard_runtime import mlserver as rt
+from shipyard_runtime import session as rt_session
+from shipyard_runtime.mlserver import Batcher, QueueFull, TimedOut, decode
 
 
 def tensor(name: str, shape: list[Any], data: Any, datatype: str = "FP32") -> Any:
@@ -109,7 +110,7 @@ def graph(path: Path) -> Path:
 def runtime(tmp_path: Path) -> Any:
     """The runtime as load() leaves it for a tensors model, on a real session."""
     model = rt.ShipyardOnnxRuntime.__new__(rt.ShipyardOnnxRuntime)
-    model.session = rt.eng.session.session_from(graph(tmp_path / "g.onnx"), {})
+    model.session = rt.session_from(graph(tmp_path / "g.onnx"), {})
     model.serving, model.task, model.labels = "tensors", "generic", []
     model.max_request_rows = 3
     model.bounds = {}
@@ -225,10 +226,10 @@ def test_a_batch_runs_the_graph_and_labels_name_the_top_class(runtime: Any) -> N
 def generator(runtime: Any, tmp_path: Path) -> Any:
     """The runtime as load() leaves it for a causal LM: an engine over next_token_lm (vocab
     50), the export's limits past 10 and context 12, served batch 2."""
-    from stages.serving.engine.core import Engine, EngineSettings, Graph
-    from stages.serving.engine.settings import BatchingSettings, RuntimeSettings
+    from shipyard_runtime.generation.core import Engine, EngineSettings, Graph
+    from shipyard_runtime.settings import BatchingSettings, RuntimeSettings
 
-    session = rt.eng.session.session_from(next_token_lm(tmp_path / "lm.onnx", vocab=50), {})
+    session = rt.session_from(next_token_lm(tmp_path / "lm.onnx", vocab=50), {})
     settings = EngineSettings(max_rows=2, max_context=12, chunk=8, max_past=10, kv_budget_tokens=48)
     runtime.serving, runtime.task, runtime.text = "generate", "causal-lm", None
     runtime.max_request_rows = 2
@@ -312,7 +313,7 @@ def test_each_wrong_generation_request_is_refused(
 
 
 def test_the_served_context_is_checked_beyond_the_export_limits(generator: Any) -> None:
-    from stages.serving.engine.core import Engine, EngineSettings
+    from shipyard_runtime.generation.core import Engine, EngineSettings
 
     generator.engine.close()
     wide = EngineSettings(max_rows=2, max_context=12, chunk=8, max_past=100, kv_budget_tokens=48)
@@ -432,11 +433,11 @@ def test_a_failed_run_answers_every_request_of_its_batch_at_once() -> None:
 # --------------------------------------------------------------------------- sessions
 def test_the_session_takes_every_option_of_ort_session_json(tmp_path: Path) -> None:
     path = graph(tmp_path / "g.onnx")
-    default = rt.eng.session.session_from(path, {}).get_session_options()
+    default = rt.session_from(path, {}).get_session_options()
     assert default.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     assert (default.intra_op_num_threads, default.inter_op_num_threads) == (0, 0)
     assert default.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
-    for level, want in rt.eng.session.LEVELS.items():
+    for level, want in rt_session.LEVELS.items():
         config = {
             "session_options": {
                 "graph_optimization_level": level,
@@ -446,7 +447,7 @@ def test_the_session_takes_every_option_of_ort_session_json(tmp_path: Path) -> N
             },
             "providers": ["CPUExecutionProvider"],
         }
-        session = rt.eng.session.session_from(path, config)
+        session = rt.session_from(path, config)
         options = session.get_session_options()
         assert options.graph_optimization_level == want, level
         assert (options.intra_op_num_threads, options.inter_op_num_threads) == (2, 3)
@@ -483,7 +484,7 @@ def test_label_scores_are_stable_softmax_per_row_and_per_token() -> None:
 def test_a_labels_model_answers_names_and_scores(runtime: Any, tmp_path: Path) -> None:
     runtime.serving, runtime.labels = "labels", ["low", "high"]
     feeds = {"x": np.ones((2, 4, 8), np.float32), "m": np.ones((2, 4, 8), np.int64)}
-    runtime.session = rt.eng.session.session_from(two_scores(tmp_path / "labels.onnx"), {})
+    runtime.session = rt.session_from(two_scores(tmp_path / "labels.onnx"), {})
     out = runtime._run_batch(None, feeds)
     assert sorted(out) == ["label", "score", "y"]
     assert out["label"].tolist() == ["high", "high"]
@@ -571,8 +572,8 @@ def greedy(session: Any, prompt: list[int], tokens: int, **limits: int) -> list[
     """The engine's greedy tokens for one prompt, waited for here."""
     import queue
 
-    from stages.serving.engine.core import Engine, EngineSettings, Graph
-    from stages.serving.engine.params import parse
+    from shipyard_runtime.generation.core import Engine, EngineSettings, Graph
+    from shipyard_runtime.generation.params import parse
 
     settings = {"max_rows": 2, "max_context": 64, "chunk": 8, "max_past": 64}
     settings |= {"kv_budget_tokens": 256, **limits}
@@ -590,21 +591,21 @@ def greedy(session: Any, prompt: list[int], tokens: int, **limits: int) -> list[
 
 
 def test_a_float16_cache_is_fed_in_float16(tmp_path: Path) -> None:
-    from stages.serving.engine.runner import Graph
+    from shipyard_runtime.generation.runner import Graph
 
     path = next_token_lm(tmp_path / "lm16.onnx", cache=TensorProto.FLOAT16, named_vocab=True)
-    graph = Graph(rt.eng.session.session_from(path, {}))
+    graph = Graph(rt.session_from(path, {}))
     # a declared symbolic vocabulary that ONNX Runtime cannot infer stays unknown (0); here
     # it infers 16 from the table, so the declared name does not hide the size
     assert graph.dtype == np.float16 and graph.vocab == 16
     assert graph.bytes_per_token == 2 * 1 * 2 * 2  # key + value, 1 head, dim 2, 2 bytes
-    assert greedy(rt.eng.session.session_from(path, {}), [1], 2) == [2, 3]
+    assert greedy(rt.session_from(path, {}), [1], 2) == [2, 3]
 
 
 def test_greedy_decoding_feeds_the_cache_and_generates_each_step(tmp_path: Path) -> None:
-    from stages.serving.engine.runner import Graph
+    from shipyard_runtime.generation.runner import Graph
 
-    session = rt.eng.session.session_from(next_token_lm(tmp_path / "lm.onnx"), {})
+    session = rt.session_from(next_token_lm(tmp_path / "lm.onnx"), {})
     graph = Graph(session)
     assert graph.vocab == 16 and graph.dtype == np.float32
     assert graph.spec == [("past_key_values.0.key", 1, 2), ("past_key_values.0.value", 1, 2)]
@@ -666,8 +667,8 @@ def test_position_ids_are_derived_from_the_mask_as_the_pipeline_derives_them() -
     from hypothesis import given
     from hypothesis import strategies as st
 
+    from shipyard_runtime.generation import kv as ekv
     from stages.onnx import shapes as sh
-    from stages.serving.engine import kv as ekv
 
     @given(
         st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=12), min_size=1, max_size=4),
@@ -712,3 +713,19 @@ def test_a_graph_with_position_ids_is_fed_them_at_every_step() -> None:
 
     greedy(Session(), [7, 8, 9], 3)
     assert [f["position_ids"].tolist() for f in fed] == [[[0, 1, 2]], [[3]], [[4]]]
+
+
+def test_a_bundle_is_served_by_its_own_runtime_copy_or_not_at_all(tmp_path: Path) -> None:
+    """The runtime refuses to serve a bundle whose shipped runtime package is not the code
+    running (another copy was imported first); a folder shipping none (a test's), or the
+    same package through a link, is served."""
+    package = Path(rt.__file__).resolve().parent
+    assert rt.foreign_runtime(tmp_path) is None
+    import shutil
+
+    shutil.copytree(package, tmp_path / "copy" / "shipyard_runtime")
+    problem = rt.foreign_runtime(tmp_path / "copy")
+    assert problem is not None and str(package) in problem and "imported first" in problem
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "shipyard_runtime").symlink_to(package)
+    assert rt.foreign_runtime(tmp_path / "linked") is None
