@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ShipyardError
+from stages.bundling import layout
 
 SERVE_DIR_ENV = "SHIPYARD_SERVE_DIR"
-LAUNCHER = Path("serving") / "mlserver" / "shipyard_serve.py"
+LAUNCHER = Path(layout.LAUNCHER)
 
 
 class ServeError(ShipyardError):

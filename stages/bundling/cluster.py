@@ -68,11 +68,12 @@ from schemas.cluster import (
     Volume,
     VolumeMount,
 )
+from stages.bundling import layout
 
 FOLDER = "deploy/"
 HTTP, GRPC, METRICS = 8080, 8081, 8082  # KServe routes its predictor's traffic to 8080
 MODELS = "/mnt/models"  # where KServe's storage initializer puts the bundle
-SERVER = f"{MODELS}/serving/mlserver/shipyard_serve.py"
+SERVER = f"{MODELS}/{layout.LAUNCHER}"
 TOKEN_DIR, TOKEN_KEY = "/var/run/secrets/shipyard", "token"
 RUNTIME = "shipyard-mlserver"
 FORMAT = "shipyard-bundle"

@@ -28,12 +28,13 @@ SERVING_YAML = "serving.yaml"  # the generic server config
 ORT_SESSION = "ort_session.json"  # the ONNX Runtime session options every entry reads
 # The single copy of the ONNX model: Triton's version folder (Triton needs it there);
 # serving.yaml, MLServer and the generate entry point at the same file.
-TRITON_ENTRY = "serving/triton/{release}"
+TRITON = "serving/triton"  # Triton's model repository
+TRITON_ENTRY = f"{TRITON}/{{release}}"
 MODEL_DIR = f"{TRITON_ENTRY}/1"
 MODEL_FILE = f"{MODEL_DIR}/model.onnx"
-GENERATE_ENTRY = "serving/triton/{release}-generate"  # Triton's python backend (generation)
+GENERATE_ENTRY = f"{TRITON}/{{release}}-generate"  # Triton's python backend (generation)
 GENERATE_VERSION = f"{GENERATE_ENTRY}/1"
-TRT_ENTRY = "serving/triton/{release}-trt"  # the TensorRT plan's entry (engine stage)
+TRT_ENTRY = f"{TRITON}/{{release}}-trt"  # the TensorRT plan's entry (engine stage)
 MLSERVER = "serving/mlserver"  # MLServer's settings.json, the launcher and its limits
 MLSERVER_ENTRY = f"{MLSERVER}/{{release}}"  # model-settings.json and the runtime package
 LAUNCHER = f"{MLSERVER}/shipyard_serve.py"  # the front door: how a bundle is started

@@ -12,6 +12,7 @@ from schemas.artifacts import ModelInfo
 from schemas.loadresults import Batching, Measured, Ramp, Skipped
 from schemas.tasks import TASKS
 from stages._contract import StageContext
+from stages.bundling import layout
 from stages.loadtesting import loadgen as lg
 from stages.loadtesting.load_phases import grid, openai_mix, ramp, request, soak
 
@@ -74,7 +75,7 @@ def batching(
         return Skipped(skipped="loadtest.batching_comparison is false")
     if cfg.target is not None:
         return Skipped(skipped="external target: its batching cannot be switched from here")
-    settings = tree / "serving" / "mlserver" / model / "model-settings.json"
+    settings = tree / layout.at(layout.MLSERVER_ENTRY, model) / "model-settings.json"
     from shipyard_runtime.settings import RuntimeSettings
 
     served = RuntimeSettings.model_validate(json.loads(settings.read_text())["parameters"]["extra"])

@@ -23,6 +23,7 @@ from types import TracebackType
 
 from schemas import Refused, StageError
 from stages._contract import link_or_copy
+from stages.bundling import layout
 
 POLL = 0.2
 STOP_SECONDS = 10.0
@@ -114,9 +115,9 @@ class LocalServer:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def _configure(self) -> None:
-        folder = self.tree / "serving" / "mlserver"
         self.ports = free_ports(3)  # given to the launcher: the hashed settings stay as built
-        model_settings = folder / self.model / "model-settings.json"
+        entry = self.tree / layout.at(layout.MLSERVER_ENTRY, self.model)
+        model_settings = entry / "model-settings.json"
         ms = json.loads(model_settings.read_text())
         if not self.batching:  # one request at a time: what batching is measured against
             extra = ms["parameters"]["extra"]
@@ -146,7 +147,7 @@ class LocalServer:
         http, grpc, metrics = self.ports
         command = [
             sys.executable,
-            str(self.tree / "serving" / "mlserver" / "shipyard_serve.py"),
+            str(self.tree / layout.LAUNCHER),
             *("--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc)),
             *("--metrics-port", str(metrics)),
             *(["--admin-api"] if self.admin else []),

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from schemas import Refused, StageError
 from shipyard_runtime.front_door import TOKEN_FILE_ENV, check_auth, read_token
+from stages.bundling import layout
 from stages.loadtesting.server import LocalServer, dies_with, free_ports
 
 HOME = Path(__file__).resolve().parents[2] / ".triton"
@@ -184,7 +185,7 @@ class TritonServer(LocalServer):
         self.metrics = f"http://127.0.0.1:{ports[2]}/metrics"
         self._scratch = tempfile.TemporaryDirectory(prefix="shipyard-triton-")
         served = private_tree(self.tree, Path(self._scratch.name) / "bundle")
-        repository = served / "serving" / "triton"
+        repository = served / layout.TRITON
         checked(repository, self.models, self.token)
         auth = guard(Path(self._scratch.name), self.token)
         with self.log.open("ab") as log:
@@ -242,12 +243,12 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="shipyard-triton-") as scratch:
         try:
             served = private_tree(bundle, Path(scratch) / "bundle")
-            checked(served / "serving" / "triton", argv[1:], token)
+            checked(served / layout.TRITON, argv[1:], token)
             auth = guard(Path(scratch), token)
         except StageError as exc:
             print(exc, file=sys.stderr)
             return 1
-        args = command(root, served / "serving" / "triton", argv[1:], [8000, 8001, 8002])
+        args = command(root, served / layout.TRITON, argv[1:], [8000, 8001, 8002])
         return _foreground(args, environment(root, auth), served)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from schemas import Refused
+from stages.bundling import layout
 from stages.rendering.render import parse_triton, render
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def plan_name(capability: str) -> str:
 
 def trt_model_dir(release: str) -> str:
     """The Triton model folder of the TensorRT entry; its plan lives in version 1."""
-    return f"serving/triton/{release}-trt"
+    return layout.at(layout.TRT_ENTRY, release)
 
 
 def check_trt_layout(folder: Path) -> list[str]:
