@@ -1,4 +1,4 @@
-"""Batcher scenarios run in their own interpreter (see test_runtime_requests.py); each
+"""Batcher scenarios run in their own interpreter (see test_mlserver_requests.py); each
 prints its observations as JSON."""
 
 from __future__ import annotations

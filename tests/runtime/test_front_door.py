@@ -1,5 +1,5 @@
 """The shipped launcher's guards, at the ASGI boundary (a real app behind them stands in for
-MLServer's; the served tests in test_runtime_requests.py go through a real MLServer)."""
+MLServer's; the served tests in test_mlserver_requests.py go through a real MLServer)."""
 
 from __future__ import annotations
 
