@@ -86,10 +86,10 @@ lint: $(STAMP)
 # The slow-marked end-to-end tests (dvc repro of real releases, a >2 GiB model, parallel
 # builds) run where CI is set, as .ci/run does; `make test CI=1` runs them locally too.
 CI ?=
-# tests/runtime/mlserver runs in its own process: mlserver's protobufs clash with tritonclient's.
+# tests/runtime/in_process runs in its own process: mlserver's protobufs clash with tritonclient's.
 test: lint $(TRITON) $(ACTIONLINT) $(PROMTOOL) $(PLOTS_TEMPLATE)
 	$(BIN)/python -m pytest -q $(if $(CI),,-m "not slow")
-	SHIPYARD_RUNTIME_TESTS=1 $(BIN)/python -m pytest -q tests/runtime/mlserver
+	SHIPYARD_RUNTIME_TESTS=1 $(BIN)/python -m pytest -q tests/runtime/in_process
 
 # Mutation testing of the guarantee modules (scripts/mutation.py): kill rate and survivors.
 # `make mutation CHANGED=origin/main` mutates only the modules a change touches (CI).

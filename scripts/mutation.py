@@ -99,7 +99,7 @@ GUARANTEES: dict[str, list[str]] = {
         TRUST + "test_remote_lock_is_owner_stamped_and_a_stale_one_expires",
     ],
     # in-process request checks and batcher (their HTTP tests reach a server process)
-    "shipyard_runtime/mlserver.py": ["tests/runtime/mlserver/test_mlserver_units.py"],
+    "shipyard_runtime/mlserver.py": ["tests/runtime/in_process/test_mlserver_units.py"],
     # verify and the manifest: synthetic bundles, directly and through the registry
     "stages/bundling/oms.py": [
         "tests/stages/test_verify_units.py",
@@ -314,7 +314,7 @@ def run_module(module: str, keep: Path | None, minutes: float) -> dict[str, obje
             "SHIPYARD_S3_ENDPOINT": moto[1],  # one S3 API for every mutant's object-store tests
             "PATH": f"{BIN}:{os.environ['PATH']}",
             "PYTHONPATH": f"{root / 'mutants' / 'src'}:{root / 'mutation_site'}",
-            "SHIPYARD_RUNTIME_TESTS": "1",  # tests/runtime/mlserver: collected in their own run
+            "SHIPYARD_RUNTIME_TESTS": "1",  # tests/runtime/in_process: collected in their own run
             "DVC_NO_ANALYTICS": "1",  # no analytics daemon per `dvc` command a test runs
         }
         start = time.monotonic()

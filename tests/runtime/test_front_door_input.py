@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from shipyard_runtime.generation.text import Text
 from tests.conftest import TINY
 
-pytest_plugins = ["tests.stages.test_openai_api"]  # its module-scoped gpt2_server
+pytest_plugins = ["tests.runtime.test_openai_api"]  # its module-scoped gpt2_server
 
 
 def raw(url: str, path: str, data: bytes) -> tuple[int, dict[str, Any]]:
