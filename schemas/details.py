@@ -26,7 +26,9 @@ class _Details(BaseModel):
 
 
 class Compared(_Details):
-    """One comparison of an output with its reference (stages/onnx/compare.py)."""
+    """One comparison of an output with its reference: what the comparator
+    (stages/onnx/compare.py) returns, read by field by every check that calls it; the rows
+    below are the same comparison placed (at a shape, a module, a decode probe)."""
 
     ok: bool
     error: float = Field(description="The normalized error, reduced by the statistic.")
