@@ -120,6 +120,10 @@ class ExportDetails(_Details):
 
 
 class ThresholdResult(_Details):
+    """One threshold's verdict: stages/quant/thresholds.py `check` (evaluate's thresholds,
+    the gate's against production) and evaluate's accuracy-contract bounds, in one shape.
+    Read by field where it is judged; written as is into evaluate's report."""
+
     metric: str
     baseline: str
     value: float | None

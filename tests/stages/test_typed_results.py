@@ -1,8 +1,9 @@
-"""Issue 44: the comparator's rows travel typed (schemas/details.py: Compared and the
-rows placed from it), read by field. The reports the stages write from them stay byte for
-byte what the dict code wrote: each case writes the details as the stage does now and as
-the dict code did (the dict validated through the same details model, `write_json`), and
-compares the files. None of the types can be indexed as the dicts were."""
+"""Issue 44: the comparator's rows and the thresholds' verdicts travel typed
+(schemas/details.py: Compared and the rows placed from it, ThresholdResult), read by
+field. The reports the stages write from them stay byte for byte what the dict code wrote:
+each case writes the details as the stage does now and as the dict code did (the dict
+validated through the same details model, `write_json`), and compares the files. None of
+the types can be indexed as the dicts were."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel
 
 from schemas.details import (
     Compared,
+    EvaluateDetails,
     KvcheckDetails,
     KvComparison,
     KvPlan,
@@ -24,8 +26,11 @@ from schemas.details import (
     ParityDetails,
     ShapeComparison,
     ShippedKv,
+    ThresholdResult,
 )
+from schemas.spec.evaluation import MetricThreshold
 from schemas.spec.parity import ParityConfig, Tolerance
+from schemas.spec.quantization import AccuracyBudget
 from stages._contract import write_json
 from stages.onnx import kvcache as kv
 from stages.onnx.compare import OutputCompared, compare, compare_outputs, placed
@@ -254,4 +259,80 @@ def test_kv_reasons_read_the_typed_rows() -> None:
         "PyTorch: cached decode at past 48: present.1.value at position 7 differs from a full "
         "recompute: normalized error 3 > 1 (max |diff| 0.5); 1 more comparison(s) out of "
         "tolerance"
+    )
+
+
+# ----------------------------------------------------------------------------- thresholds
+def test_threshold_results_write_the_report_the_dicts_wrote(tmp_path: Path) -> None:
+    from stages.evaluate import contract_results
+    from stages.quant.thresholds import check
+
+    rule = MetricThreshold(
+        metric="top1_agreement",
+        min_absolute_change=0.0,
+        greater_is_better=True,
+        baseline="reference",
+    )
+    bound = MetricThreshold(metric="perplexity", threshold=600.0, greater_is_better=False)
+    judged = [
+        check(rule, {"top1_agreement": 0.8}, 1.0),
+        check(bound, {"perplexity": 513.9384573530025}, None),
+    ]
+    before = [
+        {
+            "metric": "top1_agreement",
+            "baseline": "reference",
+            "value": 0.8,
+            "baseline_value": 1.0,
+            "ok": False,
+            "message": "top1_agreement 0.8 vs reference 1: needs >= 1 (min_absolute_change 0)",
+        },
+        {
+            "metric": "perplexity",
+            "baseline": "production",
+            "value": 513.9384573530025,
+            "baseline_value": None,
+            "ok": True,
+            "message": "perplexity 513.9: holds",
+        },
+    ]
+    assert all(isinstance(r, ThresholdResult) for r in judged)
+    assert [r.dump() for r in judged] == before
+    unindexable(judged[0], "ok", "message")
+
+    budget = AccuracyBudget(top1_agreement_min=0.98, perplexity_increase_max=0.01)
+    measured = {"top1_agreement": 0.99185667752443, "perplexity_increase": 0.02}
+    contract = contract_results(budget, measured)
+    before_contract = [
+        {
+            "metric": "top1_agreement",
+            "baseline": "reference",
+            "value": 0.99185667752443,
+            "baseline_value": None,
+            "ok": True,
+            "message": "top1_agreement 0.9919 >= quantization.budget.top1_agreement_min 0.98",
+        },
+        {
+            "metric": "perplexity_increase",
+            "baseline": "reference",
+            "value": 0.02,
+            "baseline_value": None,
+            "ok": False,
+            "message": "perplexity_increase 0.02 > quantization.budget.perplexity_increase_max "
+            "0.01 on the evaluation set (the accuracy contract)",
+        },
+    ]
+    assert [r.dump() for r in contract] == before_contract
+    metrics = {"top1_agreement": 0.99185667752443, "perplexity": 513.9384573530025}
+    same_file(
+        tmp_path,
+        EvaluateDetails(metrics=metrics, contract=contract, thresholds=judged, samples=64).dump(),
+        EvaluateDetails.model_validate(
+            {
+                "metrics": metrics,
+                "contract": before_contract,
+                "thresholds": before,
+                "samples": 64,
+            }
+        ).dump(),
     )
