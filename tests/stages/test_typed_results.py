@@ -1,9 +1,9 @@
-"""Issue 44: the comparator's rows and the thresholds' verdicts travel typed
-(schemas/details.py: Compared and the rows placed from it, ThresholdResult), read by
-field. The reports the stages write from them stay byte for byte what the dict code wrote:
-each case writes the details as the stage does now and as the dict code did (the dict
-validated through the same details model, `write_json`), and compares the files. None of
-the types can be indexed as the dicts were."""
+"""Issue 44: the comparator's rows, the thresholds' verdicts and the export's probe runs
+travel typed (schemas/details.py: Compared and the rows placed from it, ThresholdResult,
+Probed), read by field. The reports the stages write from them stay byte for byte what the
+dict code wrote: each case writes the details as the stage does now and as the dict code
+did (the dict validated through the same details model, `write_json`), and compares the
+files. None of the types can be indexed as the dicts were."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ from pydantic import BaseModel
 from schemas.details import (
     Compared,
     EvaluateDetails,
+    ExportDetails,
     KvcheckDetails,
     KvComparison,
     KvPlan,
     LayerComparison,
     Layerwise,
     ParityDetails,
+    Probed,
     ShapeComparison,
     ShippedKv,
     ThresholdResult,
@@ -335,4 +337,28 @@ def test_threshold_results_write_the_report_the_dicts_wrote(tmp_path: Path) -> N
                 "samples": 64,
             }
         ).dump(),
+    )
+
+
+# ------------------------------------------------------------------------ export's probes
+def test_probe_runs_write_the_report_the_dicts_wrote(tmp_path: Path) -> None:
+    from stages.onnx.exporter import Probes
+
+    runs = [
+        Probed(shape="all min", sizes={"batch": 1, "sequence": 1}, ok=True),
+        Probed(shape="only batch=4", sizes={"batch": 4, "sequence": 8}, ok=False),
+    ]
+    found = Probes(runs, ["graph fails at only batch=4 {'batch': 4, 'sequence': 8}"])
+    before = [
+        {"shape": "all min", "sizes": {"batch": 1, "sequence": 1}, "ok": True},
+        {"shape": "only batch=4", "sizes": {"batch": 4, "sequence": 8}, "ok": False},
+    ]
+    assert [r.dump() for r in found.runs] == before
+    unindexable(found.runs[1], "ok", "shape")
+    assert not hasattr(Probes, "__getitem__")
+    common = {"trace_sizes": {"batch": 2, "sequence": 4}, "model_files": ["model.onnx"]}
+    same_file(
+        tmp_path,
+        ExportDetails(probed=found.runs, **common).dump(),
+        ExportDetails.model_validate({**common, "probed": before}).dump(),
     )
