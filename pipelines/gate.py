@@ -207,7 +207,7 @@ def _production_rows(
             rows.append(Row(spec.name, label, "FAIL", "production's manifest lacks this metric"))
             continue
         outcome = check(t, metrics, base, absolute=False)  # absolute bounds: evaluate stage
-        rows.append(Row(spec.name, label, "PASS" if outcome["ok"] else "FAIL", outcome["message"]))
+        rows.append(Row(spec.name, label, "PASS" if outcome.ok else "FAIL", outcome.message))
     return rows
 
 

@@ -26,7 +26,9 @@ class _Details(BaseModel):
 
 
 class Compared(_Details):
-    """One comparison of an output with its reference (stages/onnx/compare.py)."""
+    """One comparison of an output with its reference: what the comparator
+    (stages/onnx/compare.py) returns, read by field by every check that calls it; the rows
+    below are the same comparison placed (at a shape, a module, a decode probe)."""
 
     ok: bool
     error: float = Field(description="The normalized error, reduced by the statistic.")
@@ -118,6 +120,10 @@ class ExportDetails(_Details):
 
 
 class ThresholdResult(_Details):
+    """One threshold's verdict: stages/quant/thresholds.py `check` (evaluate's thresholds,
+    the gate's against production) and evaluate's accuracy-contract bounds, in one shape.
+    Read by field where it is judged; written as is into evaluate's report."""
+
     metric: str
     baseline: str
     value: float | None

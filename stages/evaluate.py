@@ -18,7 +18,7 @@ import numpy as np
 from schemas import ReleaseSpec
 from schemas.artifacts import Evaluation, ModelInfo
 from schemas.contract import BUDGET_METRICS, budget_of
-from schemas.details import EvaluateDetails
+from schemas.details import EvaluateDetails, ThresholdResult
 from schemas.tasks import METRIC_SOURCES, TASKS
 from stages._contract import StageContext, StageIO, StageResult
 from stages.onnx import kvcache as kv
@@ -94,20 +94,16 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         if t.threshold is not None or t.baseline == "reference"
     ]
     contract = contract_results(budget, measured)
-    failed = [r["message"] for r in [*contract, *results] if not r["ok"]]
+    failed = [r.message for r in [*contract, *results] if not r.ok]
     metrics |= measured
     ctx.write(Evaluation(metrics=metrics))
-    found = {
-        "metrics": metrics,
-        "contract": contract,
-        "thresholds": results,
-        "samples": len(samples),
-    }
-    details = EvaluateDetails.model_validate(found).dump()
+    details = EvaluateDetails(
+        metrics=metrics, contract=contract, thresholds=results, samples=len(samples)
+    ).dump()
     summary = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
     if failed:
         _keep_worst_samples(ctx.work / "failed_samples.jsonl", agree.per_sample)
-        broken = sum(not r["ok"] for r in contract)
+        broken = sum(not r.ok for r in contract)
         return StageResult.failed(
             f"{len(failed)} threshold(s) broken"
             + (f" ({broken} of the accuracy contract, quantization.budget)" if broken else ""),
@@ -142,7 +138,7 @@ def contract_metrics(
     return out
 
 
-def contract_results(budget: AccuracyBudget, measured: dict[str, float]) -> list[dict[str, Any]]:
+def contract_results(budget: AccuracyBudget, measured: dict[str, float]) -> list[ThresholdResult]:
     """Each contract bound on the evaluation set, without quantize's margin, in the shape of
     a threshold's result (baseline: the reference)."""
     out = []
@@ -154,15 +150,15 @@ def contract_results(budget: AccuracyBudget, measured: dict[str, float]) -> list
         ok = value >= bound if kind == "min" else value <= bound
         sign = (">=" if ok else "<") if kind == "min" else ("<=" if ok else ">")
         out.append(
-            {
-                "metric": metric,
-                "baseline": "reference",
-                "value": value,
-                "baseline_value": None,
-                "ok": ok,
-                "message": f"{metric} {value:.4g} {sign} quantization.budget.{field} {bound:g}"
+            ThresholdResult(
+                metric=metric,
+                baseline="reference",
+                value=value,
+                baseline_value=None,
+                ok=ok,
+                message=f"{metric} {value:.4g} {sign} quantization.budget.{field} {bound:g}"
                 + ("" if ok else " on the evaluation set (the accuracy contract)"),
-            }
+            )
         )
     return out
 

@@ -52,7 +52,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             lambda s: sh.run_bytes(lay, s, arch["hidden"], arch["heads"]),
             sh.probe_budget(weight_bytes),
         )
-    problems += probes["problems"]
+    problems += probes.problems
     ctx.write(
         ModelInfo(
             task=release.task,
@@ -72,7 +72,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         )
     )
     shipped = _model_files(ctx, release)
-    found: dict[str, Any] = {"trace_sizes": trace, "probed": probes["runs"], "model_files": shipped}
+    found: dict[str, Any] = {"trace_sizes": trace, "probed": probes.runs, "model_files": shipped}
     if tied:
         found["tied_weights"] = tied
     if pooled:
@@ -85,9 +85,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     size = sum(f.stat().st_size for f in ctx.work.glob("model.onnx*"))
     return StageResult.passed(
         f"{len(lay.inputs)} inputs, {len(release.export.dims)} dims symbolic, ran at "
-        f"{len(probes['runs'])} shapes in ONNX Runtime ({size / 1e6:.1f} MB)",
+        f"{len(probes.runs)} shapes in ONNX Runtime ({size / 1e6:.1f} MB)",
         details=details,
-        metrics={"onnx_bytes": size, "shapes_run": len(probes["runs"])},
+        metrics={"onnx_bytes": size, "shapes_run": len(probes.runs)},
     )
 
 

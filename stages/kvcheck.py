@@ -25,7 +25,7 @@ import numpy as np
 
 from schemas import ReleaseSpec
 from schemas.artifacts import QuantInfo
-from schemas.details import KvcheckDetails
+from schemas.details import KvcheckDetails, KvComparison, KvPlan, ShippedKv
 from schemas.tasks import TASKS
 from stages._contract import StageContext, StageIO, StageResult, in_child, map_big_blocks
 from stages.onnx import kvcache as kv
@@ -68,22 +68,20 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     failures += kv.reasons(f"shipped graph ({shipped})", shipped_rows)
     rows = torch_rows + onnx_rows + shipped_rows
     # a present accepted as quantization rounding is judged by its share, not this error
-    worst = max((r["error"] for r in rows if r.get("rounding") is None), default=0.0)
+    worst = max((r.error for r in rows if r.rounding is None), default=0.0)
     metrics = {"worst_normalized_error": worst, "comparisons": float(len(rows))}
-    details = KvcheckDetails.model_validate(
-        {
-            "plan": {
-                "prompt": plan.prompt,
-                "steps": plan.steps,
-                "past_lengths": list(plan.pasts),
-                "prefill_chunk": plan.chunk,
-                "padded": plan.padded,
-                "full_pass_lengths": plan.lengths(),
-            },
-            "pytorch": torch_rows,
-            "onnx": onnx_rows,
-            "shipped": {"graph": shipped, "rows": shipped_rows},
-        }
+    details = KvcheckDetails(
+        plan=KvPlan(
+            prompt=plan.prompt,
+            steps=plan.steps,
+            past_lengths=list(plan.pasts),
+            prefill_chunk=plan.chunk,
+            padded=None if plan.padded is None else list(plan.padded),
+            full_pass_lengths=plan.lengths(),
+        ),
+        pytorch=torch_rows,
+        onnx=onnx_rows,
+        shipped=ShippedKv(graph=shipped, rows=shipped_rows),
     ).dump()
     if failures:
         # the token sequences every comparison decoded: evidence, kept in failed/kvcheck/
@@ -120,7 +118,7 @@ def _file(into: Path, kind: str, row: int, n: int, who: str = "pytorch") -> Path
 
 def _pytorch(
     ctx: StageContext, release: ReleaseSpec, plan: kv.Plan, into: Path
-) -> tuple[sh.Layout, list[dict[str, Any]]]:
+) -> tuple[sh.Layout, list[KvComparison]]:
     """Full passes saved under `into`; PyTorch's cached decode judged against them."""
     net, lay = m.load_with_layout(ctx.root, release)
     torch_run = m.named_run(m.adapter(release.task, net, lay), lay)
@@ -135,7 +133,7 @@ def _pytorch(
 
 def _onnx(
     ctx: StageContext, release: ReleaseSpec, plan: kv.Plan, lay: sh.Layout, into: Path
-) -> list[dict[str, Any]]:
+) -> list[KvComparison]:
     onnx_run = _session(ctx.upstream("export") / "model.onnx")
     tokens = _tokens(release, kv.vocab_of(lay), plan)
     return kv.check(onnx_run, lay, tokens, plan, _loader(into), *_tol(release))
@@ -143,7 +141,7 @@ def _onnx(
 
 def _shipped(
     ctx: StageContext, release: ReleaseSpec, plan: kv.Plan, lay: sh.Layout, into: Path
-) -> tuple[list[dict[str, Any]], str]:
+) -> tuple[list[KvComparison], str]:
     """The shipped graph's cached decode against its own full passes, its dynamic scales
     pinned to ranges that cover every pass of the check (gathered by a first run)."""
     if ctx.read(QuantInfo).method == "none":
@@ -175,7 +173,7 @@ def _shipped(
     # a present off by rounding only is excused where scales are pinned: their rounding is
     # still there; checked before rounding, nothing is (a 0.1 % off past must fail)
     rows = kv.check(run, lay, tokens, plan, refs, *_tol(release), fp32=fp32 if exposed else None)
-    rounded = [r["rounding"] for r in rows if r.get("rounding") is not None]
+    rounded = [r.rounding for r in rows if r.rounding is not None]
     note = (
         f"; {len(rounded)} present(s) off by quantization rounding only, at most "
         f"{max(rounded):.3g} of its own error"

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from schemas import ReleaseSpec
-from schemas.details import ParityDetails
+from schemas.details import Compared, ParityDetails, ShapeComparison
 from stages._contract import StageContext, StageIO, StageResult, in_child
 from stages.onnx import kvcache as kv
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
-from stages.onnx.compare import compare, tolerance
+from stages.onnx.compare import compare, placed, tolerance
 from stages.onnx.layerwise import layerwise
 
 if TYPE_CHECKING:
@@ -48,14 +48,14 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         wanted = failures or cfg.layerwise == "always"
         # the layerwise view runs on the first failure's inputs, else on the first shape's
         feeds = (failures[0][1] if failures else _feeds(Path(tmp), 0)) if wanted else None
-    found: dict[str, Any] = {"comparisons": rows}
-    if feeds is not None:
+    if feeds is None:
+        details = ParityDetails(comparisons=rows)  # no layerwise key: not run
+    else:
         net, lay = m.load_with_layout(ctx.root, release)
         flat = m.adapter(release.task, net, lay)
-        found["layerwise"] = layerwise(flat, lay, path, feeds, cfg)
-    details = ParityDetails.model_validate(found)
-    worst = max(r["error"] for r in rows)
-    metrics = {"worst_normalized_error": worst, "max_abs_diff": max(r["max_abs"] for r in rows)}
+        details = ParityDetails(comparisons=rows, layerwise=layerwise(flat, lay, path, feeds, cfg))
+    worst = max(r.error for r in rows)
+    metrics = {"worst_normalized_error": worst, "max_abs_diff": max(r.max_abs for r in rows)}
     if failures:
         # the inputs each failure was fed, as .npz beside the report (the runner keeps a
         # failed run's files in build/<release>/failed/parity/, outside DVC): a failure can
@@ -142,7 +142,7 @@ def _compare_all(
     lay: sh.Layout,
     shapes: list[tuple[str, dict[str, int]]],
     saved: Path,
-) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], dict[str, np.ndarray]]]]:
+) -> tuple[list[ShapeComparison], list[tuple[ShapeComparison, dict[str, np.ndarray]]]]:
     """ONNX Runtime at every shape against the saved reference (read memory-mapped). The
     session reads the weights from the file (`stream.external_view`), not from a parse."""
     import onnxruntime as ort
@@ -151,28 +151,25 @@ def _compare_all(
 
     with stream.external_view(path) as view:
         session = ort.InferenceSession(str(view), providers=["CPUExecutionProvider"])
-    rows, failures = [], []
+    rows: list[ShapeComparison] = []
+    failures: list[tuple[ShapeComparison, dict[str, np.ndarray]]] = []
     with ctx.progress("comparing outputs", len(shapes)) as advance:
         for i, (label, sizes) in enumerate(shapes):
             feeds = _feeds(saved, i)
             got: list[Any] = session.run([t.name for t in lay.outputs], feeds)
-            done: dict[int, dict[str, Any]] = {}
+            done: dict[int, ShapeComparison] = {}
             # smallest first, each freed once compared: the biggest (a causal LM's logits)
             # is compared with the others gone (rows stay in output order)
             for j in sorted(range(len(got)), key=lambda k: got[k].nbytes):
                 ref = np.load(saved / f"{i}-{j}.npy", mmap_mode="r")
                 t = lay.outputs[j]
-                done[j] = {
-                    "shape": label,
-                    "sizes": sizes,
-                    "output": t.name,
-                    **compare(ref, got[j], tolerance(cfg, t.name), cfg),
-                }
+                compared = compare(ref, got[j], tolerance(cfg, t.name), cfg)
+                done[j] = placed(ShapeComparison, compared, shape=label, sizes=sizes, output=t.name)
                 got[j] = None
                 del ref  # unmaps the reference's pages
             for j in range(len(done)):
                 rows.append(done[j])
-                if not done[j]["ok"]:
+                if not done[j].ok:
                     failures.append((done[j], feeds))
             advance()
     return rows, failures
@@ -195,8 +192,8 @@ def _shapes(release: ReleaseSpec) -> list[tuple[str, dict[str, int]]]:
     return list({str(s): (k, s) for k, s in shapes.items()}.values())
 
 
-def _reasons(failures: list[tuple[dict[str, Any], Any]], details: ParityDetails) -> list[str]:
-    reasons = [f"{r['output']} at {r['shape']} {r['sizes']}: {cfg_stat(r)}" for r, _ in failures]
+def _reasons(failures: list[tuple[ShapeComparison, Any]], details: ParityDetails) -> list[str]:
+    reasons = [f"{r.output} at {r.shape} {r.sizes}: {cfg_stat(r)}" for r, _ in failures]
     first = details.layerwise.first_divergent if details.layerwise else None
     if first:
         reasons.append(
@@ -211,7 +208,5 @@ def _reasons(failures: list[tuple[dict[str, Any], Any]], details: ParityDetails)
     return reasons
 
 
-def cfg_stat(row: dict[str, Any]) -> str:
-    return row.get("note") or (
-        f"normalized error {row['error']:.3g} > 1 (max |diff| {row['max_abs']:.3g})"
-    )
+def cfg_stat(row: Compared) -> str:
+    return row.note or f"normalized error {row.error:.3g} > 1 (max |diff| {row.max_abs:.3g})"

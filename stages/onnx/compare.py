@@ -15,14 +15,27 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+
+from schemas.details import Compared
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from schemas.spec.parity import ParityConfig, Tolerance
+
+
+R = TypeVar("R", bound=Compared)
+
+
+def placed(row: type[R], compared: Compared, **where: Any) -> R:
+    """`compared` as a `row` (schemas/details.py: at a shape, a module, a decode probe),
+    with what it was a comparison of (`where`, which may also override the verdict:
+    kvcheck's rounding). What the comparator left unset (`note`, `atol_scale`) stays
+    unset, so it stays out of the report as it always did."""
+    return row(**{**compared.model_dump(exclude_unset=True), **where})
 
 
 def tolerance(cfg: ParityConfig, output: str) -> Tolerance:
@@ -62,8 +75,9 @@ def normalized(diff: np.ndarray, ref: np.ndarray, tol: Tolerance, scale: float) 
         return np.where(diff == 0, 0.0, diff / (tol.atol * scale + tol.rtol * np.abs(ref)))
 
 
-def compare(ref: np.ndarray, out: np.ndarray, tol: Tolerance, cfg: ParityConfig) -> dict[str, Any]:
-    """Normalized error |a-b| / (atol*s + rtol*|ref|), reduced by the spec's statistic.
+def compare(ref: np.ndarray, out: np.ndarray, tol: Tolerance, cfg: ParityConfig) -> Compared:
+    """Normalized error |a-b| / (atol*s + rtol*|ref|), reduced by the spec's statistic;
+    `atol_scale` is set only where it is not 1, `note` only where nothing was compared.
 
     Computed in float64 a chunk at a time, so a big output (a 7B model's logits) costs a few
     chunks of temporaries, not five float64 copies of itself (issue 14: peak memory). Only a
@@ -73,14 +87,14 @@ def compare(ref: np.ndarray, out: np.ndarray, tol: Tolerance, cfg: ParityConfig)
     done_with = _pager(ref)
     ref, out = np.asarray(ref), np.asarray(out)
     if ref.shape != out.shape:
-        return {
-            "ok": False,
-            "error": math.inf,
-            "max_abs": math.inf,
-            "note": f"shape {list(out.shape)} != reference {list(ref.shape)}",
-        }
+        return Compared(
+            ok=False,
+            error=math.inf,
+            max_abs=math.inf,
+            note=f"shape {list(out.shape)} != reference {list(ref.shape)}",
+        )
     if ref.size == 0:
-        return {"ok": True, "error": 0.0, "max_abs": 0.0}
+        return Compared(ok=True, error=0.0, max_abs=0.0)
     scale = atol_scale(ref, tol, done_with)
     flat_ref, flat_out = ref.ravel(), out.ravel()
     stat = cfg.statistic
@@ -109,8 +123,9 @@ def compare(ref: np.ndarray, out: np.ndarray, tol: Tolerance, cfg: ParityConfig)
     # element out of sight). A NaN normalized error needs a NaN or inf difference, so the
     # difference being finite everywhere is the whole test.
     error = math.inf if not finite or not np.isfinite(error) else error
-    result = {"ok": error <= 1.0, "error": error, "max_abs": max_abs if finite else math.inf}
-    return {**result, "atol_scale": scale} if scale != 1.0 else result
+    result = Compared(ok=error <= 1.0, error=error, max_abs=max_abs if finite else math.inf)
+    # atol_scale is set only where it is not 1 (unset, it stays out of the report)
+    return result if scale == 1.0 else placed(Compared, result, atol_scale=scale)
 
 
 def _pager(ref: np.ndarray) -> Callable[[int, int], None]:
@@ -134,26 +149,33 @@ def _pager(ref: np.ndarray) -> Callable[[int, int], None]:
     return drop
 
 
+class OutputCompared(Compared):
+    """compare_outputs' row: one named output of a run against the reference's."""
+
+    output: str
+
+
 def compare_outputs(
     want: dict[str, Any], have: dict[str, Any], cfg: ParityConfig, default: Tolerance | None = None
-) -> list[dict[str, Any]]:
+) -> list[OutputCompared]:
     """One row per reference output, in its order; `default` replaces cfg.tolerance for
     outputs no per-output key matches (e.g. engine.parity)."""
     rows = []
     for name, ref in want.items():
         if name not in have:
             rows.append(
-                {
-                    "output": name,
-                    "ok": False,
-                    "error": float("inf"),
-                    "max_abs": float("inf"),
-                    "note": "missing from the outputs",
-                }
+                OutputCompared(
+                    output=name,
+                    ok=False,
+                    error=math.inf,
+                    max_abs=math.inf,
+                    note="missing from the outputs",
+                )
             )
             continue
         tol = tolerance(cfg, name)
         if default is not None and tol is cfg.tolerance:
             tol = default
-        rows.append({"output": name, **compare(np.asarray(ref), np.asarray(have[name]), tol, cfg)})
+        compared = compare(np.asarray(ref), np.asarray(have[name]), tol, cfg)
+        rows.append(placed(OutputCompared, compared, output=name))
     return rows

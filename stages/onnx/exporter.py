@@ -7,10 +7,12 @@ import contextlib
 import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from schemas import Refused
+from schemas.details import Probed
 from stages._contract import StageContext
 from stages.onnx import shapes as sh
 
@@ -280,6 +282,15 @@ def static_axes(path: Path, lay: sh.Layout) -> list[str]:
     return problems
 
 
+@dataclass(frozen=True)
+class Probes:
+    """What `probe` found: every run (its label, sizes, and whether the graph ran with every
+    output axis right), in run order, and the problems it names."""
+
+    runs: list[Probed]
+    problems: list[str]
+
+
 def probe(
     ctx: StageContext,
     path: Path,
@@ -289,7 +300,7 @@ def probe(
     odd: bool,
     cost: Callable[[Mapping[str, int]], int] | None = None,
     budget: int = 0,
-) -> dict[str, Any]:
+) -> Probes:
     """Run the graph at its corners (every dim at its min, at its max, at an odd size); when
     a corner fails, one dim at a time from the trace sizes too, to blame the dim baked into
     the graph. With a `cost` (a run's activation bytes) each run's batch is lowered until it
@@ -317,13 +328,15 @@ def probe(
             return [(*_fit(lb, s, dims, fitted, budget), n) for lb, s, n in plans]
 
         corners, blame = fit(corners), fit(blame)
-    runs, problems, blamed = [], [], set()
+    runs: list[Probed] = []
+    problems: list[str] = []
+    blamed: set[str] = set()
 
     def run(plans: list[tuple[str, dict[str, int], str | None]], what: str) -> None:
         with ctx.progress(what, len(plans)) as advance:
             for label, sizes, moved in plans:
                 error = _run_once(session, lay, sizes)
-                runs.append({"shape": label, "sizes": sizes, "ok": error is None})
+                runs.append(Probed(shape=label, sizes=sizes, ok=error is None))
                 if error and moved and moved not in blamed:
                     blamed.add(moved)
                     problems.append(
@@ -337,11 +350,11 @@ def probe(
     uncovered = [p for p in blame if p[2] is not None and (p[2], p[1][p[2]]) not in ran]
     run(corners + uncovered, "running the graph at its corners")
     rest = [p for p in blame if p not in uncovered]
-    if not all(r["ok"] for r in runs) and rest:
+    if not all(r.ok for r in runs) and rest:
         run(rest, "a corner failed: moving one dim at a time to blame it")
     if not problems:
-        problems = [f"graph fails at {r['shape']} {r['sizes']}" for r in runs if not r["ok"]]
-    return {"runs": runs, "problems": problems}
+        problems = [f"graph fails at {r.shape} {r.sizes}" for r in runs if not r.ok]
+    return Probes(runs, problems)
 
 
 def _fit(

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from schemas.details import KvComparison
 from stages.onnx import shapes as sh
-from stages.onnx.compare import atol_scale, compare, normalized
+from stages.onnx.compare import atol_scale, compare, normalized, placed
 
 if TYPE_CHECKING:
     from schemas.spec.export import DimRange
@@ -252,7 +253,7 @@ def judge(
     tol: Tolerance,
     cfg: ParityConfig,
     fp32: dict[str, np.ndarray] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[KvComparison]:
     """Compare a probe's last logits (and, unpadded, its presents) with the full pass. A
     failed row names the first diverging position along the sequence. With `fp32` (the
     FP32 full pass of a quantized graph's tokens) a present out of tolerance is accepted
@@ -269,17 +270,18 @@ def judge(
         want = ref[name]
         if rows is None and got.shape[0] != want.shape[0]:  # the walk's rows are one sequence
             want = np.repeat(want, got.shape[0], axis=0)
-        row = {"probe": probe.label, "past": probe.past, "output": key}
         result = compare(want, got, tol, cfg)
         position = probe.position
-        if not result["ok"] and name != "logits" and want.shape == got.shape:
+        excused: dict[str, Any] = {}  # a present off by quantization rounding only
+        if not result.ok and name != "logits" and want.shape == got.shape:
             position = first_position(want, got, tol)
             base = fp32.get(name) if fp32 is not None else None
             if base is not None and base.shape[1:] == want.shape[1:]:
                 share = rounding_share(got, want, np.broadcast_to(base, want.shape))
                 if share <= ROUNDING_SHARE:
-                    result = {**result, "ok": True, "rounding": share}
-        out.append({**row, "position": position, **result})
+                    excused = {"ok": True, "rounding": share}
+        where = {"probe": probe.label, "past": probe.past, "output": key, "position": position}
+        out.append(placed(KvComparison, result, **where, **excused))
     return out
 
 
@@ -321,11 +323,11 @@ def check(
     tol: Tolerance,
     cfg: ParityConfig,
     fp32: Callable[[str, int, int], dict[str, np.ndarray]] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[KvComparison]:
     """Every probe of the walk and of the padded batch, judged against its full pass.
     `refs(kind, row, length)`: the reference of `kind` ("walk" | "padded") at that length;
     `fp32`: the FP32 model's, for a quantized `run` (see `judge`)."""
-    rows: list[dict[str, Any]] = []
+    rows: list[KvComparison] = []
     for probe in walk(run, lay, tokens[0], plan):
         n = probe.past + 1
         base = fp32("walk", 0, n) if fp32 is not None else None
@@ -360,18 +362,18 @@ def exercise(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan) -> None:
             pass
 
 
-def reasons(who: str, rows: list[dict[str, Any]]) -> list[str]:
+def reasons(who: str, rows: list[KvComparison]) -> list[str]:
     """The first diverging probe per output kind, in decode order, named for the user."""
-    failed = [r for r in rows if not r["ok"]]
+    failed = [r for r in rows if not r.ok]
     if not failed:
         return []
     first = failed[0]
-    what = first.get("note") or (
-        f"normalized error {first['error']:.3g} > 1 (max |diff| {first['max_abs']:.3g})"
+    what = first.note or (
+        f"normalized error {first.error:.3g} > 1 (max |diff| {first.max_abs:.3g})"
     )
     more = f"; {len(failed) - 1} more comparison(s) out of tolerance" if len(failed) > 1 else ""
-    past = "" if first["probe"].startswith("past ") else f" (past {first['past']})"
+    past = "" if first.probe.startswith("past ") else f" (past {first.past})"
     return [
-        f"{who}: cached decode at {first['probe']}{past}: {first['output']} "
-        f"at position {first['position']} differs from a full recompute: {what}{more}"
+        f"{who}: cached decode at {first.probe}{past}: {first.output} "
+        f"at position {first.position} differs from a full recompute: {what}{more}"
     ]

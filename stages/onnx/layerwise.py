@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from schemas.details import LayerComparison, Layerwise
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
-from stages.onnx.compare import compare
+from stages.onnx.compare import compare, placed
 from stages.onnx.graph import all_tensors, boundary_outputs, scoped_outputs
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 def layerwise(
     flat: Any, lay: sh.Layout, path: Path, feeds: dict[str, np.ndarray], cfg: ParityConfig
-) -> dict[str, Any]:
+) -> Layerwise:
     """Compare each PyTorch module's output with the ONNX tensor of the same scope: for a
     module with one output, the last tensor computed inside it or its children (GPT-2's
     attention ends in c_proj; eval-mode dropout after it exports to nothing); for a module
@@ -28,7 +29,8 @@ def layerwise(
     _, modules = m.traced_run(flat, lay, feeds)
     tensors = all_tensors(path, feeds)
     scoped = scoped_outputs(path)
-    layers, first = [], None
+    layers: list[LayerComparison] = []
+    first: LayerComparison | None = None
     for module, _, ref, outs in modules:
         if len(outs) > 1:
             rows = _several(module, outs, boundary_outputs(path, module), tensors, cfg)
@@ -46,15 +48,16 @@ def layerwise(
             rows = [] if match is None else [_row(module, match, ref, tensors[match], cfg)]
         for row in rows:
             layers.append(row)
-            if first is None and not row["ok"]:
+            if first is None and not row.ok:
                 first = row
-    return {"compared": len(layers), "first_divergent": first, "layers": layers}
+    return Layerwise(compared=len(layers), first_divergent=first, layers=layers)
 
 
 def _row(
     module: str, tensor: str, ref: np.ndarray, got: np.ndarray, cfg: ParityConfig
-) -> dict[str, Any]:
-    return {"module": module, "tensor": tensor, **compare(ref, got, cfg.tolerance, cfg)}
+) -> LayerComparison:
+    compared = compare(ref, got, cfg.tolerance, cfg)
+    return placed(LayerComparison, compared, module=module, tensor=tensor)
 
 
 def _several(
@@ -63,7 +66,7 @@ def _several(
     leaving: list[str],
     tensors: dict[str, np.ndarray],
     cfg: ParityConfig,
-) -> list[dict[str, Any]]:
+) -> list[LayerComparison]:
     """Output k of a multi-output module against the leaving tensor of its shape that it is
     closest to, each tensor used once: the graph does not keep the module's return order,
     and of two same-shaped outputs only the right pairing matches."""
@@ -75,7 +78,7 @@ def _several(
         if not candidates:
             continue
         scored = [_row(f"{module}[{k}]", t, ref, tensors[t], cfg) for t in candidates]
-        best = min(scored, key=lambda r: r["error"])
-        used.add(best["tensor"])
+        best = min(scored, key=lambda r: r.error)
+        used.add(best.tensor)
         rows.append(best)
     return rows

@@ -3,7 +3,9 @@ reference baseline) and the gate (the production baseline)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from schemas.details import ThresholdResult
 
 if TYPE_CHECKING:
     from schemas.spec.evaluation import MetricThreshold
@@ -11,9 +13,10 @@ if TYPE_CHECKING:
 
 def check(
     t: MetricThreshold, metrics: dict[str, float], baseline: float | None, absolute: bool = True
-) -> dict[str, Any]:
+) -> ThresholdResult:
     """MLflow MetricThreshold semantics: an absolute bound (when `absolute`) and the
-    min absolute / relative change vs `baseline` (when given)."""
+    min absolute / relative change vs `baseline` (when given). The verdict is read by field
+    (evaluate's failures, the gate's rows) and written as is into evaluate's report."""
     value, up = metrics[t.metric], t.greater_is_better
     problems = []
     if (
@@ -32,14 +35,14 @@ def check(
                 f"needs {'>=' if up else '<='} {bound:.4g} (min_{kind}_change {change:g})"
             )
     shown = f"{value:.4g}" + (f" vs {t.baseline} {baseline:.4g}" if baseline is not None else "")
-    return {
-        "metric": t.metric,
-        "baseline": t.baseline,
-        "value": value,
-        "baseline_value": baseline,
-        "ok": not problems,
-        "message": f"{t.metric} {shown}: " + ("; ".join(problems) or "holds"),
-    }
+    return ThresholdResult(
+        metric=t.metric,
+        baseline=t.baseline,
+        value=value,
+        baseline_value=baseline,
+        ok=not problems,
+        message=f"{t.metric} {shown}: " + ("; ".join(problems) or "holds"),
+    )
 
 
 def has_change(t: MetricThreshold) -> bool:

@@ -234,14 +234,14 @@ def judge(
     from stages.onnx.compare import compare_outputs
 
     results = compare_outputs(want, have, parity, default)
-    bad = [r for r in results if not r["ok"]]
-    worst = max((r["error"] for r in results), default=0.0)
+    bad = [r for r in results if not r.ok]
+    worst = max((r.error for r in results), default=0.0)
     if not bad:
         why = f"ok ({parity.statistic} normalized error {worst:.3g} <= 1)"
     else:
         first = bad[0]
-        why = f"{first['output']} out of tolerance: " + (
-            first.get("note") or f"{parity.statistic} normalized error {first['error']:.3g} > 1"
+        why = f"{first.output} out of tolerance: " + (
+            first.note or f"{parity.statistic} normalized error {first.error:.3g} > 1"
         )
     return {
         "profile": profile,
@@ -303,8 +303,8 @@ def first_diverging_layer(
         want = ort_runner.infer(feeds)
     common = {n: v for n, v in want.items() if n in have}  # ORT returns graph order
     for row in compare_outputs(common, have, parity, default):
-        if not row["ok"]:
-            return {**bad, "why": f"first diverging tensor: {row['output']}"}
+        if not row.ok:
+            return {**bad, "why": f"first diverging tensor: {row.output}"}
     return {**bad, "why": "no single intermediate tensor diverges; the outputs do"}
 
 

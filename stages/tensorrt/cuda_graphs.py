@@ -69,8 +69,8 @@ def _compare(
     from stages.onnx.compare import compare_outputs
 
     results = compare_outputs(plain, replay, REPLAY)
-    ok = all(r["ok"] for r in results)
-    worst = max((r["max_abs"] for r in results), default=0.0)
+    ok = all(r.ok for r in results)
+    worst = max((r.max_abs for r in results), default=0.0)
     speedup = plain_ms / graph_ms if graph_ms > 0 else float("inf")
     why = (
         f"batch {batch}: graph replay {'matches' if ok else 'DIFFERS from'} plain execution "

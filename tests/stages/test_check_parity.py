@@ -72,33 +72,33 @@ def test_statistic_decides_how_one_outlier_counts(statistic: str, expected_ok: b
     out[0] = 0.5  # one element far off, the rest exact
     cfg = ParityConfig(statistic=statistic, quantile=0.99)
     result = compare(ref, out, Tolerance(atol=0.01, rtol=0.0), cfg)
-    assert result["ok"] is expected_ok and result["max_abs"] == 0.5
+    assert result.ok is expected_ok and result.max_abs == 0.5
 
 
 def test_nan_in_output_is_a_failure() -> None:
     ref = np.ones(4, np.float32)
     out = ref.copy()
     out[1] = np.nan
-    assert compare(ref, out, Tolerance(), ParityConfig())["ok"] is False
+    assert compare(ref, out, Tolerance(), ParityConfig()).ok is False
 
 
 def test_shape_mismatch_is_a_failure_with_a_note() -> None:
     result = compare(np.ones((2, 3)), np.ones((3, 2)), Tolerance(), ParityConfig())
-    assert not result["ok"] and "!= reference" in result["note"]
-    assert result["error"] == float("inf") and result["max_abs"] == float("inf")
+    assert not result.ok and result.note is not None and "!= reference" in result.note
+    assert result.error == float("inf") and result.max_abs == float("inf")
 
 
 def test_empty_outputs_agree() -> None:
     """A zero-size output (an empty KV cache) has nothing to disagree about."""
     empty = np.zeros((2, 0, 4), np.float32)
-    assert compare(empty, empty.copy(), Tolerance(), ParityConfig()) == {
+    assert compare(empty, empty.copy(), Tolerance(), ParityConfig()).dump() == {
         "ok": True,
         "error": 0.0,
         "max_abs": 0.0,
     }
     one = compare(np.zeros(1), np.zeros(1), Tolerance(), ParityConfig())  # size 1 is not empty
-    assert one == {"ok": True, "error": 0.0, "max_abs": 0.0}
-    assert compare(np.zeros(1), np.ones(1), Tolerance(), ParityConfig())["ok"] is False
+    assert one.dump() == {"ok": True, "error": 0.0, "max_abs": 0.0}
+    assert compare(np.zeros(1), np.ones(1), Tolerance(), ParityConfig()).ok is False
 
 
 @pytest.mark.parametrize("statistic", ["max", "mean", "quantile"])
@@ -108,20 +108,20 @@ def test_a_normalized_error_of_exactly_one_passes_and_just_above_fails(statistic
     tol = Tolerance(atol=0.25, rtol=0.0)
     ref = np.zeros(4, np.float64)
     at = compare(ref, np.full(4, 0.25), tol, cfg)
-    assert at == {"ok": True, "error": 1.0, "max_abs": 0.25}
+    assert at.dump() == {"ok": True, "error": 1.0, "max_abs": 0.25}
     past = compare(ref, np.full(4, 0.375), tol, cfg)
-    assert past["ok"] is False and past["error"] == 1.5
+    assert past.ok is False and past.error == 1.5
 
 
 @pytest.mark.parametrize("statistic", ["max", "mean", "quantile"])
 def test_zero_tolerance_accepts_exact_equality_and_nothing_else(statistic: str) -> None:
     exact, cfg = Tolerance(atol=0.0, rtol=0.0), ParityConfig(statistic=statistic)
-    assert compare(np.zeros(3), np.zeros(3), exact, cfg) == {
+    assert compare(np.zeros(3), np.zeros(3), exact, cfg).dump() == {
         "ok": True,
         "error": 0.0,
         "max_abs": 0.0,
     }
-    assert compare(np.zeros(3), np.full(3, 1e-12), exact, cfg)["ok"] is False
+    assert compare(np.zeros(3), np.full(3, 1e-12), exact, cfg).ok is False
 
 
 def _naive(ref: np.ndarray, out: np.ndarray, tol: Tolerance, cfg: ParityConfig) -> dict:
@@ -161,12 +161,13 @@ def test_the_chunked_comparator_equals_the_whole_array_definition(
     cfg = ParityConfig(statistic=statistic, **extra)
     tol = Tolerance(atol=1e-4, rtol=1e-3, scale=scale)
     got, want = compare(ref, out, tol, cfg), _naive(ref, out, tol, cfg)
-    assert got["ok"] == want["ok"] and got["max_abs"] == want["max_abs"]
-    assert got["error"] == pytest.approx(want["error"], rel=1e-12, abs=0)
+    assert got.ok == want["ok"] and got.max_abs == want["max_abs"]
+    assert got.error == pytest.approx(want["error"], rel=1e-12, abs=0)
     if poison is not None:
-        assert got["error"] == float("inf") and not got["ok"]
+        assert got.error == float("inf") and not got.ok
     rms = float(np.sqrt(np.mean(ref.astype(np.float64) ** 2)))
-    assert rms > 20 and got.get("atol_scale", 1.0) == (pytest.approx(rms) if scale == "rms" else 1)
+    scaled = got.atol_scale if got.atol_scale is not None else 1.0
+    assert rms > 20 and scaled == (pytest.approx(rms) if scale == "rms" else 1)
 
 
 def test_rms_scale_forgives_rounding_that_follows_the_tensor_and_nothing_more() -> None:
@@ -180,17 +181,17 @@ def test_rms_scale_forgives_rounding_that_follows_the_tensor_and_nothing_more() 
     noisy = ref.copy()
     noisy[0] += 1e-3
     cfg = ParityConfig()
-    assert not compare(ref, noisy, Tolerance(scale="none"), cfg)["ok"]
+    assert not compare(ref, noisy, Tolerance(scale="none"), cfg).ok
     scaled = compare(ref, noisy, Tolerance(), cfg)
-    assert scaled["ok"] and scaled["atol_scale"] == pytest.approx(100, rel=0.05)
+    assert scaled.ok and scaled.atol_scale == pytest.approx(100, rel=0.05)
     broken = ref.copy()
     broken[0] += 1.0  # 1% of the RMS
-    assert not compare(ref, broken, Tolerance(), cfg)["ok"]
+    assert not compare(ref, broken, Tolerance(), cfg).ok
     small = rng.uniform(-0.5, 0.5, 4096).astype("f4")
     off = small + rng.normal(0, 2e-4, small.shape).astype("f4")
     got = compare(small, off, Tolerance(), cfg)
-    assert "atol_scale" not in got
-    assert got["ok"] == bool(np.allclose(off, small, atol=1e-4, rtol=1e-3))
+    assert got.atol_scale is None and "atol_scale" not in got.dump()
+    assert got.ok == bool(np.allclose(off, small, atol=1e-4, rtol=1e-3))
 
 
 def _resident_kb(name: str) -> int:

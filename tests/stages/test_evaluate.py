@@ -128,7 +128,7 @@ def rule(**kw: object) -> MetricThreshold:
 def test_mlflow_threshold_semantics(
     kw: dict, value: float, baseline: float | None, ok: bool
 ) -> None:
-    assert check(rule(**kw), {"m": value}, baseline)["ok"] is ok
+    assert check(rule(**kw), {"m": value}, baseline).ok is ok
 
 
 def test_a_threshold_needs_a_bound() -> None:

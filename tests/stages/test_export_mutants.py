@@ -158,11 +158,11 @@ def test_a_dynamic_graph_runs_at_every_probe(tmp_path: Path) -> None:
     path = graph(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], [], ["batch", "length"])
     ctx = Ctx()
     found = exporter.probe(ctx, path, LAYOUT, DIMS, TRACE, True)  # type: ignore[arg-type]
-    assert found["problems"] == []
+    assert found.problems == []
     # every corner passes: no one-dim run is needed (each one's size was run at a corner)
-    assert [r["ok"] for r in found["runs"]] == [True] * 3 and ctx.advanced == 3
+    assert [r.ok for r in found.runs] == [True] * 3 and ctx.advanced == 3
     first = {"shape": "all min", "sizes": {"batch": 1, "length": 2}, "ok": True}
-    assert found["runs"][0] == first
+    assert found.runs[0].dump() == first
 
 
 def test_a_corner_whose_batch_was_lowered_leaves_batch_max_to_its_own_run(
@@ -174,8 +174,8 @@ def test_a_corner_whose_batch_was_lowered_leaves_batch_max_to_its_own_run(
     path = graph(tmp_path, [helper.make_node("Relu", ["x"], ["y"])], [], ["batch", "length"])
     cost = lambda s: s["batch"] * s["length"]  # noqa: E731
     found = exporter.probe(Ctx(), path, LAYOUT, DIMS, TRACE, True, cost, 16)  # type: ignore[arg-type]
-    assert found["problems"] == []
-    assert [(r["shape"], r["sizes"]) for r in found["runs"]] == [
+    assert found.problems == []
+    assert [(r.shape, r.sizes) for r in found.runs] == [
         ("all min", {"batch": 1, "length": 2}),
         ("all max, batch 2 (probe memory)", {"batch": 2, "length": 6}),
         ("all odd", {"batch": 3, "length": 5}),
@@ -194,11 +194,11 @@ def test_a_batch_max_only_a_lowered_corner_skipped_is_still_blamed(tmp_path: Pat
     path = graph(tmp_path, [node], [starts, ends, axes], ["batch", "length"])
     cost = lambda s: s["batch"] * s["length"]  # noqa: E731
     found = exporter.probe(Ctx(), path, LAYOUT, DIMS, TRACE, True, cost, 16)  # type: ignore[arg-type]
-    assert found["problems"] == [
+    assert found.problems == [
         "dim 'batch' is baked into the graph: it runs at the trace size batch=2 but not at "
         "batch=4: output y has shape [3, 4], axis 0 (batch) should be 4"
     ]
-    assert [r["shape"] for r in found["runs"] if not r["ok"]] == ["only batch=4"]
+    assert [r.shape for r in found.runs if not r.ok] == ["only batch=4"]
 
 
 def test_a_graph_baked_at_the_trace_length_blames_length_once(tmp_path: Path) -> None:
@@ -208,12 +208,12 @@ def test_a_graph_baked_at_the_trace_length_blames_length_once(tmp_path: Path) ->
         tmp_path, [helper.make_node("Add", ["x", "bias"], ["y"])], [bias], ["batch", "length"]
     )
     found = exporter.probe(Ctx(), path, LAYOUT, DIMS, TRACE, True)  # type: ignore[arg-type]
-    [problem] = found["problems"]
+    [problem] = found.problems
     assert problem.startswith(
         "dim 'length' is baked into the graph: it runs at the trace size length=4 but not at "
         "length=2: "
     ), problem
-    assert [r["shape"] for r in found["runs"] if not r["ok"]] == [
+    assert [r.shape for r in found.runs if not r.ok] == [
         "all min",
         "all max",
         "all odd",
@@ -232,7 +232,7 @@ def test_a_wrong_output_size_fails_the_probe_naming_the_axis(tmp_path: Path) -> 
     node = helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["y"])
     path = graph(tmp_path, [node], [starts, ends, axes], ["batch", 4])
     found = exporter.probe(Ctx(), path, LAYOUT, DIMS, TRACE, False)  # type: ignore[arg-type]
-    [problem] = found["problems"]
+    [problem] = found.problems
     assert problem == (
         "dim 'length' is baked into the graph: it runs at the trace size length=4 but not at "
         "length=6: output y has shape [2, 4], axis 1 (length) should be 6"
@@ -250,7 +250,7 @@ def test_failures_no_single_dim_explains_are_listed_by_shape(tmp_path: Path) -> 
     ]
     path = graph(tmp_path, nodes, [pairs], ["batch", "length"])
     found = exporter.probe(Ctx(), path, LAYOUT, DIMS, TRACE, True)  # type: ignore[arg-type]
-    assert found["problems"] == ["graph fails at all odd {'batch': 3, 'length': 5}"]
+    assert found.problems == ["graph fails at all odd {'batch': 3, 'length': 5}"]
 
 
 def test_one_run_checks_every_declared_output_axis(tmp_path: Path) -> None:

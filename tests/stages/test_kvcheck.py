@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from schemas import SpecError, StageError
-from schemas.details import KvcheckDetails, ParityDetails
+from schemas.details import KvcheckDetails, KvComparison, ParityDetails
 from tests.conftest import Workspace, gpt2_spec, model_info
 from tests.fixtures import architectures as matrix
 from tests.fixtures import kvbugs
@@ -430,7 +430,7 @@ def _session(path: Path, edit: Any = None) -> Any:
     return lambda feeds: dict(zip(names, session.run(names, feeds), strict=True))
 
 
-def _self_check(run: Any, lay: Any, release: Any) -> list[dict[str, Any]]:
+def _self_check(run: Any, lay: Any, release: Any) -> list[KvComparison]:
     from stages.onnx import kvcache as kv
 
     plan = kv.make_plan(release.export.dims, release.parity.kv)
@@ -469,7 +469,7 @@ def test_the_shipped_int8_graph_is_checked_before_its_per_token_rounding(
         _session(path, lambda g: changed.append(pertoken.unrounded(g))), lay, release
     )
     assert changed == [9]  # every quantized product of tiny-gpt2's two layers and its head
-    assert rows and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]][:3]
+    assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok][:3]
 
 
 def test_dynamic_int8_decodes_apart_through_its_cache_until_its_scales_are_pinned(
@@ -495,7 +495,7 @@ def test_dynamic_int8_decodes_apart_through_its_cache_until_its_scales_are_pinne
         weight_type=QuantType.QInt8,
     )
     raw = _self_check(_session(path), lay, release)
-    assert not all(r["ok"] for r in raw)  # the noise the pinning removes
+    assert not all(r.ok for r in raw)  # the noise the pinning removes
 
     exposed: list[tuple[str, str, str]] = []
     raw_all = _session(path, lambda g: exposed.extend(pq.expose_scales(g)))
@@ -515,7 +515,7 @@ def test_dynamic_int8_decodes_apart_through_its_cache_until_its_scales_are_pinne
         kv.make_plan(release.export.dims, release.parity.kv),
     )
     pinned = _self_check(_session(path, lambda g: pq.pin(g, ranges)), lay, release)
-    assert all(r["ok"] for r in pinned), kv.reasons("pinned", pinned)
+    assert all(r.ok for r in pinned), kv.reasons("pinned", pinned)
 
 
 def test_a_quantized_graph_whose_cache_path_is_off_is_stopped_on_the_shipped_graph(
@@ -612,7 +612,7 @@ def _rounding_case(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.n
     return fp32, quant
 
 
-def _judged(got_key: np.ndarray, quant: dict[str, np.ndarray], fp32: Any) -> dict[str, Any]:
+def _judged(got_key: np.ndarray, quant: dict[str, np.ndarray], fp32: Any) -> KvComparison:
     from schemas.spec.parity import ParityConfig
     from stages.onnx import kvcache as kv
 
@@ -620,7 +620,7 @@ def _judged(got_key: np.ndarray, quant: dict[str, np.ndarray], fp32: Any) -> dic
         "step 0", 39, 39, {"logits": quant["logits"][:, None], "present.0.key": got_key}
     )
     rows = kv.judge(probe, quant, ParityConfig().tolerance, ParityConfig(), fp32)
-    return next(r for r in rows if r["output"] == "present.0.key")
+    return next(r for r in rows if r.output == "present.0.key")
 
 
 def test_a_rounding_flip_in_a_quantized_present_is_told_from_a_cache_bug() -> None:
@@ -636,17 +636,17 @@ def test_a_rounding_flip_in_a_quantized_present_is_told_from_a_cache_bug() -> No
     flipped[0, 1, 20, :] += 0.004  # one step of a quantizer, one position
     flipped[0, :, 21:, :] += 2e-4 * np.sign(flipped[0, :, 21:, :])
     strict = _judged(flipped, quant, None)
-    assert not strict["ok"] and strict["position"] == 20
+    assert not strict.ok and strict.position == 20
     row = _judged(flipped, quant, fp32)
-    assert row["ok"] and 0 < row["rounding"] <= kv.ROUNDING_SHARE, row
-    assert row["position"] == 20  # still named where it first moved
+    assert row.ok and row.rounding is not None and 0 < row.rounding <= kv.ROUNDING_SHARE, row
+    assert row.position == 20  # still named where it first moved
 
     for bad in (key * 1.02, np.concatenate([key[:, :, :39], key[:, :, :1]], axis=2)):
         refused = _judged(bad.astype(np.float32), quant, fp32)
-        assert not refused["ok"] and refused.get("rounding") is None, refused
+        assert not refused.ok and refused.rounding is None, refused
     # where quantizing changed nothing, nothing is excused
     same = {k: v.copy() for k, v in quant.items()}
-    assert not _judged(flipped, quant, same)["ok"]
+    assert not _judged(flipped, quant, same).ok
 
 
 def test_the_logits_of_a_quantized_graph_are_never_excused() -> None:
@@ -659,5 +659,5 @@ def test_the_logits_of_a_quantized_graph_are_never_excused() -> None:
         "step 0", 39, 39, {"logits": logits[:, None], "present.0.key": quant["present.0.key"]}
     )
     rows = kv.judge(probe, quant, ParityConfig().tolerance, ParityConfig(), fp32)
-    first = next(r for r in rows if r["output"] == "logits")
-    assert not first["ok"] and "rounding" not in first
+    first = next(r for r in rows if r.output == "logits")
+    assert not first.ok and "rounding" not in first.dump()
