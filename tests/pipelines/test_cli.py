@@ -117,3 +117,30 @@ def test_help_speaks_to_a_user_and_every_argument_says_what_it_is() -> None:
         if not action.help and not isinstance(action, argparse._HelpAction)
     ]
     assert silent == []
+
+
+def test_every_command_says_what_it_does_in_the_top_help_and_in_its_own() -> None:
+    """`shipyard --help` lists each command with its one line; `shipyard CMD --help` (and
+    `shipyard registry SUB --help`) opens with a description of what it does."""
+    import argparse
+
+    from pipelines.cli import parser
+
+    def squeezed(text: str) -> str:  # the help wraps lines (and breaks at hyphens)
+        return "".join(text.split())
+
+    top = parser()
+    commands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    lines = {a.dest: a.help for a in commands._choices_actions}
+    shown = squeezed(top.format_help())
+    for name, command in commands.choices.items():
+        assert lines[name] and squeezed(f"{name} {lines[name]}") in shown, name
+        parsers = [command] + [
+            nested
+            for action in command._actions
+            if isinstance(action, argparse._SubParsersAction)
+            for nested in action.choices.values()
+        ]
+        for each in parsers:
+            assert each.description and len(each.description) > 40, each.prog
+            assert squeezed(each.description) in squeezed(each.format_help()), each.prog
