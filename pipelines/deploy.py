@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from schemas import RegistryError
+from schemas import RegistryError, SpecError
 from schemas.cluster import (
     ApiObject,
     Deployment,
@@ -56,11 +56,14 @@ def storage_uri(registry_url: str, base: str | None, name: str, version: str) ->
     cluster can reach it) + the registry's layout."""
     root = base or registry_url
     if not root.startswith(REMOTE):
-        raise RegistryError(
-            f"the registry {registry_url} is a folder on this machine, which a cluster cannot "
-            "fetch from: pass --storage-uri with the URI the cluster reaches it by (e.g. "
-            "pvc://CLAIM for the folder on a PersistentVolumeClaim), or publish to an s3:// "
-            "registry"
+        raise SpecError(
+            "--storage-uri",
+            [
+                f"the registry {registry_url} is a folder on this machine, which a cluster "
+                "cannot fetch from: pass --storage-uri with the URI the cluster reaches it by "
+                "(e.g. pvc://CLAIM for the folder on a PersistentVolumeClaim), or publish to "
+                "an s3:// registry"
+            ],
         )
     return f"{root.rstrip('/')}/releases/{name}/{version}"
 
@@ -135,9 +138,12 @@ def _check_range(objects: dict[str, list[ApiObject]]) -> None:
             else:
                 continue
             if low is not None and high is not None and low > high:
-                raise RegistryError(
-                    f"min replicas {low} is above max replicas {high}: set --min-replicas "
-                    "and --max-replicas so that min <= max"
+                raise SpecError(
+                    "--min-replicas",
+                    [
+                        f"min replicas {low} is above max replicas {high}: set --min-replicas "
+                        "and --max-replicas so that min <= max"
+                    ],
                 )
 
 
@@ -147,18 +153,20 @@ def render(registry: Any, target: str, out: Path, choices: Choices) -> dict[str,
     from stages.bundling.cluster import documents
 
     if "@" not in target:
-        raise RegistryError(
-            f"{target!r}: write NAME@VERSION or NAME@CHANNEL, e.g. tiny-gpt2@production"
+        raise SpecError(
+            "", [f"{target!r}: write NAME@VERSION or NAME@CHANNEL, e.g. tiny-gpt2@production"]
         )
     name, ref = target.rsplit("@", 1)
     if choices.canary_percent is not None and not 0 <= choices.canary_percent <= 100:
-        raise RegistryError(f"--canary {choices.canary_percent}: a percent of traffic, 0 to 100")
+        raise SpecError(
+            "--canary", [f"--canary {choices.canary_percent}: a percent of traffic, 0 to 100"]
+        )
     for flag, value in (
         ("--min-replicas", choices.min_replicas),
         ("--max-replicas", choices.max_replicas),
     ):
         if value is not None and value < 1:
-            raise RegistryError(f"{flag} {value}: at least 1")
+            raise SpecError(flag, [f"{flag} {value}: at least 1"])
     with tempfile.TemporaryDirectory(prefix="shipyard-deploy-") as tmp:
         got = registry.checkout(name, ref, Path(tmp) / "bundle")
         objects = load(Path(tmp) / "bundle")

@@ -37,7 +37,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pipelines.storage import STAGING, UPLOAD, Store, _dump, open_store, who
-from schemas import RegistryError, StageReport
+from schemas import RegistryError, SpecError, StageReport
 from schemas.facts import FactsHead
 from schemas.problems import first_problem
 from schemas.registry import ChannelPointer, HistoryEntry, PublishRecord, SignaturePolicy
@@ -114,6 +114,10 @@ class Registry:
     def publish(self, bundle: Path, name: str, version: str) -> dict[str, Any]:
         """Copy a verified, passing bundle in as name@version; never overwrite another."""
         target, record_path = self._version_dir(name, version), self._record_path(name, version)
+        if not bundle.is_dir():  # a missing bundle is refused as a tampered one is
+            raise RegistryError(
+                f"{bundle}: no such bundle folder; build it with `dvc repro bundle@{name}`"
+            )
         with self.lock():
             done = self._recover(name)
             record = self.record(name, version)
@@ -379,7 +383,7 @@ class Registry:
         share, or None: all) is recorded as a move of its own."""
         check_name(name), check_version(version), check_channel(channel)
         if canary is not None and not 0 <= canary <= 100:
-            raise RegistryError(f"--canary {canary}: a percent of traffic, 0 to 100")
+            raise SpecError("--canary", [f"--canary {canary}: a percent of traffic, 0 to 100"])
         with self.lock():
             self.warnings += self._pointers()  # an interrupted move first
             target = self._checked(name, version, channel)

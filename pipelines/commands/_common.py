@@ -89,7 +89,7 @@ def trusted_builder_option(parser: argparse.ArgumentParser) -> None:
 def trusted(args: argparse.Namespace) -> dict[str, Any]:
     """The trusted builders' public keys by key id: --trusted-builder, else the environment's."""
     from pipelines import provenance
-    from schemas import RegistryError
+    from schemas import SpecError
 
     keys = (
         {provenance.key_id(k): k for k in map(_public_key, args.trusted_builder)}
@@ -97,8 +97,12 @@ def trusted(args: argparse.Namespace) -> dict[str, Any]:
         else provenance.trusted_keys()
     )
     if not keys:
-        raise RegistryError(
-            f"no trusted builder keys: pass --trusted-builder KEY.pub or set {provenance.TRUST_ENV}"
+        raise SpecError(
+            "--trusted-builder",
+            [
+                "no trusted builder keys: pass --trusted-builder KEY.pub or set "
+                f"{provenance.TRUST_ENV}"
+            ],
         )
     return keys
 

@@ -34,10 +34,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from schemas import RegistryError
+    from schemas import SpecError
 
     if "@" not in args.target:
-        raise RegistryError(f"{args.target!r}: write NAME@VERSION, e.g. tiny-gpt2@0.1.0")
+        raise SpecError("", [f"{args.target!r}: write NAME@VERSION, e.g. tiny-gpt2@0.1.0"])
     name, version = args.target.rsplit("@", 1)
     registry = _common.registry(args)
     entry = registry.promote(name, version, args.to, args.reason, args.canary)

@@ -32,7 +32,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Every stage of the releases: built by a trusted builder from these inputs?"""
     from pipelines import compiler, fingerprint, provenance
-    from schemas import RegistryError
+    from schemas import RegistryError, SpecError
 
     root = _common.root()
     trusted = _common.trusted(args)
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"ok   {stage}@{spec.name}: built by {who}")
     unknown = wanted - {s.name for _, s in releases}
     if unknown:
-        raise RegistryError(f"no such release: {', '.join(sorted(unknown))}")
+        raise SpecError("releases/", [f"no such release: {', '.join(sorted(unknown))}"])
     if stale and not bad:
         raise RegistryError(
             f"{len(stale)} params file(s) under {compiler.PARAMS_DIR} are not this checkout's: "

@@ -27,16 +27,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from schemas import RegistryError
+    from schemas import RegistryError, SpecError
 
     registry = _common.registry(args)
     names = sorted({c["release"] for c in registry.channels() if c["channel"] == args.channel})
     name = args.release or (names[0] if len(names) == 1 else None)
     if name is None:
-        raise RegistryError(
+        problem = (
             f"channel {args.channel!r} exists for {names or 'no release'}; "
             "say which with --release NAME"
         )
+        if names:  # several releases have it: the argument is missing
+            raise SpecError("--release", [problem])
+        raise RegistryError(problem)  # no release has it: the registry lacks it
     entry = registry.rollback(name, args.channel, args.reason)
     print(f"{args.channel}: {entry['from']} -> {entry['to']} (#{entry['seq']}, rollback)")
     _common.warn(registry)

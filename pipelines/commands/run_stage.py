@@ -30,11 +30,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from pipelines import provenance
-    from schemas import StageStatus
+    from schemas import SpecError, StageStatus
     from schemas.loader import load_release
-    from stages import execute
+    from stages import STAGES, execute
 
     verdicts = {StageStatus.PASSED: "PASS", StageStatus.FAILED: "FAIL", StageStatus.SKIPPED: "SKIP"}
+    if args.stage not in STAGES:  # an argument mistake (exit 2), as `build --until` says
+        raise SpecError(
+            args.stage,
+            [f"{args.stage}: no such stage\n  fix: choose one of: {', '.join(STAGES)}"],
+        )
     root = _common.root()
     spec_path = Path(args.release)
     key = provenance.builder_key()  # a bad key fails before the stage runs

@@ -52,4 +52,4 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             passed += [f"--{name.replace('_', '-')}", str(value)]
     passed += ["--admin-api"] * args.admin_api + ["--no-auth"] * args.no_auth
-    return serve(args.target, _common.registry_url(args), args.device, passed)
+    return serve(args.target, _common.registry_url(args), args.device, passed, _common.root())

@@ -109,14 +109,17 @@ def _chain(bundle: Path, trusted: dict[str, Any], say: _Say) -> None:
 
 def _identity(args: argparse.Namespace) -> Identity | None:
     from pipelines.signing import Identity
-    from schemas import RegistryError
+    from schemas import SpecError
 
     chain = tuple(Path(c) for c in args.certificate_chain or ())
     given = sum(bool(x) for x in (args.public_key, chain, args.sigstore_identity))
     if given > 1:
-        raise RegistryError("give one of --public-key, --certificate-chain, --sigstore-identity")
+        raise SpecError("", ["give one of --public-key, --certificate-chain, --sigstore-identity"])
     if args.sigstore_identity and not args.sigstore_issuer:
-        raise RegistryError("--sigstore-identity needs --sigstore-issuer (the OIDC issuer URL)")
+        raise SpecError(
+            "--sigstore-identity",
+            ["--sigstore-identity needs --sigstore-issuer (the OIDC issuer URL)"],
+        )
     if not given:
         return None
     return Identity(
