@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import RegistryError, SpecError
 from schemas.cluster import (
@@ -27,6 +27,9 @@ from schemas.cluster import (
     ServingRuntime,
 )
 from stages.bundling.cluster import FOLDER
+
+if TYPE_CHECKING:
+    from pipelines.registry import CheckedOut, Registry
 
 # bundle file -> the typed model each of its YAML documents must be
 MANIFESTS: dict[str, type[ApiObject]] = {
@@ -49,6 +52,20 @@ class Choices:
     min_replicas: int | None = None
     max_replicas: int | None = None
     canary_percent: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployed:
+    """What `render` wrote: the verified version, the URI the cluster fetches it from, and
+    the manifest files."""
+
+    version: CheckedOut
+    storage_uri: str
+    files: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return self.version.label
 
 
 def storage_uri(registry_url: str, base: str | None, name: str, version: str) -> str:
@@ -147,7 +164,7 @@ def _check_range(objects: dict[str, list[ApiObject]]) -> None:
                 )
 
 
-def render(registry: Any, target: str, out: Path, choices: Choices) -> dict[str, Any]:
+def render(registry: Registry, target: str, out: Path, choices: Choices) -> Deployed:
     """Check out `target` (NAME@VERSION or NAME@CHANNEL), write its manifests under `out`
     (kserve/ and kubernetes/, replacing files of the same names); what was deployed."""
     from stages.bundling.cluster import documents
@@ -170,7 +187,7 @@ def render(registry: Any, target: str, out: Path, choices: Choices) -> dict[str,
     with tempfile.TemporaryDirectory(prefix="shipyard-deploy-") as tmp:
         got = registry.checkout(name, ref, Path(tmp) / "bundle")
         objects = load(Path(tmp) / "bundle")
-    uri = storage_uri(registry.url, choices.storage_base, name, got["version"])
+    uri = storage_uri(registry.url, choices.storage_base, name, got.version)
     adjust(objects, uri, choices)
     written = []
     for rel, docs in objects.items():
@@ -180,4 +197,4 @@ def render(registry: Any, target: str, out: Path, choices: Choices) -> dict[str,
         tmp_path.write_text(documents(docs), encoding="utf-8")
         tmp_path.replace(path)  # a reader never sees half a manifest
         written.append(str(path))
-    return {**got, "storage_uri": uri, "files": written}
+    return Deployed(got, uri, tuple(written))

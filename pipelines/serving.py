@@ -24,9 +24,12 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import RegistryError, ShipyardError
+
+if TYPE_CHECKING:
+    from pipelines.registry import CheckedOut
 
 SERVE_DIR_ENV = "SHIPYARD_SERVE_DIR"
 LAUNCHER = Path("serving") / "mlserver" / "shipyard_serve.py"
@@ -86,11 +89,11 @@ def sweep(root: Path) -> list[Path]:
 
 def checkout(
     target: str, registry_url: str, served: Path, repo: Path
-) -> tuple[Path, dict[str, Any]]:
-    """The verified private copy of `target` under `served`/serve-<pid>/bundle, and what it
-    is (release, version, digest, channel, source); a release without a version or channel
-    is the bundle built in the repository `repo`."""
-    from pipelines.registry import Registry, check_name
+) -> tuple[Path, CheckedOut, str]:
+    """The verified private copy of `target` under `served`/serve-<pid>/bundle, what it is,
+    and where it came from; a release without a version or channel is the bundle built in
+    the repository `repo`."""
+    from pipelines.registry import CheckedOut, Registry, check_name
     from schemas.facts import FactsHead
     from stages.bundling.oms import load_manifest, read_facts, verify_bundle
 
@@ -107,8 +110,7 @@ def checkout(
     try:
         if at:
             what = Registry(registry_url).checkout(name, ref, into)
-            what["source"] = f"{registry_url} ({name}@{ref})"
-            return into, what
+            return into, what, f"{registry_url} ({name}@{ref})"
         source = repo / "build" / name / "bundle"
         if not (source / "manifest.json").is_file():
             # no such release (nor a spec of it) is an argument mistake; a release whose
@@ -130,13 +132,7 @@ def checkout(
             )
         facts = read_facts(into, FactsHead)
         digest = load_manifest(into / "manifest.json").digest
-        return into, {
-            "release": name,
-            "version": facts.version,
-            "digest": digest,
-            "channel": None,
-            "source": str(source),
-        }
+        return into, CheckedOut(release=name, version=facts.version, digest=digest), str(source)
     except BaseException:
         remove(folder)
         raise
@@ -151,7 +147,7 @@ def run(target: str, registry_url: str, device: str, launcher_args: list[str], r
         if problem:
             raise ServeError(f"--device cuda: {problem}")
     try:
-        bundle, what = checkout(target, registry_url, serve_dir(), repo)
+        bundle, what, source = checkout(target, registry_url, serve_dir(), repo)
     except (OSError, ValueError) as exc:  # a RegistryError is neither: it passes as it is
         raise ServeError(f"{target}: {exc}") from None
     launcher = bundle / LAUNCHER
@@ -161,10 +157,9 @@ def run(target: str, registry_url: str, device: str, launcher_args: list[str], r
             f"{target} has no {LAUNCHER} (a bundle of a task MLServer does not serve, or "
             "built before the launcher existed): rebuild it"
         )
-    label = f"{what['release']}@{what['version']}"
-    channel = f" ({what['channel']})" if what["channel"] else ""
+    channel = f" ({what.channel})" if what.channel else ""
     print(
-        f"serving {label}{channel}, digest {what['digest'][:16]}, from {what['source']}; "
+        f"serving {what.label}{channel}, digest {what.digest[:16]}, from {source}; "
         f"verified copy in {bundle}; device {device}",
         file=sys.stderr,
         flush=True,

@@ -158,7 +158,7 @@ def write_manifests(
     done = render(registry, target, Path(out), choices)
     step = "" if canary is None else f" (canaryTrafficPercent {canary})"
     print(
-        f"wrote the cluster manifests of {done['release']}@{done['version']}{step} to "
-        f"{out}: storageUri {done['storage_uri']}; apply with `kubectl apply -f "
+        f"wrote the cluster manifests of {done.label}{step} to "
+        f"{out}: storageUri {done.storage_uri}; apply with `kubectl apply -f "
         f"{out}/kserve` (KServe) or `-f {out}/kubernetes`"
     )

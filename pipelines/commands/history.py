@@ -26,15 +26,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     registry = _common.registry(args)
     if args.json:
-        print(json.dumps(registry.history(), indent=2))
+        print(json.dumps([e.document() for e in registry.history()], indent=2))
         _common.warn(registry)
         return 0
     for e in registry.history():
+        canary = "" if e.canary_percent is None else f" (canary {e.canary_percent} %)"
         print(
-            f"#{e['seq']:<3} {e['at']} {e['who']:10} {e['action']:8} {e['channel']:10} "
-            f"{e['from'] or '(empty)'} -> {e['to']}  {str(e.get('digest'))[:12]}  "
-            f"{e.get('reason', '')}"
-            + (f" (canary {e['canary_percent']} %)" if e.get("canary_percent") is not None else "")
+            f"#{e.seq:<3} {e.at} {e.who:10} {e.action:8} {e.channel:10} "
+            f"{e.from_ or '(empty)'} -> {e.to}  {str(e.digest)[:12]}  {e.reason or ''}{canary}"
         )
     _common.warn(registry)
     return 0

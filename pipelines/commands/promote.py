@@ -34,18 +34,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipelines.registry import Unmoved
     from schemas import SpecError
 
     if "@" not in args.target:
         raise SpecError("", [f"{args.target!r}: write NAME@VERSION, e.g. tiny-gpt2@0.1.0"])
     name, version = args.target.rsplit("@", 1)
     registry = _common.registry(args)
-    entry = registry.promote(name, version, args.to, args.reason, args.canary)
+    moved = registry.promote(name, version, args.to, args.reason, args.canary)
     step = "" if args.canary is None else f", canary {args.canary} %"
-    if entry.get("noop"):
-        print(f"{args.to}: {entry['to']}{step} is already live there; nothing moved or recorded")
+    if isinstance(moved, Unmoved):
+        print(f"{args.to}: {moved.to}{step} is already live there; nothing moved or recorded")
     else:
-        print(f"{args.to}: {entry['from'] or '(empty)'} -> {entry['to']}{step} (#{entry['seq']})")
+        print(f"{args.to}: {moved.from_ or '(empty)'} -> {moved.to}{step} (#{moved.seq})")
     _common.warn(registry)
     if args.manifests:
         _common.write_manifests(args, registry, f"{name}@{version}", args.canary)

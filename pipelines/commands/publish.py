@@ -27,10 +27,10 @@ def run(args: argparse.Namespace) -> int:
     root = _common.root()
     [spec] = _common.specs(root, [args.release])
     registry = _common.registry(args)
-    record = registry.publish(root / "build" / spec.name / "bundle", spec.name, spec.version)
-    for line in record.get("recovered", []):
+    done = registry.publish(root / "build" / spec.name / "bundle", spec.name, spec.version)
+    for line in done.recovered:
         print(line)
-    state = "already published" if record.get("already") else "published"
-    print(f"{spec.name}@{spec.version} {state} (bundle digest {record['digest']})")
+    state = "already published" if done.already else "published"
+    print(f"{spec.name}@{spec.version} {state} (bundle digest {done.record.digest})")
     _common.warn(registry)
     return 0

@@ -77,6 +77,6 @@ def _require_signature(args: argparse.Namespace) -> int:
     policy = registry.require_signature(args.channel, keys)
     print(
         f"channel {args.channel!r} now requires a signature by one of "
-        f"{len(policy['public_keys'])} trusted key(s)"
+        f"{len(policy.public_keys)} trusted key(s)"
     )
     return 0

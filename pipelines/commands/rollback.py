@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from schemas import RegistryError, SpecError
 
     registry = _common.registry(args)
-    names = sorted({c["release"] for c in registry.channels() if c["channel"] == args.channel})
+    names = sorted({c.pointer.release for c in registry.channels() if c.channel == args.channel})
     name = args.release or (names[0] if len(names) == 1 else None)
     if name is None:
         problem = (
@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
             raise SpecError("--release", [problem])
         raise RegistryError(problem)  # no release has it: the registry lacks it
     entry = registry.rollback(name, args.channel, args.reason)
-    print(f"{args.channel}: {entry['from']} -> {entry['to']} (#{entry['seq']}, rollback)")
+    print(f"{args.channel}: {entry.from_} -> {entry.to} (#{entry.seq}, rollback)")
     _common.warn(registry)
     if args.manifests:  # the version rolled back to, with all of the traffic
-        _common.write_manifests(args, registry, entry["to"], None)
+        _common.write_manifests(args, registry, entry.to, None)
     return 0

@@ -24,11 +24,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if args.json:
-        print(json.dumps(_common.registry(args).channels(), indent=2))
+        print(json.dumps([c.document() for c in _common.registry(args).channels()], indent=2))
         return 0
     for c in _common.registry(args).channels():
-        print(
-            f"{c['release']:16} {c['channel']:10} {c['version']:10} {c['digest'][:16]} "
-            f"since {c['since']}"
-        )
+        p = c.pointer
+        print(f"{p.release:16} {c.channel:10} {p.version:10} {p.digest[:16]} since {p.since}")
     return 0
