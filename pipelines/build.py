@@ -40,7 +40,7 @@ from pathlib import Path
 
 from pipelines import provenance
 from pipelines.fingerprint import CODE_STAGE
-from schemas import ShipyardError
+from schemas import ShipyardError, SpecError
 
 # export's measured peak on gpt2-small was 8.1x the checkpoint (issue 14); the estimate keeps
 # that margin. BASE: python + torch + transformers + onnxruntime imported, measured ~0.9 GB.
@@ -83,11 +83,11 @@ def parse_memory(text: str) -> int:
     try:
         value = float(t) * factor
     except ValueError:
-        raise ShipyardError(
-            f"--memory {text!r} is not a size; write e.g. 12GiB, 512MiB or 2e9"
+        raise SpecError(
+            "--memory", [f"--memory {text!r} is not a size; write e.g. 12GiB, 512MiB or 2e9"]
         ) from None
     if value <= 0:
-        raise ShipyardError(f"--memory {text!r} must be positive")
+        raise SpecError("--memory", [f"--memory {text!r} must be positive"])
     return int(value)
 
 
@@ -139,16 +139,17 @@ def build(
     from pipelines import compiler
 
     if jobs < 1:
-        raise ShipyardError(f"-j {jobs}: give at least 1 job")
+        raise SpecError("--jobs", [f"-j {jobs}: give at least 1 job"])
     releases = {spec.name: spec for _, spec in compiler.discover(root)}
     unknown = [n for n in names if n not in releases]
     if unknown:
-        raise ShipyardError(
-            f"no release named {', '.join(unknown)}; releases/ has {', '.join(sorted(releases))}"
+        raise SpecError(
+            "releases/",
+            [f"no release named {', '.join(unknown)}; releases/ has {', '.join(sorted(releases))}"],
         )
+    stages = _stages(until)  # every argument checked before the checkout is
     if compiler.is_stale(root):
         raise ShipyardError("dvc.yaml is stale; run `shipyard compile` first")
-    stages = _stages(until)
     trusted = bool(provenance.trusted_keys())
     if trusted:
         say("restored outputs are checked against their attestations (trusted builders set)")
@@ -214,7 +215,9 @@ def _stages(until: str | None) -> list[str]:
 
     names = list(STAGES)
     if until is not None and until not in names:
-        raise ShipyardError(f"--until {until}: no such stage; choose one of {', '.join(names)}")
+        raise SpecError(
+            "--until", [f"--until {until}: no such stage; choose one of {', '.join(names)}"]
+        )
     return names[: names.index(until) + 1] if until else names
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from schemas import RegistryError
+from schemas import RegistryError, SpecError
 from schemas.cluster import (
     ApiObject,
     Deployment,
@@ -27,6 +27,9 @@ from schemas.cluster import (
     ServingRuntime,
 )
 from stages.bundling.cluster import FOLDER
+
+if TYPE_CHECKING:
+    from pipelines.registry import CheckedOut, Registry
 
 # bundle file -> the typed model each of its YAML documents must be
 MANIFESTS: dict[str, type[ApiObject]] = {
@@ -51,16 +54,33 @@ class Choices:
     canary_percent: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Deployed:
+    """What `render` wrote: the verified version, the URI the cluster fetches it from, and
+    the manifest files."""
+
+    version: CheckedOut
+    storage_uri: str
+    files: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return self.version.label
+
+
 def storage_uri(registry_url: str, base: str | None, name: str, version: str) -> str:
     """Where the cluster fetches name@version: `base` (or the registry's own URL, when a
     cluster can reach it) + the registry's layout."""
     root = base or registry_url
     if not root.startswith(REMOTE):
-        raise RegistryError(
-            f"the registry {registry_url} is a folder on this machine, which a cluster cannot "
-            "fetch from: pass --storage-uri with the URI the cluster reaches it by (e.g. "
-            "pvc://CLAIM for the folder on a PersistentVolumeClaim), or publish to an s3:// "
-            "registry"
+        raise SpecError(
+            "--storage-uri",
+            [
+                f"the registry {registry_url} is a folder on this machine, which a cluster "
+                "cannot fetch from: pass --storage-uri with the URI the cluster reaches it by "
+                "(e.g. pvc://CLAIM for the folder on a PersistentVolumeClaim), or publish to "
+                "an s3:// registry"
+            ],
         )
     return f"{root.rstrip('/')}/releases/{name}/{version}"
 
@@ -135,34 +155,39 @@ def _check_range(objects: dict[str, list[ApiObject]]) -> None:
             else:
                 continue
             if low is not None and high is not None and low > high:
-                raise RegistryError(
-                    f"min replicas {low} is above max replicas {high}: set --min-replicas "
-                    "and --max-replicas so that min <= max"
+                raise SpecError(
+                    "--min-replicas",
+                    [
+                        f"min replicas {low} is above max replicas {high}: set --min-replicas "
+                        "and --max-replicas so that min <= max"
+                    ],
                 )
 
 
-def render(registry: Any, target: str, out: Path, choices: Choices) -> dict[str, Any]:
+def render(registry: Registry, target: str, out: Path, choices: Choices) -> Deployed:
     """Check out `target` (NAME@VERSION or NAME@CHANNEL), write its manifests under `out`
     (kserve/ and kubernetes/, replacing files of the same names); what was deployed."""
     from stages.bundling.cluster import documents
 
     if "@" not in target:
-        raise RegistryError(
-            f"{target!r}: write NAME@VERSION or NAME@CHANNEL, e.g. tiny-gpt2@production"
+        raise SpecError(
+            "", [f"{target!r}: write NAME@VERSION or NAME@CHANNEL, e.g. tiny-gpt2@production"]
         )
     name, ref = target.rsplit("@", 1)
     if choices.canary_percent is not None and not 0 <= choices.canary_percent <= 100:
-        raise RegistryError(f"--canary {choices.canary_percent}: a percent of traffic, 0 to 100")
+        raise SpecError(
+            "--canary", [f"--canary {choices.canary_percent}: a percent of traffic, 0 to 100"]
+        )
     for flag, value in (
         ("--min-replicas", choices.min_replicas),
         ("--max-replicas", choices.max_replicas),
     ):
         if value is not None and value < 1:
-            raise RegistryError(f"{flag} {value}: at least 1")
+            raise SpecError(flag, [f"{flag} {value}: at least 1"])
     with tempfile.TemporaryDirectory(prefix="shipyard-deploy-") as tmp:
         got = registry.checkout(name, ref, Path(tmp) / "bundle")
         objects = load(Path(tmp) / "bundle")
-    uri = storage_uri(registry.url, choices.storage_base, name, got["version"])
+    uri = storage_uri(registry.url, choices.storage_base, name, got.version)
     adjust(objects, uri, choices)
     written = []
     for rel, docs in objects.items():
@@ -172,4 +197,4 @@ def render(registry: Any, target: str, out: Path, choices: Choices) -> dict[str,
         tmp_path.write_text(documents(docs), encoding="utf-8")
         tmp_path.replace(path)  # a reader never sees half a manifest
         written.append(str(path))
-    return {**got, "storage_uri": uri, "files": written}
+    return Deployed(got, uri, tuple(written))

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import RegistryError, ReleaseSpec, StageReport, StageStatus
 from schemas.problems import first_problem
 from stages import RELEASE_METRICS, load_stages
 from stages._contract import report_dir
 from stages.quant.thresholds import check, has_change
+
+if TYPE_CHECKING:
+    from pipelines.registry import Registry
 
 MARKER = "<!-- shipyard-release-gate -->"  # how the PR comment script finds its own comment
 
@@ -66,7 +69,7 @@ def _icon(verdict: str) -> str:
 def gate(
     root: Path,
     releases: list[ReleaseSpec],
-    registry: Any,
+    registry: Registry | None,
     require_baseline: bool = False,
     base: str | None = None,
 ) -> GateResult:
@@ -171,13 +174,13 @@ def _required(spec: ReleaseSpec, stage: str) -> bool:
 
 
 def _production_rows(
-    root: Path, spec: ReleaseSpec, registry: Any, require_baseline: bool = False
+    root: Path, spec: ReleaseSpec, registry: Registry | None, require_baseline: bool = False
 ) -> list[Row]:
     wanted = [t for t in spec.evaluation.thresholds if t.baseline == "production" and has_change(t)]
     if not wanted:
         return []
     current = registry.channel(spec.name, "production") if registry else None
-    if not current:
+    if registry is None or current is None:
         where = (
             f"registry {registry.url} has no {spec.name} in production"
             if registry is not None
@@ -191,9 +194,9 @@ def _production_rows(
         return [Row(spec.name, f"{t.metric} vs production", verdict, note) for t in wanted]
     # Only from a verified bundle: its digest matches its manifest and its publish record.
     try:
-        baseline = registry.facts(current["release"], current["version"])
+        baseline = registry.facts(current.release, current.version)
     except RegistryError as exc:
-        why = f"production {current['version']} does not verify: {' '.join(str(exc).split())}"
+        why = f"production {current.version} does not verify: {' '.join(str(exc).split())}"
         return [Row(spec.name, f"{t.metric} vs production", "FAIL", why) for t in wanted]
     report = root / "build" / spec.name / "evaluate" / "report.json"
     if not report.is_file():
@@ -202,7 +205,7 @@ def _production_rows(
     rows = []
     for t in wanted:
         base = baseline.evaluation.get(t.metric)
-        label = f"{t.metric} vs production {current['version']}"
+        label = f"{t.metric} vs production {current.version}"
         if base is None:
             rows.append(Row(spec.name, label, "FAIL", "production's manifest lacks this metric"))
             continue

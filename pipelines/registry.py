@@ -20,31 +20,99 @@ Guarantees, each with a test in tests/pipelines/test_registry_trust.py:
 - promote and rollback re-verify the published bundle and compare its digest with both its
   manifest and the publish record; a channel can require a signature from trusted keys;
 - history is never rewritten; a torn line is reported and skipped, never blocking.
+
+Every file is read and written through its model (schemas/registry.py), byte for byte what
+the registry always wrote (tests/pipelines/test_registry_files.py); a call returns those
+models, or one of the frozen results below (Published, Verified, CheckedOut, Unmoved,
+ChannelState), never a dict.
 """
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
 from pipelines.storage import STAGING, UPLOAD, Store, _dump, open_store, who
-from schemas import RegistryError, StageReport
+from schemas import RegistryError, SpecError, StageReport
 from schemas.facts import FactsHead
 from schemas.problems import first_problem
-from schemas.registry import ChannelPointer, HistoryEntry, PublishRecord, SignaturePolicy
+from schemas.registry import (
+    ChannelPointer,
+    HistoryEntry,
+    PublishRecord,
+    RegistryFile,
+    SignaturePolicy,
+    UploadMarker,
+)
 from schemas.spec.base import NAME_PATTERN, SEMVER_PATTERN
 from stages.bundling.oms import load_manifest, read_facts, verify_bundle
 
 CHANNEL_PATTERN = r"[a-z][a-z0-9-]{0,62}"
+File = TypeVar("File", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A published version whose bundle was just re-verified: its digest is its manifest's
+    and its publish record's."""
+
+    release: str
+    version: str
+    digest: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.release}@{self.version}"
+
+
+@dataclass(frozen=True)
+class CheckedOut(Verified):
+    """A verified private copy (`Registry.checkout`), named by `channel` (None: by its
+    version)."""
+
+    channel: str | None = None
+
+
+@dataclass(frozen=True)
+class Published:
+    """What `publish` did: the version's publish record; `already` when the same bundle was
+    published before (nothing copied); `recovered`, what it finished or removed first (the
+    lines `registry check` prints)."""
+
+    record: PublishRecord
+    already: bool = False
+    recovered: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Unmoved:
+    """A promotion of the version (and canary share) the channel already serves: nothing
+    moved, nothing was recorded."""
+
+    channel: str
+    from_: str | None
+    to: str
+
+
+@dataclass(frozen=True)
+class ChannelState:
+    """One channel of one release: its name and its pointer."""
+
+    channel: str
+    pointer: ChannelPointer
+
+    def document(self) -> dict[str, Any]:
+        """`shipyard status --json`'s object: the channel, then the pointer file's keys."""
+        return {"channel": self.channel, **self.pointer.document()}
 
 
 def now() -> str:
@@ -111,19 +179,23 @@ class Registry:
         return self.path("releases", check_name(name), f"{check_version(version)}.json")
 
     # ------------------------------------------------------------------ publish
-    def publish(self, bundle: Path, name: str, version: str) -> dict[str, Any]:
+    def publish(self, bundle: Path, name: str, version: str) -> Published:
         """Copy a verified, passing bundle in as name@version; never overwrite another."""
         target, record_path = self._version_dir(name, version), self._record_path(name, version)
+        if not bundle.is_dir():  # a missing bundle is refused as a tampered one is
+            raise RegistryError(
+                f"{bundle}: no such bundle folder; build it with `dvc repro bundle@{name}`"
+            )
         with self.lock():
-            done = self._recover(name)
+            done = tuple(self._recover(name))
             record = self.record(name, version)
             if record is not None:
                 digest = _verified_digest(bundle, f"build bundle {bundle}", (name, version))
-                if record["digest"] == digest:
-                    return {**record, "already": True, "recovered": done}
+                if record.digest == digest:
+                    return Published(record, already=True, recovered=done)
                 raise RegistryError(
                     f"{name}@{version} is already published with digest "
-                    f"{record['digest'][:16]}; this bundle's is {digest[:16]}. Published "
+                    f"{record.digest[:16]}; this bundle's is {digest[:16]}. Published "
                     "versions are immutable: bump `version` in the release spec"
                 )
             uploader = self._in_flight(name, version)
@@ -140,7 +212,7 @@ class Registry:
             marker = self._upload_marker(name, version)
             token = self.store.held_token()
             if token is not None:
-                self.store.write(marker, _dump({"token": token, "by": who(), "at": now()}))
+                self.store.write(marker, _file(UploadMarker(token=token, by=who(), at=now())))
             digest, manifest = self.store.put_tree(
                 bundle,
                 target,
@@ -149,19 +221,19 @@ class Registry:
                     _manifest_sha(copy),
                 ),
             )
-            record = {
-                "release": name,
-                "version": version,
-                "digest": digest,
-                "manifest_sha256": manifest,
-                "by": who(),
-                "at": now(),
-            }
+            record = PublishRecord(
+                release=name,
+                version=version,
+                digest=digest,
+                manifest_sha256=manifest,
+                by=who(),
+                at=now(),
+            )
             self.store.fence()
             self._create(record_path, record)
             if token is not None:
                 self.store.remove(marker)
-            return {**record, "recovered": done}
+            return Published(record, recovered=done)
 
     def _upload_marker(self, name: str, version: str) -> str:
         return self.path("releases", name, f"{UPLOAD}{version}.json")
@@ -173,18 +245,18 @@ class Registry:
         if not self.store.exists(marker):
             return None
         try:
-            data = json.loads(self.store.read(marker))
-            left = self.store.lease_left(str(data["token"]))
-        except (ValueError, KeyError, TypeError):
+            upload = UploadMarker.model_validate_json(self.store.read(marker))
+        except ValueError:  # pydantic's ValidationError is one
             return None
-        return f"{data.get('by')} (lease live for {left:.0f} s)" if left > 0 else None
+        left = self.store.lease_left(upload.token)
+        return f"{upload.by} (lease live for {left:.0f} s)" if left > 0 else None
 
-    def record(self, name: str, version: str) -> dict[str, Any] | None:
+    def record(self, name: str, version: str) -> PublishRecord | None:
         path = self._record_path(name, version)
         if not self.store.exists(path):
             return None
         try:
-            return _kept(PublishRecord.model_validate_json(self.store.read(path)))
+            return PublishRecord.model_validate_json(self.store.read(path))
         except ValueError:  # pydantic's ValidationError is one
             raise RegistryError(
                 f"publish record {path} is unreadable; restore it from a backup "
@@ -229,43 +301,42 @@ class Registry:
         a crash between the two left a pointer behind its last entry, and the history
         claiming a move that never happened. That move is finished here (the target
         re-verified first), or, when the target no longer verifies, reported."""
-        last: dict[tuple[str, str], dict[str, Any]] = {}
+        last: dict[tuple[str, str], HistoryEntry] = {}
         for entry in self.history():
-            last[(entry["to"].rsplit("@", 1)[0], entry["channel"])] = entry
+            last[(entry.to.rsplit("@", 1)[0], entry.channel)] = entry
         actions = []
         for (name, channel), entry in sorted(last.items()):
             try:
                 check_name(name), check_channel(channel)
             except RegistryError:
                 continue
-            version = entry["to"].rsplit("@", 1)[1]
+            version = entry.to.rsplit("@", 1)[1]
             try:
                 pointer = self.channel(name, channel)
             except RegistryError:
                 continue  # unreadable: check names it (`_unreadable`); a move rewrites it
-            canary = entry.get("canary_percent")  # a canary step is a move of its own
-            if pointer and (
-                pointer.get("version"),
-                pointer.get("digest"),
-                pointer.get("canary_percent"),
-            ) == (version, entry.get("digest"), canary):
+            canary = entry.canary_percent  # a canary step is a move of its own
+            if pointer and (pointer.version, pointer.digest, pointer.canary_percent) == (
+                version,
+                entry.digest,
+                canary,
+            ):
                 continue
-            where = f"{name}'s {channel}: history #{entry['seq']} ({entry['action']}) moved it to "
-            where += f"{entry['to']}, its pointer says {_label(pointer) or '(empty)'}"
+            where = f"{name}'s {channel}: history #{entry.seq} ({entry.action}) moved it to "
+            where += f"{entry.to}, its pointer says {_label(pointer) or '(empty)'}"
             try:
                 target = self._checked(name, version, channel)
-                if target["digest"] != entry.get("digest"):
-                    raise RegistryError(f"digest {target['digest'][:16]} is not the history's")
+                if target.digest != entry.digest:
+                    raise RegistryError(f"digest {target.digest[:16]} is not the history's")
             except RegistryError as exc:
                 first = str(exc).splitlines()[0]
-                actions.append(f"{where}; {entry['to']} does not verify ({first}): left as is")
+                actions.append(f"{where}; {entry.to} does not verify ({first}): left as is")
                 continue
-            step = {} if canary is None else {"canary_percent": canary}
             self._write(
                 self.path("channels", name, f"{channel}.json"),
-                {**target, **step, "since": entry["at"]},
+                _pointer(target, canary, since=entry.at),
             )
-            actions.append(f"finished {where}: an interrupted move, pointer now {entry['to']}")
+            actions.append(f"finished {where}: an interrupted move, pointer now {entry.to}")
         return actions
 
     def _recover(self, name: str) -> list[str]:
@@ -309,25 +380,25 @@ class Registry:
                     f"removed {name}@{base}: interrupted publish that does not verify ({why})"
                 )
                 continue
-            record = {
-                "release": name,
-                "version": base,
-                "digest": digest,
-                "manifest_sha256": manifest,
-                "by": who(),
-                "at": now(),
-                "recovered": True,
-            }
+            record = PublishRecord(
+                release=name,
+                version=base,
+                digest=digest,
+                manifest_sha256=manifest,
+                by=who(),
+                at=now(),
+                recovered=True,
+            )
             self._create(self._record_path(name, base), record)
             actions.append(f"finished {name}@{base}: interrupted publish verified, record written")
         return actions
 
     # ------------------------------------------------------------------ channels
-    def channel(self, name: str, channel: str) -> dict[str, Any] | None:
+    def channel(self, name: str, channel: str) -> ChannelPointer | None:
         path = self.path("channels", check_name(name), f"{check_channel(channel)}.json")
         return self._json(path, ChannelPointer)
 
-    def _json(self, path: str, model: type[BaseModel]) -> dict[str, Any] | None:
+    def _json(self, path: str, model: type[File]) -> File | None:
         """A registry JSON file (channel pointer, policy) or None when absent; a folder in
         its place, torn or hand-edited JSON, or missing keys are a clear error naming the
         file, never a traceback."""
@@ -340,68 +411,63 @@ class Registry:
                 "the file from a backup, or promote again)"
             )
         try:
-            return _kept(model.model_validate_json(self.store.read(path)))
+            return model.model_validate_json(self.store.read(path))
         except ValueError as exc:  # pydantic's ValidationError is one
             raise RegistryError(
                 f"{rel} is not valid ({first_problem(exc)[:120]}): torn or edited by "
                 "hand; restore it from a backup, or promote again to rewrite it"
             ) from None
 
-    def channels(self) -> list[dict[str, Any]]:
+    def channels(self) -> list[ChannelState]:
         """Every (release, channel) pointer."""
         out = []
         for p in self.store.glob("channels", "*", "*.json"):
             channel = posixpath.basename(p)[: -len(".json")]
             if re.fullmatch(CHANNEL_PATTERN, channel):
-                out.append({"channel": channel, **(self._json(p, ChannelPointer) or {})})
+                pointer = self._json(p, ChannelPointer)
+                if pointer is not None:  # None: removed since the listing
+                    out.append(ChannelState(channel, pointer))
         return out
 
-    def require_signature(self, channel: str, keys: list[Path]) -> dict[str, Any]:
+    def require_signature(self, channel: str, keys: list[Path]) -> SignaturePolicy:
         """From now on, `channel` accepts only bundles signed by one of `keys`."""
         from pipelines.keys import read_key
 
         pems = [read_key(key).decode("ascii") for key in keys]
-        policy = {"require_signature": True, "public_keys": pems, "by": who(), "at": now()}
+        policy = SignaturePolicy(require_signature=True, public_keys=pems, by=who(), at=now())
         with self.lock():
             self._write(self.path("policy", f"{check_channel(channel)}.json"), policy)
         return policy
 
-    def policy(self, channel: str) -> dict[str, Any] | None:
+    def policy(self, channel: str) -> SignaturePolicy | None:
         path = self.path("policy", f"{check_channel(channel)}.json")
         return self._json(path, SignaturePolicy)
 
     def promote(
         self, name: str, version: str, channel: str, reason: str, canary: int | None = None
-    ) -> dict[str, Any]:
+    ) -> HistoryEntry | Unmoved:
         """Re-verify name@version, then point name's `channel` at it and record why; with
         `canary` (a percent), the move is a canary step: the cluster sends that share of
         traffic to it (`shipyard deploy`), and a later step of the same version (a larger
         share, or None: all) is recorded as a move of its own."""
         check_name(name), check_version(version), check_channel(channel)
         if canary is not None and not 0 <= canary <= 100:
-            raise RegistryError(f"--canary {canary}: a percent of traffic, 0 to 100")
+            raise SpecError("--canary", [f"--canary {canary}: a percent of traffic, 0 to 100"])
         with self.lock():
             self.warnings += self._pointers()  # an interrupted move first
             target = self._checked(name, version, channel)
             current = self.channel(name, channel)
-            if canary is not None:
-                target = {**target, "canary_percent": canary}
-            if current and (
-                current["version"],
-                current["digest"],
-                current.get("canary_percent"),
-            ) == (version, target["digest"], canary):
+            if current and (current.version, current.digest, current.canary_percent) == (
+                version,
+                target.digest,
+                canary,
+            ):
                 # a retried deploy: nothing moves and nothing is recorded (a duplicate on
                 # the rollback stack made the next rollback a move from 0.2.0 to 0.2.0)
-                return {
-                    "noop": True,
-                    "channel": channel,
-                    "from": _label(current),
-                    "to": _label(target),
-                }
-            return self._move(channel, target, "promote", reason)
+                return Unmoved(channel=channel, from_=_label(current), to=target.label)
+            return self._move(channel, target, "promote", reason, canary)
 
-    def rollback(self, name: str, channel: str, reason: str) -> dict[str, Any]:
+    def rollback(self, name: str, channel: str, reason: str) -> HistoryEntry:
         """Point name's `channel` back at what it held before its current version."""
         check_name(name), check_channel(channel)
         with self.lock():
@@ -415,7 +481,7 @@ class Registry:
             target = self._checked(name, stack[-2], channel)
             return self._move(channel, target, "rollback", reason)
 
-    def history(self) -> list[dict[str, Any]]:
+    def history(self) -> list[HistoryEntry]:
         """Every entry, oldest first; a torn or foreign line is reported and skipped."""
         self.warnings[:] = [w for w in self.warnings if not w.startswith("history")]
         entries = []
@@ -423,7 +489,7 @@ class Registry:
             if not text.strip():
                 continue
             try:
-                entries.append(_kept(HistoryEntry.model_validate_json(text)))
+                entries.append(HistoryEntry.model_validate_json(text))
             except ValueError:
                 self.warnings.append(
                     f"{place} is torn or not an entry ({text[:60]!r}); skipped. History is "
@@ -438,16 +504,16 @@ class Registry:
             self._verify_published(folder, name, version)
             return read_facts(folder, FactsHead)
 
-    def checkout(self, name: str, ref: str, into: Path) -> dict[str, Any]:
+    def checkout(self, name: str, ref: str, into: Path) -> CheckedOut:
         """A private copy of `name@ref` at `into` (absent: made here), verified as a
         promotion verifies it: `ref` a version (Semantic Versioning, a digit first) or a
         channel (a letter first: its live version, whose digest the pointer names, and
         its signature where the channel requires one). Copied, never linked: a server of
         the copy cannot write into the registry, nor a registry writer change what was
-        verified. Returns release, version, digest and channel (None for a version)."""
+        verified."""
         check_name(name)
         channel: str | None = None
-        pointer: dict[str, Any] | None = None
+        pointer: ChannelPointer | None = None
         if re.fullmatch(SEMVER_PATTERN, ref):
             version = ref
         else:
@@ -459,32 +525,32 @@ class Registry:
                     f"first (`shipyard promote {name}@VERSION --to {channel}`), or name a "
                     "version"
                 )
-            version = pointer["version"]
+            version = pointer.version
         source = self._version_dir(name, version)
         if not self.store.exists(source):
             raise RegistryError(f"{name}@{version} has no bundle in {self.url}")
         self.store.copy_out(source, into)
         digest = self._verify_published(into, name, version)
         if channel is not None and pointer is not None:
-            if digest != pointer["digest"]:
+            if digest != pointer.digest:
                 raise RegistryError(
                     f"{name}'s {channel} channel points at {version} with digest "
-                    f"{pointer['digest'][:16]}, but that version holds {digest[:16]}: "
+                    f"{pointer.digest[:16]}, but that version holds {digest[:16]}: "
                     "refusing it (promote again, or restore the version from a backup)"
                 )
             policy = self.policy(channel)
-            if policy and policy.get("require_signature"):
+            if policy and policy.require_signature:
                 _check_signature(into, policy, f"{name}@{version}", channel, digest)
-        return {"release": name, "version": version, "digest": digest, "channel": channel}
+        return CheckedOut(release=name, version=version, digest=digest, channel=channel)
 
     # ------------------------------------------------------------------ internals
-    def _checked(self, name: str, version: str, channel: str) -> dict[str, Any]:
+    def _checked(self, name: str, version: str, channel: str) -> Verified:
         with self._local_copy(name, version) as folder:
             digest = self._verify_published(folder, name, version)
             policy = self.policy(channel)
-            if policy and policy.get("require_signature"):
+            if policy and policy.require_signature:
                 _check_signature(folder, policy, f"{name}@{version}", channel, digest)
-        return {"release": name, "version": version, "digest": digest}
+        return Verified(release=name, version=version, digest=digest)
 
     def _verify_published(self, folder: Path, name: str, version: str) -> str:
         record = self.record(name, version)
@@ -494,15 +560,15 @@ class Registry:
                 f"`shipyard publish {name}` first"
             )
         digest = _verified_digest(folder, f"published {name}@{version}", (name, version))
-        if digest != record["digest"]:
+        if digest != record.digest:
             raise RegistryError(
                 f"published {name}@{version} has digest {digest[:16]}, but its publish record "
-                f"says {record['digest'][:16]}: the bundle and its manifest were replaced after "
+                f"says {record.digest[:16]}: the bundle and its manifest were replaced after "
                 "publishing; refusing it (restore the version from a backup)"
             )
         # the root digest covers the shards' digests, not their names: a renamed file with
         # the manifest's names rewritten keeps it. The manifest's own bytes bind the names.
-        want = record.get("manifest_sha256")
+        want = record.manifest_sha256
         if want is None:
             self.warnings.append(
                 f"the publish record of {name}@{version} predates manifest digests: file names "
@@ -518,28 +584,35 @@ class Registry:
         return digest
 
     def _move(
-        self, channel: str, target: dict[str, Any], action: str, reason: str
-    ) -> dict[str, Any]:
-        current = self.channel(target["release"], channel)
+        self,
+        channel: str,
+        target: Verified,
+        action: Literal["promote", "rollback"],
+        reason: str,
+        canary: int | None = None,
+    ) -> HistoryEntry:
+        current = self.channel(target.release, channel)
         history = self.history()
-        entry = {
-            "seq": max((e["seq"] for e in history), default=0) + 1,
-            "at": now(),
-            "who": who(),
-            "action": action,
-            "channel": channel,
-            "from": _label(current),
-            "to": _label(target),
-            "digest": target["digest"],
-            "reason": reason,
-        }
-        if target.get("canary_percent") is not None:
-            entry["canary_percent"] = target["canary_percent"]
+        step = {} if canary is None else {"canary_percent": canary}
+        entry = HistoryEntry.model_validate(  # by the file's keys: "from" is a keyword
+            {
+                "seq": max((e.seq for e in history), default=0) + 1,
+                "at": now(),
+                "who": who(),
+                "action": action,
+                "channel": channel,
+                "from": _label(current),
+                "to": target.label,
+                "digest": target.digest,
+                "reason": reason,
+                **step,
+            }
+        )
         self.store.fence()
         self._append(entry)
         self._write(
-            self.path("channels", target["release"], f"{channel}.json"),
-            {**target, "since": entry["at"]},
+            self.path("channels", target.release, f"{channel}.json"),
+            _pointer(target, canary, since=entry.at),
         )
         return entry
 
@@ -549,26 +622,26 @@ class Registry:
         became no-ops) is not a move and pushes nothing."""
         stack: list[str] = []
         for entry in self.history():
-            if entry["channel"] != channel or entry["to"].rsplit("@", 1)[0] != name:
+            if entry.channel != channel or entry.to.rsplit("@", 1)[0] != name:
                 continue
-            version = entry["to"].rsplit("@", 1)[1]
-            if entry["action"] == "rollback":
+            version = entry.to.rsplit("@", 1)[1]
+            if entry.action == "rollback":
                 if stack:
                     stack.pop()
             elif not stack or stack[-1] != version:
                 stack.append(version)
         return stack
 
-    def _write(self, path: str, data: dict[str, Any]) -> None:
+    def _write(self, path: str, data: RegistryFile) -> None:
         """Replace a registry JSON file atomically: readers never see half a file."""
-        self.store.write(path, _dump(data))
+        self.store.write(path, _file(data))
 
-    def _create(self, path: str, data: dict[str, Any]) -> None:
+    def _create(self, path: str, data: RegistryFile) -> None:
         """Exclusive create: fails (never overwrites) when `path` exists."""
-        self.store.create(path, _dump(data))
+        self.store.create(path, _file(data))
 
-    def _append(self, entry: dict[str, Any]) -> None:
-        self.store.append(entry["seq"], entry)
+    def _append(self, entry: HistoryEntry) -> None:
+        self.store.append(entry.seq, entry.document())
 
     def lock(self) -> AbstractContextManager[None]:
         """Serialize writers (the store's lock)."""
@@ -644,13 +717,13 @@ def _verified_digest(folder: Path, what: str, bound: tuple[str, str]) -> str:
 
 
 def _check_signature(
-    folder: Path, policy: dict[str, Any], label: str, channel: str, digest: str
+    folder: Path, policy: SignaturePolicy, label: str, channel: str, digest: str
 ) -> None:
     from pipelines.signing import Identity, verify_signed
 
     errors = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, pem in enumerate(policy.get("public_keys", [])):
+        for i, pem in enumerate(policy.public_keys):
             key = Path(tmp) / f"key{i}.pub"
             key.write_text(pem, encoding="ascii")
             try:
@@ -669,10 +742,19 @@ def _check_signature(
     )
 
 
-def _kept(model: BaseModel) -> dict[str, Any]:
-    """A validated registry file as the dict callers read, with exactly the keys it has."""
-    return model.model_dump(mode="json", by_alias=True, exclude_unset=True)
+def _file(data: RegistryFile) -> bytes:
+    """A registry JSON file's bytes: its keys sorted, indented (what the registry always
+    wrote)."""
+    return _dump(data.document())
 
 
-def _label(entry: dict[str, Any] | None) -> str | None:
-    return f"{entry['release']}@{entry['version']}" if entry else None
+def _pointer(target: Verified, canary: int | None, since: str) -> ChannelPointer:
+    """The pointer of a channel moved to `target` (a canary step: `canary` percent)."""
+    step = {} if canary is None else {"canary_percent": canary}
+    return ChannelPointer(
+        release=target.release, version=target.version, digest=target.digest, since=since, **step
+    )
+
+
+def _label(entry: ChannelPointer | Verified | None) -> str | None:
+    return f"{entry.release}@{entry.version}" if entry else None

@@ -24,17 +24,23 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from schemas import ShipyardError
+from schemas import RegistryError, ShipyardError
 from stages.bundling import layout
+
+if TYPE_CHECKING:
+    from pipelines.registry import CheckedOut
 
 SERVE_DIR_ENV = "SHIPYARD_SERVE_DIR"
 LAUNCHER = Path(layout.LAUNCHER)
 
 
 class ServeError(ShipyardError):
-    """`shipyard serve` refused: what to serve is missing, broken or cannot run here."""
+    """`shipyard serve` refused what it was asked: a target that is not one, a release that
+    does not exist, a device this machine lacks (a flag or an argument is wrong: exit 2, as
+    for SpecError). A bundle that is missing, tampered with or cannot be served is refused
+    with RegistryError (exit 5), as `shipyard verify` refuses it."""
 
     exit_code = 2
 
@@ -82,39 +88,43 @@ def sweep(root: Path) -> list[Path]:
     return removed
 
 
-def checkout(target: str, registry_url: str, root: Path) -> tuple[Path, dict[str, Any]]:
-    """The verified private copy of `target` under `root`/serve-<pid>/bundle, and what it
-    is (release, version, digest, channel, source)."""
-    from pipelines.registry import Registry, check_name
+def checkout(
+    target: str, registry_url: str, served: Path, repo: Path
+) -> tuple[Path, CheckedOut, str]:
+    """The verified private copy of `target` under `served`/serve-<pid>/bundle, what it is,
+    and where it came from; a release without a version or channel is the bundle built in
+    the repository `repo`."""
+    from pipelines.registry import CheckedOut, Registry, check_name
     from schemas.facts import FactsHead
-    from stages import repo_root
     from stages.bundling.oms import load_manifest, read_facts, verify_bundle
 
     name, at, ref = target.partition("@")
     check_name(name)
     if at and not ref:
         raise ServeError(f"{target!r}: write RELEASE, RELEASE@VERSION or RELEASE@CHANNEL")
-    root.mkdir(parents=True, exist_ok=True)
-    sweep(root)
-    folder = root / f"serve-{os.getpid()}"
+    served.mkdir(parents=True, exist_ok=True)
+    sweep(served)
+    folder = served / f"serve-{os.getpid()}"
     remove(folder)  # a reused pid's leftover
     folder.mkdir(mode=0o700)
     into = folder / "bundle"
     try:
         if at:
             what = Registry(registry_url).checkout(name, ref, into)
-            what["source"] = f"{registry_url} ({name}@{ref})"
-            return into, what
-        source = repo_root() / "build" / name / "bundle"
+            return into, what, f"{registry_url} ({name}@{ref})"
+        source = repo / "build" / name / "bundle"
         if not (source / "manifest.json").is_file():
-            raise ServeError(
+            # no such release (nor a spec of it) is an argument mistake; a release whose
+            # bundle is not built, a missing bundle
+            unknown = not (repo / "releases" / f"{name}.yaml").is_file()
+            raise (ServeError if unknown else RegistryError)(
                 f"{source} is not a built bundle: build it (`dvc repro bundle@{name}`), or "
                 f"serve a published one ({name}@VERSION or {name}@CHANNEL)"
             )
         shutil.copytree(source, into, symlinks=True)
         problems = verify_bundle(into)
         if problems:
-            raise ServeError(
+            raise RegistryError(
                 f"{source} does not match its manifest; refusing to serve it:\n"
                 + "\n".join(f"  {p}" for p in problems[:20])
                 + "\n  rebuild it (`dvc repro bundle@"
@@ -123,19 +133,13 @@ def checkout(target: str, registry_url: str, root: Path) -> tuple[Path, dict[str
             )
         facts = read_facts(into, FactsHead)
         digest = load_manifest(into / "manifest.json").digest
-        return into, {
-            "release": name,
-            "version": facts.version,
-            "digest": digest,
-            "channel": None,
-            "source": str(source),
-        }
+        return into, CheckedOut(release=name, version=facts.version, digest=digest), str(source)
     except BaseException:
         remove(folder)
         raise
 
 
-def run(target: str, registry_url: str, device: str, launcher_args: list[str]) -> int:
+def run(target: str, registry_url: str, device: str, launcher_args: list[str], repo: Path) -> int:
     """Check, copy, verify, then exec the copy's launcher (returns only on a refusal)."""
     if device == "cuda":
         from shipyard_runtime.session import cuda_missing
@@ -144,20 +148,19 @@ def run(target: str, registry_url: str, device: str, launcher_args: list[str]) -
         if problem:
             raise ServeError(f"--device cuda: {problem}")
     try:
-        bundle, what = checkout(target, registry_url, serve_dir())
+        bundle, what, source = checkout(target, registry_url, serve_dir(), repo)
     except (OSError, ValueError) as exc:  # a RegistryError is neither: it passes as it is
         raise ServeError(f"{target}: {exc}") from None
     launcher = bundle / LAUNCHER
     if not launcher.is_file():
         remove(bundle.parent)
-        raise ServeError(
+        raise RegistryError(
             f"{target} has no {LAUNCHER} (a bundle of a task MLServer does not serve, or "
             "built before the launcher existed): rebuild it"
         )
-    label = f"{what['release']}@{what['version']}"
-    channel = f" ({what['channel']})" if what["channel"] else ""
+    channel = f" ({what.channel})" if what.channel else ""
     print(
-        f"serving {label}{channel}, digest {what['digest'][:16]}, from {what['source']}; "
+        f"serving {what.label}{channel}, digest {what.digest[:16]}, from {source}; "
         f"verified copy in {bundle}; device {device}",
         file=sys.stderr,
         flush=True,

@@ -26,7 +26,7 @@ from typing import Any
 # the key-file checks live apart, so that what every stage run imports (pipelines/provenance)
 # does not depend on this module
 from pipelines.keys import read_key
-from schemas import RegistryError
+from schemas import RegistryError, SpecError
 from schemas.manifest import BUNDLE_UNHASHED, MANIFEST_FILE, SHARD_SIZE, SIGNATURE_FILE
 from stages.bundling.oms import load_manifest, verify_bundle
 
@@ -95,7 +95,10 @@ def sign(
         config = config.use_sigstore_signer(identity_token=identity_token)
     elif signing_certificate is not None:
         if private_key is None:
-            raise RegistryError("--signing-certificate needs --private-key (the certificate's key)")
+            raise SpecError(
+                "--signing-certificate",
+                ["--signing-certificate needs --private-key (the certificate's key)"],
+            )
         config = config.use_certificate_signer(
             private_key=private_key,
             signing_certificate=signing_certificate,
@@ -105,7 +108,7 @@ def sign(
         read_key(private_key, private=True)
         config = config.use_elliptic_key_signer(private_key=private_key)
     else:
-        raise RegistryError("say how to sign: --private-key PEM, a certificate, or --sigstore")
+        raise SpecError("", ["say how to sign: --private-key PEM, a certificate, or --sigstore"])
     # Written next to the bundle first, then moved in: a failed signing leaves no model.sig.
     fd, tmp = tempfile.mkstemp(prefix=".model.sig.", dir=bundle.parent)
     os.close(fd)
@@ -187,7 +190,7 @@ def verify_signed(bundle: Path, identity: Identity) -> str:
             identity=identity.sigstore_identity, oidc_issuer=identity.sigstore_issuer
         )
     else:
-        raise RegistryError("say whose signature to accept: --public-key, a chain or sigstore")
+        raise SpecError("", ["say whose signature to accept: --public-key, a chain or sigstore"])
     try:
         config.verify(bundle, bundle / SIGNATURE_FILE)
     except Exception as exc:  # the library raises bare ValueError/exceptions of its deps

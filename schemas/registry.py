@@ -1,21 +1,30 @@
 """What the registry keeps besides bundles (`pipelines/registry.py`), each file checked on
 read by its model here instead of by bare subscripts: a torn or hand-edited file is a clear
-error naming it, never a KeyError later. Keys a later version adds are kept (`extra`)."""
+error naming it, never a KeyError later. Keys a later version adds are kept (`extra`).
+
+The registry writes a file from its model too (`RegistryFile.document`): the keys it was
+made or read with, no others, so a file reads back and writes out byte for byte
+(tests/pipelines/test_registry_files.py)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 DIGEST = r"^[0-9a-f]{64}$"
 
 
-class _Kept(BaseModel):
+class RegistryFile(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
 
+    def document(self) -> dict[str, Any]:
+        """The file's JSON object: exactly the keys the model was read or made with (a key
+        left to its default is not written), extras included, `from_` as `from`."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
-class PublishRecord(_Kept):
+
+class PublishRecord(RegistryFile):
     """releases/<name>/<version>.json: the commit point of a publish."""
 
     release: str
@@ -29,7 +38,7 @@ class PublishRecord(_Kept):
     recovered: bool = Field(default=False, description="Finished by `registry check`.")
 
 
-class ChannelPointer(_Kept):
+class ChannelPointer(RegistryFile):
     """channels/<name>/<channel>.json: the version a channel serves."""
 
     release: str
@@ -45,7 +54,7 @@ class ChannelPointer(_Kept):
     )
 
 
-class SignaturePolicy(_Kept):
+class SignaturePolicy(RegistryFile):
     """policy/<channel>.json: the keys a channel trusts."""
 
     require_signature: bool
@@ -54,7 +63,7 @@ class SignaturePolicy(_Kept):
     at: str | None = None
 
 
-class HistoryEntry(_Kept):
+class HistoryEntry(RegistryFile):
     """One line of history.jsonl (or one history/<seq>.json object)."""
 
     seq: int = Field(ge=1)
@@ -67,3 +76,12 @@ class HistoryEntry(_Kept):
     digest: str | None = None
     reason: str | None = None
     canary_percent: int | None = Field(default=None, ge=0, le=100)
+
+
+class UploadMarker(RegistryFile):
+    """releases/<name>/.upload-<version>.json (object stores): whose upload of a version is in
+    flight, by the token of the lock lease it holds."""
+
+    token: str
+    by: str | None = None
+    at: str | None = None

@@ -88,6 +88,7 @@ GUARANTEES: dict[str, list[str]] = {
     # (test_registry_trust.py) are left out: each would rebuild the release per mutant
     "pipelines/registry.py": [
         "tests/pipelines/test_registry_units.py",
+        "tests/pipelines/test_registry_files.py",  # the files' bytes, as always written
         TRUST + "test_attack_4_registry_paths_cannot_leave_the_root",
         TRUST + "test_remote_lock_is_owner_stamped_and_a_stale_one_expires",
     ],

@@ -34,3 +34,23 @@ def test_every_subsystem_package_is_held_to_being_a_library() -> None:
     listed = set(libraries["source_modules"])  # type: ignore[arg-type]
     assert packages <= listed, packages - listed
     assert listed <= packages | private, listed - packages - private
+
+
+def test_the_command_lists_are_the_command_modules() -> None:
+    """Every module of pipelines/commands/ is a command the parser has and is held to not
+    importing another; every library module of pipelines/ is held to not importing them."""
+    from pipelines.cli import COMMANDS
+
+    folder = REPO / "pipelines" / "commands"
+    commands = {f"pipelines.commands.{p.stem}" for p in folder.glob("[!_]*.py")}
+    found = contracts()
+    independent = next(c for n, c in found.items() if n.startswith("no command imports another"))
+    assert independent["modules"] == sorted(commands)
+    assert {m.__name__ for m in COMMANDS} == commands
+    libraries = {
+        f"pipelines.{p.stem}"
+        for p in (REPO / "pipelines").glob("*.py")
+        if p.stem not in ("__init__", "cli")
+    }
+    only_cli = next(c for n, c in found.items() if n.startswith("only the command line"))
+    assert only_cli["source_modules"] == sorted(libraries)

@@ -55,9 +55,10 @@ def test_compile_check_fails_when_a_release_was_added(tmp_path: Path) -> None:
     assert done.returncode == 1 and "dvc.yaml is stale" in done.stderr
 
 
-def test_run_stage_with_unknown_stage_exits_3_with_choices() -> None:
+def test_run_stage_with_unknown_stage_exits_2_with_choices() -> None:
+    """A wrong argument (2, as `build --until exprot`), not a stage that failed (3)."""
     done = shipyard("run-stage", "exprot", "--release", "releases/tiny-gpt2.yaml")
-    assert done.returncode == 3
+    assert done.returncode == 2
     assert "exprot: no such stage" in done.stderr and "choose one of: pin, export" in done.stderr
     assert "Traceback" not in done.stderr
 
@@ -117,3 +118,30 @@ def test_help_speaks_to_a_user_and_every_argument_says_what_it_is() -> None:
         if not action.help and not isinstance(action, argparse._HelpAction)
     ]
     assert silent == []
+
+
+def test_every_command_says_what_it_does_in_the_top_help_and_in_its_own() -> None:
+    """`shipyard --help` lists each command with its one line; `shipyard CMD --help` (and
+    `shipyard registry SUB --help`) opens with a description of what it does."""
+    import argparse
+
+    from pipelines.cli import parser
+
+    def squeezed(text: str) -> str:  # the help wraps lines (and breaks at hyphens)
+        return "".join(text.split())
+
+    top = parser()
+    commands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    lines = {a.dest: a.help for a in commands._choices_actions}
+    shown = squeezed(top.format_help())
+    for name, command in commands.choices.items():
+        assert lines[name] and squeezed(f"{name} {lines[name]}") in shown, name
+        parsers = [command] + [
+            nested
+            for action in command._actions
+            if isinstance(action, argparse._SubParsersAction)
+            for nested in action.choices.values()
+        ]
+        for each in parsers:
+            assert each.description and len(each.description) > 40, each.prog
+            assert squeezed(each.description) in squeezed(each.format_help()), each.prog

@@ -219,14 +219,14 @@ def test_releases_with_different_quantization_methods_share_one_template(tmp_pat
     assert plot[snr]["cache"] is False and (plot[snr]["x"], plot[snr]["y"]) == ("layer", "snr_db")
     assert plot[snr]["title"].startswith("${key}: ") and "plots" not in document
     # c-none draws none: `shipyard run-stage` leaves an empty list where DVC expects one
-    from pipelines.cli import _no_plot_here
+    from pipelines.commands.run_stage import no_plot_here
 
     outs = (snr.replace("${key}", "c-none"), "build/c-none/quantize")
-    _no_plot_here(tmp_path, outs, "c-none")
+    no_plot_here(tmp_path, outs, "c-none")
     assert json.loads((tmp_path / outs[0]).read_text()) == []
     assert not (tmp_path / outs[1]).exists()  # only plot files are filled in
     (tmp_path / outs[0]).write_text('[{"layer": 1}]')
-    _no_plot_here(tmp_path, outs, "c-none")
+    no_plot_here(tmp_path, outs, "c-none")
     assert json.loads((tmp_path / outs[0]).read_text()) == [{"layer": 1}]  # never overwritten
 
 

@@ -124,7 +124,7 @@ def test_a_canary_step_and_its_rollback_are_recorded_and_rendered(
                         "--canary", "100", "--registry", url)  # fmt: skip
     assert rc == 0 and "canary 100" in text
     history = Registry(url).history()
-    assert [e.get("canary_percent") for e in history] == [10, 100]
+    assert [e.canary_percent for e in history] == [10, 100]
     rc, text = shipyard(built_gpt2, "history", "--registry", url)
     assert "(canary 10 %)" in text and "(canary 100 %)" in text
     # a canary percent out of range is refused before anything moves
@@ -165,7 +165,7 @@ def test_rollback_writes_the_previous_version_with_all_of_the_traffic(
         isvc["spec"]["predictor"]["model"]["storageUri"]
         == f"pvc://reg/releases/tiny-gpt2/{version}"
     )
-    actions = [(e["action"], e["to"], e.get("canary_percent")) for e in Registry(url).history()]
+    actions = [(e.action, e.to, e.canary_percent) for e in Registry(url).history()]
     assert actions == [
         ("promote", f"tiny-gpt2@{version}", None),
         ("promote", "tiny-gpt2@9.9.9", 25),

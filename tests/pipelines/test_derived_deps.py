@@ -26,7 +26,12 @@ def tree(root: Path, files: dict[str, str]) -> None:
 
 
 SHIPYARD = str(Path(sys.executable).with_name("shipyard"))
-ENTRY_POINT = {"pipelines/__init__.py", "pipelines/cli.py"}  # `shipyard run-stage` itself
+# `shipyard run-stage` itself: the command line, which assembles every command's parser
+ENTRY_POINT = {
+    "pipelines/__init__.py",
+    "pipelines/cli.py",
+    *(p.relative_to(REPO).as_posix() for p in (REPO / "pipelines" / "commands").glob("*.py")),
+}
 
 
 def declared(stage: str) -> set[str]:

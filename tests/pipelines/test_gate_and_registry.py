@@ -65,7 +65,7 @@ def test_gate_treats_a_skipped_stage_as_a_failure(built_gpt2, registry, tmp_path
 
 def test_publish_is_immutable_per_version(built_gpt2, registry, tmp_path) -> None:
     first = registry.publish(bundle(built_gpt2), "tiny-gpt2", "0.1.0")
-    assert registry.publish(bundle(built_gpt2), "tiny-gpt2", "0.1.0")["already"]
+    assert registry.publish(bundle(built_gpt2), "tiny-gpt2", "0.1.0").already
     other = tmp_path / "other"
     shutil.copytree(bundle(built_gpt2), other)
     card = other / "MODEL_CARD.md"
@@ -76,7 +76,7 @@ def test_publish_is_immutable_per_version(built_gpt2, registry, tmp_path) -> Non
     manifest = json.loads(
         Path(registry.path("releases", "tiny-gpt2", "0.1.0", "manifest.json")).read_text()
     )
-    assert first["digest"] == manifest["subject"][0]["digest"]["sha256"]
+    assert first.record.digest == manifest["subject"][0]["digest"]["sha256"]
 
 
 def test_regression_vs_production_turns_the_gate_red(built_gpt2, registry) -> None:
@@ -122,16 +122,16 @@ def test_rollback_twice_walks_back_through_the_history(built_gpt2, registry) -> 
         copy = built_as(bundle(built_gpt2), Path(registry.url).parent / f"v{version}", version)
         registry.publish(copy, "tiny-gpt2", version)
         registry.promote("tiny-gpt2", version, "production", f"ship {version}")
-    assert registry.rollback("tiny-gpt2", "production", "bad")["to"] == "tiny-gpt2@1.1.0"
-    assert registry.rollback("tiny-gpt2", "production", "worse")["to"] == "tiny-gpt2@1.0.0"
+    assert registry.rollback("tiny-gpt2", "production", "bad").to == "tiny-gpt2@1.1.0"
+    assert registry.rollback("tiny-gpt2", "production", "worse").to == "tiny-gpt2@1.0.0"
     with pytest.raises(RegistryError, match="no earlier version to roll back to"):
         registry.rollback("tiny-gpt2", "production", "nothing left")
-    actions = [(e["seq"], e["action"], e["from"], e["to"]) for e in registry.history()]
+    actions = [(e.seq, e.action, e.from_, e.to) for e in registry.history()]
     assert actions[-2:] == [
         (4, "rollback", "tiny-gpt2@1.2.0", "tiny-gpt2@1.1.0"),
         (5, "rollback", "tiny-gpt2@1.1.0", "tiny-gpt2@1.0.0"),
     ]
-    assert registry.channel("tiny-gpt2", "production")["version"] == "1.0.0"
+    assert registry.channel("tiny-gpt2", "production").version == "1.0.0"
 
 
 def test_two_racing_promotions_are_both_recorded_in_order(built_gpt2, registry) -> None:
@@ -153,10 +153,10 @@ def test_two_racing_promotions_are_both_recorded_in_order(built_gpt2, registry) 
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     history = registry.history()
-    assert [e["seq"] for e in history] == [1, 2]
-    assert {e["to"] for e in history} == {"tiny-gpt2@2.0.0", "tiny-gpt2@2.1.0"}
-    assert history[1]["from"] == history[0]["to"]  # the second saw the first: serialized
-    assert registry.channel("tiny-gpt2", "production")["version"] == history[1]["to"][-5:]
+    assert [e.seq for e in history] == [1, 2]
+    assert {e.to for e in history} == {"tiny-gpt2@2.0.0", "tiny-gpt2@2.1.0"}
+    assert history[1].from_ == history[0].to  # the second saw the first: serialized
+    assert registry.channel("tiny-gpt2", "production").version == history[1].to[-5:]
 
 
 def test_cli_pr_flow_gate_publish_promote_status(built_gpt2, tmp_path) -> None:

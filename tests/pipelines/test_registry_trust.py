@@ -233,7 +233,7 @@ def test_attack_5_an_interrupted_publish_is_finished_or_removed_saying_which(
     ), actions
     assert "removed tiny-gpt2/.staging-2.0.0-dead: leftover of an interrupted publish" in actions
     assert (
-        registry.record("tiny-gpt2", "1.0.0")["digest"]
+        registry.record("tiny-gpt2", "1.0.0").digest  # type: ignore[union-attr]
         == json.loads((tmp_path / "v1.0.0" / "manifest.json").read_text())["subject"][0]["digest"][
             "sha256"
         ]
@@ -241,8 +241,8 @@ def test_attack_5_an_interrupted_publish_is_finished_or_removed_saying_which(
     assert registry.check() == []
     # 1.1.0 can now be published for real, and 1.0.0 promoted
     again = built_as(source, tmp_path / "v1.1.0", "1.1.0")
-    assert not registry.publish(again, "tiny-gpt2", "1.1.0").get("already")
-    assert registry.promote("tiny-gpt2", "1.0.0", "staging", "recovered")["to"] == "tiny-gpt2@1.0.0"
+    assert not registry.publish(again, "tiny-gpt2", "1.1.0").already
+    assert registry.promote("tiny-gpt2", "1.0.0", "staging", "recovered").to == "tiny-gpt2@1.0.0"
 
 
 # --------------------------------------------------------------------------- attack 6
@@ -258,9 +258,9 @@ def test_attack_6_a_torn_history_line_is_reported_never_blocking(
     with open(registry.path("history.jsonl"), "ab") as fh:
         fh.write(b'{"seq": 2, "at": "2026-')  # a crash mid-append
     registry.promote("tiny-gpt2", "1.1.0", "production", "second")
-    assert [e["seq"] for e in registry.history()] == [1, 2]
+    assert [e.seq for e in registry.history()] == [1, 2]
     assert registry.warnings and "history.jsonl line 2 is torn" in registry.warnings[0]
-    assert registry.rollback("tiny-gpt2", "production", "back")["to"] == "tiny-gpt2@1.0.0"
+    assert registry.rollback("tiny-gpt2", "production", "back").to == "tiny-gpt2@1.0.0"
     done = cli("history", "--registry", url)
     assert done.returncode == 0 and "rollback" in done.stdout
     assert "warning: history.jsonl line 2 is torn" in done.stderr
@@ -280,7 +280,7 @@ def test_attack_6_object_store_history_appends_one_object_per_entry(
     assert [o.rsplit("/", 1)[1] for o in objects] == [f"{1:010d}.json", f"{2:010d}.json"]
     assert registry.fs.info(registry.path("history", f"{1:010d}.json"))["ETag"] == first["ETag"]
     registry.fs.pipe_file(registry.path("history", f"{3:010d}.json"), b'{"seq": 3, "at')
-    assert [e["seq"] for e in registry.history()] == [1, 2]
+    assert [e.seq for e in registry.history()] == [1, 2]
     assert "history/0000000003.json is torn" in registry.warnings[0]
 
 
@@ -426,7 +426,7 @@ def test_a_channel_requiring_a_signature_refuses_unsigned_and_wrongly_signed_bun
         RegistryError, match="requires a signature by a trusted key; tiny-gpt2@1.0.0 is not signed "
     ):
         registry.promote("tiny-gpt2", "1.0.0", "production", "unsigned")
-    assert registry.promote("tiny-gpt2", "1.0.0", "staging", "no policy there")["to"]
+    assert registry.promote("tiny-gpt2", "1.0.0", "staging", "no policy there").to
     rogue = built_as(source, tmp_path / "rogue", "1.1.0")
     sign(rogue, private_key=rogue_key)
     registry.publish(rogue, "tiny-gpt2", "1.1.0")
@@ -435,8 +435,8 @@ def test_a_channel_requiring_a_signature_refuses_unsigned_and_wrongly_signed_bun
     good = built_as(source, tmp_path / "good", "1.2.0")
     sign(good, private_key=team_key)
     registry.publish(good, "tiny-gpt2", "1.2.0")
-    assert registry.promote("tiny-gpt2", "1.2.0", "production", "signed")["to"] == "tiny-gpt2@1.2.0"
-    assert [e["to"] for e in registry.history()] == ["tiny-gpt2@1.0.0", "tiny-gpt2@1.2.0"]
+    assert registry.promote("tiny-gpt2", "1.2.0", "production", "signed").to == "tiny-gpt2@1.2.0"
+    assert [e.to for e in registry.history()] == ["tiny-gpt2@1.0.0", "tiny-gpt2@1.2.0"]
 
 
 def test_s3_registry_publish_promote_rollback_status_through_the_cli(

@@ -20,8 +20,9 @@ import pytest
 
 import pipelines.registry as reg
 import pipelines.storage as storage
-from pipelines.registry import Registry, check_channel, check_name, check_version
+from pipelines.registry import Registry, Unmoved, check_channel, check_name, check_version
 from schemas import RegistryError
+from schemas.registry import ChannelPointer, HistoryEntry, PublishRecord, RegistryFile
 from stages.bundling.oms import load_manifest
 from tests.conftest import bucket, remanifest
 
@@ -68,6 +69,24 @@ def make_bundle(
 
 def digest_of(bundle: Path) -> str:
     return load_manifest(bundle / "manifest.json").digest
+
+
+def moved(result: HistoryEntry | Unmoved) -> HistoryEntry:
+    """A promotion's history entry (it moved the channel)."""
+    assert isinstance(result, HistoryEntry), result
+    return result
+
+
+def recorded(registry: Registry, name: str, version: str) -> PublishRecord:
+    record = registry.record(name, version)
+    assert record is not None, f"{name}@{version} has no publish record"
+    return record
+
+
+def pointer(registry: Registry, name: str, channel: str) -> ChannelPointer:
+    found = registry.channel(name, channel)
+    assert found is not None, f"{name} has no {channel} pointer"
+    return found
 
 
 @pytest.fixture
@@ -152,21 +171,21 @@ def test_publish_records_the_copied_digest_read_only(
     registry: Registry, bundle: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SHIPYARD_USER", "ci-bot")
-    record = registry.publish(bundle, "demo", "1.0.0")
-    assert record["digest"] == digest_of(bundle) and record["by"] == "ci-bot"
-    assert (record["release"], record["version"], record["recovered"]) == ("demo", "1.0.0", [])
-    assert "already" not in record
+    done = registry.publish(bundle, "demo", "1.0.0")
+    record = done.record
+    assert record.digest == digest_of(bundle) and record.by == "ci-bot"
+    assert (record.release, record.version, done.recovered) == ("demo", "1.0.0", ())
+    assert not done.already
     stored = registry.record("demo", "1.0.0")
-    assert stored is not None and stored["digest"] == record["digest"]
-    assert stored["at"] == record["at"] and "recovered" not in stored
+    assert stored == record and "recovered" not in stored.document()
     folder = Path(registry.path("releases", "demo", "1.0.0"))
     modes = {p.name: p.stat().st_mode & 0o777 for p in folder.rglob("*") if p.is_file()}
     assert modes and set(modes.values()) == {0o444}, modes
     assert sorted(p.name for p in folder.parent.iterdir()) == ["1.0.0", "1.0.0.json"]
     # the same bundle again: said, not copied
     again = registry.publish(bundle, "demo", "1.0.0")
-    assert again["already"] is True and again["digest"] == record["digest"]
-    assert again["recovered"] == [] and record["at"].endswith("+00:00")  # UTC
+    assert again.already is True and again.record.digest == record.digest
+    assert again.recovered == () and str(record.at).endswith("+00:00")  # UTC
     dirs = [p for p in folder.rglob("*") if p.is_dir()]
     assert dirs and all(p.stat().st_mode & 0o700 == 0o700 for p in dirs)  # still traversable
     # a second handle on the same registry (another command) opens it as it is
@@ -213,7 +232,7 @@ def test_a_published_version_is_immutable(registry: Registry, bundle: Path, tmp_
     ):
         registry.publish(other, "demo", "1.0.1")
     rebuilt = make_bundle(tmp_path / "rebuilt", payload=b"other weights", version="1.0.1")
-    assert registry.publish(rebuilt, "demo", "1.0.1")["digest"] == digest_of(rebuilt)
+    assert registry.publish(rebuilt, "demo", "1.0.1").record.digest == digest_of(rebuilt)
 
 
 @pytest.mark.parametrize(
@@ -269,7 +288,7 @@ def test_an_optional_skipped_stage_is_published(registry: Registry, tmp_path: Pa
     ok = make_bundle(
         tmp_path / "ok", {"parity": "passed", "engine": "skipped"}, optional=("engine",)
     )
-    assert registry.publish(ok, "demo", "1.0.0")["digest"] == digest_of(ok)
+    assert registry.publish(ok, "demo", "1.0.0").record.digest == digest_of(ok)
     # a bundle built before `optional` was a typed field said so in its report's details
     old = make_bundle(
         tmp_path / "old",
@@ -277,7 +296,7 @@ def test_an_optional_skipped_stage_is_published(registry: Registry, tmp_path: Pa
         details={"engine": {"optional": True}},
         version="1.0.1",
     )
-    assert registry.publish(old, "demo", "1.0.1")["digest"] == digest_of(old)
+    assert registry.publish(old, "demo", "1.0.1").record.digest == digest_of(old)
 
 
 def test_a_bundle_that_does_not_verify_or_holds_a_foreign_report_is_refused(
@@ -331,8 +350,8 @@ def test_check_finishes_removes_and_reports_each_interrupted_publish(
         "removed demo/3.0.0.json.1.ab.tmp: leftover of an interrupted publish",
     ]
     record = registry.record("demo", "1.0.0")
-    assert record is not None and record["digest"] == digest_of(good) and record["recovered"]
-    assert record["by"] and record["at"].endswith("+00:00")
+    assert record is not None and record.digest == digest_of(good) and record.recovered
+    assert record.by and str(record.at).endswith("+00:00")
     assert sorted(os.listdir(releases / "demo")) == ["1.0.0", "1.0.0.json", "notes"]
     assert registry.check() == ["releases/Bad_Name: not a valid release name; left alone"]
 
@@ -345,13 +364,13 @@ def test_a_failed_unrecorded_publish_is_removed_naming_the_stage(
     target.parent.mkdir(parents=True)
     shutil.copytree(failed, target)
     (actions,) = [
-        registry.publish(make_bundle(tmp_path / "b", version="2.0.0"), "demo", "2.0.0")["recovered"]
+        registry.publish(make_bundle(tmp_path / "b", version="2.0.0"), "demo", "2.0.0").recovered
     ]
-    assert actions == [
+    assert actions == (
         "removed demo@1.0.0: interrupted publish that does not verify (unrecorded demo@1.0.0 "
         "has stages that did not pass (parity: failed); only a release whose gate passed can "
-        "be published or promoted)"
-    ]
+        "be published or promoted)",
+    )
 
 
 # --------------------------------------------------------------------------- channels
@@ -360,17 +379,17 @@ def test_promote_and_rollback_walk_the_history_per_release_and_channel(
 ) -> None:
     monkeypatch.setenv("SHIPYARD_USER", "alice")
     published(registry, tmp_path, "1.0.0", "1.1.0", "1.2.0")
-    first = registry.promote("demo", "1.0.0", "production", "first")
-    assert first["seq"] == 1 and first["from"] is None and first["to"] == "demo@1.0.0"
-    assert (first["action"], first["who"], first["reason"]) == ("promote", "alice", "first")
-    assert first["digest"] == registry.record("demo", "1.0.0")["digest"]  # type: ignore[index]
+    first = moved(registry.promote("demo", "1.0.0", "production", "first"))
+    assert first.seq == 1 and first.from_ is None and first.to == "demo@1.0.0"
+    assert (first.action, first.who, first.reason) == ("promote", "alice", "first")
+    assert first.digest == recorded(registry, "demo", "1.0.0").digest
     registry.promote("demo", "1.1.0", "staging", "other channel")
-    second = registry.promote("demo", "1.2.0", "production", "second")
-    assert (second["seq"], second["from"], second["to"]) == (3, "demo@1.0.0", "demo@1.2.0")
-    assert registry.channel("demo", "production")["version"] == "1.2.0"  # type: ignore[index]
+    second = moved(registry.promote("demo", "1.2.0", "production", "second"))
+    assert (second.seq, second.from_, second.to) == (3, "demo@1.0.0", "demo@1.2.0")
+    assert pointer(registry, "demo", "production").version == "1.2.0"
     assert registry.channel("demo", "canary") is None
     back = registry.rollback("demo", "production", "bad latency")
-    assert (back["seq"], back["action"], back["from"], back["to"]) == (
+    assert (back.seq, back.action, back.from_, back.to) == (
         4,
         "rollback",
         "demo@1.2.0",
@@ -383,11 +402,11 @@ def test_promote_and_rollback_walk_the_history_per_release_and_channel(
         registry.rollback("demo", "production", "again")
     with pytest.raises(RegistryError, match=r"'canary' has no earlier version .*\(0 in"):
         registry.rollback("demo", "canary", "never promoted")
-    assert [(c["channel"], c["version"]) for c in registry.channels()] == [
+    assert [(c.channel, c.pointer.version) for c in registry.channels()] == [
         ("production", "1.0.0"),
         ("staging", "1.1.0"),
     ]
-    assert [e["seq"] for e in registry.history()] == [1, 2, 3, 4]
+    assert [e.seq for e in registry.history()] == [1, 2, 3, 4]
 
 
 def test_a_rollback_follows_pushes_and_pops_not_the_last_entry(
@@ -396,8 +415,8 @@ def test_a_rollback_follows_pushes_and_pops_not_the_last_entry(
     published(registry, tmp_path, "1.0.0", "1.1.0", "1.2.0")
     for v in ("1.0.0", "1.1.0", "1.2.0"):
         registry.promote("demo", v, "production", v)
-    assert registry.rollback("demo", "production", "a")["to"] == "demo@1.1.0"
-    assert registry.rollback("demo", "production", "b")["to"] == "demo@1.0.0"
+    assert registry.rollback("demo", "production", "a").to == "demo@1.1.0"
+    assert registry.rollback("demo", "production", "b").to == "demo@1.0.0"
     other = make_bundle(tmp_path / "other", payload=b"o", name="other")
     registry.publish(other, "other", "1.0.0")
     registry.promote("other", "1.0.0", "production", "another release, same channel")
@@ -419,10 +438,10 @@ def test_a_retried_promotion_moves_nothing_and_rollback_leaves_the_live_version(
         assert main(["promote", f"demo@{v}", "--to", "prod", "--reason", "deploy", *url]) == 0
     out = capsys.readouterr().out
     assert "prod: demo@0.2.0 is already live there; nothing moved or recorded" in out
-    assert [e["to"] for e in registry.history()] == ["demo@0.1.0", "demo@0.2.0"]
+    assert [e.to for e in registry.history()] == ["demo@0.1.0", "demo@0.2.0"]
     assert main(["rollback", "prod", "--reason", "bad", *url]) == 0
     assert "prod: demo@0.2.0 -> demo@0.1.0 (#3, rollback)" in capsys.readouterr().out
-    assert registry.channel("demo", "prod")["version"] == "0.1.0"  # type: ignore[index]
+    assert pointer(registry, "demo", "prod").version == "0.1.0"
 
     # an older registry recorded the retried promotion: its duplicate is not a step back
     with registry.lock():
@@ -450,7 +469,7 @@ def test_a_crash_between_history_and_pointer_is_found_and_finished(
     registry.promote("demo", "1.0.0", "production", "first")
     real_write = reg.Registry._write
 
-    def crash(self: Registry, path: str, data: dict[str, Any]) -> None:
+    def crash(self: Registry, path: str, data: RegistryFile) -> None:
         if "/channels/" in path.replace(os.sep, "/"):
             raise KeyboardInterrupt("killed between the history append and the pointer")
         real_write(self, path, data)
@@ -461,15 +480,15 @@ def test_a_crash_between_history_and_pointer_is_found_and_finished(
             registry.promote("demo", version, "production", "killed")
 
     promote_killed("1.1.0")
-    assert registry.history()[-1]["to"] == "demo@1.1.0"
-    assert registry.channel("demo", "production")["version"] == "1.0.0"  # type: ignore[index]
+    assert registry.history()[-1].to == "demo@1.1.0"
+    assert pointer(registry, "demo", "production").version == "1.0.0"
     assert main(["registry", "check", "--registry", registry.url]) == 0
     out = capsys.readouterr().out
     assert (
         "finished demo's production: history #2 (promote) moved it to demo@1.1.0, its pointer "
         "says demo@1.0.0: an interrupted move, pointer now demo@1.1.0"
     ) in out
-    assert registry.channel("demo", "production")["version"] == "1.1.0"  # type: ignore[index]
+    assert pointer(registry, "demo", "production").version == "1.1.0"
     assert main(["registry", "check", "--registry", registry.url]) == 0
     assert "consistent" in capsys.readouterr().out
 
@@ -477,24 +496,25 @@ def test_a_crash_between_history_and_pointer_is_found_and_finished(
     promote_killed("1.2.0")
     back = registry.rollback("demo", "production", "bad")
     assert registry.warnings and registry.warnings[0].startswith("finished demo's production")
-    assert (back["from"], back["to"]) == ("demo@1.2.0", "demo@1.1.0")
+    assert (back.from_, back.to) == ("demo@1.2.0", "demo@1.1.0")
 
     # a crash whose target was then tampered with: reported, the pointer left alone
     with registry.lock():
         registry._append(
-            {
-                **registry.history()[-1],
-                "seq": 99,
-                "to": "demo@1.0.0",
-                "digest": registry.record("demo", "1.0.0")["digest"],
-            }
-        )  # type: ignore[index]
+            registry.history()[-1].model_copy(
+                update={
+                    "seq": 99,
+                    "to": "demo@1.0.0",
+                    "digest": recorded(registry, "demo", "1.0.0").digest,
+                }
+            )
+        )
     target = Path(registry.path("releases", "demo", "1.0.0", "model.onnx"))
     target.chmod(0o644)
     target.write_bytes(b"tampered")
     actions = registry.check()
     assert len(actions) == 1 and "demo@1.0.0 does not verify" in actions[0], actions
-    assert registry.channel("demo", "production")["version"] == "1.1.0"  # type: ignore[index]
+    assert pointer(registry, "demo", "production").version == "1.1.0"
 
 
 def test_torn_or_misplaced_channel_and_policy_files_are_named_never_a_traceback(
@@ -573,16 +593,18 @@ def test_a_publish_record_or_history_entry_is_read_by_its_model(
             registry.record("demo", "1.0.0")
     # a key a later version adds is kept, not refused
     path.write_text(json.dumps({**record, "added_later": 1}))
-    assert registry.record("demo", "1.0.0")["added_later"] == 1  # type: ignore[index]
+    assert recorded(registry, "demo", "1.0.0").document()["added_later"] == 1
     path.write_text(good)
-    assert registry.record("demo", "1.0.0") == record  # exactly its keys, no defaults added
+    # exactly its keys, no defaults added
+    assert recorded(registry, "demo", "1.0.0").document() == record
     # a history line that names no move it knows is skipped with a warning, like a torn one
-    entry = {**registry.history()[0], "seq": 2, "action": "delete"}
+    entry = {**registry.history()[0].document(), "seq": 2, "action": "delete"}
     with open(registry.path("history.jsonl"), "a") as fh:
         fh.write(json.dumps(entry) + "\n")
-    assert [e["seq"] for e in registry.history()] == [1]
+    assert [e.seq for e in registry.history()] == [1]
     assert registry.warnings[-1].startswith("history.jsonl line 2 is torn or not an entry")
-    assert registry.history()[0]["from"] is None  # the alias round-trips
+    first = registry.history()[0]
+    assert first.from_ is None and first.document()["from"] is None  # the alias round-trips
 
 
 def test_a_file_renamed_inside_a_published_bundle_is_refused(
@@ -593,7 +615,7 @@ def test_a_file_renamed_inside_a_published_bundle_is_refused(
     order), and the bundle verified, kept its digest and was promoted."""
     registry.publish(bundle, "demo", "1.0.0")
     folder = Path(registry.path("releases", "demo", "1.0.0"))
-    digest = registry.record("demo", "1.0.0")["digest"]  # type: ignore[index]
+    digest = recorded(registry, "demo", "1.0.0").digest
     data = json.loads((folder / "manifest.json").read_text())
     for r in data["predicate"]["resources"]:  # a name that sorts where the old one did
         if r["name"].startswith("model.onnx:"):
@@ -640,7 +662,7 @@ def test_channels_lists_only_valid_channel_files(registry: Registry, tmp_path: P
     published(registry, tmp_path, "1.0.0")
     registry.promote("demo", "1.0.0", "production", "x")
     Path(registry.path("channels", "demo", "Bad.json")).write_text("{}")
-    assert [c["channel"] for c in registry.channels()] == ["production"]
+    assert [c.channel for c in registry.channels()] == ["production"]
 
 
 # --------------------------------------------------------------------------- signatures
@@ -657,15 +679,15 @@ def test_a_signature_policy_refuses_unsigned_and_accepts_a_trusted_signature(
         registry.require_signature("production", [tmp_path / "junk.pub"])
     assert registry.policy("production") is None
     policy = registry.require_signature("production", [stranger, public])
-    assert policy["require_signature"] and len(policy["public_keys"]) == 2
+    assert policy.require_signature and len(policy.public_keys) == 2
     registry.publish(bundle, "demo", "1.0.0")
     with pytest.raises(RegistryError, match="requires a signature .* demo@1.0.0 is not signed"):
         registry.promote("demo", "1.0.0", "production", "x")
-    assert registry.promote("demo", "1.0.0", "staging", "no policy")["to"] == "demo@1.0.0"
+    assert registry.promote("demo", "1.0.0", "staging", "no policy").to == "demo@1.0.0"
     signed = make_bundle(tmp_path / "signed", version="1.0.1")
     sign(signed, private_key=private)
     registry.publish(signed, "demo", "1.0.1")
-    assert registry.promote("demo", "1.0.1", "production", "signed")["to"] == "demo@1.0.1"
+    assert registry.promote("demo", "1.0.1", "production", "signed").to == "demo@1.0.1"
     registry.require_signature("canary", [stranger])
     with pytest.raises(RegistryError, match="demo@1.0.1 is not signed by one"):
         registry.promote("demo", "1.0.1", "canary", "wrong key")
@@ -675,13 +697,14 @@ def test_a_signature_policy_refuses_unsigned_and_accepts_a_trusted_signature(
     src = Path(registry.path("releases", "demo", "1.0.1"))
     dst = Path(registry.path("releases", "other-model", "9.9.9"))
     shutil.copytree(src, dst)
-    record = {**registry.record("demo", "1.0.1"), "release": "other-model", "version": "9.9.9"}  # type: ignore[dict-item]
+    record = recorded(registry, "demo", "1.0.1").document()
+    record |= {"release": "other-model", "version": "9.9.9"}
     Path(registry._record_path("other-model", "9.9.9")).write_text(json.dumps(record))
     with pytest.raises(
         RegistryError, match="filed as other-model@9.9.9, but its shipyard.json says demo@1.0.1"
     ):
         registry.promote("other-model", "9.9.9", "production", "refiled")
-    assert registry.channel("demo", "production")["version"] == "1.0.1"  # type: ignore[index]
+    assert pointer(registry, "demo", "production").version == "1.0.1"
     # and as a user meets it: the command refuses, naming both, and moves nothing
     where = ["--registry", str(tmp_path / "registry")]
     assert cli_error(["promote", "other-model@9.9.9", "--to", "production", *where]) == (
@@ -700,9 +723,9 @@ def test_history_skips_torn_blank_and_foreign_lines_and_appends_after_them(
     with open(registry.path("history.jsonl"), "ab") as fh:
         fh.write(b"\n" + json.dumps({"seq": 9, "channel": "x", "to": "y"}).encode() + b"\n")
         fh.write(b'{"seq": 2, "at": "2026-')  # a crash mid-append: no newline
-    entry = registry.promote("demo", "1.0.0", "staging", "after the tear")
-    assert entry["seq"] == 2
-    assert [e["seq"] for e in registry.history()] == [1, 2]
+    entry = moved(registry.promote("demo", "1.0.0", "staging", "after the tear"))
+    assert entry.seq == 2
+    assert [e.seq for e in registry.history()] == [1, 2]
     assert len(registry.warnings) == 2
     assert registry.warnings[0].startswith("history.jsonl line 3 is torn or not an entry")
     assert registry.warnings[1].startswith("history.jsonl line 4 is torn or not an entry")
@@ -714,10 +737,11 @@ def test_history_skips_torn_blank_and_foreign_lines_and_appends_after_them(
 
 def test_a_record_is_created_exclusively(registry: Registry) -> None:
     path = registry.path("releases", "demo", "1.0.0.json")
-    registry._create(path, {"digest": "a"})
+    first = PublishRecord(release="demo", version="1.0.0", digest="a" * 64)
+    registry._create(path, first)
     with pytest.raises(RegistryError, match="exists already; refusing to overwrite it"):
-        registry._create(path, {"digest": "b"})
-    assert json.loads(Path(path).read_text()) == {"digest": "a"}
+        registry._create(path, first.model_copy(update={"digest": "b" * 64}))
+    assert json.loads(Path(path).read_text()) == first.document()
     assert [p.name for p in Path(path).parent.iterdir()] == ["1.0.0.json"]  # no temp left
 
 
@@ -743,7 +767,7 @@ def test_a_held_lock_times_out_naming_the_lock(
     finally:
         holder.kill()
         holder.wait()
-    assert registry.publish(bundle, "demo", "1.0.0")["digest"] == digest_of(bundle)
+    assert registry.publish(bundle, "demo", "1.0.0").record.digest == digest_of(bundle)
 
 
 # --------------------------------------------------------------------------- exact forms
@@ -753,7 +777,7 @@ def test_records_channels_and_history_have_one_exact_form(
     """Readers (people, scripts, diffs) rely on these bytes: sorted keys, two-space indent,
     a final newline; one sorted JSON object per history line."""
     published(registry, tmp_path, "1.0.0")
-    entry = registry.promote("demo", "1.0.0", "production", "first")
+    entry = moved(registry.promote("demo", "1.0.0", "production", "first"))
     for path in (
         registry.path("releases", "demo", "1.0.0.json"),
         registry.path("channels", "demo", "production.json"),
@@ -761,7 +785,7 @@ def test_records_channels_and_history_have_one_exact_form(
         text = Path(path).read_text()
         assert text == json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n", path
     channel = json.loads(Path(registry.path("channels", "demo", "production.json")).read_text())
-    assert channel["since"] == entry["at"] and channel["version"] == "1.0.0"
+    assert channel["since"] == entry.at and channel["version"] == "1.0.0"
     registry.promote("demo", "1.0.0", "staging", "second")
     lines = Path(registry.path("history.jsonl")).read_text().split("\n")
     assert lines[2] == "" and len(lines) == 3  # two entries, no blank line between
@@ -858,7 +882,7 @@ def test_a_rollback_keeps_its_reason_and_skips_other_releases_entries(
     registry.promote("demo-two", "1.0.0", "production", "other release, similar name")
     registry.promote("demo", "1.1.0", "production", "b")
     back = registry.rollback("demo", "production", "latency regression")
-    assert (back["to"], back["reason"]) == ("demo@1.0.0", "latency regression")
+    assert (back.to, back.reason) == ("demo@1.0.0", "latency regression")
 
 
 def test_a_signature_refusal_explains_the_fix(
@@ -880,7 +904,7 @@ def test_a_signature_refusal_explains_the_fix(
         "it as a new version"
     )
     policy = registry.policy("production")
-    assert policy is not None and policy["by"] and policy["at"]
+    assert policy is not None and policy.by and policy.at
     Path(registry.path("policy", "production.json")).write_text(
         json.dumps({"require_signature": True})
     )
@@ -900,9 +924,9 @@ def test_object_store_publish_promote_rollback_and_history(
     monkeypatch.setenv("SHIPYARD_USER", "bob")
     assert not s3.local and s3.root == s3.path() and not s3.root.endswith("/")
     first, second = make_bundle(tmp_path / "a"), make_bundle(tmp_path / "b", payload=b"b")
-    record = s3.publish(first, "demo", "1.0.0")
-    assert record["digest"] == digest_of(first) and record["by"] == "bob"
-    assert s3.publish(first, "demo", "1.0.0")["already"] is True
+    record = s3.publish(first, "demo", "1.0.0").record
+    assert record.digest == digest_of(first) and record.by == "bob"
+    assert s3.publish(first, "demo", "1.0.0").already is True
     with pytest.raises(RegistryError, match="already published"):
         s3.publish(second, "demo", "1.0.0")
     with pytest.raises(RegistryError, match="filed as demo@1.1.0"):
@@ -917,25 +941,26 @@ def test_object_store_publish_promote_rollback_and_history(
     s3.promote("demo", "1.0.0", "production", "first")
     s3.promote("demo", "1.1.0", "production", "second")
     back = s3.rollback("demo", "production", "back")
-    assert (back["seq"], back["to"], back["reason"]) == (3, "demo@1.0.0", "back")
+    assert (back.seq, back.to, back.reason) == (3, "demo@1.0.0", "back")
     names = sorted(p.rsplit("/", 1)[1] for p in s3.fs.ls(s3.path("history"), detail=False))
     assert names == [f"{i:010d}.json" for i in (1, 2, 3)]
-    assert [e["seq"] for e in s3.history()] == [1, 2, 3] and s3.warnings == []
+    assert [e.seq for e in s3.history()] == [1, 2, 3] and s3.warnings == []
     text = s3.fs.cat_file(s3.path("history", f"{1:010d}.json")).decode()
     assert text == json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n"
-    assert [(c["channel"], c["version"]) for c in s3.channels()] == [("production", "1.0.0")]
+    assert [(c.channel, c.pointer.version) for c in s3.channels()] == [("production", "1.0.0")]
     s3.fs.pipe_file(s3.path("history", f"{4:010d}.json"), b'{"seq": 4, "at')
-    assert [e["seq"] for e in s3.history()] == [1, 2, 3]
+    assert [e.seq for e in s3.history()] == [1, 2, 3]
     assert s3.warnings[0].startswith("history/0000000004.json is torn or not an entry")
 
 
 def test_object_store_records_are_created_exclusively(s3: Registry) -> None:
     path = s3.path("releases", "demo", "1.0.0.json")
-    s3._create(path, {"digest": "a"})
+    first = PublishRecord(release="demo", version="1.0.0", digest="a" * 64)
+    s3._create(path, first)
     with pytest.raises(RegistryError) as exc:
-        s3._create(path, {"digest": "b"})
+        s3._create(path, first.model_copy(update={"digest": "b" * 64}))
     assert str(exc.value) == f"{path} exists already; refusing to overwrite it"
-    assert json.loads(s3.fs.cat_file(path)) == {"digest": "a"}
+    assert json.loads(s3.fs.cat_file(path)) == first.document()
 
 
 def test_object_store_check_finishes_and_removes_interrupted_publishes(
@@ -953,8 +978,8 @@ def test_object_store_check_finishes_and_removes_interrupted_publishes(
         "(model.onnx: changed (sha256 differs from the manifest))",
     ]
     record = s3.record("demo", "1.0.0")
-    assert record is not None and record["digest"] == digest_of(good)
-    assert (record["release"], record["version"], record["recovered"]) == ("demo", "1.0.0", True)
+    assert record is not None and record.digest == digest_of(good)
+    assert (record.release, record.version, record.recovered) == ("demo", "1.0.0", True)
     assert s3.check() == []
 
 
@@ -984,9 +1009,9 @@ def test_facts_without_stages_or_with_reportless_passed_stages_publish(
     del facts["stages"]
     (bare / "shipyard.json").write_text(json.dumps(facts))
     remanifest(bare, "demo@1.0.0")
-    assert registry.publish(bare, "demo", "1.0.0")["digest"] == digest_of(bare)
+    assert registry.publish(bare, "demo", "1.0.0").record.digest == digest_of(bare)
     extra = make_bundle(tmp_path / "extra", payload=b"e", facts={"plan": "passed"}, version="1.0.1")
-    assert registry.publish(extra, "demo", "1.0.1")["digest"] == digest_of(extra)
+    assert registry.publish(extra, "demo", "1.0.1").record.digest == digest_of(extra)
 
 
 def test_a_published_bundle_that_no_longer_verifies_is_named(
@@ -1022,7 +1047,7 @@ def test_history_survives_bytes_that_are_not_utf8_and_long_torn_lines(
     torn = '{"seq": 2, "note": "' + "x" * 100
     with open(registry.path("history.jsonl"), "ab") as fh:
         fh.write(b"\xff\xfe not utf-8\n" + torn.encode())
-    assert [e["seq"] for e in registry.history()] == [1]
+    assert [e.seq for e in registry.history()] == [1]
     assert registry.warnings[0].startswith("history.jsonl line 2 is torn or not an entry ('")
     assert registry.warnings[1] == (
         f"history.jsonl line 3 is torn or not an entry ({torn[:60]!r}); skipped. History is "
@@ -1073,7 +1098,7 @@ def test_an_interrupted_canary_step_is_finished_with_its_share(
     registry.promote("demo", "1.1.0", "production", "canary", canary=10)
     real_write = reg.Registry._write
 
-    def crash(self: Registry, path: str, data: dict[str, Any]) -> None:
+    def crash(self: Registry, path: str, data: RegistryFile) -> None:
         if "/channels/" in path.replace(os.sep, "/"):
             raise KeyboardInterrupt("killed between the history append and the pointer")
         real_write(self, path, data)
@@ -1081,11 +1106,11 @@ def test_an_interrupted_canary_step_is_finished_with_its_share(
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         m.setattr(reg.Registry, "_write", crash)
         registry.promote("demo", "1.1.0", "production", "all of it", canary=100)
-    assert registry.channel("demo", "production")["canary_percent"] == 10  # type: ignore[index]
+    assert pointer(registry, "demo", "production").canary_percent == 10
     assert registry.check()  # finishes it, saying so
-    assert registry.channel("demo", "production")["canary_percent"] == 100  # type: ignore[index]
+    assert pointer(registry, "demo", "production").canary_percent == 100
     retried = registry.promote("demo", "1.1.0", "production", "retry", canary=100)
-    assert retried.get("noop") and len(registry.history()) == 3
+    assert isinstance(retried, Unmoved) and len(registry.history()) == 3
     # a rollback moves the channel back with all of the traffic
     registry.rollback("demo", "production", "back")
-    assert "canary_percent" not in registry.channel("demo", "production")  # type: ignore[operator]
+    assert "canary_percent" not in pointer(registry, "demo", "production").document()

@@ -237,6 +237,7 @@ def test_every_malformed_key_file_is_a_clear_error_never_a_traceback(
 
     # a policy written before these checks, an RSA key first: the good key still decides
     from pipelines.registry import Registry
+    from schemas.registry import SignaturePolicy
 
     good_private, good_public = keypair(tmp_path, "good")
     reg = Registry(str(tmp_path / "registry"))
@@ -247,12 +248,12 @@ def test_every_malformed_key_file_is_a_clear_error_never_a_traceback(
     reg.publish(signed, "demo", "1.0.1")
     reg._write(
         reg.path("policy", "prod.json"),
-        {
-            "require_signature": True,
-            "public_keys": [bad["rsa.pub"].read_text(), good_public.read_text()],
-        },
+        SignaturePolicy(
+            require_signature=True,
+            public_keys=[bad["rsa.pub"].read_text(), good_public.read_text()],
+        ),
     )
-    assert reg.promote("demo", "1.0.1", "prod", "signed")["to"] == "demo@1.0.1"
+    assert reg.promote("demo", "1.0.1", "prod", "signed").to == "demo@1.0.1"
 
 
 # ---------------------------------------------------- model_signing's command line, both ways
