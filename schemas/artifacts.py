@@ -248,6 +248,28 @@ class EngineProfiles(Artifact):
     profiles: list[EngineProfileInfo]
 
 
+class EngineParityRow(BaseModel):
+    """TensorRT against ONNX Runtime at one shape of one optimization profile."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    profile: str
+    shape: str = Field(description="min, opt, max or odd")
+    ok: bool
+    why: str
+
+
+class CudaGraphRow(BaseModel):
+    """A CUDA-graph replay against plain execution at one batch size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    batch: int
+    ok: bool
+    plain_ms: float
+    graph_ms: float
+    speedup: float
+    why: str
+
+
 class EngineBuild(Artifact):
     """Where and with what an engine was built; absent when none was."""
 
@@ -258,8 +280,8 @@ class EngineBuild(Artifact):
     gpu: str
     compute_capability: str
     plan: str = Field(description="The plan's path inside the bundle.")
-    parity: list[dict[str, object]] = Field(description="TensorRT vs ONNX Runtime rows.")
-    cuda_graphs: list[dict[str, object]] = Field(description="CUDA-graph replay rows.")
+    parity: list[EngineParityRow] = Field(description="TensorRT vs ONNX Runtime rows.")
+    cuda_graphs: list[CudaGraphRow] = Field(description="CUDA-graph replay rows.")
 
 
 # serve -------------------------------------------------------------------------------------

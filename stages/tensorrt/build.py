@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from schemas import Refused
-from schemas.artifacts import CapacityPlan, EngineBuild, ModelInfo
+from schemas.artifacts import CapacityPlan, EngineBuild, EngineParityRow, ModelInfo
 from stages._contract import StageContext, StageResult
 from stages.onnx import shapes as sh
 
@@ -60,8 +60,8 @@ def build_and_check(
         gpu=gpu,
         compute_capability=capability,
         build_seconds=round(seconds, 1),
-        parity=parity,
-        cuda_graphs=graphs,
+        parity=[p.model_dump() for p in parity],
+        cuda_graphs=[g.model_dump() for g in graphs],
     )
     render_triton(ctx, release, profiles, capability)
     layout = trt_entry.check_trt_layout(model_dir)
@@ -81,7 +81,7 @@ def build_and_check(
             cuda_graphs=graphs,
         )
     )
-    bad = [p["why"] for p in parity if not p["ok"]] + [g["why"] for g in graphs if not g["ok"]]
+    bad = [p.why for p in parity if not p.ok] + [g.why for g in graphs if not g.ok]
     summary = (
         f"TensorRT {trt.__version__} on {gpu} (sm {capability}): {len(profiles)} profile(s), "
         f"parity at {len(parity)} shapes, CUDA graphs at batch {cfg.cuda_graphs.batch_sizes}"
@@ -197,7 +197,7 @@ def engine_parity(
     info: ModelInfo,
     parity: ParityConfig,
     default: Tolerance | None = None,
-) -> list[dict[str, Any]]:
+) -> list[EngineParityRow]:
     """TensorRT vs ONNX Runtime per profile at min/opt/max/odd; names the first bad layer."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
@@ -212,12 +212,12 @@ def engine_parity(
                     want = ort_runner.infer(feeds)
                     have = trt.infer(feeds)
                     rows.append(judge(profile["name"], label, want, have, parity, default))
-    if any(not r["ok"] for r in rows):
+    if any(not r.ok for r in rows):
         try:
             rows.append(first_diverging_layer(plan, model, profiles, info, rows, parity, default))
         except Exception as exc:  # a diagnosis; its failure must not hide the verdict
-            bad = next(r for r in rows if not r["ok"])
-            rows.append({**bad, "why": f"could not localize the divergence: {exc}"})
+            bad = next(r for r in rows if not r.ok)
+            rows.append(bad.model_copy(update={"why": f"could not localize the divergence: {exc}"}))
     return rows
 
 
@@ -228,7 +228,7 @@ def judge(
     have: dict[str, Any],
     parity: ParityConfig,
     default: Tolerance | None = None,
-) -> dict[str, Any]:
+) -> EngineParityRow:
     """One parity row from the shared comparator: a NaN, a missing output or a shape
     mismatch fails, and the first failing output is named."""
     from stages.onnx.compare import compare_outputs
@@ -243,12 +243,9 @@ def judge(
         why = f"{first.output} out of tolerance: " + (
             first.note or f"{parity.statistic} normalized error {first.error:.3g} > 1"
         )
-    return {
-        "profile": profile,
-        "shape": label,
-        "ok": not bad,
-        "why": f"profile {profile} {label}: {why}",
-    }
+    return EngineParityRow(
+        profile=profile, shape=label, ok=not bad, why=f"profile {profile} {label}: {why}"
+    )
 
 
 def onnx_with_every_tensor(model: Path) -> Any:
@@ -268,10 +265,10 @@ def first_diverging_layer(
     model: Path,
     profiles: list[dict[str, Any]],
     info: ModelInfo,
-    rows: list[dict[str, Any]],
+    rows: list[EngineParityRow],
     parity: ParityConfig,
     default: Tolerance | None = None,
-) -> dict[str, Any]:
+) -> EngineParityRow:
     """Rebuild with every tensor marked as an output at the first failing shape; the first
     tensor in graph order that disagrees with ONNX Runtime's is the diverging layer."""
     from polygraphy import constants
@@ -287,9 +284,9 @@ def first_diverging_layer(
 
     from stages.onnx.compare import compare_outputs
 
-    bad = next(r for r in rows if not r["ok"])
-    index = next(i for i, p in enumerate(profiles) if p["name"] == bad["profile"])
-    shapes = parity_shapes(profiles[index], info)[bad["shape"]]
+    bad = next(r for r in rows if not r.ok)
+    index = next(i for i, p in enumerate(profiles) if p["name"] == bad.profile)
+    shapes = parity_shapes(profiles[index], info)[bad.shape]
     feeds = _feeds(info, shapes, seed=index)
     prof = Profile()
     for name, s in shapes.items():
@@ -304,8 +301,9 @@ def first_diverging_layer(
     common = {n: v for n, v in want.items() if n in have}  # ORT returns graph order
     for row in compare_outputs(common, have, parity, default):
         if not row.ok:
-            return {**bad, "why": f"first diverging tensor: {row.output}"}
-    return {**bad, "why": "no single intermediate tensor diverges; the outputs do"}
+            return bad.model_copy(update={"why": f"first diverging tensor: {row.output}"})
+    why = "no single intermediate tensor diverges; the outputs do"
+    return bad.model_copy(update={"why": why})
 
 
 def render_triton(

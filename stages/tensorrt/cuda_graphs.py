@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from schemas import Refused
+from schemas.artifacts import CudaGraphRow
 from schemas.spec.parity import ParityConfig, Tolerance
 
 REPLAYS = 50
@@ -20,7 +21,7 @@ REPLAYS = 50
 
 def cuda_graph_check(
     plan: bytes, profiles: list[dict[str, Any]], batch_sizes: list[int]
-) -> list[dict[str, Any]]:
+) -> list[CudaGraphRow]:
     """One row per batch size: replay matches plain execution; latency of both in ms."""
     import tensorrt as trt
 
@@ -65,7 +66,7 @@ def deserialize(trt: Any, plan: bytes) -> Any:
 
 def _compare(
     batch: int, plain_ms: float, graph_ms: float, plain: dict[str, Any], replay: dict[str, Any]
-) -> dict[str, Any]:
+) -> CudaGraphRow:
     from stages.onnx.compare import compare_outputs
 
     results = compare_outputs(plain, replay, REPLAY)
@@ -77,14 +78,9 @@ def _compare(
         f"(max |diff| {worst:.3g}); {plain_ms:.3f} ms plain, {graph_ms:.3f} ms graph, "
         f"{speedup:.2f}x"
     )
-    return {
-        "batch": batch,
-        "ok": ok,
-        "plain_ms": plain_ms,
-        "graph_ms": graph_ms,
-        "speedup": speedup,
-        "why": why,
-    }
+    return CudaGraphRow(
+        batch=batch, ok=ok, plain_ms=plain_ms, graph_ms=graph_ms, speedup=speedup, why=why
+    )
 
 
 def _check(ok: Any, what: str) -> None:

@@ -70,8 +70,8 @@ def test_engine_parity_fails_an_all_nan_output_that_used_to_pass(tmp_path) -> No
     want = _ort(path, feeds)
     nan = {"a": np.full(8, np.nan, dtype="f4"), "b": want["b"]}
     row = judge("p", "opt", want, nan, _parity())
-    assert row["ok"] is False and "a out of tolerance" in row["why"]
-    assert judge("p", "opt", want, dict(want), _parity())["ok"] is True
+    assert row.ok is False and "a out of tolerance" in row.why
+    assert judge("p", "opt", want, dict(want), _parity()).ok is True
 
 
 def test_engine_parity_handles_empty_missing_and_misshaped_outputs(tmp_path) -> None:
@@ -80,11 +80,11 @@ def test_engine_parity_handles_empty_missing_and_misshaped_outputs(tmp_path) -> 
     path = _identity_model(tmp_path)
     empty = {"in_a": np.zeros(0, dtype="f4"), "in_b": np.zeros(0, dtype="f4")}
     want = _ort(path, empty)
-    assert judge("p", "min", want, dict(want), _parity())["ok"] is True  # empty = empty
+    assert judge("p", "min", want, dict(want), _parity()).ok is True  # empty = empty
     row = judge("p", "min", want, {"a": want["a"]}, _parity())
-    assert not row["ok"] and "b out of tolerance: missing from the outputs" in row["why"]
+    assert not row.ok and "b out of tolerance: missing from the outputs" in row.why
     row = judge("p", "min", want, {"a": want["a"], "b": np.zeros(1, "f4")}, _parity())
-    assert not row["ok"] and "shape [1] != reference [0]" in row["why"]
+    assert not row.ok and "shape [1] != reference [0]" in row.why
 
 
 def test_engine_parity_uses_per_output_tolerances_and_the_statistic(tmp_path) -> None:
@@ -95,17 +95,17 @@ def test_engine_parity_uses_per_output_tolerances_and_the_statistic(tmp_path) ->
     want = _ort(path, feeds)
     have = {"a": want["a"] + 0.05, "b": want["b"]}
     strict = _parity(tolerance={"atol": 0.01, "rtol": 0})
-    assert judge("p", "opt", want, have, strict)["ok"] is False
+    assert judge("p", "opt", want, have, strict).ok is False
     loose_a = _parity(tolerance={"atol": 0.01, "rtol": 0}, outputs={"a": {"atol": 0.1, "rtol": 0}})
-    assert judge("p", "opt", want, have, loose_a)["ok"] is True
+    assert judge("p", "opt", want, have, loose_a).ok is True
     # exactly at the limit passes, just past it fails (normalized error 1.0 vs 1.0000x)
     edge = {"a": want["a"] + np.float32(0.05), "b": want["b"]}
     at = float(np.max(np.abs(edge["a"].astype("f8") - want["a"])))
-    assert judge("p", "o", want, edge, _parity(tolerance={"atol": at, "rtol": 0}))["ok"]
-    assert not judge("p", "o", want, edge, _parity(tolerance={"atol": at * 0.999, "rtol": 0}))["ok"]
+    assert judge("p", "o", want, edge, _parity(tolerance={"atol": at, "rtol": 0})).ok
+    assert not judge("p", "o", want, edge, _parity(tolerance={"atol": at * 0.999, "rtol": 0})).ok
     # engine.parity replaces only the default tolerance
     default = _parity(tolerance={"atol": 0.0, "rtol": 0}).tolerance
-    assert judge("p", "o", want, have, loose_a, default)["ok"] is True
+    assert judge("p", "o", want, have, loose_a, default).ok is True
 
 
 def test_every_tensor_loader_gives_ort_bytes_not_a_model_proto(tmp_path) -> None:

@@ -362,3 +362,36 @@ def test_probe_runs_write_the_report_the_dicts_wrote(tmp_path: Path) -> None:
         ExportDetails(probed=found.runs, **common).dump(),
         ExportDetails.model_validate({**common, "probed": before}).dump(),
     )
+
+
+def test_the_engine_build_rows_read_back_what_the_dict_rows_wrote() -> None:
+    """EngineBuild's TensorRT parity and CUDA-graph rows are typed: the JSON the stage
+    wrote as dicts reads back field for field and dumps to the same bytes; an unknown key
+    or a dict-style read fails."""
+    from schemas.artifacts import CudaGraphRow, EngineBuild, EngineParityRow
+
+    old = {
+        "tensorrt": "10.9",
+        "gpu": "H100",
+        "compute_capability": "9.0",
+        "plan": "serving/triton/r-trt/1/model_sm90.plan",
+        "parity": [{"profile": "p0", "shape": "opt", "ok": True, "why": "profile p0 opt: ok"}],
+        "cuda_graphs": [
+            {
+                "batch": 4,
+                "ok": False,
+                "plain_ms": 1.5,
+                "graph_ms": 1.0,
+                "speedup": 1.5,
+                "why": "batch 4: graph replay DIFFERS",
+            }
+        ],
+    }
+    build = EngineBuild.model_validate(old)
+    assert isinstance(build.parity[0], EngineParityRow) and build.parity[0].ok
+    assert isinstance(build.cuda_graphs[0], CudaGraphRow) and build.cuda_graphs[0].batch == 4
+    assert build.model_dump() == old
+    with pytest.raises(TypeError):
+        build.parity[0]["ok"]  # type: ignore[index]
+    with pytest.raises(ValueError):
+        EngineParityRow.model_validate({**old["parity"][0], "extra": 1})  # type: ignore[dict-item]
