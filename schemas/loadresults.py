@@ -80,6 +80,17 @@ class GridPoint(Window):
     input_length: int | None = Field(description="None: the graph has no sequence axis.")
 
 
+class PairedStep(_Row):
+    """A ramp step the windows could not judge, measured interleaved with the knee so far:
+    A B A B A B A windows, each B against the mean of the A windows around it."""
+
+    base: int = Field(description="The knee so far (A).")
+    step: int = Field(description="The concurrency judged (B).")
+    ratios: list[float] = Field(description="Each B window over the mean of its two A windows.")
+    median: float
+    gains: bool = Field(description="median >= 1 + loadtest.ramp.knee_gain")
+
+
 class Ramp(_Row):
     """Concurrency 1, 2, 4, ... up to the knee."""
 
@@ -91,6 +102,9 @@ class Ramp(_Row):
         "knee (the V2 ramp only)."
     )
     endpoint: str | None = _optional("The endpoint a streaming ramp measured.")
+    paired: list[PairedStep] = Field(
+        default_factory=list, description="Steps the windows could not judge, measured paired."
+    )
 
 
 class Skipped(_Row):

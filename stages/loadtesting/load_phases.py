@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from schemas import Refused
 from schemas.artifacts import ModelInfo
-from schemas.loadresults import GridPoint, Growth, Point, Ramp, Skipped, Soak, Window
+from schemas.loadresults import (
+    GridPoint,
+    Growth,
+    PairedStep,
+    Point,
+    Ramp,
+    Skipped,
+    Soak,
+    Window,
+)
 from schemas.spec.loadtest import GROWTH_MIN_STEADY_SECONDS
 from schemas.tasks import TASKS
 from stages.loadtesting import loadgen as lg
@@ -129,17 +139,60 @@ def ramp(
     )
     points: list[Point] = []
     knee, c, timeout = 1, 1, release.loadtest.request_timeout_seconds
+    steps: dict[tuple[int, int], PairedStep] = {}
+
+    def window(concurrency: int) -> float:
+        """One window's throughput at `concurrency`, after a window that absorbs the start."""
+        point = lg.run(lg.measure(req, concurrency, r.window_seconds, 2, r.stability, timeout))
+        return float(point.window_throughput[-1])
+
+    def confirm(a: int, b: int) -> PairedStep:
+        if (a, b) not in steps:
+            steps[a, b] = paired_step(window, a, b, r.knee_gain)
+        return steps[a, b]
+
     while c <= min(r.max_concurrency, upto or r.max_concurrency):
         point = lg.run(lg.measure(req, c, r.window_seconds, r.max_windows, r.stability, timeout))
         points.append(
             require_success(point, req if isinstance(req, lg.Request) else req.requests[0])
         )
-        knee, stop = find_knee(points, r.knee_gain, r.knee_patience, slo.p95_latency_ms)
+        knee, stop = find_knee(points, r.knee_gain, r.knee_patience, slo.p95_latency_ms, confirm)
         if stop:
             break
         c *= 2
     judged = None if stream else judged_point(points, knee).concurrency
-    return Ramp(points=points, knee=knee, knee_point=_at(points, knee), judged_at=judged)
+    return Ramp(
+        points=points,
+        knee=knee,
+        knee_point=_at(points, knee),
+        judged_at=judged,
+        paired=list(steps.values()),
+    )
+
+
+PAIRS = 3  # B windows of a paired step, each between two A windows
+
+
+def paired_step(window: Callable[[int], float], a: int, b: int, gain: float) -> PairedStep:
+    """Throughput at concurrency `b` against `a`, measured interleaved: A B A B A B A, each
+    B window against the mean of the A windows on either side, so a machine that slows or
+    speeds up during the step (another job starting) moves both sides alike (a linear drift
+    cancels exactly). `b` gains when the median of the pairs' ratios clears 1 + gain."""
+    seen = [window(a)]
+    ratios = []
+    for _ in range(PAIRS):
+        got = window(b)
+        seen.append(window(a))
+        around = (seen[-2] + seen[-1]) / 2
+        ratios.append(got / around if around > 0 else 0.0)
+    middle = float(np.median(ratios))
+    return PairedStep(
+        base=a,
+        step=b,
+        ratios=[round(x, 4) for x in ratios],
+        median=round(middle, 4),
+        gains=middle >= 1 + gain,
+    )
 
 
 def judged_point(points: list[Point], knee: int) -> Point:
@@ -160,23 +213,36 @@ def require_success(point: P, req: lg.Request) -> P:
 
 
 def find_knee(
-    points: list[Point], gain: float, patience: int, slo_ms: float | None
+    points: list[Point],
+    gain: float,
+    patience: int,
+    slo_ms: float | None,
+    confirm: Callable[[int, int], PairedStep] | None = None,
 ) -> tuple[int, bool]:
     """(knee concurrency, stop?) after the points so far. The knee is the last point that
-    raised throughput by at least `gain` beyond the noise: its slowest window at least
-    `1 + gain` times the fastest window of the knee so far (`spread`), so two builds of the
-    same code, whose windows scatter, find the same knee (one compared merged values, and
-    a rebuild moved the knee from 8 to 4). Stop after `patience` points that did not, or at
-    the first point (beyond the first) whose p95 latency breaks the SLO (marked so in
-    `points`)."""
-    best, flat, knee = 0.0, 0, points[0].concurrency
+    raised throughput by at least `gain` beyond the noise. A point whose slowest window
+    clears the knee's fastest by the gain gains; one whose fastest window does not clear
+    the knee's slowest by it is flat; between the two, the windows (measured one point after
+    the other, while the machine's speed may change: three rebuilds read knees 16, 8, 16)
+    cannot tell, and `confirm` decides: the two concurrencies measured interleaved
+    (paired_step). Without `confirm` such a point is flat. Stop after `patience` points
+    that did not gain, or at the first point (beyond the first) whose p95 latency breaks the
+    SLO (marked so in `points`)."""
+    flat, knee = 0, points[0].concurrency
+    best_low = best_high = 0.0
     for i, p in enumerate(points):
         if slo_ms and i > 0 and (p.p95_latency_ms or 0) > slo_ms:
             points[i] = p.model_copy(update={"breaks_slo": True})
             return knee, True
         low, high = spread(p.window_metrics.throughput_rps, p.throughput_rps)
-        if low >= best * (1 + gain):
-            best, flat, knee = high, 0, p.concurrency
+        if i == 0 or low >= best_high * (1 + gain):
+            gains = True
+        elif high < best_low * (1 + gain) or confirm is None:
+            gains = False
+        else:
+            gains = confirm(knee, p.concurrency).gains
+        if gains:
+            best_low, best_high, flat, knee = low, high, 0, p.concurrency
         else:
             flat += 1
     return knee, flat >= patience
