@@ -353,8 +353,10 @@ def foreign_runtime(folder: Path) -> str | None:
     model's folder first on the path, but a `shipyard_runtime` imported before (another
     model's, or an installed Shipyard's) would serve instead of the signed copy."""
     shipped = folder / "shipyard_runtime"
-    here = Path(__file__).resolve().parent
-    if shipped.is_dir() and shipped.resolve() != here:
+    # the folder this module was imported from (not its files' link targets: a bundle
+    # checked out of a DVC cache of symlinks is still this bundle)
+    here = Path(__file__).absolute().parent
+    if shipped.is_dir() and not os.path.samefile(shipped, here):
         return (
             f"the runtime in use is {here}, not this bundle's {shipped}: another "
             "shipyard_runtime was imported first; serve one bundle per server, from an "

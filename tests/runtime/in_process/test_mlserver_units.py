@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -729,3 +731,21 @@ def test_a_bundle_is_served_by_its_own_runtime_copy_or_not_at_all(tmp_path: Path
     (tmp_path / "linked").mkdir()
     (tmp_path / "linked" / "shipyard_runtime").symlink_to(package)
     assert rt.foreign_runtime(tmp_path / "linked") is None
+    # a copy whose files are links into a cache (DVC's symlink cache type) is another
+    # folder: refused when the code runs from elsewhere ...
+    cached = tmp_path / "cached" / "shipyard_runtime"
+    for source in package.rglob("*.py"):
+        (cached / source.relative_to(package)).parent.mkdir(parents=True, exist_ok=True)
+        (cached / source.relative_to(package)).symlink_to(source)
+    assert rt.foreign_runtime(tmp_path / "cached") is not None
+    # ... and served when the runtime was imported from that folder (its files' targets
+    # lie in the cache, the folder is the bundle's)
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path\n"
+        "from shipyard_runtime.mlserver import foreign_runtime\n"
+        "print(foreign_runtime(Path(sys.argv[1])))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "cached")], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr
