@@ -61,6 +61,7 @@ from shipyard_runtime.generation.runner import Graph
 from shipyard_runtime.generation.scheduler import QueueFull as EngineQueueFull
 from shipyard_runtime.generation.text import Text
 from shipyard_runtime.metrics import announce, for_model
+from shipyard_runtime.origin import foreign_runtime
 from shipyard_runtime.session import session_from
 from shipyard_runtime.settings import RuntimeSettings
 
@@ -342,27 +343,9 @@ def _rows(queue: list[tuple[dict[str, np.ndarray], Any]]) -> int:
     return sum(len(next(iter(arrays.values()))) for arrays, _ in queue)
 
 
-# Open Inference Protocol datatypes of the ONNX tensor types a graph may take (engine.dtypes)
+# Open Inference Protocol datatypes of the ONNX tensor types a graph may take (dtypes.py)
 V2_TYPES: dict[str, str] = V2_OF_ONNX
 INTEGER_TYPES: frozenset[str] = INTEGER_V2
-
-
-def foreign_runtime(folder: Path) -> str | None:
-    """Why this code is not the runtime the bundle ships in `folder` (None when it is, or
-    when the folder ships none: a test's). MLServer imports the implementation with the
-    model's folder first on the path, but a `shipyard_runtime` imported before (another
-    model's, or an installed Shipyard's) would serve instead of the signed copy."""
-    shipped = folder / "shipyard_runtime"
-    # the folder this module was imported from (not its files' link targets: a bundle
-    # checked out of a DVC cache of symlinks is still this bundle)
-    here = Path(__file__).absolute().parent
-    if shipped.is_dir() and not os.path.samefile(shipped, here):
-        return (
-            f"the runtime in use is {here}, not this bundle's {shipped}: another "
-            "shipyard_runtime was imported first; serve one bundle per server, from an "
-            "environment where no other copy is importable"
-        )
-    return None
 
 
 class ShipyardOnnxRuntime(MLModel):

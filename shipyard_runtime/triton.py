@@ -42,9 +42,12 @@ from typing import Any
 
 def _environment() -> None:
     sys.dont_write_bytecode = True  # a bundle stays as signed: no __pycache__ beside this
-    here = str(Path(__file__).resolve().parent)
+    # Triton's stub appends this folder to sys.path: moved first, so the entry's own copy of
+    # shipyard_runtime wins over any other on the path (initialize() checks it did)
+    here = str(Path(__file__).absolute().parent)
     extra = [p for p in os.environ.get("SHIPYARD_SITE_PACKAGES", "").split(os.pathsep) if p]
-    sys.path[:0] = [p for p in (here, *extra) if p not in sys.path]
+    first = [here, *(p for p in extra if p != here)]
+    sys.path[:] = [*first, *(p for p in sys.path if p not in first)]
 
 
 _environment()
@@ -58,6 +61,7 @@ from shipyard_runtime.generation.runner import Graph  # noqa: E402
 from shipyard_runtime.generation.scheduler import QueueFull as EngineQueueFull  # noqa: E402
 from shipyard_runtime.generation.text import Text  # noqa: E402
 from shipyard_runtime.metrics import for_triton  # noqa: E402
+from shipyard_runtime.origin import foreign_runtime  # noqa: E402
 from shipyard_runtime.session import session_from  # noqa: E402
 from shipyard_runtime.settings import RuntimeSettings  # noqa: E402
 
@@ -82,6 +86,9 @@ class TritonPythonModel:
         if settings.engine is None:
             raise pb_utils.TritonModelException("parameters.runtime has no engine settings")
         here = Path(args["model_repository"]) / args["model_version"]
+        problem = foreign_runtime(here)
+        if problem:
+            raise pb_utils.TritonModelException(problem)
         session_config = json.loads((here / settings.ort_session).read_text(encoding="utf-8"))
         session = session_from(here / parameters["model"], session_config)
         self.token = _token()

@@ -82,6 +82,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         "model_uri": layout.relative(layout.MLSERVER_ENTRY, layout.MODEL_FILE, ctx.release),
         # the same, for the Triton generate entry: paths from its version folder
         "generate_name": generate_entry(ctx.release),
+        "generate_model": layout.relative(gen, layout.MODEL_FILE, ctx.release),
         "triton_runtime": settings.model_copy(
             update={
                 "ort_session": layout.relative(gen, layout.ORT_SESSION, ctx.release),

@@ -52,7 +52,7 @@ class Engine:
         start: bool = True,
     ) -> None:
         self.graph, self.settings, self.text = graph, settings, text
-        self.metrics = metrics  # engine.metrics.Metrics, or None: nothing measured
+        self.metrics = metrics  # shipyard_runtime.metrics.Metrics, or None: nothing measured
         self.eos = frozenset(settings.eos_token_ids)
         self.runner = Runner(graph)
         self.scheduler = Scheduler(settings, graph.positions, self.runner.batch)

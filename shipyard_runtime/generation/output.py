@@ -17,7 +17,7 @@ _NONE = np.zeros(0, np.int64)
 
 class OutputProcessor:
     def __init__(self, metrics: Any = None) -> None:
-        self.metrics = metrics  # engine.metrics.Metrics, or None: nothing measured
+        self.metrics = metrics  # shipyard_runtime.metrics.Metrics, or None: nothing measured
 
     def take(self, seq: Sequence, logits: np.ndarray) -> bool:
         """Sample, emit; whether the sequence goes on."""
