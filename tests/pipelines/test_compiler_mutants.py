@@ -83,7 +83,14 @@ def test_the_code_stage_depends_on_the_folders_of_the_code_and_every_spec(
     code = yaml.safe_load(compiler.compile_dvc(tmp_path))["stages"]["code"]
     assert code == {
         "cmd": "shipyard fingerprint",
-        "deps": ["pipelines", "pyproject.toml", "schemas", "stages", "releases"],
+        "deps": [
+            "pipelines",
+            "pyproject.toml",
+            "schemas",
+            "shipyard_runtime",
+            "stages",
+            "releases",
+        ],
         "params": [{"releases/a-small.yaml": None}, {"releases/b-small.yaml": None}],
         "outs": [{"build/.params": {"persist": True}}],
     }
