@@ -180,7 +180,10 @@ class Engine:
                     self.scheduler.compact_free_slots()
                 times = self.runner.times
                 last = {k: q.generated[-1] for k, q in running.items()}
-                for key, logits in self.runner.decode(last):
+                decoded_rows = self.runner.decode(last)
+                if self.metrics is not None:  # before any token of the step reaches a client
+                    self.metrics.rows.observe(len(last))
+                for key, logits in decoded_rows:
                     t = time.perf_counter()
                     going = self.output.take(running[key], logits)
                     times["output"] += time.perf_counter() - t
@@ -190,8 +193,6 @@ class Engine:
                 self.steps += 1
                 times["step"] += time.perf_counter() - start
                 times["rows"] += len(last)
-                if self.metrics is not None:
-                    self.metrics.rows.observe(len(last))
         except Exception as exc:  # the graph failed: every running request learns why
             self._fail_all(f"{type(exc).__name__}: {exc}", "internal")
         with self._cv:
