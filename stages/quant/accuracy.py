@@ -39,14 +39,31 @@ class Agreement:
     def add(self, ref: np.ndarray, got: np.ndarray, feeds: dict[str, np.ndarray]) -> None:
         r_all, g_all = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])
         before = self.rows, self.same, self.cosine
+        # a language model's next-token targets, row by row (one sequence a sample, as
+        # `_nll` reads it): each chunk's float64 copies serve its perplexity too
+        ids = feeds["input_ids"][0] if self.language_model else None
+        targets = ids[1:] if ids is not None and ref.shape[0] == 1 else None
         for start in range(0, len(r_all), self.ROWS):
+            # argmax on the float32 rows: the float64 copies hold the same values
+            same = r_all[start : start + self.ROWS].argmax(1) == g_all[
+                start : start + self.ROWS
+            ].argmax(1)
             r = r_all[start : start + self.ROWS].astype(np.float64)
             g = g_all[start : start + self.ROWS].astype(np.float64)
-            norms = np.linalg.norm(r, axis=1) * np.linalg.norm(g, axis=1)
-            self.cosine += float(np.sum(np.sum(r * g, axis=1) / np.where(norms == 0, 1, norms)))
-            self.same += int(np.sum(r.argmax(1) == g.argmax(1)))
-            self.signal += float(np.sum(r**2))
-            self.noise += float(np.sum((r - g) ** 2))
+            rr, gg = np.einsum("ij,ij->i", r, r), np.einsum("ij,ij->i", g, g)
+            norms = np.sqrt(rr) * np.sqrt(gg)
+            self.cosine += float(
+                np.sum(np.einsum("ij,ij->i", r, g) / np.where(norms == 0, 1, norms))
+            )
+            self.same += int(np.sum(same))
+            self.signal += float(np.sum(rr))
+            if targets is not None and start < targets.size:
+                scored = slice(0, min(len(r), targets.size - start))
+                wanted = targets[start : start + len(r)]
+                self.nll_r += _chunk_nll(r[scored], wanted)
+                self.nll_g += _chunk_nll(g[scored], wanted)
+            r -= g  # the noise, in place: r is not read again
+            self.noise += float(np.einsum("ij,ij->", r, r))
             self.rows += len(r)
         rows = max(self.rows - before[0], 1)
         self.per_sample.append(
@@ -56,9 +73,13 @@ class Agreement:
             }
         )
         if self.language_model:
-            nll, count = _nll(ref, feeds)
-            self.nll_r, self.tokens = self.nll_r + nll, self.tokens + count
-            self.nll_g += _nll(got, feeds)[0]
+            if targets is None:  # several sequences in one sample: its first, as before
+                nll, count = _nll(ref, feeds)
+                self.nll_r += nll
+                self.nll_g += _nll(got, feeds)[0]
+            else:
+                count = targets.size
+            self.tokens += count
 
     def result(self) -> dict[str, float]:
         snr = 10 * float(np.log10(self.signal / self.noise)) if self.noise else 200.0
@@ -132,6 +153,13 @@ def _nll(logits: np.ndarray, feeds: dict[str, np.ndarray]) -> tuple[float, int]:
     x -= x.max(axis=1, keepdims=True)
     logp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
     return -float(logp[np.arange(ids.size - 1), ids[1:]].sum()), ids.size - 1
+
+
+def _chunk_nll(x: np.ndarray, targets: np.ndarray) -> float:
+    """The summed NLL of `targets` under float64 logit rows `x` (one target a row)."""
+    top = x.max(axis=1)
+    lse = top + np.log(np.exp(x - top[:, None]).sum(axis=1))
+    return float(np.sum(lse - x[np.arange(len(x)), targets]))
 
 
 GREEDY_PROMPTS, GREEDY_PROMPT_TOKENS, GREEDY_TOKENS = 16, 32, 16
