@@ -1,7 +1,8 @@
 """The cost model's constants (stages/quant/speed.py KERNELS, NODE_NS), measured here.
 
 One MatMul X[rows, K] @ W[K, N] per graph, FP32 and each quantized kernel the recipe search
-builds (dynamic INT8 per-channel: MatMulInteger; MatMulNBits at 8 and 4 bits, block 32),
+builds (dynamic INT8 per-channel: MatMulInteger; MatMulNBits at 8 and 4 bits, block 32, with
+int8 compute (accuracy_level 4, `nbits8`/`nbits4`) and float compute (`...-float`)),
 timed interleaved (one thread, 7 rounds, the median), at 1 and 16 rows, for matrices from
 64x64 to 2048x2048. Prints each kernel's microseconds, its ratio to FP32, and the slope in
 ns per weight parameter between the 0.6M- and 4.2M-parameter matrices (what KERNELS holds).
@@ -27,7 +28,7 @@ sys.path.insert(0, str(REPO))
 from stages.quant import speed as sp  # noqa: E402
 
 SHAPES = [(64, 64), (256, 256), (768, 768), (768, 3072), (2048, 2048)]
-KERNELS = ("float", "int8", "nbits8", "nbits4")
+KERNELS = ("float", "int8", "nbits8", "nbits4", "nbits8-float", "nbits4-float")
 
 
 def build(folder: Path, k: int, n: int) -> dict[str, Path]:
@@ -46,11 +47,16 @@ def build(folder: Path, k: int, n: int) -> dict[str, Path]:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), paths["float"])
     quantize_dynamic(paths["float"], paths["int8"], per_channel=True, weight_type=QuantType.QInt8)
     for bits in (8, 4):
-        q = MatMulNBitsQuantizer(
-            onnx.load(paths["float"]), block_size=32, is_symmetric=True, bits=bits
-        )
-        q.process()
-        onnx.save(q.model.model, paths[f"nbits{bits}"])
+        for suffix, level in (("", 4), ("-float", 0)):
+            q = MatMulNBitsQuantizer(
+                onnx.load(paths["float"]),
+                block_size=32,
+                is_symmetric=True,
+                bits=bits,
+                accuracy_level=level,
+            )
+            q.process()
+            onnx.save(q.model.model, paths[f"nbits{bits}{suffix}"])
     return paths
 
 
@@ -101,7 +107,7 @@ def main() -> None:
             b = us[(big, rows, 2048)][kind]
             slopes.append((b - a) * 1000 / (big - small))
         held = sp.KERNELS[sp.isa()][kind]
-        print(f"  {kind:7} measured {slopes[0]:.3f}, {slopes[1]:.3f}   held {held[0]}, {held[1]}")
+        print(f"  {kind:12} measured {slopes[0]:.3f}, {slopes[1]:.3f}   held {held[0]}, {held[1]}")
 
 
 if __name__ == "__main__":

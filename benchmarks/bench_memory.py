@@ -66,6 +66,9 @@ def peak_rss(cmd: list[str], cwd: Path) -> tuple[int, int, int]:
 
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "SHIPYARD_ROOT": str(cwd)}
     env["SHIPYARD_STAGE_CHILD"] = "1"  # as a build runs: the PyTorch step in a child
+    # the scratch copy's code, not the editable install's (the repository may change while
+    # a long run goes on)
+    env["PYTHONPATH"] = str(cwd)
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
             ["/usr/bin/time", "-f", "MAXRSS %M", *cmd],

@@ -203,12 +203,19 @@ def greedy(run: Run, lay: sh.Layout, prompts: list[np.ndarray], tokens: int) -> 
 
 def rows_independent(path: Path) -> bool:
     """Whether a graph's rows cannot move each other: no per-call dynamic quantization
-    (one scale spanning the batch) and no attention softmax left unrewritten (its sums move
-    with a row's padding: stages/onnx/invariant.py)."""
+    (one scale spanning the batch), no attention softmax left unrewritten (its sums move
+    with a row's padding: stages/onnx/invariant.py) and no MatMulNBits on onnxruntime's
+    float path (`compute: float`: its kernel changes with the batch's rows, and a row's last
+    bit with it; the int8 path quantizes and sums each row alone)."""
     from stages.onnx import stream
 
-    ops = {n.op_type for n in stream.skeleton(path).graph.node}
-    return not ops & {"DynamicQuantizeLinear", "Softmax"}
+    for node in stream.skeleton(path).graph.node:
+        if node.op_type in {"DynamicQuantizeLinear", "Softmax"}:
+            return False
+        level = {a.name: a.i for a in node.attribute}.get("accuracy_level", 0)
+        if node.op_type == "MatMulNBits" and level != 4:
+            return False
+    return True
 
 
 def decode_metrics(

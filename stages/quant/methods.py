@@ -352,6 +352,12 @@ def _static(
     )
 
 
+# MatMulNBits' accuracy_level by WeightOnly.compute: 4 runs onnxruntime's int8 kernels (each
+# row's activations quantized alone, in blocks along K); 0 the float path (the weights
+# dequantized, fp32 products; its 8-bit kernel is ~50x slower than 4 at one row here)
+ACCURACY_LEVEL = {"int8": 4, "float": 0}
+
+
 def _int4(
     q: Quantizer, src: Path, out: Path, exclude: list[str], only: list[str] | None, large: bool
 ) -> None:
@@ -367,6 +373,7 @@ def _int4(
         bits=8 if cfg.method == "int8-weight-only" else 4,
         block_size=cfg.block_size,
         is_symmetric=cfg.symmetric,
+        accuracy_level=ACCURACY_LEVEL[cfg.compute],
         nodes_to_exclude=exclude,
         nodes_to_include=only,
         op_types_to_quantize=("MatMul",),

@@ -177,7 +177,9 @@ def unrounded(model: Any) -> int:
     """The shipped graph as kvcheck holds it to a float tolerance (in place; the number of
     products changed): each MatMulInteger fed by a per-token quantization computes the same
     product on the activation divided by its scale *before* rounding, against the same
-    integer weights as floats. Everything else (the weights' quantization, the pasts, masks
+    integer weights as floats, and each MatMulNBits on the int8 path (accuracy_level 4)
+    runs on the float path (its weights' blocks dequantized, the activation unrounded).
+    Everything else (the weights' quantization, the pasts, masks
     and positions, whatever the quantizer rewrote) stays as shipped.
 
     Why: a cached decode and a full recompute differ in float rounding (the attention of a
@@ -226,4 +228,12 @@ def unrounded(model: Any) -> int:
         done += 1
     del model.graph.node[:]
     model.graph.node.extend(n for n in nodes if n.name not in drop)
+    # weight-only graphs on onnxruntime's int8 path (accuracy_level 4) round each row's
+    # activations inside MatMulNBits: its float path is the same product on the same integer
+    # weights before that rounding
+    for node in model.graph.node:
+        level = next((a for a in node.attribute if a.name == "accuracy_level"), None)
+        if node.op_type == "MatMulNBits" and level is not None and level.i == 4:
+            level.i = 0
+            done += 1
     return done

@@ -472,6 +472,35 @@ def test_the_shipped_int8_graph_is_checked_before_its_per_token_rounding(
     assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok][:3]
 
 
+@pytest.mark.parametrize("method", ["int4-weight-only", "int8-weight-only"])
+def test_a_weight_only_graph_is_checked_on_its_float_path(tmp_path: Path, method: str) -> None:
+    """A weight-only graph on onnxruntime's int8 kernels (MatMulNBits accuracy_level 4)
+    rounds each row's activations inside the kernel, where a chunk's and a full pass's
+    float rounding can land on either side of a step: kvcheck runs each MatMulNBits on its
+    float path (the same integer weights, the activation unrounded), and the stage passes."""
+    import onnx
+
+    from stages.quant import pertoken
+
+    ws = Workspace(tmp_path)
+    spec = gpt2_spec()
+    spec["quantization"] |= {"method": method, "budget": {"top1_agreement_min": 0.5}}
+    spec["evaluation"]["thresholds"] = []  # the cache is the point here, not the accuracy
+    for stage in ("pin", "export", "quantize"):
+        report = ws.run(stage, spec)
+        assert report.status.value == "passed", (stage, report.reasons)
+    path = ws.out("tiny-gpt2", "quantize") / "model.onnx"
+    model = onnx.load(path, load_external_data=False)
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and pertoken.unrounded(model) == len(nbits)
+    after = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert [{a.name: a.i for a in n.attribute}["accuracy_level"] for n in nbits] == [4] * len(nbits)
+    assert [{a.name: a.i for a in n.attribute}["accuracy_level"] for n in after] == [0] * len(nbits)
+    report = ws.run("kvcheck", spec)
+    assert report.status.value == "passed", report.reasons
+    assert f"{len(nbits)} product(s) checked before rounding" in report.summary
+
+
 def test_dynamic_int8_decodes_apart_through_its_cache_until_its_scales_are_pinned(
     gpt2: Workspace, tmp_path: Path
 ) -> None:

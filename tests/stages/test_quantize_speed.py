@@ -137,6 +137,28 @@ def test_the_cost_model_prices_weights_by_kernel_and_reads_no_weight_data(
     assert sp.predicted_speedup(fp32, quantized, 1, "avx2") < 1.2
 
 
+def test_the_cost_model_prices_matmulnbits_by_its_compute_path(tmp_path: Path) -> None:
+    """MatMulNBits on the int8 path (accuracy_level 4) is priced as onnxruntime's integer
+    kernels (faster than FP32 at one row); on the float path, 8-bit as the slow kernel it is
+    (bench_kernels: about 30x FP32's time at one row)."""
+    import logging
+
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    fp32 = tmp_path / "fp32.onnx"
+    _matmul_model(fp32, 1024, 1024)
+    speed = {}
+    for level in (4, 0):
+        q = MatMulNBitsQuantizer(onnx.load(str(fp32)), bits=8, block_size=32, accuracy_level=level)
+        q.process()
+        path = tmp_path / f"level{level}.onnx"
+        onnx.save(q.model.model, str(path))
+        speed[level] = sp.predicted_speedup(fp32, path, 1, "vnni")
+    assert speed[4] > 2.0
+    assert speed[0] < 0.2
+
+
 def _hog(stop: float) -> None:
     while time.time() < stop:
         pass
