@@ -8,11 +8,13 @@ Export and parity run their PyTorch step in a child process, so one number per p
 not the stage's memory. Printed per stage:
 - `stage`, `child`: each process's own peak RSS (VmHWM; the stage process and its PyTorch
   child), and GNU time's peak RSS agrees with the larger;
-- `tree`: the peak of the process tree's summed RSS. It is sampled every 10 ms, and at
-  each sample each process's own peak so far is counted in place of its current RSS when
-  that is larger (with the others' RSS at that sample): a spike between two samples is
-  counted, a process that waits (the stage process, while its child runs) is not
-  counted at a peak it had before.
+- `tree`: the peak of the process tree's summed RSS. It is sampled every 10 ms: at each
+  sample every process counts its peak since the previous sample (its VmHWM, which the
+  sample then resets through /proc/PID/clear_refs), so a spike between two samples is
+  counted, and a process that waits (the stage process, while its child runs) is not
+  counted at a peak it had before. (Until 2026-12-05 the reset was missing: a stage's
+  all-time peak was added to its child's later memory, e.g. quantize on llama-30 read
+  1.97 GB where its parts never held more than 1.70 GB at once.)
 The ratio and the goal use `tree`.
 The baseline row is the interpreter with torch, transformers and onnxruntime imported and
 nothing loaded.
@@ -89,6 +91,7 @@ def peak_rss(cmd: list[str], cwd: Path) -> tuple[int, int, int]:
             for p in procs:
                 try:
                     rss, hwm = p.memory_info().rss, _hwm(p.pid)
+                    _reset_hwm(p.pid)
                     kid = "stages._child" in " ".join(p.cmdline())
                     key = (p.pid, p.create_time())
                 except (psutil.Error, OSError):
@@ -97,8 +100,9 @@ def peak_rss(cmd: list[str], cwd: Path) -> tuple[int, int, int]:
                 # a child's command line reads empty while it exits: once seen, it stays one
                 own[key] = (kid or was_kid, max(hwm, peak))
                 seen.append((rss, hwm))
-            total = sum(rss for rss, _ in seen)
-            tree = max([tree, *(total - rss + hwm for rss, hwm in seen)])
+            # each process's peak in this interval (>= its RSS now): a spike is counted
+            # with the others' peaks in the same 10 ms, never with an earlier one
+            tree = max(tree, sum(hwm for _, hwm in seen))
             time.sleep(0.01)
         err.seek(0)
         text = err.read()
@@ -114,6 +118,15 @@ def peak_rss(cmd: list[str], cwd: Path) -> tuple[int, int, int]:
     stage = max([0, *(peak for is_child, peak in own.values() if not is_child)])
     child = max([0, *(peak for is_child, peak in own.values() if is_child)])
     return max(stage, 0 if child else largest), child, max(tree, largest)
+
+
+def _reset_hwm(pid: int) -> None:
+    """VmHWM back to the current RSS ("5" to clear_refs): the next read is the peak since."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not ours, or gone: its all-time peak is counted (an overcount)
+        pass
 
 
 def _hwm(pid: int) -> int:
