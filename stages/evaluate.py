@@ -27,6 +27,7 @@ from stages.onnx import shapes as sh
 from stages.onnx import stream
 from stages.quant import accuracy as acc
 from stages.quant import calibration as calib
+from stages.quant import pertoken
 from stages.quant.thresholds import check, has_change  # noqa: F401
 
 if TYPE_CHECKING:
@@ -212,8 +213,7 @@ def rows_independent(path: Path) -> bool:
     for node in stream.skeleton(path).graph.node:
         if node.op_type in {"DynamicQuantizeLinear", "Softmax"}:
             return False
-        level = {a.name: a.i for a in node.attribute}.get("accuracy_level", 0)
-        if node.op_type == "MatMulNBits" and level != 4:
+        if node.op_type == "MatMulNBits" and not pertoken.on_int8_path(node):
             return False
     return True
 

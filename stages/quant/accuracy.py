@@ -44,12 +44,9 @@ class Agreement:
         ids = feeds["input_ids"][0] if self.language_model else None
         targets = ids[1:] if ids is not None and ref.shape[0] == 1 else None
         for start in range(0, len(r_all), self.ROWS):
-            # argmax on the float32 rows: the float64 copies hold the same values
-            same = r_all[start : start + self.ROWS].argmax(1) == g_all[
-                start : start + self.ROWS
-            ].argmax(1)
-            r = r_all[start : start + self.ROWS].astype(np.float64)
-            g = g_all[start : start + self.ROWS].astype(np.float64)
+            r32, g32 = r_all[start : start + self.ROWS], g_all[start : start + self.ROWS]
+            same = r32.argmax(1) == g32.argmax(1)  # float32: float64 holds the same values
+            r, g = r32.astype(np.float64), g32.astype(np.float64)
             rr, gg = np.einsum("ij,ij->i", r, r), np.einsum("ij,ij->i", g, g)
             norms = np.sqrt(rr) * np.sqrt(gg)
             self.cosine += float(

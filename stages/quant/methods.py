@@ -29,7 +29,7 @@ import numpy as np
 from schemas import Refused, StageError
 from stages.onnx import shapes as sh
 from stages.onnx import stream
-from stages.quant import static
+from stages.quant import pertoken, static
 
 if TYPE_CHECKING:
     from schemas.spec.quantization import Int4WeightOnly, Int8Dynamic, Int8Static, Int8WeightOnly
@@ -294,7 +294,6 @@ def _dynamic(
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from stages.quant import pertoken
     from stages.quant.perchannel import vectorized
 
     cfg = cast("Int8Dynamic", q.cfg)  # _METHODS: only its methods come here
@@ -355,7 +354,7 @@ def _static(
 # MatMulNBits' accuracy_level by WeightOnly.compute: 4 runs onnxruntime's int8 kernels (each
 # row's activations quantized alone, in blocks along K); 0 the float path (the weights
 # dequantized, fp32 products; its 8-bit kernel is ~50x slower than 4 at one row here)
-ACCURACY_LEVEL = {"int8": 4, "float": 0}
+ACCURACY_LEVEL = {"int8": pertoken.INT8_PATH, "float": 0}
 
 
 def _int4(

@@ -173,6 +173,16 @@ def _products(nodes: list[Any], scales: set[str]) -> dict[str, tuple[str, str]]:
     return out
 
 
+INT8_PATH = 4  # MatMulNBits' accuracy_level for onnxruntime's int8 kernels
+
+
+def on_int8_path(node: Any) -> bool:
+    """A MatMulNBits on onnxruntime's int8 kernels (accuracy_level 4): each row's activations
+    quantized alone in blocks along K. Any other level runs the float path."""
+    level = next((a.i for a in node.attribute if a.name == "accuracy_level"), 0)
+    return bool(node.op_type == "MatMulNBits" and level == INT8_PATH)
+
+
 def unrounded(model: Any) -> int:
     """The shipped graph as kvcheck holds it to a float tolerance (in place; the number of
     products changed): each MatMulInteger fed by a per-token quantization computes the same
@@ -232,8 +242,7 @@ def unrounded(model: Any) -> int:
     # activations inside MatMulNBits: its float path is the same product on the same integer
     # weights before that rounding
     for node in model.graph.node:
-        level = next((a for a in node.attribute if a.name == "accuracy_level"), None)
-        if node.op_type == "MatMulNBits" and level is not None and level.i == 4:
-            level.i = 0
+        if on_int8_path(node):
+            next(a for a in node.attribute if a.name == "accuracy_level").i = 0
             done += 1
     return done

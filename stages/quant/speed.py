@@ -36,6 +36,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from stages.quant.pertoken import on_int8_path
+
 PAIRS = 15  # rounds of (FP32, variant): the median's 95 % interval is ranks 4..12
 BAND = 0.1  # an interval must clear the bar by 10 % to decide
 CONFIDENCE = 0.95
@@ -199,10 +201,9 @@ def _kernel(node: Any) -> str:
     if node.op_type in {"MatMulInteger", "QLinearMatMul", "DynamicQuantizeMatMul"}:
         return "int8"
     if node.op_type == "MatMulNBits":
-        attrs = {a.name: a.i for a in node.attribute}
-        kind = "nbits8" if attrs.get("bits", 4) == 8 else "nbits4"
-        # accuracy_level 4: onnxruntime's int8 kernels; anything else here: the float path
-        return kind if attrs.get("accuracy_level", 0) == 4 else f"{kind}-float"
+        bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
+        kind = "nbits8" if bits == 8 else "nbits4"
+        return kind if on_int8_path(node) else f"{kind}-float"
     return "float"
 
 
