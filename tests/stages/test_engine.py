@@ -169,7 +169,7 @@ def test_engine_parity_shapes_keep_the_kv_dims_consistent() -> None:
         assert s["attention_mask"] == [batch, max(past + seq, 1)], label
         assert s["past.0"][0] == batch
     odd = shapes["odd"]
-    assert odd["input_ids"] == [3, 17] and odd["past.0"] == [3, 4, 31, 16]
+    assert odd["input_ids"] == [3, 5] and odd["past.0"] == [3, 4, 7, 16]
     assert odd_size(1, 1) == 1 and odd_size(2, 2) == 2 and odd_size(0, 1) == 1
     assert odd_size(1, 8) == 3 and odd_size(1, 8, avoid={3}) == 5 and odd_size(0, 4) == 1
 
