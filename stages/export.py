@@ -10,7 +10,7 @@ from schemas.artifacts import Arch, DimSizes, ModelInfo, TensorInfo, VersionLock
 from schemas.details import ExportDetails
 from schemas.tasks import TASKS
 from stages._contract import StageContext, StageIO, StageResult, in_child
-from stages.onnx import exporter, stream
+from stages.onnx import exporter, grouped, stream
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
 
@@ -34,6 +34,11 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     # PyTorch in a child process: this one never imports torch, so the ONNX steps below
     # run without it and without what the tracer leaves behind (issue 14: peak memory)
     traced = in_child(_trace, ctx, release, trace)
+    if traced["grouped"]:
+        ctx.log(
+            "grouped-query attention traced with each group's query heads as rows of one "
+            "product: no copy of the keys and values per query head (stages/onnx/grouped.py)"
+        )
     lay, weight_bytes, pooled = traced["layout"], traced["weight_bytes"], traced["pooling"]
     external = release.export.external_data == "always" or (
         release.export.external_data == "auto" and weight_bytes > TWO_GB
@@ -96,10 +101,14 @@ def _trace(ctx: StageContext, release: ReleaseSpec, trace: dict[str, int]) -> di
     in a raw external data file, and say what the parent needs about the model."""
     net, lay = m.load_with_layout(ctx.root, release)
     pooled = getattr(net, "pooling", None)  # set by the embedding wrapper only
+    # a grouped-query Llama-style model: its keys and values are not repeated per query
+    # head in the graph (the PyTorch references elsewhere keep the model's own attention)
+    switched = grouped.use(net)
     flat = m.adapter(release.task, net, lay)
     raw = exporter.trace_graph(ctx, flat, lay, release.export, trace)
     return {
         "raw": raw,
+        "grouped": switched,
         "layout": lay,
         "parameters": _count(net),
         "weight_bytes": sum(p.numel() * p.element_size() for p in net.parameters()),

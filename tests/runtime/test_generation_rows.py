@@ -1,7 +1,8 @@
 """Issue 41: a request's tokens never depend on its neighbours. On the INT8 graph the
 quantize stage ships (tiny-gpt2, dynamic INT8 with per-token activation scales; and the
 weight-only INT4 and INT8 graphs, whose MatMulNBits kernels quantize each row's activations
-alone: `compute: int8`), the same
+alone: `compute: int8`; and a grouped-query Llama's INT8 graph, traced with
+stages/onnx/grouped.py), the same
 greedy request alone, beside 15 others of mixed lengths and right after a burst gives the
 same tokens and the same logprobs to the bit; a seed gives the same text whatever the load;
 a cached decode equals a full recompute of the served graph; a sequence that ends frees
@@ -27,23 +28,32 @@ def limits(**changes: Any) -> EngineSettings:
     return EngineSettings(**{**base, "kv_budget_tokens": ROWS * CONTEXT, **changes})
 
 
-@pytest.fixture(scope="module", params=["int8-dynamic", "int4-weight-only", "int8-weight-only"])
+@pytest.fixture(
+    scope="module",
+    params=["int8-dynamic", "int4-weight-only", "int8-weight-only", "int8-dynamic-gqa"],
+)
 def int8_path(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
     import onnx
 
-    ws = Workspace(tmp_path_factory.mktemp("engine-int8"))
-    spec = gpt2_spec()
+    from tests.stages.test_grouped_attention import llama_spec, llama_workspace
+
+    root = tmp_path_factory.mktemp("engine-int8")
+    if request.param.endswith("-gqa"):  # a grouped-query Llama: stages/onnx/grouped.py
+        ws, spec = llama_workspace(root), llama_spec()
+    else:
+        ws, spec = Workspace(root), gpt2_spec()
     spec["export"]["dims"]["past_sequence"]["max"] = 86
     spec["export"]["dims"]["batch"]["max"] = ROWS
+    method = request.param.removesuffix("-gqa")
     if request.param != "int8-dynamic":  # the rows are the point here, not the accuracy
-        spec["quantization"] |= {"method": request.param, "budget": {"top1_agreement_min": 0.5}}
+        spec["quantization"] |= {"method": method, "budget": {"top1_agreement_min": 0.5}}
         spec["evaluation"]["thresholds"] = []
     for stage in ("pin", "export", "quantize"):
         report = ws.run(stage, spec)
         assert report.status.value == "passed", (stage, report.reasons)
-    path = ws.out("tiny-gpt2", "quantize") / "model.onnx"
+    path = ws.out(spec["name"], "quantize") / "model.onnx"
     nodes = onnx.load(path, load_external_data=False).graph.node
-    if request.param == "int8-dynamic":
+    if method == "int8-dynamic":
         assert "MatMulInteger" in {n.op_type for n in nodes}  # really the INT8 graph
     else:  # really weight-only, on onnxruntime's int8 kernels
         nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
