@@ -126,7 +126,7 @@ def main() -> None:
         print(f"rows {rows}:")
         for name in paths:
             pair = name.replace("grouped", "own attention")
-            ratio = f"  {med[pair] / med[name]:5.2f}x faster than {pair}" if pair != name else ""
+            ratio = f"  {med[pair] / med[name]:5.2f}x the speed of {pair}" if pair != name else ""
             print(f"  {name:26} {med[name]:7.1f} ms{ratio}")
         for name, path in paths.items():
             ops = profile(path, feeds)
