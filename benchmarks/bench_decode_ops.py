@@ -23,7 +23,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -33,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_weight_only import PAST, decode_feeds  # noqa: E402
+from bench_weight_only import PAST, arguments, decode_feeds, interleaved  # noqa: E402
 
 COPIES = ("Concat", "Expand", "Tile", "Pad", "ConstantOfShape", "Slice", "Transpose")
 
@@ -88,15 +87,7 @@ def main() -> None:
     import onnxruntime as ort
 
     args = sys.argv[1:]
-    root = Path(args[args.index("--root") + 1]) if "--root" in args else REPO
-    rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 9
-    values = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--root", "--rounds")}
-    named = [a for a in args if not a.startswith("--") and a not in values]
-    release = (
-        named[0]
-        if named
-        else next(p.name for p in (root / "build").iterdir() if (p / "quantize").is_dir())
-    )
+    root, release, rounds = arguments(args)
     build = root / "build" / release
     quantize = "--quantize" in args
     own = own_attention_build(root, release, quantize)
@@ -114,15 +105,7 @@ def main() -> None:
     print(f"{release}: a decode step on a {PAST}-token past, {rounds} interleaved rounds")
     for rows in (1, 16):
         feeds = decode_feeds(sessions["fp32 (grouped)"], rows)
-        times: dict[str, list[float]] = {k: [] for k in sessions}
-        for s in sessions.values():
-            s.run(["logits"], feeds)
-        for _ in range(rounds):
-            for name, s in sessions.items():
-                start = time.perf_counter()
-                s.run(["logits"], feeds)
-                times[name].append((time.perf_counter() - start) * 1e3)
-        med = {k: float(np.median(v)) for k, v in times.items()}
+        med = interleaved(sessions, feeds, rounds)
         print(f"rows {rows}:")
         for name in paths:
             pair = name.replace("grouped", "own attention")

@@ -62,20 +62,42 @@ def decode_feeds(session: Any, rows: int) -> dict[str, np.ndarray]:
     return feeds
 
 
-def main() -> None:
-    import onnxruntime as ort
+def interleaved(
+    sessions: dict[str, Any], feeds: dict[str, np.ndarray], rounds: int
+) -> dict[str, float]:
+    """Median ms of one run of each session on `feeds`: a warm-up each, then `rounds`
+    rounds that run every session once, in turn (what the machine does meanwhile falls on
+    all of them alike)."""
+    times: dict[str, list[float]] = {k: [] for k in sessions}
+    for s in sessions.values():
+        s.run(["logits"], feeds)
+    for _ in range(rounds):
+        for name, s in sessions.items():
+            start = time.perf_counter()
+            s.run(["logits"], feeds)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
-    args = sys.argv[1:]
+
+def arguments(args: list[str]) -> tuple[Path, str, int]:
+    """`[RELEASE] [--root DIR] [--rounds N]`: the workspace, the release (default gpt2-small
+    here, else the workspace's built one) and the rounds (default 9)."""
     root = Path(args[args.index("--root") + 1]) if "--root" in args else REPO
     rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 9
     values = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--root", "--rounds")}
     named = [a for a in args if not a.startswith("--") and a not in values]
     if named:
-        release = named[0]
-    elif root == REPO:
-        release = "gpt2-small"
-    else:
-        release = next(p.name for p in (root / "build").iterdir() if (p / "quantize").is_dir())
+        return root, named[0], rounds
+    if root == REPO:
+        return root, "gpt2-small", rounds
+    built = next(p.name for p in (root / "build").iterdir() if (p / "quantize").is_dir())
+    return root, built, rounds
+
+
+def main() -> None:
+    import onnxruntime as ort
+
+    root, release, rounds = arguments(sys.argv[1:])
     build = root / "build" / release
     with tempfile.TemporaryDirectory() as tmp:
         paths = {
@@ -92,20 +114,11 @@ def main() -> None:
             size = sum(f.stat().st_size for f in path.parent.glob(path.name + "*"))
             print(f"  {name:28} {size / 1e6:7.1f} MB")
         for rows in (1, 16):
-            feeds = decode_feeds(sessions["fp32"], rows)
-            times: dict[str, list[float]] = {k: [] for k in sessions}
-            for s in sessions.values():
-                s.run(["logits"], feeds)
-            for _ in range(rounds):
-                for name, s in sessions.items():
-                    start = time.perf_counter()
-                    s.run(["logits"], feeds)
-                    times[name].append((time.perf_counter() - start) * 1e3)
-            shipped = float(np.median(times["shipped"]))
+            medians = interleaved(sessions, decode_feeds(sessions["fp32"], rows), rounds)
             print(f"rows {rows}:")
-            for name, t in times.items():
-                med = float(np.median(t))
-                print(f"  {name:28} {med:7.1f} ms  {shipped / med:5.2f}x the shipped graph's speed")
+            for name, med in medians.items():
+                ratio = medians["shipped"] / med
+                print(f"  {name:28} {med:7.1f} ms  {ratio:5.2f}x the shipped graph's speed")
         probe = decode_feeds(sessions["fp32"], 16)
         alone = {k: v[:1] for k, v in probe.items()}
         print("row 0 alone == row 0 of 16 (to the bit):")
