@@ -12,7 +12,7 @@ and values once more. On a 30-layer 9/3-head decoder, a decode step of 16 rows o
 
 `attention` folds a group's query heads into the query rows instead: Q as
 [batch, kv_heads, group x queries, head_dim] against K [batch, kv_heads, keys, head_dim],
-the mask's rows tiled once per group member. Each score is the same dot product of the
+the mask's rows repeated once per group member. Each score is the same dot product of the
 same numbers over head_dim, and each output the same probabilities times the same values;
 only the GEMMs' shapes change (the last bit of a sum can move with them, within parity's
 tolerance). Export traces with it where the model's own eager attention is Llama's
@@ -75,7 +75,12 @@ def attention(
     q = query.reshape(batch, kv_heads, group * queries, dim)
     scores = torch.matmul(q, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
-        scores = scores + attention_mask.repeat(1, 1, group, 1)
+        # the mask's rows once per member: expand and reshape, not repeat (a Tile whose
+        # repeats are computed has no rank for ONNX shape inference, and the invariant
+        # rewrite needs the probabilities' rank to sum their product with V in blocks)
+        m = attention_mask
+        rows = m[:, :, None].expand(m.shape[0], m.shape[1], group, m.shape[2], m.shape[3])
+        scores = scores + rows.reshape(m.shape[0], m.shape[1], group * m.shape[2], m.shape[3])
     probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out = torch.matmul(probs, value)  # [batch, kv_heads, group x queries, dim]
     out = out.reshape(batch, heads, queries, dim).transpose(1, 2).contiguous()
