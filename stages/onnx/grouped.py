@@ -60,11 +60,13 @@ def attention(
     own = sys.modules[type(module).__module__].eager_attention_forward
     batch, heads, queries, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[-2]
-    mask_heads = 1 if attention_mask is None else attention_mask.shape[1]
+    # the mask's heads (1: broadcast) and rows (one per query), as eager masks are
+    mask_heads, mask_rows = (1, queries) if attention_mask is None else attention_mask.shape[1:3]
     if (
         kv_heads == heads
         or heads % kv_heads
         or mask_heads != 1
+        or mask_rows != queries
         or (dropout and module.training)
         or not generic(module)
     ):
