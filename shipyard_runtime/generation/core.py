@@ -211,7 +211,7 @@ class Engine:
                 going.append((seq.key, past))
         # rows only for the sequences that go on (one that stopped at its first token, a
         # max_tokens 1, EOS or a stop, takes none), made in one copy of the cache
-        self.runner.join(going)
+        self.runner.join(going, self._coming())
         with self._cv:
             for seq, (_, past) in zip(group, results, strict=True):
                 self.scheduler.keep_prefix(seq, past)
@@ -222,9 +222,19 @@ class Engine:
         if seq.done == len(seq.prompt):
             past = seq.past
             if self._prefilled(seq, logits):
-                self.runner.join([(seq.key, past)])
+                self.runner.join([(seq.key, past)], self._coming())
             with self._cv:
                 self.scheduler.keep_prefix(seq, past)
+
+    def _coming(self) -> tuple[int, int]:
+        """Rows and the longest prompt of the sequences still prefilling whose rest fits
+        one step's chunk: admitted (the scheduler priced their rows and length), they join
+        at the next step. A long prompt prefilled over many steps is not counted: its row
+        and columns would ride along in every decode step until it joins."""
+        with self._cv:
+            chunk = self.settings.chunk
+            soon = [q for q in self.scheduler.prefilling if len(q.prompt) - q.done <= chunk]
+        return len(soon), max((len(q.prompt) for q in soon), default=0)
 
     def _prefilled(self, seq: Sequence, logits: np.ndarray) -> bool:
         """Its prompt is in the cache: the first token; whether it goes on."""

@@ -42,12 +42,16 @@ class Batch:
         self.past = empty_past(spec, 0, dtype)
         self.mask = np.zeros((0, 0), np.int64)
         self.keys: list[int | None] = []  # the sequence id of each row; None: free
+        # free rows wanted by sequences on their way in (the scheduler's count, kept by
+        # drop_free): a row that leaves does not compact them away
+        self.wanted = 0
 
     def clear(self) -> None:
         """No rows (the engine dropped every sequence)."""
         self.past = empty_past(self.spec, 0, self.dtype)
         self.mask = np.zeros((0, 0), np.int64)
         self.keys = []
+        self.wanted = 0
 
     def __len__(self) -> int:
         """Sequences in the batch (free slots not counted)."""
@@ -95,21 +99,22 @@ class Batch:
         self.keys[row] = key
 
     def leave(self, key: int) -> None:
-        """The sequence's row becomes a free slot; compacted once they outnumber the rest."""
+        """The sequence's row becomes a free slot; compacted once free slots (but those
+        `wanted` by sequences on their way in) outnumber the sequences, or a quarter of
+        every row is padding no sequence needs any more (each decode step pays for both)."""
         row = self.keys.index(key)
         self.keys[row] = None
         self.mask[row] = 0
         used = np.nonzero(self.mask.any(axis=0))[0]
         unused = int(used[0]) if used.size else self.length
-        # compact once free slots outnumber the sequences, or a quarter of every row is
-        # padding no sequence needs any more (each decode step pays for those columns)
-        if self.free > len(self) or unused >= max(16, self.length // 4):
-            self.compact()
+        if self.free - self.wanted > len(self) or unused >= max(16, self.length // 4):
+            self.compact(self.wanted)
 
     def drop_free(self, keep: int) -> None:
         """Free slots beyond `keep` leave the batch without a copy of the cache: the last
         row moves into a free one (one row's copy) and the arrays end a row earlier (a
         view). Rows are independent (stages/onnx/invariant.py), so order changes nothing."""
+        self.wanted = keep
         while self.free > keep:
             last = len(self.keys) - 1
             if self.keys[last] is not None:
@@ -122,13 +127,13 @@ class Batch:
             self.past = {n: v[:last] for n, v in self.past.items()}
             self.mask = self.mask[:last]
 
-    def compact(self) -> None:
-        """Drop the free slots and the columns no row uses any more."""
-        rows = [i for i, k in enumerate(self.keys) if k is not None]
-        mask = self.mask[rows]
-        used = np.nonzero(mask.any(axis=0))[0]
+    def compact(self, keep: int = 0) -> None:
+        """Drop the columns no row uses any more and the free slots but `keep` of them."""
+        live = [i for i, k in enumerate(self.keys) if k is not None]
+        rows = sorted(live + [i for i, k in enumerate(self.keys) if k is None][:keep])
+        used = np.nonzero(self.mask[live].any(axis=0))[0]
         start = int(used[0]) if used.size else self.length
-        self.mask = np.ascontiguousarray(mask[:, start:])
+        self.mask = np.ascontiguousarray(self.mask[rows, start:])
         self.past = {n: np.ascontiguousarray(v[rows, :, start:]) for n, v in self.past.items()}
         self.keys = [self.keys[i] for i in rows]
 

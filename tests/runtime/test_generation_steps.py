@@ -203,3 +203,31 @@ def test_the_step_profile_splits_a_decode_step_into_its_parts() -> None:
     assert abs(parts - p["step"]) < 1e-6 and min(p.values()) >= 0
     # measured, not the remainder: the sleeping graph is most of each step
     assert p["python"] + p["inputs"] + p["output"] < p["graph"]
+
+
+def test_sequences_joining_a_step_apart_grow_the_batch_once() -> None:
+    """Four prompts admitted together but prefilled on different steps (a chunk of 8 holds
+    one and a bit): the first to join grows the batch for every one whose prompt's rest fits
+    the next chunk, so the others take free rows without another copy of the whole cache,
+    and the tokens are what a row at a time gives."""
+    e, graph = engine(chunk=8)
+    grown: list[tuple[int, int]] = []
+    reserve = e.batch.reserve
+
+    def counted(rows: int, length: int) -> None:
+        before = (len(e.batch.keys), e.batch.length)
+        reserve(rows, length)
+        if (len(e.batch.keys), e.batch.length) != before:
+            grown.append((len(e.batch.keys), e.batch.length))
+
+    e.batch.reserve = counted  # type: ignore[method-assign]
+    prompts = [[10 * i + j for j in range(1, 7)] for i in range(4)]
+    got = [submit(e, p, 3) for p in prompts]
+    while e.step():
+        pass
+    assert grown == [(4, 6)]  # one copy for all four (a row at a time was four)
+    for p, events in zip(prompts, got, strict=True):
+        assert tokens(events) == [p[-1] + 1, p[-1] + 2, p[-1] + 3]
+        assert events[-1].finish == "length"
+    # the rows rode along only while their sequences were on their way in
+    assert max(rows for rows, n, _ in graph.calls if n == 1) == 4
