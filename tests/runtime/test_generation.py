@@ -352,6 +352,75 @@ def test_the_nucleus_is_the_smallest_set_reaching_top_p(values: list[float], top
     assert np.isclose(kept.sum(), 1.0)
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    st.integers(2, 60_000),
+    st.floats(0.05, 8.0),
+    st.floats(0.01, 0.999),
+    st.integers(0, 2**32 - 1),
+    st.booleans(),
+)
+def test_the_nucleus_and_the_top_k_of_a_real_vocabulary_are_a_full_sorts(
+    size: int, spread: float, top_p: float, seed: int, ties: bool
+) -> None:
+    """At vocabulary sizes and logit spreads of real models (a flat distribution whose
+    nucleus is most of the vocabulary, a peaked one whose nucleus is one token), and with
+    tied logits: the nucleus holds exactly the probabilities a full stable sort keeps, and
+    the top k exactly the k largest logits."""
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal(size) * spread).astype(np.float32)
+    if ties:
+        logits = np.round(logits)  # many equal logits, ties at every boundary
+    probs = np.exp(logits - logits.max())
+    probs /= probs.dtype.type(probs.sum(dtype=np.float64))
+    ids, kept = sampler._nucleus(np.arange(size), probs, top_p)
+    order = np.argsort(-probs, kind="stable")
+    need = int(np.searchsorted(np.cumsum(probs[order], dtype=np.float64), top_p)) + 1
+    assert sorted(probs[ids].tolist()) == sorted(probs[order[:need]].tolist())
+    assert len(set(ids.tolist())) == ids.size
+    assert np.isclose(kept.sum(dtype=np.float64), 1.0)
+    k = int(rng.integers(1, size))
+    top = sampler._top(logits, k)
+    assert top.size == k and len(set(top.tolist())) == k
+    assert sorted(logits[top].tolist()) == sorted(np.sort(logits)[-k:].tolist())
+
+
+@pytest.mark.parametrize("size", [1, 2, 255, 256, 257, 1000, 49152])
+def test_a_draw_is_the_inverse_cdf_of_its_uniform(size: int) -> None:
+    """The two-level draw (a block's running sum, then the token's in it) picks the token a
+    single running sum over the vocabulary picks for the same uniform number."""
+    probs = (np.random.default_rng(size).random(size) ** 6).astype(np.float32)
+    for seed in range(300):
+        got = sampler._draw(probs, np.random.default_rng(seed))
+        running = np.cumsum(probs, dtype=np.float64)
+        u = np.random.default_rng(seed).random()
+        want = int(np.searchsorted(running, u * running[-1], side="right"))
+        assert got == min(want, size - 1)
+        assert probs[got] > 0
+
+
+def test_top_p_samples_follow_the_nucleus_of_a_flat_vocabulary() -> None:
+    """20 000 draws with top-p 0.5 over 2 000 tokens (a nucleus of hundreds, past the first
+    cut's tokens): each token's frequency against its exact renormalized probability, and
+    no token outside the nucleus ever drawn."""
+    logits = np.random.default_rng(7).standard_normal(2000).astype(np.float32) * 2
+    params = parse({"temperature": 1.0, "top_p": 0.5})
+    rng = np.random.default_rng(0)
+    counts = np.bincount(
+        [sampler.choose(logits, params, rng, np.zeros(0, np.int64)) for _ in range(20000)],
+        minlength=2000,
+    )
+    p = np.exp(logits.astype(np.float64) - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    need = int(np.searchsorted(np.cumsum(p[order]), 0.5)) + 1
+    inside = order[:need]
+    assert 20 < need < 2000 and counts[order[need:]].sum() == 0
+    exact = p[inside] / p[inside].sum()
+    # the largest deviation of any token's frequency, against 5 binomial standard deviations
+    assert np.all(np.abs(counts[inside] / 20000 - exact) <= 5 * np.sqrt(exact / 20000) + 1e-4)
+
+
 @pytest.mark.parametrize(
     ("given", "message"),
     [
