@@ -3,6 +3,7 @@ writes, weights never parsed into Python, and what the legacy exporter hands ove
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -258,3 +259,38 @@ def test_an_unstorable_weight_dtype_is_a_stage_error(tmp_path: Path) -> None:
         exporter._weights_to_file(
             tmp_path / "model.onnx", {"c": torch.zeros(2, dtype=torch.complex64)}, "w.bin"
         )
+
+
+@pytest.mark.parametrize("kernel", ["copy_file_range", "refused", "not a file"])
+def test_weights_copied_between_buffered_writes_land_where_python_would_put_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    """`_copy` appends a weight's bytes at the writer's position whether the kernel copies
+    them (between bytes still in Python's buffer and bytes written after), refuses to
+    (EXDEV: Python copies, from the same position), or the target is not a file; a source
+    that ends early is an error either way."""
+    import errno
+    import io
+
+    rng = np.random.default_rng(5)
+    blob = rng.integers(0, 256, 3 * stream.COPY_BYTES // 2 + 17, dtype=np.uint8).tobytes()
+    (tmp_path / "weights.bin").write_bytes(blob)
+    parts = [(7, 1000), (0, len(blob)), (len(blob) - 5, 5)]
+    if kernel == "refused":
+
+        def refuse(*args: object) -> int:
+            raise OSError(errno.EXDEV, "cross-device")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    want = b"".join(b"head" + blob[o : o + n] + b"tail" for o, n in parts)
+    target: Any = io.BytesIO() if kernel == "not a file" else open(tmp_path / "out", "wb")  # noqa: SIM115
+    with target:
+        for offset, length in parts:
+            target.write(b"head")
+            stream._copy(stream.Source(tmp_path / "weights.bin", offset, length), target)
+            target.write(b"tail")
+        assert target.tell() == len(want)
+        got = target.getvalue() if kernel == "not a file" else None
+    assert (got if got is not None else (tmp_path / "out").read_bytes()) == want
+    with open(tmp_path / "short", "wb") as short, pytest.raises(ValueError, match="ends before"):
+        stream._copy(stream.Source(tmp_path / "weights.bin", len(blob) - 3, 10), short)
