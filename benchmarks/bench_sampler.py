@@ -5,7 +5,8 @@ step's time goes), the sampler of the session of 2026-12-05 (fourth; kept below 
 Logits of a 49,152-token vocabulary with three spreads (standard deviation 1: flat, a
 top-p 0.9 nucleus of most of the vocabulary; 3: hundreds to thousands of tokens; 6:
 peaked, a few), and the request settings users send: plain temperature, top-p 0.9,
-temperature 0.7 with top-p 0.95, top-k 50, greedy. Interleaved rounds (each variant once a
+temperature 0.7 with top-p 0.95, top-k 50, greedy; and the log-probabilities of a token
+and the top 5 (`logprobs: 5`). Interleaved rounds (each variant once a
 round, in turn), the median ms of a draw and the ratio before / now. Both draw exactly from
 the same distribution (tests/runtime/test_generation.py); the tokens a seed picks may
 differ (float32 probabilities, the nucleus drawn in vocabulary order).
@@ -18,7 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -66,6 +69,29 @@ def now(logits: np.ndarray, p: GenerationParams, rng: np.random.Generator) -> in
     return sampler.choose(logits, p, rng, np.zeros(0, np.int64))
 
 
+def logprobs_before(logits: np.ndarray, token: int, n: int) -> tuple[float, list[Any]]:
+    """top_logprobs as it was: the whole log-softmax in float64, argpartition for the n."""
+    z = np.asarray(logits, dtype=np.float32).astype(np.float64) - float(logits.max())
+    lp = z - np.log(np.exp(z).sum())
+    best = np.argpartition(-lp, n - 1)[:n]
+    best = best[np.argsort(-lp[best], kind="stable")]
+    return float(lp[token]), [(int(i), float(lp[i])) for i in best]
+
+
+def timed(variants: dict[str, Any], rounds: int, draws: int) -> dict[str, float]:
+    """Median ms of one call of each variant (a no-argument callable), interleaved rounds."""
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():  # warm-up
+        fn()
+    for r in range(rounds):
+        for name in list(variants)[r % 2 :] + list(variants)[: r % 2]:
+            start = time.perf_counter()
+            for _ in range(draws):
+                variants[name]()
+            times[name].append((time.perf_counter() - start) * 1e3 / draws)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -77,19 +103,27 @@ def main() -> None:
         logits = (np.random.default_rng(0).standard_normal(VOCAB) * spread).astype(np.float32)
         for label, body in SETTINGS.items():
             params = parse({"max_tokens": 1, **body})
-            variants = {"before": before, "now": now}
-            times: dict[str, list[float]] = {k: [] for k in variants}
-            for fn in variants.values():  # warm-up
-                fn(logits, params, np.random.default_rng(0))
-            for r in range(args.rounds):
-                for name in list(variants)[r % 2 :] + list(variants)[: r % 2]:
-                    rng = np.random.default_rng(r)
-                    start = time.perf_counter()
-                    for _ in range(args.draws):
-                        variants[name](logits, params, rng)
-                    times[name].append((time.perf_counter() - start) * 1e3 / args.draws)
-            b, n = (float(np.median(times[k])) for k in variants)
+            rngs = {k: np.random.default_rng(0) for k in ("before", "now")}
+            got = timed(
+                {
+                    "before": partial(before, logits, params, rngs["before"]),
+                    "now": partial(now, logits, params, rngs["now"]),
+                },
+                args.rounds,
+                args.draws,
+            )
+            b, n = got["before"], got["now"]
             print(f"{spread:>6g}  {label:<20} {b:>8.3f} {n:>8.3f} {b / n:>9.1f}x")
+        got = timed(
+            {
+                "before": partial(logprobs_before, logits, 7, 5),
+                "now": partial(sampler.top_logprobs, logits, 7, 5),
+            },
+            args.rounds,
+            args.draws,
+        )
+        b, n = got["before"], got["now"]
+        print(f"{spread:>6g}  {'logprobs, top 5':<20} {b:>8.3f} {n:>8.3f} {b / n:>9.1f}x")
 
 
 if __name__ == "__main__":

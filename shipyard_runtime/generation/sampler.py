@@ -10,7 +10,7 @@ plain tempered draw 0.98 ms (float64 copies and a running sum over the vocabular
 
 from __future__ import annotations
 
-from typing import cast
+import math
 
 import numpy as np
 
@@ -30,11 +30,6 @@ def penalize(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray
     picked = out[seen]
     out[seen] = np.where(picked > 0, picked / penalty, picked * penalty)
     return out
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64) - float(logits.max())
-    return cast(np.ndarray, z - np.log(np.exp(z).sum()))
 
 
 def choose(
@@ -132,11 +127,16 @@ def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def top_logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
-    """The chosen token's log-probability under the model and the n most likely tokens'."""
-    lp = log_softmax(np.asarray(logits, dtype=np.float32))
-    top: list[tuple[int, float]] = []
+    """The chosen token's log-probability under the model and the n most likely tokens',
+    most likely first. Only the entries reported are computed: each logit less the
+    vocabulary's log-sum-exp (exp in float32, summed in float64: within 1e-6 of float64
+    throughout, at a tenth of its time over 49k logits)."""
+    x = np.asarray(logits, dtype=np.float32)
+    top = float(x.max())
+    lse = top + math.log(float(np.exp(x - top).sum(dtype=np.float64)))
+    best: list[tuple[int, float]] = []
     if n:
-        best = np.argpartition(-lp, min(n, lp.size) - 1)[:n]
-        best = best[np.argsort(-lp[best], kind="stable")]
-        top = [(int(i), float(lp[i])) for i in best]
-    return float(lp[token]), top
+        ids = _top(x, min(n, x.size))
+        ids = ids[np.argsort(-x[ids], kind="stable")]
+        best = [(int(i), float(x[i]) - lse) for i in ids]
+    return float(x[token]) - lse, best

@@ -385,6 +385,29 @@ def test_the_nucleus_and_the_top_k_of_a_real_vocabulary_are_a_full_sorts(
     assert sorted(logits[top].tolist()) == sorted(np.sort(logits)[-k:].tolist())
 
 
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.integers(1, 60_000), st.floats(0.05, 12.0), st.integers(0, 20), st.integers(0, 2**32 - 1))
+def test_top_logprobs_are_a_float64_log_softmax(
+    size: int, spread: float, n: int, seed: int
+) -> None:
+    """The chosen token's and the top n's log-probabilities within 1e-6 of a float64
+    log-softmax over the whole vocabulary, the top n being its n largest, most likely
+    first (ties in any order)."""
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal(size) * spread).astype(np.float32)
+    z = logits.astype(np.float64) - float(logits.max())
+    want = z - np.log(np.exp(z).sum())
+    token = int(rng.integers(0, size))
+    got, top = sampler.top_logprobs(logits, token, n)
+    assert abs(got - want[token]) < 1e-6
+    assert len(top) == min(n, size) and len({i for i, _ in top}) == len(top)
+    assert all(abs(lp - want[i]) < 1e-6 for i, lp in top)
+    assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+    assert sorted(want[[i for i, _ in top]].tolist()) == sorted(
+        np.sort(want)[size - len(top) :].tolist()
+    )
+
+
 @pytest.mark.parametrize("size", [1, 2, 255, 256, 257, 1000, 49152])
 def test_a_draw_is_the_inverse_cdf_of_its_uniform(size: int) -> None:
     """The two-level draw (a block's running sum, then the token's in it) picks the token a
