@@ -231,3 +231,23 @@ def test_sequences_joining_a_step_apart_grow_the_batch_once() -> None:
         assert events[-1].finish == "length"
     # the rows rode along only while their sequences were on their way in
     assert max(rows for rows, n, _ in graph.calls if n == 1) == 4
+
+
+def test_prompts_far_apart_in_length_are_prefilled_in_passes_of_their_own() -> None:
+    """A 3-token and a 60-token prompt in one pass would be 57 padding tokens for the short
+    one (a padded token costs what a real one does): each gets its own pass in the same
+    step; two prompts close in length still share one, and both decode together."""
+    from shipyard_runtime.generation.scheduler import GROUP_PADDING
+
+    e, graph = engine(chunk=64)
+    short, long = submit(e, [1, 2, 3], 2), submit(e, list(range(100, 160)), 2)
+    e.step()
+    assert graph.calls[:2] == [(1, 3, 0), (1, 60, 0)]  # no pass of 2 rows x 60
+    assert graph.calls[2][:2] == (2, 1)  # then one decode step of both
+    assert tokens(short) == [4, 5] and tokens(long) == [160, 161]
+    graph.calls.clear()
+    near = [list(range(10, 10 + n)) for n in (30, 30 - GROUP_PADDING)]
+    got = [submit(e, p, 1) for p in near]
+    e.step()
+    assert graph.calls[0] == (2, 30, 0)  # padding of 16 for one of two rows: together
+    assert [tokens(g) for g in got] == [[40], [24]]
