@@ -122,7 +122,6 @@ class Runner:
         longest = max(next(iter(p.values())).shape[2] for _, p in pasts)
         if len(pasts) > self.batch.free or longest > self.batch.length:
             self.batch.reserve(len(pasts) + coming[0], max(longest, coming[1]))
-            self.batch.wanted = max(self.batch.wanted, coming[0])
         for key, past in pasts:
             self.batch.join(key, past)
         self.times["join"] += time.perf_counter() - start

@@ -157,7 +157,6 @@ def _kernel_copy(where: Source, into: BinaryIO) -> bool:
     if not hasattr(os, "copy_file_range") or not where.length:
         return False
     into.flush()
-    start = os.lseek(out, 0, os.SEEK_CUR)
     offset, left = where.offset, where.length
     with open(where.path, "rb") as f:
         try:
@@ -173,9 +172,7 @@ def _kernel_copy(where: Source, into: BinaryIO) -> bool:
                 errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF
             ):  # fmt: skip
                 raise
-            os.lseek(out, start, os.SEEK_SET)  # nothing copied: Python's copy does it
-            into.seek(start)
-            return False
+            return False  # nothing copied (the file's position has not moved): Python's copy
     into.seek(os.lseek(out, 0, os.SEEK_CUR))  # the buffered writer follows the file
     return True
 
