@@ -11,7 +11,11 @@ accepted or refused on one timing:
    distribution-free 95 % interval of that median (binomial order statistics: no
    assumption about how a busy machine's delays are distributed).
    The rounds stop early at 6, 9 or 12 (LOOKS) when every ratio so far is beyond the bar
-   by BAND on one side: a variant 7x slower needs no 15 rounds to say so.
+   by BAND on one side: a variant 7x slower needs no 15 rounds to say so. They stop at
+   any round once the interval of all PAIRS rounds can no longer clear the bar on either
+   side (`futile`): the cost model decides then whatever the rounds left would read, so
+   the verdict is the one all the rounds would give, sooner (a busy machine's wide
+   spread gets there in a few rounds instead of timing 15 for nothing).
 2. Timing decides only when the whole interval clears the bar by BAND (above
    bar x (1 + BAND): fast; below bar x (1 - BAND): slow). A quiet machine gives tight
    intervals; a busy one wide ones, which then decide nothing.
@@ -87,12 +91,7 @@ def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tupl
     with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2; the whole range when n is too
     small for any such k."""
     xs, n = sorted(values), len(values)
-    tail, k, below = (1 - confidence) / 2, 0, 0.0
-    while k < n:
-        below += math.comb(n, k) / 2**n  # P(B <= k)
-        if below > tail:
-            break
-        k += 1
+    k = _rank(n, confidence)
     if k == 0:
         return xs[0], xs[-1]
     return xs[k - 1], xs[n - k]
@@ -137,6 +136,8 @@ def paired(
         base.append(ref)
         if bar is not None and len(ratios) in LOOKS and settled(ratios, bar, band):
             break
+        if bar is not None and futile(ratios, bar, band, pairs):
+            break
     low, high = median_interval(ratios)
     return Timing(float(np.median(ratios)), low, high, float(np.median(base)), len(ratios))
 
@@ -153,6 +154,34 @@ def settled(ratios: list[float], bar: float, band: float = BAND) -> bool:
     """Every ratio so far clears `bar` by `band`, all above or all below (a bar of 0 or
     less: any speed is enough)."""
     return bar <= 0 or min(ratios) >= bar * (1 + band) or max(ratios) <= bar * (1 - band)
+
+
+def futile(ratios: list[float], bar: float, band: float = BAND, pairs: int = PAIRS) -> bool:
+    """Whether the interval of `pairs` rounds can no longer clear `bar` by `band`, whatever
+    the rounds left read: it is the order statistics k and pairs - k + 1 (median_interval),
+    so k ratios already below bar x (1 + band) keep its low end below it (not fast), and k
+    already above bar x (1 - band) keep its high end above that (not slow). The interval
+    of the rounds so far is wider still (its k is no larger), so `decide` on them leaves
+    the verdict to the cost model, as it would after every round."""
+    if bar <= 0:
+        return False
+    k = _rank(pairs)
+    if k == 0:
+        return False
+    below = sum(r < bar * (1 + band) for r in ratios)
+    above = sum(r > bar * (1 - band) for r in ratios)
+    return below >= k and above >= k
+
+
+def _rank(n: int, confidence: float = CONFIDENCE) -> int:
+    """The k of median_interval for n values (0: the whole range)."""
+    tail, k, below = (1 - confidence) / 2, 0, 0.0
+    while k < n:
+        below += math.comb(n, k) / 2**n  # P(B <= k)
+        if below > tail:
+            break
+        k += 1
+    return k
 
 
 @dataclass(frozen=True)

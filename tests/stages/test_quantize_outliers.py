@@ -655,12 +655,14 @@ def test_the_fallback_is_the_best_scoring_recipe_fast_enough_timed_only_when_nee
     best-scoring recipe that is fast enough. The recipes that missed are not timed as they
     are measured; the best-scoring one is timed when the search needs it, and when it is too
     slow (forced here: the first timing says 0.5x) the next best is rebuilt, timed, and the
-    layer classes are kept in float on it."""
+    layer classes are kept in float on it. (The cost model is made to expect every recipe
+    slow: one it expects fast is not timed before its classes are tried, next test.)"""
     from stages.quant import recipes
 
     ws, spec = llama
     timings: list[int] = []
     real = recipes.Search._speed
+    monkeypatch.setattr(recipes.Search, "_predicted_fast", lambda self, path: False)
 
     def first_slow(self: recipes.Search, session: object, path: Path) -> tuple:
         timings.append(1)
@@ -690,3 +692,70 @@ def test_the_fallback_is_the_best_scoring_recipe_fast_enough_timed_only_when_nee
     assert len(timings) == 2
     assert rows[len(order)].recipe == ranked[1] and rows[len(order)].float_classes
     assert report.status.value == "failed"  # the budget is out of reach
+
+
+def _unreachable(spec: dict, order: list[str]) -> dict:
+    return {
+        **spec["quantization"],
+        "recipes": order,
+        "min_speedup": 0.9,
+        "budget": {"greedy_agreement_min": 0.9999, "perplexity_increase_max": 1e-6},
+        "max_size_ratio": 0.95,
+        "fallback": "fail",
+    }
+
+
+@pytest.mark.slow  # ~30 s each
+@pytest.mark.parametrize("shipped_too_slow", [False, True])
+def test_a_fallback_the_cost_model_expects_fast_is_timed_only_if_what_it_ships_is_slow(
+    llama: tuple[Workspace, dict], monkeypatch: pytest.MonkeyPatch, shipped_too_slow: bool
+) -> None:
+    """The best-scoring recipe, expected fast by the cost model, is not timed before its
+    layer classes are tried (the variant that ships is timed anyway). When what its classes
+    give is too slow (forced here), the fallback itself is timed, as it would have been
+    first: too slow too (forced), so the next best is rebuilt and its classes tried."""
+    from stages.quant import recipes
+
+    ws, spec = llama
+    timed: list[str] = []
+    classes: list[str] = []
+    real_speed, real_by_class = recipes.Search._speed, recipes.Search._by_class
+
+    def speed(self: recipes.Search, session: object, path: Path) -> tuple:
+        timed.append(path.parent.name)
+        checks, speedup, slow = real_speed(self, session, path)
+        if shipped_too_slow and len(timed) == 1:
+            forced = {k: c.model_copy(update={"ratio": 0.5}) for k, c in checks.items()}
+            return forced, 0.5, "speed 0.50x FP32 (forced), below 0.9"
+        return checks, speedup, slow
+
+    def by_class(self: recipes.Search, out: recipes.Outcome, recipe: str, q: object) -> object:
+        classes.append(recipe)
+        if shipped_too_slow and len(classes) == 1:
+            out.broken = ["speed 0.50x FP32 (forced: its classes in float), below 0.9"]
+            return out
+        return real_by_class(self, out, recipe, q)
+
+    monkeypatch.setattr(recipes.Search, "_predicted_fast", lambda self, path: True)
+    monkeypatch.setattr(recipes.Search, "_speed", speed)
+    monkeypatch.setattr(recipes.Search, "_by_class", by_class)
+    order = ["int8-dynamic-per-channel", "int8-dynamic-smoothquant"]
+    report = ws.run("quantize", {**spec, "quantization": _unreachable(spec, order)})
+    rows = RecipeSearchDetails.model_validate(report.details).recipes
+    first = {r.recipe: r for r in rows[: len(order)]}
+    scores = {k: r.calibration["snr_db"] for k, r in first.items()}
+    ranked = sorted(order, key=lambda k: -scores[k])
+    assert report.status.value == "failed"  # the budget is out of reach
+    if not shipped_too_slow:
+        # never timed: its class variants all missed the budget (a variant is timed only
+        # when it meets it), and the fallback was not timed before them
+        assert timed == [] and classes == [ranked[0]]
+        assert first[ranked[0]].speedup is None and first[ranked[1]].speedup is None
+        assert rows[len(order)].recipe == ranked[0] and rows[len(order)].float_classes
+    else:
+        # the fallback timed once its classes were too slow (forced slow); the next best
+        # (expected fast too) then has its classes tried, untimed itself
+        assert classes == ranked and timed == [ranked[0]]
+        assert first[ranked[0]].speedup == 0.5 and "(forced)" in first[ranked[0]].why
+        assert first[ranked[1]].speedup is None
+        assert rows[len(order)].recipe == ranked[1] and rows[len(order)].float_classes

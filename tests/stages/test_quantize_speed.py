@@ -7,10 +7,13 @@ from __future__ import annotations
 import multiprocessing
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from stages.quant import speed as sp
@@ -245,8 +248,6 @@ class _Clock:
 
 
 def _timed(monkeypatch: pytest.MonkeyPatch, variant: list[float], bar: float | None) -> sp.Timing:
-    from types import SimpleNamespace
-
     clock = _Clock()
     monkeypatch.setattr(sp, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     fp32 = [1.0] * (sp.PAIRS + 1)  # the warm-up, then one a round
@@ -263,19 +264,63 @@ def test_a_variant_far_beyond_the_bar_stops_at_the_first_look(
     assert fast.rounds == sp.LOOKS[0] and sp.decide(fast, 0.5, 1.0).fast
 
 
-def test_near_the_bar_or_with_one_stray_round_every_round_is_timed(
+def test_near_the_bar_the_timing_stops_once_it_can_no_longer_decide(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A ratio within the band never settles; one stray round (a busy moment favouring the
-    variant) keeps every look unsettled, and the median's interval decides at the end."""
+    """A ratio within the band never settles: once 4 rounds (the interval's rank at 15) sit
+    on both sides of the band's edges, no later round can make the interval decisive, and
+    the cost model decides, as after all 15."""
     near = _timed(monkeypatch, [1 / 1.05] * sp.PAIRS, bar=1.0)
-    assert near.rounds == sp.PAIRS
+    assert near.rounds == 4
+    assert sp.decide(near, 1.3, 1.0).decided_by == "cost model"
+    # three rounds far above and the rest near: the fourth near one is not enough (the
+    # three above count on one side only), the seventh round is
+    mixed = _timed(monkeypatch, [0.5] * 3 + [1 / 1.05] * (sp.PAIRS - 3), bar=1.0)
+    assert mixed.rounds == 7
+
+
+def test_with_one_stray_round_every_round_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stray round (a busy moment favouring the variant) keeps every look unsettled,
+    and the median's interval decides at the end."""
     stray = [7.0] * sp.PAIRS
     stray[2] = 0.5
     t = _timed(monkeypatch, stray, bar=1.0)
     assert t.rounds == sp.PAIRS and sp.decide(t, 0.5, 1.0).decided_by == "timing"
     assert not sp.decide(t, 0.5, 1.0).fast
     assert _timed(monkeypatch, [7.0] * sp.PAIRS, bar=None).rounds == sp.PAIRS  # no bar
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    variant=st.lists(
+        st.sampled_from([0.3, 0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 2.0, 7.0]),
+        min_size=sp.PAIRS,
+        max_size=sp.PAIRS,
+    ),
+    bar=st.sampled_from([0.5, 1.0, 1.5]),
+    predicted=st.sampled_from([0.4, 1.0, 2.0]),
+)
+def test_stopping_when_futile_never_changes_a_verdict(
+    variant: list[float], bar: float, predicted: float
+) -> None:
+    """Whatever the rounds read (band edges included), stopping once the timing cannot
+    decide gives the verdict that timing every round (but the looks' early stops) gives."""
+
+    def timed(stop: bool) -> sp.Timing:
+        clock = _Clock()
+        fp32 = [1.0] * (sp.PAIRS + 1)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sp, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+            if not stop:
+                mp.setattr(sp, "futile", lambda *a, **k: False)
+            return sp.paired(clock.run(fp32), clock.run([1.0, *variant]), bar=bar)
+
+    stopped, full = timed(True), timed(False)
+    assert stopped.rounds <= full.rounds
+    a, b = sp.decide(stopped, predicted, bar), sp.decide(full, predicted, bar)
+    assert (a.fast, a.decided_by) == (b.fast, b.decided_by)
+    if stopped.rounds < full.rounds:
+        assert a.decided_by == "cost model"
 
 
 @pytest.mark.parametrize(
