@@ -23,7 +23,13 @@ Printed, on one layer of llama-30's shapes (9 query heads on 3 key/value heads o
    without the row-independent rewrite) against the in-place kernel, interleaved rounds,
    medians, x 30 layers.
 
+3. with `--root DIR` (a workspace `bench_memory.py --synthetic llama-30 --keep DIR` left):
+   the whole graphs instead, FP32 export and shipped, each layer's attention replaced by
+   the kernel (`in_place_graph`): one decode step of each on the same cache, and how far
+   the logits moved.
+
 Usage: python benchmarks/bench_inplace_kv.py [--rows 16] [--past 256] [--rounds 15]
+       python benchmarks/bench_inplace_kv.py --root DIR [--past 128] [--rows 16]
 """
 
 from __future__ import annotations
@@ -295,15 +301,193 @@ def timings(rows: int, past: int, rounds: int, rng: np.random.Generator) -> dict
     return {k: 1000 * float(np.median(v)) for k, v in times.items()}
 
 
+def in_place_graph(src: Path, out: Path) -> int:
+    """`src` (a KV-cache graph as export traces a grouped-query Llama, row-independent
+    attention and all, FP32 or quantized) with each layer's attention replaced by the
+    kernel on in-place buffers (`kv_in.L.key` bound to `kv_out.L.key`, ..., `seqlens_k`,
+    `total_len`; no attention_mask, no past inputs, no presents). A prototype for this
+    benchmark: it finds the attention by the export's node names and fails loudly on a graph
+    that does not have them. Returns the layers replaced."""
+    import re
+
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(src))
+    graph = model.graph
+    found = [re.fullmatch(r"present\.(\d+)\.key", o.name) for o in graph.output]
+    layers = sorted(int(f.group(1)) for f in found if f)
+    producer = {o: n for n in graph.node for o in n.output}
+    named = {n.name: n for n in graph.node}
+    shapes = {"flat": [0, 0, H * D], "kv": [0, 0, KV * D], "out5": [0, 0, KV, H // KV, D],
+              "back": [0, KV, -1, D]}  # fmt: skip
+    graph.initializer.extend(
+        numpy_helper.from_array(np.array(v, np.int64), f"inplace_{k}") for k, v in shapes.items()
+    )
+    vi = helper.make_tensor_value_info
+    rewired: dict[str, str] = {}
+    inputs, outputs = [], []
+    for i in layers:
+        attn = f"/model/model/layers.{i}/self_attn"
+        k_new = producer[f"present.{i}.key"].input[1]  # Concat(past, new): the new keys
+        v_new = producer[f"present.{i}.value"].input[1]
+        scores = named[f"{attn}/MatMul"]  # Q x K^T, its query rows one more (invariant.py)
+        grouped = producer[scores.input[0]].input[0]  # Q as [B, KV, G x S, D]
+        q_heads = producer[grouped].input[0]  # Q as [B, H, S, D]
+        p = f"inplace.{i}"
+        graph.node.extend([
+            helper.make_node("Transpose", [q_heads], [f"{p}/qt"], perm=[0, 2, 1, 3]),
+            helper.make_node("Reshape", [f"{p}/qt", "inplace_flat"], [f"{p}/q"]),
+            helper.make_node("Transpose", [k_new], [f"{p}/kt"], perm=[0, 2, 1, 3]),
+            helper.make_node("Reshape", [f"{p}/kt", "inplace_kv"], [f"{p}/k"]),
+            helper.make_node("Transpose", [v_new], [f"{p}/vt"], perm=[0, 2, 1, 3]),
+            helper.make_node("Reshape", [f"{p}/vt", "inplace_kv"], [f"{p}/v"]),
+            helper.make_node(
+                "GroupQueryAttention",
+                [f"{p}/q", f"{p}/k", f"{p}/v", f"kv_in.{i}.key", f"kv_in.{i}.value",
+                 "seqlens_k", "total_len"],
+                [f"{p}/o", f"kv_out.{i}.key", f"kv_out.{i}.value"],
+                domain="com.microsoft", num_heads=H, kv_num_heads=KV, name=f"{p}/attention",
+            ),
+            # back to the grouped layout the graph reads on: [B, KV, G x S, D]
+            helper.make_node("Reshape", [f"{p}/o", "inplace_out5"], [f"{p}/o5"]),
+            helper.make_node("Transpose", [f"{p}/o5"], [f"{p}/ot"], perm=[0, 2, 3, 1, 4]),
+            helper.make_node("Reshape", [f"{p}/ot", "inplace_back"], [f"{p}/attention_out"]),
+        ])  # fmt: skip
+        rewired[f"{attn}/MatMul_1_output_0"] = f"{p}/attention_out"
+        for side in ("key", "value"):
+            inputs.append(vi(f"kv_in.{i}.{side}", T.FLOAT, ["batch", KV, "capacity", D]))
+            outputs.append(vi(f"kv_out.{i}.{side}", T.FLOAT, ["batch", KV, "capacity", D]))
+    for node in graph.node:
+        node.input[:] = [rewired.get(x, x) for x in node.input]
+    kept = [o for o in graph.output if not o.name.startswith("present.")]
+    del graph.output[:]
+    graph.output.extend(kept + outputs)
+    kept = [x for x in graph.input if not x.name.startswith("past_key_values.")]
+    del graph.input[:]
+    graph.input.extend(kept + inputs)
+    graph.input.extend([vi("seqlens_k", T.INT32, ["batch"]), vi("total_len", T.INT32, [])])
+    while True:  # the old attention, the presents and what only they read
+        used = {x for n in graph.node for x in n.input} | {o.name for o in graph.output}
+        live = [n for n in graph.node if any(o in used for o in n.output)]
+        if len(live) == len(graph.node):
+            break
+        del graph.node[:]
+        graph.node.extend(live)
+    read = {x for n in graph.node for x in n.input}
+    assert not any(x.startswith("past_key_values.") for x in read), "a past is still read"
+    if "attention_mask" not in read:
+        kept = [x for x in graph.input if x.name != "attention_mask"]
+        del graph.input[:]
+        graph.input.extend(kept)
+    weights = [t for t in graph.initializer if t.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(weights)
+    ready = {x.name for x in graph.input} | {t.name for t in graph.initializer} | {""}
+    ordered, waiting = [], list(graph.node)
+    while waiting:  # topological order (the new nodes were appended)
+        later = []
+        for n in waiting:
+            if set(n.input) <= ready:
+                ordered.append(n)
+                ready.update(n.output)
+            else:
+                later.append(n)
+        assert len(later) < len(waiting), "a cycle"
+        waiting = later
+    del graph.node[:], graph.value_info[:]
+    graph.node.extend(ordered)
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.save_model(model, str(out), save_as_external_data=True, location=f"{out.name}.data")
+    return len(layers)
+
+
+def whole_step(src: Path, rows: int, past: int, rounds: int) -> str:
+    """One decode step of `src` and of its in-place form (in_place_graph) on the same cache
+    (a prefill of `rows` random prompts of `past` tokens), interleaved rounds, medians."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rewritten = Path(tmp) / "in_place.onnx"
+        count = in_place_graph(src, rewritten)
+        served = session_from_path(src)
+        fused = session_from_path(rewritten)
+    names = ["logits"] + [f"present.{i}.{s}" for i in range(count) for s in ("key", "value")]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(10, 1000, (rows, past)).astype(np.int64)
+    empty = {n.replace("present.", "past_key_values."): np.zeros((rows, KV, 0, D), np.float32)
+             for n in names[1:]}  # fmt: skip
+    prompt = {
+        "input_ids": ids,
+        "attention_mask": np.ones((rows, past), np.int64),
+        "position_ids": np.tile(np.arange(past), (rows, 1)),
+    }
+    got = served.run(names, prompt | empty)
+    token = got[0][:, -1].argmax(-1).reshape(rows, 1)
+    positions = np.full((rows, 1), past, np.int64)
+    feeds = {"input_ids": token, "attention_mask": np.ones((rows, past + 1), np.int64),
+             "position_ids": positions}  # fmt: skip
+    io = fused.io_binding()
+    io.bind_cpu_input("input_ids", token)
+    io.bind_cpu_input("position_ids", positions)
+    io.bind_cpu_input("seqlens_k", np.full(rows, past, np.int32))
+    io.bind_cpu_input("total_len", np.array(past + 1, np.int32))
+    for name, cache in zip(names[1:], got[1:], strict=True):
+        tag = name[len("present.") :]
+        feeds[f"past_key_values.{tag}"] = cache
+        buffer = np.zeros((rows, KV, past + 64, D), np.float32)
+        buffer[:, :, :past] = cache
+        value = ort.OrtValue.ortvalue_from_numpy(buffer)
+        io.bind_ortvalue_input(f"kv_in.{tag}", value)
+        io.bind_ortvalue_output(f"kv_out.{tag}", value)
+    io.bind_output("logits")
+    want = served.run(["logits"], feeds)[0][:, -1]
+    fused.run_with_iobinding(io)
+    have = np.asarray(io.copy_outputs_to_cpu()[-1])[:, -1]
+    runs = {"served": lambda: served.run(["logits"], feeds),
+            "in place": lambda: fused.run_with_iobinding(io)}  # fmt: skip
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for r in range(rounds):
+        for name, run in list(runs.items())[:: 1 if r % 2 == 0 else -1]:
+            start = time.perf_counter()
+            run()  # the same token each round: the in-place rows keep their length
+            times[name].append(time.perf_counter() - start)
+    ms = {k: 1000 * float(np.median(v)) for k, v in times.items()}
+    return (
+        f"{src.parent.name} graph, {count} layers, {rows} rows on a {past}-token past: "
+        f"served {ms['served']:.1f} ms, in place {ms['in place']:.1f} ms "
+        f"({ms['served'] / ms['in place']:.2f}x); logits max |diff| "
+        f"{float(np.abs(want - have).max()):.2g} of {float(np.abs(want).max()):.3g}, "
+        f"the same argmax in {float((want.argmax(-1) == have.argmax(-1)).mean()):.0%} of rows"
+    )
+
+
+def session_from_path(path: Path) -> Any:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--past", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--root", type=Path, help="a llama-30 workspace: its whole graphs too")
+    parser.add_argument("--release", default="llama-30")
     args = parser.parse_args()
     import onnxruntime as ort
 
     rng = np.random.default_rng(0)
+    if args.root:
+        build = args.root / "build" / args.release
+        for stage in ("export", "quantize"):
+            for rows in (args.rows, 1):
+                print(whole_step(build / stage / "model.onnx", rows, args.past, args.rounds))
+        return
     print(f"onnxruntime {ort.__version__}: GroupQueryAttention, one layer ({H}/{KV} heads of {D})")
     for what, ok in guarantees(rng).items():
         print(f"  {'yes' if ok else 'NO '}  {what}")
