@@ -89,7 +89,6 @@ def served_model(invariant: bool, layers: int = 1) -> bytes:
     from stages.onnx import invariant as inv
 
     vi = helper.make_tensor_value_info
-    g = H // KV
     consts = [
         numpy_helper.from_array(np.array([0, KV, -1, D], np.int64), "grouped"),
         numpy_helper.from_array(np.array([0, H, -1, D], np.int64), "heads"),
@@ -153,11 +152,10 @@ def served_model(invariant: bool, layers: int = 1) -> bytes:
     if invariant:
         done = inv.rewrite(model)
         assert done.softmaxes == layers and done.products == layers, done
-    _ = g
     return bytes(model.SerializeToString())
 
 
-def session(model: bytes, threads: int = 0) -> Any:
+def session(model: bytes | str, threads: int = 0) -> Any:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -204,15 +202,13 @@ def guarantees(rng: np.random.Generator) -> dict[str, bool]:
     def cached(sess: Any, capacity: int, others: list[int], twice: bool = False) -> np.ndarray:
         rows = 1 + len(others)
         layer = InPlace(sess, rows, capacity)
-        layer.run(seq_q[None, :n], seq_k[None, :n], seq_v[None, :n], [0]) if rows == 1 else None
-        if rows > 1:  # the others first hold their own pasts (their own prefills)
-            for r, m in enumerate([n, *others]):
-                one = InPlace(sess, 1, capacity)
-                src = (seq_q[None, :n], seq_k[None, :n], seq_v[None, :n]) if r == 0 else (
-                    rng.standard_normal((1, m, H * D)), rng.standard_normal((1, m, KV * D)),
-                    rng.standard_normal((1, m, KV * D)))  # fmt: skip
-                one.run(*src, [0])
-                layer.k[r], layer.v[r] = one.k[0], one.v[0]
+        for r, m in enumerate([n, *others]):  # each row's past: its own prefill, alone
+            one = InPlace(sess, 1, capacity)
+            src = (seq_q[None, :n], seq_k[None, :n], seq_v[None, :n]) if r == 0 else (
+                rng.standard_normal((1, m, H * D)), rng.standard_normal((1, m, KV * D)),
+                rng.standard_normal((1, m, KV * D)))  # fmt: skip
+            one.run(*src, [0])
+            layer.k[r], layer.v[r] = one.k[0], one.v[0]
         s = 2 if twice else 1
         new = [np.repeat(a[n : n + 1][None], s, 1) for a in (seq_q, seq_k, seq_v)]
         pick = [np.concatenate([x, rng.standard_normal((rows - 1, s, x.shape[2]))]) for x in new]
@@ -413,8 +409,8 @@ def whole_step(src: Path, rows: int, past: int, rounds: int) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         rewritten = Path(tmp) / "in_place.onnx"
         count = in_place_graph(src, rewritten)
-        served = session_from_path(src)
-        fused = session_from_path(rewritten)
+        served = session(str(src))
+        fused = session(str(rewritten))
     names = ["logits"] + [f"present.{i}.{s}" for i in range(count) for s in ("key", "value")]
     rng = np.random.default_rng(0)
     ids = rng.integers(10, 1000, (rows, past)).astype(np.int64)
@@ -463,12 +459,6 @@ def whole_step(src: Path, rows: int, past: int, rounds: int) -> str:
         f"{float(np.abs(want - have).max()):.2g} of {float(np.abs(want).max()):.3g}, "
         f"the same argmax in {float((want.argmax(-1) == have.argmax(-1)).mean()):.0%} of rows"
     )
-
-
-def session_from_path(path: Path) -> Any:
-    import onnxruntime as ort
-
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
 def main() -> None:
