@@ -1,6 +1,7 @@
 """Shipyard's served engine against vLLM's CPU build and llama.cpp's server on a real-sized
-decoder: a 30-layer GQA Llama with a 49k vocabulary (SmolLM-135M's shape; built here with
-random weights and planted outliers, or any local Hugging Face folder, `--model DIR`).
+decoder: a 30-layer GQA Llama with a 49k vocabulary (SmolLM-135M's shape; built here,
+fitted on half the calibration texts so it predicts like a trained model, with planted
+outliers (`--random`: unfitted), or any local Hugging Face folder, `--model DIR`).
 
 One run, side by side, the same client (bench_continuous_batching.drive: closed-loop
 streaming `/v1/completions`, greedy, `ignore_eos`), the same 32 prompts (16-128 tokens,
@@ -18,7 +19,8 @@ tokens/s and TTFT p50/p95 per concurrency, the ratios to the best peer, and wher
 step's time goes in the engine (Engine.step_profile(): graph, inputs, cache copies, output
 processor, the rest), from the same jobs run in-process on the served graph at 16 rows.
 
-    python benchmarks/bench_peers.py [--keep DIR] [--model DIR] [--method int4-weight-only]
+    python benchmarks/bench_peers.py [--keep DIR] [--model DIR | --random]
+                                     [--method int4-weight-only]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_continuous_batching import drive  # noqa: E402
 from bench_llamacpp_peer import LlamaServer, convert, llama_token  # noqa: E402
+from bench_memory import FIT_STEPS  # noqa: E402
 from bench_vllm_peer import VllmServer, vllm_tokens  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -68,25 +71,25 @@ def jobs(vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return [(rng.integers(10, vocab - 10, int(n)).tolist(), OUTPUT) for n in lengths]
 
 
-def build(root: Path, model: Path | None, method: str | None) -> Path:
+def build(root: Path, model: Path | None, method: str | None, steps: int) -> Path:
     """The release built under `root` (kept between runs: stages already passed are not
-    rerun); returns the checkpoint folder."""
-    from bench_memory import scratch
-
-    from tests.fixtures.outliers import build_llama_with_outliers
+    rerun); returns the checkpoint folder. Without `model`, the benchmark's own llama-30,
+    fitted for `steps` first (bench_memory.bench_model: 0, random weights)."""
+    from bench_memory import CALIBRATION, bench_model, scratch
 
     if not (root / "pyproject.toml").exists():
         scratch(root, None)  # the tracked tree and the model folders
     folder = root / "models" / NAME
+    data = CALIBRATION
     if model is not None and not folder.exists():
         shutil.copytree(model, folder)
-    elif not folder.exists():
-        build_llama_with_outliers(folder, [], steps=0, **SHAPE)
+    elif model is None:
+        data = bench_model(root, NAME, SHAPE, steps)
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "SHIPYARD_ROOT": str(root)}
     spec = root / "releases" / f"{NAME}.yaml"
     if not spec.exists():
         done = subprocess.run(
-            ["shipyard", "init", f"models/{NAME}", "--data", "data/calibration/docstrings.jsonl",
+            ["shipyard", "init", f"models/{NAME}", "--data", data,
              "--eval-data", "data/eval/docstrings.jsonl", "--device-memory", "16GiB"],
             cwd=root, env=env, capture_output=True, text=True,
         )  # fmt: skip
@@ -229,11 +232,13 @@ def main() -> None:
     parser.add_argument("--method", help="quantization.method instead of init's recipe search")
     parser.add_argument("--peers", default="vLLM,llama.cpp")
     parser.add_argument("--build-only", action="store_true", help="build (into --keep), then stop")
+    parser.add_argument("--random", action="store_true", help="the benchmark's model unfitted")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         root = (args.keep or Path(tmp)).resolve()
         root.mkdir(parents=True, exist_ok=True)
-        folder = build(root, args.model, args.method)
+        steps = 0 if args.random else FIT_STEPS
+        folder = build(root, args.model, args.method, steps)
         if args.build_only:
             return
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
