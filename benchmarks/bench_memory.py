@@ -30,12 +30,13 @@ Goal: <= 3x the checkpoint for every stage on gpt2-small (issues 14 and 26).
 
 `--synthetic` (issue 40) measures a new user's build on real model shapes: a decoder is
 generated in the scratch copy (`llama-30`: the 135M Llama-family shape, 30 layers, GQA 9/3
-heads, a 50,257-row vocabulary (GPT-2's size; the text is tokenized by tiny-gpt2's 512-token
-BPE); `llama-1b`: 16 layers of 2048, GQA 32/8, 1.1B parameters, its ONNX export past 2 GB
-and so stored with external data), both with the massive down_proj inputs and per-channel
-attention outliers real checkpoints carry. llama-30 is first fitted on half the calibration
-texts and calibrated on the other half, so that it predicts like a trained model
-(bench_model; `--random`: random weights, as before 2026-12-06); llama-1b is random;
+heads, a 49,152-row vocabulary (SmolLM's; 50,257 before 2026-12-06; the text is tokenized
+by tiny-gpt2's 512-token BPE); `llama-1b`: 16 layers of 2048, GQA 32/8, 1.1B parameters,
+its ONNX export past 2 GB and so stored with external data), both with the massive
+down_proj inputs and per-channel attention outliers real checkpoints carry. llama-30 is
+first fitted on half the calibration texts and calibrated on the other half, so that it
+predicts like a trained model (bench_model; `--random`: random weights, as before
+2026-12-06); llama-1b is random;
 `shipyard init` writes its spec unedited (16 GiB device), and every stage from pin to plan
 runs in order (in DIR, kept afterwards, with `--keep DIR`). Printed per stage: the tree's
 peak RSS x the checkpoint (goal <= 3x), and its wall seconds x one FP32 ONNX Runtime
@@ -180,13 +181,13 @@ def scratch(root: Path, release: str | None) -> None:
 
 
 SYNTHETIC = {
-    "llama-30": {
+    "llama-30": {  # SmolLM-135M's: 30 layers, GQA 9/3 heads, 49,152 tokens
         "hidden_size": 576,
         "intermediate_size": 1536,
         "num_hidden_layers": 30,
         "num_attention_heads": 9,
         "num_key_value_heads": 3,
-        "vocab_size": 50257,
+        "vocab_size": 49152,
         "max_position_embeddings": 2048,
     },
     "llama-1b": {

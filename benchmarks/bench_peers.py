@@ -46,20 +46,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_continuous_batching import drive  # noqa: E402
 from bench_llamacpp_peer import LlamaServer, convert, llama_token  # noqa: E402
-from bench_memory import FIT_STEPS  # noqa: E402
+from bench_memory import FIT_STEPS, SYNTHETIC  # noqa: E402
 from bench_vllm_peer import VllmServer, vllm_tokens  # noqa: E402
 
 BIN = Path(sys.executable).parent
 NAME = "llama-30"
-SHAPE = {  # SmolLM-135M's: 30 layers, GQA 9/3 heads, 49,152 tokens
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "max_position_embeddings": 2048,
-}
+SHAPE = SYNTHETIC[NAME]  # SmolLM-135M's shape (bench_memory --synthetic llama-30)
 STREAMS = (1, 4, 16)
 PROMPTS, OUTPUT = 32, 64
 STAGES = ("pin", "export", "quantize", "plan", "serve")
