@@ -278,6 +278,7 @@ def synthetic(name: str, stages: list[str]) -> None:
                 "data/eval/docstrings.jsonl",
                 "--device-memory",
                 "16GiB",
+                "--force",  # a --keep folder's spec from an earlier run: init's own
             ],
             cwd=root,
             env=env,
