@@ -201,7 +201,7 @@ SYNTHETIC = {
     },
 }
 TIME_GOALS = {"evaluate": 3.0, "quantize": 15.0, "export": 5.0}
-# the fit that makes llama-30 predict like a trained model (bench_model): about 22 minutes
+# the fit that makes llama-30 predict like a trained model (bench_model): about 21 minutes
 # on 2 cores, once per --keep folder; llama-1b stays random (a step there takes a minute)
 FIT_STEPS = 200
 CALIBRATION = "data/calibration/docstrings.jsonl"
@@ -229,13 +229,14 @@ def bench_model(root: Path, name: str, shape: dict[str, Any], steps: int) -> str
     folder = root / "models" / name
     marker = folder.parent / f"{name}.bench.json"  # beside it: pin hashes every file in it
     made = {"steps": steps, "shape": shape}
+    lines = (REPO / CALIBRATION).read_text().splitlines()
+    half = len(lines) // 2  # fitted on the second half, calibrated on the first
     if not (marker.exists() and json.loads(marker.read_text()) == made):
         # a new model: what was built from the old one (a --keep folder) goes too
         for old in (folder, root / "build" / name):
             shutil.rmtree(old, ignore_errors=True)
         (root / "releases" / f"{name}.yaml").unlink(missing_ok=True)
-        lines = (REPO / CALIBRATION).read_text().splitlines()
-        texts = [json.loads(line)["text"] for line in lines[len(lines) // 2 :]]
+        texts = [json.loads(line)["text"] for line in lines[half:]]
         if steps:  # a zero embedding row (the pad token's) sends a deep fit to NaN
             start = time.perf_counter()
             build_llama_with_outliers(folder, texts, steps=steps, **{**shape, "pad_token_id": None})
@@ -246,9 +247,8 @@ def bench_model(root: Path, name: str, shape: dict[str, Any], steps: int) -> str
         marker.write_text(json.dumps(made))
     if not steps:
         return CALIBRATION
-    lines = (REPO / CALIBRATION).read_text().splitlines()
     (root / SUPPORT).parent.mkdir(parents=True, exist_ok=True)
-    (root / SUPPORT).write_text("\n".join(lines[: len(lines) // 2]) + "\n")
+    (root / SUPPORT).write_text("\n".join(lines[:half]) + "\n")
     return SUPPORT
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tests.fixtures import outliers
 
@@ -25,7 +26,7 @@ def _texts() -> list[str]:
     return [json.loads(line)["text"] for line in lines.splitlines()[240:]]
 
 
-def _model(pad: int | None) -> object:
+def _model(pad: int | None) -> Any:
     import torch
     import transformers
 
@@ -34,7 +35,7 @@ def _model(pad: int | None) -> object:
     return transformers.LlamaForCausalLM(config)
 
 
-def _gradient_norm(model: object, first: int) -> float:
+def _gradient_norm(model: Any, first: int) -> float:
     """One backward pass of a fit's window that starts with token `first` (how the 30-layer
     fit met it at its fifth step: a window cut just before a pad-token id)."""
     import torch
@@ -42,10 +43,9 @@ def _gradient_norm(model: object, first: int) -> float:
 
     ids = Tokenizer.from_file(str(TOKENIZER)).encode(_texts()[0]).ids[:15]
     x = torch.tensor([[first, *ids]])
-    model.train()  # type: ignore[attr-defined]
-    model(input_ids=x, labels=x).loss.backward()  # type: ignore[operator]
-    params = model.parameters()  # type: ignore[attr-defined]
-    return float(torch.nn.utils.clip_grad_norm_(params, float("inf")))
+    model.train()
+    model(input_ids=x, labels=x).loss.backward()
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
 
 
 def test_a_zero_embedding_row_sends_a_deep_fit_to_nan() -> None:
