@@ -23,22 +23,34 @@ def outputs(session: Any, samples: list[dict[str, np.ndarray]]) -> list[np.ndarr
 class Agreement:
     """top-1 agreement, mean cosine, SNR (dB) and, for a language model, perplexity change,
     accumulated one sample at a time: no logits are kept, and float64 copies exist only for
-    ROWS rows at once (a vocabulary-wide model's logits over a dataset are gigabytes)."""
+    ROWS rows at once (a vocabulary-wide model's logits over a dataset are gigabytes).
+
+    Samples may arrive in any order (`index`: the sample's place in the dataset, default
+    the next one): each keeps its own terms, and `result` adds every sample's terms in the
+    dataset's order, so the metrics are the same bits whatever order the samples ran in."""
 
     ROWS = 64
+    SUMS = ("cosine", "signal", "nll_r", "nll_g", "noise")
 
     def __init__(self, task: str) -> None:
         self.language_model = TASKS[task].language_model
-        self.rows = self.same = 0
-        self.cosine = self.signal = self.noise = 0.0
-        self.nll_r = self.nll_g = 0.0
-        self.tokens = 0
-        # each sample's own top-1 agreement and mean cosine: which inputs a failure is about
-        self.per_sample: list[dict[str, float]] = []
+        # each sample's terms, in the order the old running sums added them
+        self._terms: dict[int, tuple[list[tuple[str, float]], int, int, int]] = {}
 
-    def add(self, ref: np.ndarray, got: np.ndarray, feeds: dict[str, np.ndarray]) -> None:
+    def add(
+        self,
+        ref: np.ndarray,
+        got: np.ndarray,
+        feeds: dict[str, np.ndarray],
+        index: int | None = None,
+    ) -> None:
+        if index is None:
+            index = max(self._terms, default=-1) + 1
+        if index in self._terms:
+            raise ValueError(f"sample {index} was added twice")
         r_all, g_all = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])
-        before = self.rows, self.same, self.cosine
+        terms: list[tuple[str, float]] = []
+        rows = same_count = tokens = 0
         # a language model's next-token targets, row by row (one sequence a sample, as
         # `_nll` reads it): each chunk's float64 copies serve its perplexity too
         ids = feeds["input_ids"][0] if self.language_model else None
@@ -49,45 +61,69 @@ class Agreement:
             r, g = r32.astype(np.float64), g32.astype(np.float64)
             rr, gg = np.einsum("ij,ij->i", r, r), np.einsum("ij,ij->i", g, g)
             norms = np.sqrt(rr) * np.sqrt(gg)
-            self.cosine += float(
-                np.sum(np.einsum("ij,ij->i", r, g) / np.where(norms == 0, 1, norms))
+            terms.append(
+                (
+                    "cosine",
+                    float(np.sum(np.einsum("ij,ij->i", r, g) / np.where(norms == 0, 1, norms))),
+                )
             )
-            self.same += int(np.sum(same))
-            self.signal += float(np.sum(rr))
+            same_count += int(np.sum(same))
+            terms.append(("signal", float(np.sum(rr))))
             if targets is not None and start < targets.size:
                 scored = slice(0, min(len(r), targets.size - start))
                 wanted = targets[start : start + len(r)]
-                self.nll_r += _chunk_nll(r[scored], wanted)
-                self.nll_g += _chunk_nll(g[scored], wanted)
+                terms.append(("nll_r", _chunk_nll(r[scored], wanted)))
+                terms.append(("nll_g", _chunk_nll(g[scored], wanted)))
             r -= g  # the noise, in place: r is not read again
-            self.noise += float(np.einsum("ij,ij->", r, r))
-            self.rows += len(r)
-        rows = max(self.rows - before[0], 1)
-        self.per_sample.append(
-            {
-                "top1_agreement": (self.same - before[1]) / rows,
-                "logit_cosine": (self.cosine - before[2]) / rows,
-            }
-        )
+            terms.append(("noise", float(np.einsum("ij,ij->", r, r))))
+            rows += len(r)
         if self.language_model:
             if targets is None:  # several sequences in one sample: its first, as before
-                nll, count = _nll(ref, feeds)
-                self.nll_r += nll
-                self.nll_g += _nll(got, feeds)[0]
+                nll, tokens = _nll(ref, feeds)
+                terms.append(("nll_r", nll))
+                terms.append(("nll_g", _nll(got, feeds)[0]))
             else:
-                count = targets.size
-            self.tokens += count
+                tokens = targets.size
+        self._terms[index] = (terms, rows, same_count, tokens)
+
+    @property
+    def per_sample(self) -> list[dict[str, float]]:
+        """Each sample's own top-1 agreement and mean cosine, in the dataset's order: which
+        inputs a failure is about."""
+        out = []
+        for index in sorted(self._terms):
+            terms, rows, same, _ = self._terms[index]
+            cosine = 0.0
+            for name, value in terms:
+                if name == "cosine":
+                    cosine += value
+            out.append(
+                {"top1_agreement": same / max(rows, 1), "logit_cosine": cosine / max(rows, 1)}
+            )
+        return out
+
+    def _totals(self) -> tuple[dict[str, float], int, int, int]:
+        sums = dict.fromkeys(self.SUMS, 0.0)
+        rows = same = tokens = 0
+        for index in sorted(self._terms):
+            terms, n, agreed, counted = self._terms[index]
+            for name, value in terms:
+                sums[name] += value
+            rows, same, tokens = rows + n, same + agreed, tokens + counted
+        return sums, rows, same, tokens
 
     def result(self) -> dict[str, float]:
-        snr = 10 * float(np.log10(self.signal / self.noise)) if self.noise else 200.0
+        sums, rows, same, tokens = self._totals()
+        signal, noise = sums["signal"], sums["noise"]
+        snr = 10 * float(np.log10(signal / noise)) if noise else 200.0
         out = {
-            "top1_agreement": self.same / max(self.rows, 1),
-            "logit_cosine": self.cosine / max(self.rows, 1),
+            "top1_agreement": same / max(rows, 1),
+            "logit_cosine": sums["cosine"] / max(rows, 1),
             "snr_db": snr,
         }
         if self.language_model:
-            ppl_r = float(np.exp(self.nll_r / max(self.tokens, 1)))
-            ppl_g = float(np.exp(self.nll_g / max(self.tokens, 1)))
+            ppl_r = float(np.exp(sums["nll_r"] / max(tokens, 1)))
+            ppl_g = float(np.exp(sums["nll_g"] / max(tokens, 1)))
             out |= {
                 "perplexity_fp32": ppl_r,
                 "perplexity": ppl_g,
@@ -181,6 +217,96 @@ def with_ids(sample: dict[str, np.ndarray], ids: np.ndarray) -> dict[str, np.nda
 def stacked(samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """One batch of samples whose every input has the same shape past the batch axis."""
     return {k: np.concatenate([s[k] for s in samples]) for k in samples[0]}
+
+
+def pass_groups(
+    session: Any, samples: list[dict[str, np.ndarray]], pad: bool = True
+) -> tuple[list[list[int]], bool]:
+    """Groups of samples a caller runs through one session, outputs kept, before the other
+    session's turn (alternating two sessions a sample at a time cost 1.5x on both,
+    docs/benchmarks.md: onnxruntime's workers spin on the cores for a while after a run),
+    and whether each group runs as one right-padded batch (`right_padded`).
+
+    Batched: a causal model's KV-cache graph (`_cacheable`), one sequence a sample, a known
+    vocabulary; the samples sorted by length (little padding), at most LOGITS_BYTES of
+    padded logits a group. Else consecutive samples whose outputs together hold at most
+    LOGITS_BYTES, one sample a run (`pad` False: always). Either way a sample alone may
+    hold more."""
+    shape = session.get_outputs()[0].shape
+    vocab = shape[-1] if shape and isinstance(shape[-1], int) else None
+    lengths = [s["input_ids"].shape[-1] if "input_ids" in s else 0 for s in samples]
+    padded = pad and bool(samples) and vocab is not None and _cacheable(session, samples[0])
+    if padded:
+        pasts = {k: v.shape[1:] for k, v in samples[0].items() if k.startswith(PAST)}
+        padded = all(
+            s["input_ids"].ndim == 2
+            and s["input_ids"].shape[0] == 1
+            and set(s) == set(samples[0])
+            and {k: v.shape[1:] for k, v in s.items() if k in pasts} == pasts
+            for s in samples
+        )
+    order = sorted(range(len(samples)), key=lambda i: lengths[i]) if padded else range(len(samples))
+    groups: list[list[int]] = []
+    held = width = 0
+    for i in order:
+        if padded:
+            width = max(width, lengths[i]) if groups else lengths[i]
+            fits = bool(groups) and (len(groups[-1]) + 1) * width * (vocab or 0) * 4 <= LOGITS_BYTES
+        else:
+            size = lengths[i] * vocab * 4 if vocab else LOGITS_BYTES
+            fits = bool(groups) and held + size <= LOGITS_BYTES
+            held = held + size if fits else size
+        if fits:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            width = lengths[i]
+    return groups, padded
+
+
+def padding_is_inert(
+    session: Any, samples: list[dict[str, np.ndarray]], groups: list[list[int]]
+) -> bool:
+    """Whether right padding leaves a row's logits its own in this graph: the most padded
+    row of `groups` (acc.pass_groups), run in its group and alone, within float noise. A
+    graph whose positions see later tokens (not causal) fails kvcheck; this keeps evaluate
+    right without relying on that."""
+    name = session.get_outputs()[0].name
+    worst, slack = None, 0
+    for group in groups:
+        lengths = [samples[i]["input_ids"].shape[-1] for i in group]
+        for row, length in enumerate(lengths):
+            if max(lengths) - length > slack:
+                worst, slack = (group, row), max(lengths) - length
+    if worst is None:
+        return True
+    group, row = worst
+    i = group[row]
+    padded = session.run([name], right_padded([samples[j] for j in group]))[0]
+    length = samples[i]["input_ids"].shape[-1]
+    alone = session.run([name], samples[i])[0]
+    return bool(np.allclose(padded[row : row + 1, :length], alone, rtol=1e-4, atol=1e-4))
+
+
+def right_padded(group: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One batch of single-sequence samples of a causal model (`pass_groups`), each row
+    padded on the right: a position's logits do not depend on the tokens after it, so each
+    row's first positions are its own sample's (bit for bit on the graphs measured,
+    tests/stages/test_evaluate_batched.py), and the padding is only future text that
+    nothing before it attends to."""
+    first = group[0]
+    width = max(s["input_ids"].shape[1] for s in group)
+    ids = np.zeros((len(group), width), first["input_ids"].dtype)
+    for row, s in enumerate(group):
+        ids[row, : s["input_ids"].shape[1]] = s["input_ids"][0]
+    feeds = {k: np.concatenate([s[k] for s in group]) for k in first if k.startswith(PAST)}
+    feeds["input_ids"] = ids
+    feeds["attention_mask"] = np.ones_like(ids, dtype=first["attention_mask"].dtype)
+    if "position_ids" in first:
+        feeds["position_ids"] = np.repeat(
+            np.arange(width, dtype=first["position_ids"].dtype)[None, :], len(group), 0
+        )
+    return feeds
 
 
 def batches(session: Any, shapes: list[Any], tokens: int) -> list[list[int]]:
@@ -295,12 +421,38 @@ def teacher_forced(logits_of: Any, generated: list[tuple[dict[str, np.ndarray], 
     (an ONNX Runtime session in quantize, the shipped graph in evaluate)."""
     same = total = 0
     for feeds, prompt in generated:
-        logits = logits_of(feeds)
-        ids = feeds["input_ids"][0]
-        picked = logits[0, prompt - 1 : -1].argmax(-1)
-        same += int(np.sum(picked == ids[prompt:]))
-        total += ids.size - prompt
+        agreed, counted = _picked_alike(logits_of(feeds), feeds, prompt)
+        same, total = same + agreed, total + counted
     return same / max(total, 1)
+
+
+def teacher_forced_together(
+    session: Any, generated: list[tuple[dict[str, np.ndarray], int]]
+) -> float:
+    """teacher_forced for a session whose rows cannot move each other (evaluate's
+    `rows_independent`): the texts run as right-padded batches (`pass_groups`), the same
+    logits as one text a run, in a few runs instead of one a text."""
+    name = session.get_outputs()[0].name
+    texts = [feeds for feeds, _ in generated]
+    groups, padded = pass_groups(session, texts)
+    same = total = 0
+    for group in groups:
+        if padded and len(group) > 1:
+            many = session.run([name], right_padded([texts[i] for i in group]))[0]
+            rows = [many[r : r + 1, : texts[i]["input_ids"].shape[1]] for r, i in enumerate(group)]
+        else:
+            rows = [session.run([name], texts[i])[0] for i in group]
+        for logits, i in zip(rows, group, strict=True):
+            agreed, counted = _picked_alike(logits, texts[i], generated[i][1])
+            same, total = same + agreed, total + counted
+    return same / max(total, 1)
+
+
+def _picked_alike(logits: np.ndarray, feeds: dict[str, np.ndarray], prompt: int) -> tuple[int, int]:
+    """How many of a text's tokens after its prompt the logits pick, of how many."""
+    ids = feeds["input_ids"][0]
+    picked = logits[0, prompt - 1 : -1].argmax(-1)
+    return int(np.sum(picked == ids[prompt:])), ids.size - prompt
 
 
 BOUNDS = BUDGET_METRICS  # budget field -> (metric, "min" or "max"): schemas/contract.py

@@ -1,0 +1,243 @@
+"""evaluate's passes in right-padded batches, each session's group before the other's turn
+(issue 40: evaluate <= 3 FP32 passes). What must not move: every metric, to the bit, and
+which sample a failure names. What must refuse to batch: a graph whose padding reaches a
+row's logits, and a shipped graph whose rows depend on each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from schemas.artifacts import ModelInfo
+from stages import evaluate
+from stages.onnx import model as m
+from stages.quant import accuracy as acc
+from stages.quant import calibration as calib
+from tests.conftest import Workspace, gpt2_spec
+
+
+def _logits(rng: np.random.Generator, n: int, vocab: int = 97) -> np.ndarray:
+    ref = rng.normal(size=(1, n, vocab)).astype(np.float32)
+    ref[..., 3] += 40  # an outlier logit, as a real model's favourite tokens
+    return ref
+
+
+@pytest.mark.parametrize("task", ["causal-lm", "sequence-classification"])
+def test_the_metrics_are_the_same_bits_in_any_order(task: str) -> None:
+    rng = np.random.default_rng(0)
+    samples = []
+    for n in (3, 70, 130, 1, 64, 65, 9):
+        ref = _logits(rng, n)
+        got = ref + rng.normal(scale=0.3, size=ref.shape).astype(np.float32)
+        samples.append((ref, got, {"input_ids": rng.integers(0, 97, size=(1, n))}))
+    in_order = acc.Agreement(task)
+    for ref, got, feeds in samples:
+        in_order.add(ref, got, feeds)
+    shuffled = acc.Agreement(task)
+    for i in rng.permutation(len(samples)):
+        ref, got, feeds = samples[i]
+        shuffled.add(ref, got, feeds, index=int(i))
+    assert shuffled.result() == in_order.result()  # every float, to the bit
+    assert shuffled.per_sample == in_order.per_sample  # a failure names the same samples
+    with pytest.raises(ValueError, match="sample 2 was added twice"):
+        shuffled.add(samples[2][0], samples[2][1], samples[2][2], index=2)
+
+
+def _eval_samples(ws: Workspace) -> tuple[list[dict[str, np.ndarray]], Any]:
+    release = ws.spec(gpt2_spec())
+    out = ws.out("tiny-gpt2", "export")
+    info = ModelInfo.model_validate_json((out / ModelInfo.FILE).read_text())
+    lay = m.layout_from_info(info)
+    data = release.evaluation.dataset
+    rows = calib.read_rows(ws.root, data, lay, 128, info.arch.vocab, "evaluation.dataset")
+    return [calib.to_feeds("causal-lm", lay, r) for r in rows[: data.samples]], lay
+
+
+def _session(path: Path) -> Any:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("stage", ["export", "quantize"])
+def test_a_right_padded_row_is_its_sample_alone_to_the_bit(
+    built_gpt2: Workspace, stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The FP32 export and the shipped per-token INT8 graph, groups sorted by length and
+    bounded by the logits they hold (a small bound here: several groups, much padding)."""
+    samples, _ = _eval_samples(built_gpt2)
+    session = _session(built_gpt2.out("tiny-gpt2", stage) / "model.onnx")
+    vocab = session.get_outputs()[0].shape[-1]
+    monkeypatch.setattr(acc, "LOGITS_BYTES", vocab * 4 * 40)
+    groups, padded = acc.pass_groups(session, samples)
+    assert padded and len(groups) > 2
+    assert sorted(i for g in groups for i in g) == list(range(len(samples)))
+    lengths = [samples[i]["input_ids"].shape[1] for g in groups for i in g]
+    assert lengths == sorted(lengths) and len(set(lengths)) > 1
+    for group in groups:
+        width = max(samples[i]["input_ids"].shape[1] for i in group)
+        assert len(group) == 1 or len(group) * width * vocab * 4 <= acc.LOGITS_BYTES
+        many = session.run(["logits"], acc.right_padded([samples[i] for i in group]))[0]
+        for row, i in enumerate(group):
+            n = samples[i]["input_ids"].shape[1]
+            alone = session.run(["logits"], samples[i])[0]
+            assert np.array_equal(many[row : row + 1, :n], alone), (group, i)
+    assert acc.padding_is_inert(session, samples, groups)
+    unpadded, flag = acc.pass_groups(session, samples, pad=False)
+    assert not flag and [i for g in unpadded for i in g] == list(range(len(samples)))
+
+
+def test_evaluate_batched_gives_the_metrics_of_one_sample_a_run(
+    built_gpt2: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[bool] = []
+    real = acc.pass_groups
+
+    def one_a_run(session: Any, samples: Any, pad: bool = True) -> Any:
+        groups, padded = real(session, samples, pad)
+        calls.append(padded)
+        return [[i] for i in range(len(samples))], False
+
+    monkeypatch.setattr(acc, "pass_groups", one_a_run)
+    monkeypatch.setattr(acc, "teacher_forced_together", acc.greedy_agreement)  # a text a run
+    alone = built_gpt2.run("evaluate", _with_greedy(gpt2_spec()))
+    monkeypatch.undo()
+    again = built_gpt2.run("evaluate", _with_greedy(gpt2_spec()))
+    assert calls == [True]  # the batched run's grouping was padded
+    assert alone.status.value == again.status.value == "passed", (alone.reasons, again.reasons)
+    assert again.metrics == alone.metrics  # every float, to the bit
+    assert "greedy_agreement" in again.metrics
+
+
+def _with_greedy(spec: dict[str, Any]) -> dict[str, Any]:
+    budget = {**(spec["quantization"].get("budget") or {}), "greedy_agreement_min": 0.5}
+    return {**spec, "quantization": {**spec["quantization"], "budget": budget}}
+
+
+def test_teacher_forcing_in_batches_counts_as_one_text_a_run(built_gpt2: Workspace) -> None:
+    samples, _ = _eval_samples(built_gpt2)
+    fp32 = _session(built_gpt2.out("tiny-gpt2", "export") / "model.onnx")
+    shipped = _session(built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx")
+    generated = acc.greedy_continuations(fp32, samples)
+    assert len({f["input_ids"].shape[1] for f, _ in generated}) > 1  # texts of several lengths
+    assert acc.teacher_forced_together(shipped, generated) == acc.greedy_agreement(
+        shipped, generated
+    )
+    # a shuffled text agrees less: the count reads each row's own tokens
+    rng = np.random.default_rng(1)
+    broken = [
+        ({**f, "input_ids": rng.permutation(f["input_ids"][0])[None]}, p) for f, p in generated
+    ]
+    assert acc.teacher_forced_together(shipped, broken) < acc.teacher_forced_together(
+        shipped, generated
+    )
+
+
+def _peeking_graph(path: Path, vocab: int = 11) -> Path:
+    """A KV-cache-shaped graph that is not causal: each position's logits add the sum of
+    every token's embedding in its row (later tokens included), so right padding moves
+    them."""
+    emb = helper.make_tensor(
+        "emb", TensorProto.FLOAT, [vocab, vocab], np.eye(vocab, dtype=np.float32).ravel()
+    )
+    nodes = [
+        helper.make_node("Gather", ["emb", "input_ids"], ["e"]),
+        helper.make_node("ReduceSum", ["e", "axis1"], ["total"], keepdims=1),
+        helper.make_node("Add", ["e", "total"], ["logits"]),
+        helper.make_node("Identity", ["past_key_values.0.key"], ["present.0.key"]),
+        helper.make_node("Cast", ["attention_mask"], ["unused"], to=TensorProto.FLOAT),
+    ]
+    axis = helper.make_tensor("axis1", TensorProto.INT64, [1], [1])
+    graph = helper.make_graph(
+        nodes,
+        "peek",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "all"]),
+            helper.make_tensor_value_info(
+                "past_key_values.0.key", TensorProto.FLOAT, ["batch", 1, "past", 2]
+            ),
+        ],
+        [
+            helper.make_tensor_value_info(
+                "logits", TensorProto.FLOAT, ["batch", "sequence", vocab]
+            ),
+            helper.make_tensor_value_info(
+                "present.0.key", TensorProto.FLOAT, ["batch", 1, "past", 2]
+            ),
+            helper.make_tensor_value_info("unused", TensorProto.FLOAT, ["batch", "all"]),
+        ],
+        initializer=[emb, axis],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    onnx.save(model, str(path))
+    return path
+
+
+def test_a_graph_whose_padding_reaches_a_row_is_not_batched(tmp_path: Path) -> None:
+    session = _session(_peeking_graph(tmp_path / "peek.onnx"))
+    rng = np.random.default_rng(0)
+    samples: list[dict[str, np.ndarray]] = []
+    for n in (2, 6, 3, 9):
+        ids = rng.integers(1, 11, size=(1, n))
+        samples.append(
+            {
+                "input_ids": ids,
+                "attention_mask": np.ones_like(ids),
+                "past_key_values.0.key": np.zeros((1, 1, 0, 2), np.float32),
+            }
+        )
+    groups, padded = acc.pass_groups(session, samples)
+    assert padded and len(groups) == 1  # shaped like a causal model's cache graph
+    assert not acc.padding_is_inert(session, samples, groups)
+
+
+def test_a_graph_without_a_cache_runs_its_groups_in_the_datasets_order(tmp_path: Path) -> None:
+    """An encoder's samples are never padded together here: consecutive groups, one sample
+    a run, the outputs a group holds bounded."""
+    path = _peeking_graph(tmp_path / "peek.onnx")
+    model = onnx.load(str(path))
+    del model.graph.input[2]
+    del model.graph.output[1]
+    del model.graph.node[3]
+    onnx.save(model, str(tmp_path / "encoder.onnx"))
+    session = _session(tmp_path / "encoder.onnx")
+    samples = [{"input_ids": np.ones((1, n), np.int64)} for n in (5, 1, 7, 2, 2)]
+    groups, padded = acc.pass_groups(session, samples)
+    assert not padded and groups == [[0, 1, 2, 3, 4]]
+    acc_bytes = acc.LOGITS_BYTES
+    try:
+        acc.LOGITS_BYTES = 11 * 4 * 8  # eight positions' logits a group
+        assert acc.pass_groups(session, samples)[0] == [[0, 1], [2], [3, 4]]
+    finally:
+        acc.LOGITS_BYTES = acc_bytes
+
+
+def test_evaluate_keeps_a_shipped_graph_with_per_call_scales_one_sample_a_run(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    """compare() with a shipped graph whose rows move each other (per-call INT8 scales):
+    the FP32 group runs padded, the shipped graph one sample a run, and the metrics are
+    those of one sample a run for both."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    samples, _ = _eval_samples(built_gpt2)
+    export = built_gpt2.out("tiny-gpt2", "export") / "model.onnx"
+    per_call = tmp_path / "per_call.onnx"
+    quantize_dynamic(export, per_call, op_types_to_quantize=["MatMul"])
+    assert not evaluate.rows_independent(per_call)
+    fp32, shipped = _session(export), _session(per_call)
+    groups, padded = acc.pass_groups(fp32, samples)
+    assert padded and any(len(g) > 1 for g in groups)
+    batched = acc.Agreement("causal-lm")
+    for group in groups:
+        evaluate.compare(batched, group, padded, samples, fp32, shipped, "logits", False)
+    alone = acc.Agreement("causal-lm")
+    for feeds in samples:
+        alone.add(fp32.run(["logits"], feeds)[0], shipped.run(["logits"], feeds)[0], feeds)
+    assert batched.result() == alone.result()
