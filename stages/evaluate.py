@@ -69,6 +69,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     )[: cfg.dataset.samples]
     samples = [calib.to_feeds(task, lay, row) for row in rows]
     names = [t.name for t in lay.outputs]
+    export = ctx.upstream("export") / "model.onnx"
     # the two sessions built at once: building one (loading, optimizing its graph) is one
     # thread's work, and onnxruntime lets go of the GIL (2.3 s -> 1.2 s on llama-30)
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -77,7 +78,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
             str(ctx.upstream("quantize") / "model.onnx"),
             providers=["CPUExecutionProvider"],
         )
-        with stream.external_view(ctx.upstream("export") / "model.onnx") as view:
+        with stream.external_view(export) as view:
             fp32 = ort.InferenceSession(str(view), providers=["CPUExecutionProvider"])
         session = shipped.result()
     reference: Run = lambda feeds: fp32.run(names, feeds)  # noqa: E731
@@ -85,19 +86,33 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     apart = TASKS[task].kv_cache and rows_independent(ctx.upstream("quantize") / "model.onnx")
     agree = acc.Agreement(task)  # a group of samples at a time: no dataset's logits kept
     groups, padded = acc.pass_groups(fp32, samples)
-    inert = not padded or acc.padding_is_inert(fp32, samples, groups)
+    inert = not padded or acc.padding_is_inert(fp32, samples)
     if not inert:  # padding moved a row: one sample a run, groups still in turn
         groups, padded = acc.pass_groups(fp32, samples, pad=False)
     with ctx.progress(f"{len(samples)} samples", len(samples)) as advance:
         for group in groups:
-            compare(agree, group, padded, samples, fp32, session, names[0], apart)
+            for ref, got, feeds, i in compare(
+                group, padded, samples, fp32, session, names[0], apart
+            ):
+                agree.add(ref, got, feeds, i)
             advance(len(group))
     compared = agree.result()
     metrics = task_metrics(task, compared)
-    if TASKS[task].kv_cache:
-        metrics |= decode_metrics(reference, candidate, lay, samples, cfg.decode, apart)
     budget = budget_of(release.quantization, task)
-    measured = contract_metrics(task, compared, budget, fp32, session, samples, apart and inert)
+    texts = budget.greedy_agreement_min is not None and TASKS[task].kv_cache
+    generated, wanted = None, None
+    if (
+        TASKS[task].kv_cache
+        and samples
+        and acc.cacheable(fp32, samples[0])
+        and rows_independent(export)
+    ):
+        generated, wanted = reference_generations(reference, lay, samples, cfg.decode, texts)
+    if TASKS[task].kv_cache:
+        metrics |= decode_metrics(reference, candidate, lay, samples, cfg.decode, apart, wanted)
+    measured = contract_metrics(
+        task, compared, budget, fp32, session, samples, apart and inert, generated
+    )
     # Absolute bounds hold whatever the baseline; changes vs production are the gate's job.
     baselines = reference_values(metrics)
     results = [
@@ -126,8 +141,10 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     return StageResult.passed(summary, details=details, metrics=metrics)
 
 
+Pair = tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], int]
+
+
 def compare(
-    agree: acc.Agreement,
     group: list[int],
     padded: bool,
     samples: list[dict[str, np.ndarray]],
@@ -135,26 +152,30 @@ def compare(
     session: Any,
     name: str,
     batched: bool,
-) -> None:
+) -> list[Pair]:
     """One group of samples (acc.pass_groups) through FP32, its outputs kept, then through
-    the shipped graph, each sample into `agree` at its place in the dataset. A `padded`
-    group runs as one right-padded batch through FP32, and through the shipped graph too
-    when its rows are independent (`batched`); else one sample a run (a per-call INT8
-    scale spans every row: a row would depend on its batch-mates)."""
+    the shipped graph: each sample's (reference, shipped, feeds, place in the dataset) for
+    acc.Agreement.add. A `padded` group runs as one right-padded batch through FP32, and
+    through the shipped graph too when its rows are independent (`batched`); else one
+    sample a run (a per-call INT8 scale spans every row: a row would depend on its
+    batch-mates)."""
     length = [samples[i]["input_ids"].shape[-1] for i in group]
     if padded and len(group) > 1:
         together = acc.right_padded([samples[i] for i in group])
         many = fp32.run([name], together)[0]
         refs = [many[row : row + 1, : length[row]] for row in range(len(group))]
         if batched:
-            many = session.run([name], together)[0]
-            for row, i in enumerate(group):
-                agree.add(refs[row], many[row : row + 1, : length[row]], samples[i], i)
-            return
+            got = session.run([name], together)[0]
+            return [
+                (refs[row], got[row : row + 1, : length[row]], samples[i], i)
+                for row, i in enumerate(group)
+            ]
     else:
         refs = [fp32.run([name], samples[i])[0] for i in group]
-    for ref, i in zip(refs, group, strict=True):
-        agree.add(ref, session.run([name], samples[i])[0], samples[i], i)
+    return [
+        (ref, session.run([name], samples[i])[0], samples[i], i)
+        for ref, i in zip(refs, group, strict=True)
+    ]
 
 
 def contract_metrics(
@@ -165,6 +186,7 @@ def contract_metrics(
     session: Any,
     samples: list[dict[str, np.ndarray]],
     batched: bool = False,
+    generated: list[tuple[dict[str, np.ndarray], int]] | None = None,
 ) -> dict[str, float]:
     """The metric of every bound the contract gives, measured as quantize measures it: the
     comparison's (top-1, cosine, SNR, perplexity increase) and, for a language model, the
@@ -178,7 +200,8 @@ def contract_metrics(
     if budget.greedy_agreement_min is not None and TASKS[task].kv_cache:
         # FP32's own greedy text, generated as quantize generates it (the prompts batched
         # through the cache), then the shipped graph teacher-forced on it
-        generated = acc.greedy_continuations(fp32, samples)
+        if generated is None:
+            generated = acc.greedy_continuations(fp32, samples)
         if batched:
             out["greedy_agreement"] = acc.teacher_forced_together(session, generated)
         else:
@@ -234,9 +257,16 @@ def reference_values(metrics: dict[str, float]) -> dict[str, float]:
     return perfect
 
 
-def greedy(run: Run, lay: sh.Layout, prompts: list[np.ndarray], tokens: int) -> list[list[int]]:
+def greedy(
+    run: Run,
+    lay: sh.Layout,
+    prompts: list[np.ndarray],
+    tokens: int,
+    prefill_rows: int | None = None,
+) -> list[list[int]]:
     """Greedy decoding with the KV-cache graph (kvcache.greedy): the prompts together, for
-    a graph whose rows do not depend on each other (FP32, per-token INT8), or one alone."""
+    a graph whose rows do not depend on each other (FP32, per-token INT8), or one alone;
+    the prefill in runs of `prefill_rows` rows when given."""
     feeds = calib.to_feeds("causal-lm", lay, {"input_ids": prompts[0][None, :]})  # KV tasks
     empty = {t.name: feeds[t.name] for t in lay.inputs if t.name.startswith(kv.PAST)}
     names = [t.name for t in lay.outputs]
@@ -245,8 +275,43 @@ def greedy(run: Run, lay: sh.Layout, prompts: list[np.ndarray], tokens: int) -> 
     def by_name(f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return dict(zip(names, run(f), strict=True))
 
-    made = kv.greedy(by_name, empty, positions, prompts, tokens)
+    made = kv.greedy(by_name, empty, positions, prompts, tokens, prefill_rows)
     return [[int(i) for i in row] for row in made]
+
+
+def reference_generations(
+    reference: Run,
+    lay: sh.Layout,
+    samples: list[dict[str, np.ndarray]],
+    cfg: DecodeConfig,
+    texts: bool,
+) -> tuple[list[tuple[dict[str, np.ndarray], int]] | None, list[list[int]]]:
+    """FP32's greedy text for both of evaluate's uses, decoded as one batch: the contract's
+    (acc.GREEDY_* prompts and tokens: what acc.greedy_continuations returns, the text the
+    shipped graph is teacher-forced on; only when `texts`) and the decode metrics' (the
+    evaluation.decode prompts' continuations). For an FP32 graph whose rows cannot move
+    each other (`rows_independent`): a row's tokens are the same in any batch, and a step
+    over every row reads the weights once instead of once a batch (a 30-layer FP32 decode
+    step is the weights' bytes moved, ~55 ms here). The prefill runs in rows whose logits
+    fit acc.LOGITS_BYTES."""
+    chosen = samples[: acc.GREEDY_PROMPTS] if texts else []
+    text_prompts = [s["input_ids"][0, : acc.GREEDY_PROMPT_TOKENS] for s in chosen]
+    decode_prompts = [s["input_ids"][0, : cfg.prompt_tokens] for s in samples][: cfg.prompts]
+    prompts = text_prompts + decode_prompts
+    tokens = max(cfg.tokens, acc.GREEDY_TOKENS if texts else 0)
+    width = max(p.size for p in prompts)
+    vocab = lay.outputs[0].axes[-1] if lay.outputs and lay.outputs[0].axes else None
+    rows = acc.LOGITS_BYTES // (width * vocab * 4) if isinstance(vocab, int) else 1
+    made = greedy(reference, lay, prompts, tokens, max(1, rows))
+    generated = [
+        (
+            acc.with_ids(sample, np.concatenate([prompt, made[i][: acc.GREEDY_TOKENS]])[None, :]),
+            prompt.size,
+        )
+        for i, (sample, prompt) in enumerate(zip(chosen, text_prompts, strict=True))
+    ]
+    wanted = [row[: cfg.tokens] for row in made[len(text_prompts) :]]
+    return (generated if texts else None), wanted
 
 
 def rows_independent(path: Path) -> bool:
@@ -272,14 +337,17 @@ def decode_metrics(
     samples: list[dict[str, np.ndarray]],
     cfg: DecodeConfig,
     batched: bool = False,
+    wanted: list[list[int]] | None = None,
 ) -> dict[str, float]:
-    """Exact-match rate of whole continuations, and of tokens, vs the reference's."""
+    """Exact-match rate of whole continuations, and of tokens, vs the reference's (decoded
+    here unless given: `wanted`, reference_generations)."""
     prompts = [s["input_ids"][0, : cfg.prompt_tokens] for s in samples][: cfg.prompts]
     exact, same = 0, 0
     # the FP32 reference decodes the prompts as one batch; the shipped graph too when its
     # rows are independent (`batched`), else one prompt a call (a per-call INT8 scale
     # spans every row: a row would depend on its batch-mates)
-    wanted = greedy(reference, lay, prompts, cfg.tokens)
+    if wanted is None:
+        wanted = greedy(reference, lay, prompts, cfg.tokens)
     if batched:
         haves = greedy(candidate, lay, prompts, cfg.tokens)
     else:

@@ -43,7 +43,12 @@ PAST, PRESENT = "past_key_values.", "present."
 
 
 def greedy(
-    run: Run, empty: dict[str, np.ndarray], positions: bool, prompts: list[np.ndarray], tokens: int
+    run: Run,
+    empty: dict[str, np.ndarray],
+    positions: bool,
+    prompts: list[np.ndarray],
+    tokens: int,
+    prefill_rows: int | None = None,
 ) -> np.ndarray:
     """Greedy decoding through a KV-cache graph, the one decoder of the checks (evaluate's
     decode metrics, quantize's reference text): `prompts` prefilled in one run, left-padded
@@ -52,7 +57,9 @@ def greedy(
     chosen. `empty`: each past input's empty cache for one row ([1, heads, 0, dim]);
     `positions`: whether the graph takes position_ids. A batch is for a backend whose rows
     do not depend on each other (FP32, per-token INT8); per-call dynamic INT8 decodes one
-    prompt a call."""
+    prompt a call. `prefill_rows`: the prefill in runs of at most that many rows (its
+    logits are rows x prompt x vocabulary; a step's are rows x vocabulary), the same
+    rows, padded to the same width, so the same result for such a backend."""
     rows, width = len(prompts), max(p.size for p in prompts)
     ids = np.zeros((rows, width), np.int64)
     mask = np.zeros((rows, width), np.int64)
@@ -66,12 +73,27 @@ def greedy(
         feeds |= {"input_ids": step, "attention_mask": mask}
         if positions:
             feeds[sh.POSITIONS] = sh.positions_from_mask(mask, step.shape[1])
-        out = run(feeds)
+        if k == 0 and prefill_rows is not None and prefill_rows < rows:
+            out = _prefill_in_runs(run, feeds, rows, prefill_rows)
+        else:
+            out = run(feeds)
         made[:, k] = out["logits"][:, -1].argmax(-1)
         step = made[:, k : k + 1]
         mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], axis=1)
         feeds = {name: out[name.replace(PAST, PRESENT)] for name in empty}
     return made
+
+
+def _prefill_in_runs(
+    run: Run, feeds: dict[str, np.ndarray], rows: int, size: int
+) -> dict[str, np.ndarray]:
+    """One prefill as runs of `size` rows: each run's last logits and its presents, joined
+    along the batch axis."""
+    parts = []
+    for start in range(0, rows, size):
+        out = run({name: value[start : start + size] for name, value in feeds.items()})
+        parts.append({**out, "logits": out["logits"][:, -1:]})
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 
 @dataclass(frozen=True)

@@ -227,7 +227,7 @@ def pass_groups(
     docs/benchmarks.md: onnxruntime's workers spin on the cores for a while after a run),
     and whether each group runs as one right-padded batch (`right_padded`).
 
-    Batched: a causal model's KV-cache graph (`_cacheable`), one sequence a sample, a known
+    Batched: a causal model's KV-cache graph (`cacheable`), one sequence a sample, a known
     vocabulary; the samples sorted by length (little padding), at most LOGITS_BYTES of
     padded logits a group. Else consecutive samples whose outputs together hold at most
     LOGITS_BYTES, one sample a run (`pad` False: always). Either way a sample alone may
@@ -235,7 +235,7 @@ def pass_groups(
     shape = session.get_outputs()[0].shape
     vocab = shape[-1] if shape and isinstance(shape[-1], int) else None
     lengths = [s["input_ids"].shape[-1] if "input_ids" in s else 0 for s in samples]
-    padded = pad and bool(samples) and vocab is not None and _cacheable(session, samples[0])
+    padded = pad and bool(samples) and vocab is not None and cacheable(session, samples[0])
     if padded:
         pasts = {k: v.shape[1:] for k, v in samples[0].items() if k.startswith(PAST)}
         padded = all(
@@ -264,28 +264,19 @@ def pass_groups(
     return groups, padded
 
 
-def padding_is_inert(
-    session: Any, samples: list[dict[str, np.ndarray]], groups: list[list[int]]
-) -> bool:
-    """Whether right padding leaves a row's logits its own in this graph: the most padded
-    row of `groups` (acc.pass_groups), run in its group and alone, within float noise. A
-    graph whose positions see later tokens (not causal) fails kvcheck; this keeps evaluate
-    right without relying on that."""
+def padding_is_inert(session: Any, samples: list[dict[str, np.ndarray]]) -> bool:
+    """Whether right padding leaves a row's logits its own in this graph: the shortest
+    sample padded to the longest's length beside it, and alone, within float noise (more
+    padding than any group of acc.pass_groups has). A graph whose positions see later
+    tokens (not causal) fails kvcheck; this keeps evaluate right without relying on that."""
+    lengths = [s["input_ids"].shape[-1] for s in samples]
+    short, long = int(np.argmin(lengths)), int(np.argmax(lengths))
+    if lengths[short] == lengths[long]:
+        return True  # nothing is padded
     name = session.get_outputs()[0].name
-    worst, slack = None, 0
-    for group in groups:
-        lengths = [samples[i]["input_ids"].shape[-1] for i in group]
-        for row, length in enumerate(lengths):
-            if max(lengths) - length > slack:
-                worst, slack = (group, row), max(lengths) - length
-    if worst is None:
-        return True
-    group, row = worst
-    i = group[row]
-    padded = session.run([name], right_padded([samples[j] for j in group]))[0]
-    length = samples[i]["input_ids"].shape[-1]
-    alone = session.run([name], samples[i])[0]
-    return bool(np.allclose(padded[row : row + 1, :length], alone, rtol=1e-4, atol=1e-4))
+    padded = session.run([name], right_padded([samples[short], samples[long]]))[0]
+    alone = session.run([name], samples[short])[0]
+    return bool(np.allclose(padded[:1, : lengths[short]], alone, rtol=1e-4, atol=1e-4))
 
 
 def right_padded(group: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -338,7 +329,7 @@ def greedy_continuations(
     on its batch-mates (a dynamically quantized one does)."""
     name = session.get_outputs()[0].name
     prompts = [s["input_ids"][0, :GREEDY_PROMPT_TOKENS] for s in samples[:GREEDY_PROMPTS]]
-    if prompts and _cacheable(session, samples[0]):
+    if prompts and cacheable(session, samples[0]):
         return _cached_continuations(session, samples, prompts)
     out: list[Any] = [None] * len(prompts)
     width = max((p.size for p in prompts), default=0) + GREEDY_TOKENS
@@ -360,7 +351,7 @@ def greedy_continuations(
     return out
 
 
-def _cacheable(session: Any, sample: dict[str, np.ndarray]) -> bool:
+def cacheable(session: Any, sample: dict[str, np.ndarray]) -> bool:
     """A KV-cache graph fed ids, a mask, maybe positions and its empty cache, every input
     with a free batch axis: it can decode through its own cache."""
     inputs = session.get_inputs()

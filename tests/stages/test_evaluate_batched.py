@@ -86,7 +86,7 @@ def test_a_right_padded_row_is_its_sample_alone_to_the_bit(
             n = samples[i]["input_ids"].shape[1]
             alone = session.run(["logits"], samples[i])[0]
             assert np.array_equal(many[row : row + 1, :n], alone), (group, i)
-    assert acc.padding_is_inert(session, samples, groups)
+    assert acc.padding_is_inert(session, samples)
     unpadded, flag = acc.pass_groups(session, samples, pad=False)
     assert not flag and [i for g in unpadded for i in g] == list(range(len(samples)))
 
@@ -194,7 +194,7 @@ def test_a_graph_whose_padding_reaches_a_row_is_not_batched(tmp_path: Path) -> N
         )
     groups, padded = acc.pass_groups(session, samples)
     assert padded and len(groups) == 1  # shaped like a causal model's cache graph
-    assert not acc.padding_is_inert(session, samples, groups)
+    assert not acc.padding_is_inert(session, samples)
 
 
 def test_a_graph_without_a_cache_runs_its_groups_in_the_datasets_order(tmp_path: Path) -> None:
@@ -236,8 +236,44 @@ def test_evaluate_keeps_a_shipped_graph_with_per_call_scales_one_sample_a_run(
     assert padded and any(len(g) > 1 for g in groups)
     batched = acc.Agreement("causal-lm")
     for group in groups:
-        evaluate.compare(batched, group, padded, samples, fp32, shipped, "logits", False)
+        for ref, got, feeds, i in evaluate.compare(
+            group, padded, samples, fp32, shipped, "logits", False
+        ):
+            batched.add(ref, got, feeds, i)
     alone = acc.Agreement("causal-lm")
     for feeds in samples:
         alone.add(fp32.run(["logits"], feeds)[0], shipped.run(["logits"], feeds)[0], feeds)
     assert batched.result() == alone.result()
+
+
+@pytest.mark.parametrize("prefill_rows", [None, 1, 3])
+def test_one_fp32_decode_gives_the_contracts_text_and_the_decode_metrics_reference(
+    built_gpt2: Workspace, prefill_rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """reference_generations decodes the contract's prompts (32 tokens) and the decode
+    metrics' (8 here) as one batch, the prefill in runs of a few rows: the same text as
+    acc.greedy_continuations, and the same tokens as decoding the decode prompts alone."""
+    from schemas.spec.evaluation import DecodeConfig
+
+    samples, lay = _eval_samples(built_gpt2)
+    fp32 = _session(built_gpt2.out("tiny-gpt2", "export") / "model.onnx")
+    assert evaluate.rows_independent(built_gpt2.out("tiny-gpt2", "export") / "model.onnx")
+    names = [t.name for t in lay.outputs]
+    run = lambda feeds: fp32.run(names, feeds)  # noqa: E731
+    cfg = DecodeConfig(prompts=5, prompt_tokens=8, tokens=20)  # more tokens than the text's
+    if prefill_rows is not None:  # the logits bound that sets the prefill's rows
+        width, vocab = acc.GREEDY_PROMPT_TOKENS, fp32.get_outputs()[0].shape[-1]
+        monkeypatch.setattr(acc, "LOGITS_BYTES", prefill_rows * width * vocab * 4)
+    generated, wanted = evaluate.reference_generations(run, lay, samples, cfg, texts=True)
+    expected = acc.greedy_continuations(fp32, samples)
+    assert generated is not None and len(generated) == len(expected) == acc.GREEDY_PROMPTS
+    for (have, at), (want, want_at) in zip(generated, expected, strict=True):
+        assert at == want_at
+        assert set(have) == set(want)
+        assert all(np.array_equal(have[k], want[k]) for k in want)
+    prompts = [s["input_ids"][0, :8] for s in samples[:5]]
+    assert wanted == evaluate.greedy(run, lay, prompts, 20)
+    assert {len(p) for p in prompts} == {8}
+    # without the contract's text: the decode metrics' tokens alone, the same
+    none, alone = evaluate.reference_generations(run, lay, samples, cfg, texts=False)
+    assert none is None and alone == wanted

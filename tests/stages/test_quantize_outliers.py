@@ -277,7 +277,7 @@ def test_greedy_text_through_the_cache_is_pytorch_full_recompute_greedy(
     rng = np.random.default_rng(7)
     lengths = [3, 32, 9, 40, 17]
     samples = [_feeds(fp32, rng.integers(3, 200, (1, n))) for n in lengths]
-    assert acc._cacheable(fp32, samples[0])
+    assert acc.cacheable(fp32, samples[0])
     cached = acc.greedy_continuations(fp32, samples)
     model = transformers.AutoModelForCausalLM.from_pretrained(ws.root / "models" / NAME).eval()
     for (feeds, prompt), s in zip(cached, samples, strict=True):
@@ -287,7 +287,7 @@ def test_greedy_text_through_the_cache_is_pytorch_full_recompute_greedy(
                 nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
                 ids = torch.cat([ids, nxt], dim=1)
         assert np.array_equal(feeds["input_ids"], ids.numpy())
-    monkeypatch.setattr(acc, "_cacheable", lambda *_: False)
+    monkeypatch.setattr(acc, "cacheable", lambda *_: False)
     recomputed = acc.greedy_continuations(fp32, samples)
     for (a, pa), (b, pb) in zip(cached, recomputed, strict=True):
         assert pa == pb and np.array_equal(a["input_ids"], b["input_ids"])
