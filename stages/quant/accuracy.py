@@ -36,6 +36,9 @@ class Agreement:
         self.language_model = TASKS[task].language_model
         # each sample's terms, in the order the old running sums added them
         self._terms: dict[int, tuple[list[tuple[str, float]], int, int, int]] = {}
+        # float64 room for a chunk's two copies and the perplexity's scratch, kept between
+        # samples (fresh ones cost their page faults every chunk)
+        self._room = np.empty((3, 0, 0))
 
     def add(
         self,
@@ -55,10 +58,14 @@ class Agreement:
         # `_nll` reads it): each chunk's float64 copies serve its perplexity too
         ids = feeds["input_ids"][0] if self.language_model else None
         targets = ids[1:] if ids is not None and ref.shape[0] == 1 else None
+        if self._room.shape[2] != r_all.shape[-1]:
+            self._room = np.empty((3, self.ROWS, r_all.shape[-1]))  # pages as they are used
         for start in range(0, len(r_all), self.ROWS):
             r32, g32 = r_all[start : start + self.ROWS], g_all[start : start + self.ROWS]
             same = r32.argmax(1) == g32.argmax(1)  # float32: float64 holds the same values
-            r, g = r32.astype(np.float64), g32.astype(np.float64)
+            r, g, scratch = (room[: len(r32)] for room in self._room)
+            np.copyto(r, r32)  # float64 copies: the values of astype, in kept room
+            np.copyto(g, g32)
             rr, gg = np.einsum("ij,ij->i", r, r), np.einsum("ij,ij->i", g, g)
             norms = np.sqrt(rr) * np.sqrt(gg)
             terms.append(
@@ -72,8 +79,8 @@ class Agreement:
             if targets is not None and start < targets.size:
                 scored = slice(0, min(len(r), targets.size - start))
                 wanted = targets[start : start + len(r)]
-                terms.append(("nll_r", _chunk_nll(r[scored], wanted)))
-                terms.append(("nll_g", _chunk_nll(g[scored], wanted)))
+                terms.append(("nll_r", _chunk_nll(r[scored], wanted, scratch)))
+                terms.append(("nll_g", _chunk_nll(g[scored], wanted, scratch)))
             r -= g  # the noise, in place: r is not read again
             terms.append(("noise", float(np.einsum("ij,ij->", r, r))))
             rows += len(r)
@@ -188,10 +195,13 @@ def _nll(logits: np.ndarray, feeds: dict[str, np.ndarray]) -> tuple[float, int]:
     return -float(logp[np.arange(ids.size - 1), ids[1:]].sum()), ids.size - 1
 
 
-def _chunk_nll(x: np.ndarray, targets: np.ndarray) -> float:
-    """The summed NLL of `targets` under float64 logit rows `x` (one target a row)."""
+def _chunk_nll(x: np.ndarray, targets: np.ndarray, scratch: np.ndarray | None = None) -> float:
+    """The summed NLL of `targets` under float64 logit rows `x` (one target a row);
+    `scratch`: room for at least x's rows (else a new array)."""
     top = x.max(axis=1)
-    lse = top + np.log(np.exp(x - top[:, None]).sum(axis=1))
+    shifted = np.empty_like(x) if scratch is None else scratch[: len(x)]
+    np.subtract(x, top[:, None], out=shifted)
+    lse = top + np.log(np.exp(shifted, out=shifted).sum(axis=1))
     return float(np.sum(lse - x[np.arange(len(x)), targets]))
 
 
