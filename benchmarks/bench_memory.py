@@ -45,7 +45,11 @@ its probes <= 5x), and quantize's verdict (the method shipped, the recipe chosen
 recipe's speed verdict and what decided it). `--busy` runs the stages beside a CPU hog (two
 processes spinning, one per core; stopped before the FP32 pass is timed): the same spec
 must build, with the same verdicts, on a busy machine as on a quiet one (issue 40); its
-seconds are not the stages' own.
+seconds are not the stages' own. The seconds in that table are measured beside the memory
+sampler (its reads of /proc every 10 ms cost evaluate ~2 s of 12 here) and once; `--rounds N`
+then reruns each stage with a time goal N times without the sampler, each run followed by
+one FP32 pass, and prints each round's ratio and their median (the numbers to quote: this
+machine's speed drifts by 15 % between minutes).
 """
 
 from __future__ import annotations
@@ -53,10 +57,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -312,6 +318,9 @@ def synthetic(name: str, stages: list[str]) -> None:
         if "quantize" in stages and (root / "build" / name / "quantize").is_dir():
             print(quantize_verdict(root, name))
         forward = fp32_forward_seconds(root, spec, name)
+        rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 0
+        chosen = [s for s, _, _ in rows]
+        timed = time_rounds(root, spec, name, chosen, rounds) if rounds and not FAILED else ""
         onnx_bytes = sum(
             f.stat().st_size for f in (root / "build" / name / "export").glob("model.onnx*")
         )
@@ -329,6 +338,8 @@ def synthetic(name: str, stages: list[str]) -> None:
             f"{stage:<10} {tree / gb:7.2f}G {tree / weights:6.2f}x {secs:8.1f} "
             f"{secs / forward:6.1f}x{mem}{slow}"
         )
+    if timed:
+        print(f"time against one FP32 pass, interleaved rounds, unsampled:\n{timed}")
 
 
 def _spin() -> None:
@@ -357,6 +368,13 @@ def quantize_verdict(root: Path, name: str) -> str:
 
 def fp32_forward_seconds(root: Path, spec: str, name: str) -> float:
     """One pass of the FP32 export over the evaluation set as evaluate reads it (median of 3)."""
+    one_pass = fp32_forward(root, spec, name)
+    return sorted(one_pass() for _ in range(3))[1]
+
+
+def fp32_forward(root: Path, spec: str, name: str) -> Callable[[], float]:
+    """A timer of one FP32 pass over the evaluation set, one sample a run (its session
+    built once)."""
     import onnxruntime as ort
 
     sys.path.insert(0, str(REPO))
@@ -375,13 +393,47 @@ def fp32_forward_seconds(root: Path, spec: str, name: str) -> float:
     feeds = [calib.to_feeds(release.task, lay, r) for r in rows[: data.samples]]
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     names = [t.name for t in lay.outputs]
-    times = []
-    for _ in range(3):
+
+    def one_pass() -> float:
         start = time.perf_counter()
         for f in feeds:
             session.run(names, f)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[1]
+        return time.perf_counter() - start
+
+    return one_pass
+
+
+def time_rounds(root: Path, spec: str, name: str, stages: list[str], rounds: int) -> str:
+    """Each stage with a time goal, `rounds` times, each run followed by one FP32 pass: the
+    ratio of each round, so a machine that speeds up or slows down moves both sides. Runs
+    without the memory sampler (its 10 ms reads of /proc cost the stage ~2 s of 12 here)."""
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "SHIPYARD_ROOT": str(root)}
+    env["PYTHONPATH"] = str(root)
+    one_pass = fp32_forward(root, spec, name)
+    lines = []
+    for stage in stages:
+        if stage not in TIME_GOALS:
+            continue
+        ratios, seconds = [], []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            subprocess.run(
+                ["shipyard", "run-stage", stage, "--release", spec],
+                cwd=root,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                check=True,
+            )
+            seconds.append(time.perf_counter() - start)
+            ratios.append(seconds[-1] / one_pass())
+        mid = statistics.median(ratios)
+        lines.append(
+            f"{stage:<10} x fwd median {mid:.2f} (rounds {', '.join(f'{r:.2f}' for r in ratios)};"
+            f" {min(seconds):.1f}-{max(seconds):.1f} s), goal <= {TIME_GOALS[stage]:g}x"
+            + ("" if mid <= TIME_GOALS[stage] else "  MISSED")
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -58,8 +58,8 @@ def greedy(
     `positions`: whether the graph takes position_ids. A batch is for a backend whose rows
     do not depend on each other (FP32, per-token INT8); per-call dynamic INT8 decodes one
     prompt a call. `prefill_rows`: the prefill in runs of at most that many rows (its
-    logits are rows x prompt x vocabulary; a step's are rows x vocabulary), the same
-    rows, padded to the same width, so the same result for such a backend."""
+    logits are rows x prompt x vocabulary; a step's are rows x vocabulary), each run as
+    wide as its longest prompt (`_prefill_in_runs`), for such a backend only."""
     rows, width = len(prompts), max(p.size for p in prompts)
     ids = np.zeros((rows, width), np.int64)
     mask = np.zeros((rows, width), np.int64)
@@ -73,8 +73,8 @@ def greedy(
         feeds |= {"input_ids": step, "attention_mask": mask}
         if positions:
             feeds[sh.POSITIONS] = sh.positions_from_mask(mask, step.shape[1])
-        if k == 0 and prefill_rows is not None and prefill_rows < rows:
-            out = _prefill_in_runs(run, feeds, rows, prefill_rows)
+        if k == 0 and prefill_rows is not None:
+            out = _prefill_in_runs(run, feeds, [p.size for p in prompts], prefill_rows, empty)
         else:
             out = run(feeds)
         made[:, k] = out["logits"][:, -1].argmax(-1)
@@ -85,15 +85,39 @@ def greedy(
 
 
 def _prefill_in_runs(
-    run: Run, feeds: dict[str, np.ndarray], rows: int, size: int
+    run: Run,
+    feeds: dict[str, np.ndarray],
+    lengths: list[int],
+    size: int,
+    empty: dict[str, np.ndarray],
 ) -> dict[str, np.ndarray]:
-    """One prefill as runs of `size` rows: each run's last logits and its presents, joined
-    along the batch axis."""
-    parts = []
+    """One left-padded prefill (`feeds`: every row at the longest prompt's width) as runs of
+    at most `size` rows, the rows sorted by length and each run only as wide as its longest
+    prompt: each row's last logits, and its presents with the columns its run left out put
+    back as zeros on the left (padding, masked like the rest of it). For a backend whose
+    rows do not depend on their batch or their padding: the same result as one run."""
+    rows, width = len(lengths), feeds["input_ids"].shape[1]
+    order = sorted(range(rows), key=lambda r: lengths[r])
+    padded = {"input_ids", "attention_mask", sh.POSITIONS}
+    out: dict[str, np.ndarray] = {}
     for start in range(0, rows, size):
-        out = run({name: value[start : start + size] for name, value in feeds.items()})
-        parts.append({**out, "logits": out["logits"][:, -1:]})
-    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+        chosen = order[start : start + size]
+        cut = width - max(lengths[r] for r in chosen)
+        part = run({n: v[chosen][:, cut:] if n in padded else v[chosen] for n, v in feeds.items()})
+        got = {"logits": part["logits"][:, -1:]}
+        for name, cache in empty.items():
+            present = part[name.replace(PAST, PRESENT)]
+            axis = cache.shape.index(0)  # the cache's sequence axis: empty in `empty`
+            zeros = list(present.shape)
+            zeros[axis] = cut
+            got[name.replace(PAST, PRESENT)] = np.concatenate(
+                [np.zeros(zeros, present.dtype), present], axis=axis
+            )
+        for name, value in got.items():
+            if name not in out:
+                out[name] = np.empty((rows, *value.shape[1:]), value.dtype)
+            out[name][chosen] = value
+    return out
 
 
 @dataclass(frozen=True)
