@@ -28,7 +28,7 @@ from stages.onnx import shapes as sh
 from stages.onnx import stream
 from stages.quant import accuracy as acc
 from stages.quant import calibration as calib
-from stages.quant import pertoken
+from stages.quant.pertoken import rows_independent
 from stages.quant.thresholds import check, has_change  # noqa: F401
 
 if TYPE_CHECKING:
@@ -308,22 +308,6 @@ def reference_generations(
     ]
     wanted = [row[: cfg.tokens] for row in made[len(text_prompts) :]]
     return (generated if texts else None), wanted
-
-
-def rows_independent(path: Path) -> bool:
-    """Whether a graph's rows cannot move each other: no per-call dynamic quantization
-    (one scale spanning the batch), no attention softmax left unrewritten (its sums move
-    with a row's padding: stages/onnx/invariant.py) and no MatMulNBits on onnxruntime's
-    float path (`compute: float`: its kernel changes with the batch's rows, and a row's last
-    bit with it; the int8 path quantizes and sums each row alone)."""
-    from stages.onnx import stream
-
-    for node in stream.skeleton(path).graph.node:
-        if node.op_type in {"DynamicQuantizeLinear", "Softmax"}:
-            return False
-        if node.op_type == "MatMulNBits" and not pertoken.on_int8_path(node):
-            return False
-    return True
 
 
 def decode_metrics(

@@ -380,7 +380,9 @@ def _cached_continuations(
 ) -> list[tuple[dict[str, np.ndarray], int]]:
     """greedy_continuations through the graph's KV cache (kvcache.greedy: the prompts
     prefilled together, left-padded, then one token a step for every row): a sixth of the
-    full recomputes' work at 32 + 16 tokens."""
+    full recomputes' work at 32 + 16 tokens. One decode for every prompt: FP32's rows do
+    not move each other (the export's attention is row-independent, evaluate's
+    `rows_independent`), so the same tokens as any grouping."""
     from stages.onnx import kvcache as kv
 
     names = [i.name for i in session.get_inputs()]
@@ -392,14 +394,14 @@ def _cached_continuations(
 
     empty = {n: samples[0][n][:1, :, :0] for n in pasts}
     width = max(p.size for p in prompts)
-    out: list[Any] = [None] * len(prompts)
-    for group in batches(session, [0] * len(prompts), width):
-        chosen = [prompts[i] for i in group]
-        made = kv.greedy(run, empty, "position_ids" in names, chosen, GREEDY_TOKENS)
-        for row, i in enumerate(group):
-            text = np.concatenate([prompts[i], made[row]])[None, :]
-            out[i] = (with_ids(samples[i], text), prompts[i].size)
-    return out
+    # every prompt in one decode (a step over every row reads the weights once), the
+    # prefill in runs whose logits fit LOGITS_BYTES (`batches`' rows)
+    rows = len(batches(session, [0] * len(prompts), width)[0])
+    made = kv.greedy(run, empty, "position_ids" in names, prompts, GREEDY_TOKENS, rows)
+    return [
+        (with_ids(samples[i], np.concatenate([prompt, made[i]])[None, :]), prompt.size)
+        for i, prompt in enumerate(prompts)
+    ]
 
 
 def greedy_agreement(session: Any, generated: list[tuple[dict[str, np.ndarray], int]]) -> float:

@@ -22,6 +22,7 @@ benchmarks/bench_continuous_batching.py.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -246,3 +247,19 @@ def unrounded(model: Any) -> int:
             next(a for a in node.attribute if a.name == "accuracy_level").i = 0
             done += 1
     return done
+
+
+def rows_independent(path: Path) -> bool:
+    """Whether a graph's rows cannot move each other: no per-call dynamic quantization
+    (one scale spanning the batch), no attention softmax left unrewritten (its sums move
+    with a row's padding: stages/onnx/invariant.py) and no MatMulNBits on onnxruntime's
+    float path (`compute: float`: its kernel changes with the batch's rows, and a row's last
+    bit with it; the int8 path quantizes and sums each row alone)."""
+    from stages.onnx import stream
+
+    for node in stream.skeleton(path).graph.node:
+        if node.op_type in {"DynamicQuantizeLinear", "Softmax"}:
+            return False
+        if node.op_type == "MatMulNBits" and not on_int8_path(node):
+            return False
+    return True

@@ -34,6 +34,7 @@ from schemas.quantsearch import RecipeTrial, SpeedCheck
 from stages.onnx.graph import node_scope
 from stages.onnx.kvcache import PAST, PRESENT
 from stages.quant import accuracy as acc
+from stages.quant import pertoken
 from stages.quant import speed as sp
 from stages.quant.methods import Quantizer
 from stages.quant.search import session_for
@@ -303,11 +304,12 @@ class Search:
         """Accuracy and size, then speed when the variant meets the budget (it could ship);
         an untimed row has speedup None (`_time` may time it later)."""
         session = session_for(path)  # one for every measurement of this variant
-        cal = self.calibration(session)
+        apart = pertoken.rows_independent(path)  # its greedy text in batches
+        cal = self.calibration(session, together=apart)
         why = [f"calibration (with margin): {b}" for b in acc.violations(self.tight, cal)]
         # held-out confirms a variant that could ship; one the probe already rules out is
         # ranked by its calibration metrics alone (held-out is most of a measurement's cost)
-        held = {} if why else self.holdout(session)
+        held = {} if why else self.holdout(session, together=apart)
         if held:
             why += [f"held-out (with margin): {b}" for b in acc.violations(self.tight, held)]
         checks: dict[str, SpeedCheck] = {}

@@ -19,6 +19,7 @@ from schemas.tasks import TASKS
 from stages._contract import StageContext
 from stages.onnx.graph import all_tensors, node_scope
 from stages.quant import accuracy as acc
+from stages.quant import pertoken
 from stages.quant.methods import Quantizer
 
 if TYPE_CHECKING:
@@ -200,10 +201,17 @@ class Evaluator:
     def _reference(self, i: int) -> Path:
         return Path(self._store.name) / f"{i}.npy"
 
-    def __call__(self, model: Path | Any, greedy: bool = True) -> dict[str, float]:
+    def __call__(
+        self, model: Path | Any, greedy: bool = True, together: bool | None = None
+    ) -> dict[str, float]:
         """The metrics of a variant: its file, or a session already open on it (creating a
         session is 0.4 s on a 24-layer model; a search measures one variant three ways);
-        without `greedy`, no greedy agreement (a ranking that reads only the SNR)."""
+        without `greedy`, no greedy agreement (a ranking that reads only the SNR).
+        `together`: whether the variant's rows are independent (pertoken.rows_independent;
+        read from its file when not given, else False), so that its greedy text runs in
+        right-padded batches: the same count as one text a run."""
+        if together is None:
+            together = isinstance(model, Path) and pertoken.rows_independent(model)
         session: Any = session_for(model) if isinstance(model, Path) else model
         name = session.get_outputs()[0].name
         agree = acc.Agreement(self.task)
@@ -211,7 +219,8 @@ class Evaluator:
             agree.add(np.load(self._reference(i)), session.run([name], feeds)[0], feeds)
         out = agree.result()
         if self.generated and greedy:
-            out["greedy_agreement"] = acc.greedy_agreement(session, self.generated)
+            agreement = acc.teacher_forced_together if together else acc.greedy_agreement
+            out["greedy_agreement"] = agreement(session, self.generated)
         return out
 
 

@@ -277,3 +277,48 @@ def test_one_fp32_decode_gives_the_contracts_text_and_the_decode_metrics_referen
     # without the contract's text: the decode metrics' tokens alone, the same
     none, alone = evaluate.reference_generations(run, lay, samples, cfg, texts=False)
     assert none is None and alone == wanted
+
+
+def test_fp32_text_is_each_prompts_own_whatever_the_batch(
+    built_gpt2: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """acc.greedy_continuations decodes every prompt in one batch (its prefill in runs of
+    a few rows here): each text is the one its prompt makes alone."""
+    samples, lay = _eval_samples(built_gpt2)
+    fp32 = _session(built_gpt2.out("tiny-gpt2", "export") / "model.onnx")
+    vocab = fp32.get_outputs()[0].shape[-1]
+    monkeypatch.setattr(acc, "LOGITS_BYTES", 3 * acc.GREEDY_PROMPT_TOKENS * vocab * 4)
+    together = acc.greedy_continuations(fp32, samples)
+    names = [t.name for t in lay.outputs]
+    run = lambda feeds: fp32.run(names, feeds)  # noqa: E731
+    for (feeds, prompt), sample in zip(together, samples, strict=False):
+        alone = evaluate.greedy(run, lay, [sample["input_ids"][0, :prompt]], acc.GREEDY_TOKENS)
+        assert feeds["input_ids"][0, prompt:].tolist() == alone[0]
+
+
+def test_quantizes_evaluator_counts_the_greedy_text_the_same_in_batches(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    from onnxruntime.quantization import quantize_dynamic
+
+    from stages.quant import pertoken, search
+
+    samples, _ = _eval_samples(built_gpt2)
+    export = built_gpt2.out("tiny-gpt2", "export") / "model.onnx"
+    shipped = built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
+    judge = search.Evaluator("causal-lm", export, samples[:16], greedy=True)
+    assert pertoken.rows_independent(shipped)
+    batched = judge(shipped)  # read from its file: rows independent, texts in batches
+    assert batched == judge(shipped, together=False)
+    assert 0 < batched["greedy_agreement"] <= 1
+    per_call = tmp_path / "per_call.onnx"
+    quantize_dynamic(export, per_call, op_types_to_quantize=["MatMul"])
+    calls: list[Any] = []
+    real = acc.teacher_forced_together
+    try:
+        acc.teacher_forced_together = lambda *a: calls.append(a) or real(*a)  # type: ignore[assignment]
+        judge(per_call)  # rows move each other: one text a run
+        judge(shipped)
+    finally:
+        acc.teacher_forced_together = real  # type: ignore[assignment]
+    assert len(calls) == 1
