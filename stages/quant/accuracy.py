@@ -263,7 +263,8 @@ def pass_groups(
             width = max(width, lengths[i]) if groups else lengths[i]
             fits = bool(groups) and (len(groups[-1]) + 1) * width * (vocab or 0) * 4 <= LOGITS_BYTES
         else:
-            size = lengths[i] * vocab * 4 if vocab else LOGITS_BYTES
+            # a sample without token ids (a generic graph's): its outputs' size is unknown
+            size = lengths[i] * vocab * 4 if vocab and lengths[i] else LOGITS_BYTES
             fits = bool(groups) and held + size <= LOGITS_BYTES
             held = held + size if fits else size
         if fits:

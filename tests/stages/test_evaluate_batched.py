@@ -214,6 +214,9 @@ def test_a_graph_without_a_cache_runs_its_groups_in_the_datasets_order(tmp_path:
     try:
         acc.LOGITS_BYTES = 11 * 4 * 8  # eight positions' logits a group
         assert acc.pass_groups(session, samples)[0] == [[0, 1], [2], [3, 4]]
+        # samples without token ids (a generic graph's inputs): one a group, their size unknown
+        generic = [{"x": np.ones((1, 4), np.float32)} for _ in range(3)]
+        assert acc.pass_groups(session, generic) == ([[0], [1], [2]], False)
     finally:
         acc.LOGITS_BYTES = acc_bytes
 
