@@ -197,6 +197,11 @@ class Evaluator:
             if greedy and TASKS[task].language_model
             else []
         )
+        # the texts may run right-padded only where padding leaves a row its own (a
+        # non-causal graph reaches quantize before kvcheck stops it)
+        texts = [feeds for feeds, _ in self.generated]
+        _, padded = acc.pass_groups(session, texts)
+        self._inert = not padded or acc.padding_is_inert(session, texts)
 
     def _reference(self, i: int) -> Path:
         return Path(self._store.name) / f"{i}.npy"
@@ -209,9 +214,8 @@ class Evaluator:
         without `greedy`, no greedy agreement (a ranking that reads only the SNR).
         `together`: whether the variant's rows are independent (pertoken.rows_independent;
         read from its file when not given, else False), so that its greedy text runs in
-        right-padded batches: the same count as one text a run."""
-        if together is None:
-            together = isinstance(model, Path) and pertoken.rows_independent(model)
+        right-padded batches where FP32's padding is inert: the same count as one text a
+        run."""
         session: Any = session_for(model) if isinstance(model, Path) else model
         name = session.get_outputs()[0].name
         agree = acc.Agreement(self.task)
@@ -219,7 +223,10 @@ class Evaluator:
             agree.add(np.load(self._reference(i)), session.run([name], feeds)[0], feeds)
         out = agree.result()
         if self.generated and greedy:
-            agreement = acc.teacher_forced_together if together else acc.greedy_agreement
+            if together is None:  # read from its file only when its text is measured
+                together = isinstance(model, Path) and pertoken.rows_independent(model)
+            batched = together and self._inert
+            agreement = acc.teacher_forced_together if batched else acc.greedy_agreement
             out["greedy_agreement"] = agreement(session, self.generated)
         return out
 

@@ -325,3 +325,28 @@ def test_quantizes_evaluator_counts_the_greedy_text_the_same_in_batches(
     finally:
         acc.teacher_forced_together = real  # type: ignore[assignment]
     assert len(calls) == 1
+
+
+def test_quantizes_evaluator_keeps_a_leaking_graphs_text_one_a_run(
+    built_gpt2: Workspace, tmp_path: Path
+) -> None:
+    """quantize runs before kvcheck: a graph whose padding reaches a row (not causal) must
+    not have its greedy text batched there either."""
+    from stages.quant import search
+
+    peek = _session(_peeking_graph(tmp_path / "peek.onnx"))
+    rng = np.random.default_rng(0)
+    samples: list[dict[str, np.ndarray]] = []
+    for n in (2, 6, 3, 9):
+        ids = rng.integers(1, 11, size=(1, n))
+        samples.append(
+            {
+                "input_ids": ids,
+                "attention_mask": np.ones_like(ids),
+                "past_key_values.0.key": np.zeros((1, 1, 0, 2), np.float32),
+            }
+        )
+    assert not search.Evaluator("causal-lm", peek, samples, greedy=True)._inert
+    gpt2, _ = _eval_samples(built_gpt2)
+    fp32 = _session(built_gpt2.out("tiny-gpt2", "export") / "model.onnx")
+    assert search.Evaluator("causal-lm", fp32, gpt2[:16], greedy=True)._inert
