@@ -179,19 +179,22 @@ def _peeking_graph(path: Path, vocab: int = 11) -> Path:
     return path
 
 
-def test_a_graph_whose_padding_reaches_a_row_is_not_batched(tmp_path: Path) -> None:
-    session = _session(_peeking_graph(tmp_path / "peek.onnx"))
+def _peek_samples() -> list[dict[str, np.ndarray]]:
+    """Samples of four lengths for the peeking graph: ids, a mask, its empty cache."""
     rng = np.random.default_rng(0)
-    samples: list[dict[str, np.ndarray]] = []
+    samples = []
     for n in (2, 6, 3, 9):
         ids = rng.integers(1, 11, size=(1, n))
+        past = np.zeros((1, 1, 0, 2), np.float32)
         samples.append(
-            {
-                "input_ids": ids,
-                "attention_mask": np.ones_like(ids),
-                "past_key_values.0.key": np.zeros((1, 1, 0, 2), np.float32),
-            }
+            {"input_ids": ids, "attention_mask": np.ones_like(ids), "past_key_values.0.key": past}
         )
+    return samples
+
+
+def test_a_graph_whose_padding_reaches_a_row_is_not_batched(tmp_path: Path) -> None:
+    session = _session(_peeking_graph(tmp_path / "peek.onnx"))
+    samples = _peek_samples()
     groups, padded = acc.pass_groups(session, samples)
     assert padded and len(groups) == 1  # shaped like a causal model's cache graph
     assert not acc.padding_is_inert(session, samples)
@@ -335,17 +338,7 @@ def test_quantizes_evaluator_keeps_a_leaking_graphs_text_one_a_run(
     from stages.quant import search
 
     peek = _session(_peeking_graph(tmp_path / "peek.onnx"))
-    rng = np.random.default_rng(0)
-    samples: list[dict[str, np.ndarray]] = []
-    for n in (2, 6, 3, 9):
-        ids = rng.integers(1, 11, size=(1, n))
-        samples.append(
-            {
-                "input_ids": ids,
-                "attention_mask": np.ones_like(ids),
-                "past_key_values.0.key": np.zeros((1, 1, 0, 2), np.float32),
-            }
-        )
+    samples = _peek_samples()
     assert not search.Evaluator("causal-lm", peek, samples, greedy=True)._inert
     gpt2, _ = _eval_samples(built_gpt2)
     fp32 = _session(built_gpt2.out("tiny-gpt2", "export") / "model.onnx")
