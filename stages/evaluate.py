@@ -155,23 +155,9 @@ def compare(
     through the shipped graph too when its rows are independent (`batched`); else one
     sample a run (a per-call INT8 scale spans every row: a row would depend on its
     batch-mates)."""
-    length = [samples[i]["input_ids"].shape[-1] for i in group]
-    if padded and len(group) > 1:
-        together = acc.right_padded([samples[i] for i in group])
-        many = fp32.run([name], together)[0]
-        refs = [many[row : row + 1, : length[row]] for row in range(len(group))]
-        if batched:
-            got = session.run([name], together)[0]
-            return [
-                (refs[row], got[row : row + 1, : length[row]], samples[i], i)
-                for row, i in enumerate(group)
-            ]
-    else:
-        refs = [fp32.run([name], samples[i])[0] for i in group]
-    return [
-        (ref, session.run([name], samples[i])[0], samples[i], i)
-        for ref, i in zip(refs, group, strict=True)
-    ]
+    refs = acc.run_group(fp32, name, samples, group, padded)
+    gots = acc.run_group(session, name, samples, group, padded and batched)
+    return [(ref, got, samples[i], i) for ref, got, i in zip(refs, gots, group, strict=True)]
 
 
 def contract_metrics(

@@ -275,6 +275,18 @@ def pass_groups(
     return groups, padded
 
 
+def run_group(
+    session: Any, name: str, samples: list[dict[str, np.ndarray]], group: list[int], padded: bool
+) -> list[np.ndarray]:
+    """Output `name` of each sample of `group` (acc.pass_groups), one [1, its tokens, ...]
+    array a sample: one right-padded run when `padded` (each row sliced to its own length),
+    else one run a sample."""
+    if not padded or len(group) == 1:
+        return [session.run([name], samples[i])[0] for i in group]
+    many = session.run([name], right_padded([samples[i] for i in group]))[0]
+    return [many[r : r + 1, : samples[i]["input_ids"].shape[-1]] for r, i in enumerate(group)]
+
+
 def padding_is_inert(session: Any, samples: list[dict[str, np.ndarray]]) -> bool:
     """Whether right padding leaves a row's logits its own in this graph: the shortest
     sample padded to the longest's length beside it, and alone, within float noise (more
@@ -441,12 +453,7 @@ def teacher_forced_together(
     groups, padded = pass_groups(session, texts)
     same = total = 0
     for group in groups:
-        if padded and len(group) > 1:
-            many = session.run([name], right_padded([texts[i] for i in group]))[0]
-            rows = [many[r : r + 1, : texts[i]["input_ids"].shape[1]] for r, i in enumerate(group)]
-        else:
-            rows = [session.run([name], texts[i])[0] for i in group]
-        for logits, i in zip(rows, group, strict=True):
+        for logits, i in zip(run_group(session, name, texts, group, padded), group, strict=True):
             agreed, counted = _picked_alike(logits, texts[i], generated[i][1])
             same, total = same + agreed, total + counted
     return same / max(total, 1)
