@@ -7,7 +7,11 @@ tokens/s, inter-token latency p50 and TTFT p50 of each, and their ratio: a machi
 speeds up or slows down moves both sides of a round. Afterwards the engine's own step
 profile at one row, in-process (Engine.step_profile: graph, inputs, output, the rest).
 
-    python benchmarks/bench_one_stream.py DIR [--rounds 3]
+    python benchmarks/bench_one_stream.py DIR [--rounds 3] [--graph FOLDER]
+
+`--graph FOLDER` serves the model.onnx* in FOLDER instead of the build's shipped graph (a
+fused graph, stages/onnx/fused.py, built from the same checkpoint), with the same serve
+settings.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path, help="a bench_peers --keep folder")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--graph", type=Path, help="serve this folder's model.onnx* instead")
     args = parser.parse_args()
     build = args.root / "build" / bp.NAME
     gguf = args.root / f"{bp.NAME}-q4_1.gguf"
@@ -43,7 +48,8 @@ def main() -> None:
     work = bp.jobs(bp.SHAPE["vocab_size"])
     with tempfile.TemporaryDirectory(prefix="bench-one-stream-") as tmp:
         tree = Path(tmp) / "tree"
-        assemble(tree, sorted((build / "quantize").glob("model.onnx*")), build / "serve")
+        graph = args.graph or build / "quantize"
+        assemble(tree, sorted(graph.glob("model.onnx*")), build / "serve")
         ours = LocalServer(tree, bp.NAME, Path(tmp) / "serve.log", 600)
         peer = LlamaServer(llama, gguf, 16, 2048, Path(tmp) / "llama.log")
         with ours as a, peer as b:
@@ -60,7 +66,7 @@ def main() -> None:
                     flush=True,
                 )
         shutil.rmtree(tree, ignore_errors=True)
-    profile = bp.profile(args.root, work[:8], 1)
+    profile = bp.profile(args.root, work[:8], 1, args.graph)
     print("engine in-process, one row, ms a step: "
           + ", ".join(f"{k} {v:.2f}" for k, v in profile.items()))  # fmt: skip
 

@@ -110,13 +110,15 @@ def build(root: Path, model: Path | None, method: str | None, steps: int) -> Pat
     return folder
 
 
-def shipyard(root: Path, work: list[tuple[list[int], int]]) -> dict[int, dict[str, Any]]:
+def shipyard(
+    root: Path, work: list[tuple[list[int], int]], graph_dir: Path | None = None
+) -> dict[int, dict[str, Any]]:
     from stages.loadtesting.server import LocalServer, assemble
 
     build = root / "build" / NAME
     tree = root / "tree"
     shutil.rmtree(tree, ignore_errors=True)
-    assemble(tree, sorted((build / "quantize").glob("model.onnx*")), build / "serve")
+    assemble(tree, sorted((graph_dir or build / "quantize").glob("model.onnx*")), build / "serve")
     out = {}
     with LocalServer(tree, NAME, root / "serve.log", 600) as srv:
         asyncio.run(drive(srv.url, work[:4], 4, NAME))  # warm every shape path
@@ -125,8 +127,11 @@ def shipyard(root: Path, work: list[tuple[list[int], int]]) -> dict[int, dict[st
     return out
 
 
-def profile(root: Path, work: list[tuple[list[int], int]], rows: int) -> dict[str, float]:
-    """The same jobs through the engine in-process on the served graph, `rows` at once."""
+def profile(
+    root: Path, work: list[tuple[list[int], int]], rows: int, graph_dir: Path | None = None
+) -> dict[str, float]:
+    """The same jobs through the engine in-process on the served graph (or the one in
+    `graph_dir`), `rows` at once."""
     import onnxruntime as ort
 
     from shipyard_runtime.generation.core import Engine, EngineSettings, Graph
@@ -136,7 +141,7 @@ def profile(root: Path, work: list[tuple[list[int], int]], rows: int) -> dict[st
     served = json.loads(next((build / "serve").rglob("model-settings.json")).read_text())
     settings = EngineSettings(**served["parameters"]["extra"]["engine"])
     graph = Graph(
-        ort.InferenceSession(str(build / "quantize" / "model.onnx"),
+        ort.InferenceSession(str((graph_dir or build / "quantize") / "model.onnx"),
                              providers=["CPUExecutionProvider"])
     )  # fmt: skip
     engine = Engine(graph, settings.model_copy(update={"max_rows": rows}))
@@ -225,6 +230,9 @@ def main() -> None:
     parser.add_argument("--peers", default="vLLM,llama.cpp")
     parser.add_argument("--build-only", action="store_true", help="build (into --keep), then stop")
     parser.add_argument("--random", action="store_true", help="the benchmark's model unfitted")
+    parser.add_argument(
+        "--graph", type=Path, help="serve this folder's model.onnx* (a fused graph) instead"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         root = (args.keep or Path(tmp)).resolve()
@@ -235,7 +243,7 @@ def main() -> None:
             return
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         work = jobs(vocab)
-        results: dict[str, Any] = {"shipyard": shipyard(root, work)}
+        results: dict[str, Any] = {"shipyard": shipyard(root, work, args.graph)}
         print(f"shipyard: {json.dumps(results['shipyard'])}", file=sys.stderr, flush=True)
         for kind in filter(None, args.peers.split(",")):
             try:
@@ -245,9 +253,9 @@ def main() -> None:
             print(f"{kind}: {json.dumps(results[kind])}", file=sys.stderr, flush=True)
         info = json.loads((root / "build" / NAME / "quantize" / "quant_info.json").read_text())
         plan = json.loads((root / "build" / NAME / "plan" / "plan.json").read_text())
-        steps = profile(root, work, plan["batch"])
+        steps = profile(root, work, plan["batch"], args.graph)
         rows = max(1, round(steps["rows"]))
-        copy = concat_ms(root / "build" / NAME / "quantize" / "model.onnx", rows,
+        copy = concat_ms((args.graph or root / "build" / NAME / "quantize") / "model.onnx", rows,
                          max(1, round(steps["slots"] / rows)))  # fmt: skip
     print(
         f"{NAME}: {PROMPTS} prompts of 16-128 tokens, {OUTPUT} output tokens, greedy, "

@@ -203,6 +203,18 @@ class PerNodeDetails(_Details):
     float_nodes: list[str]
 
 
+class FusedDetails(_Details):
+    """A weight-only method with `graph: fused`: the rebuilt decoder, measured whole."""
+
+    builder: str = Field(description="What wrote the graph (onnxruntime-genai's version).")
+    kernels: dict[str, int] = Field(description="The graph's nodes by op type.")
+    probe: dict[str, float] = Field(description="Budget metrics on the calibration probe.")
+    holdout: dict[str, float] = Field(
+        description="Budget metrics on held-out samples; empty when the probe already broke "
+        "the budget."
+    )
+
+
 class RecipeSearchDetails(_Details):
     """Method auto: every recipe variant measured, and FP32's own figures."""
 

@@ -226,10 +226,19 @@ class ReleaseSpec(Strict):
 
     def _check_quantization(self) -> None:
         """Rule: perplexity_increase_max only for causal-lm; calibration.max_length <=
-        export.dims.sequence.max."""
+        export.dims.sequence.max; a fused graph (`graph: fused`) only for causal-lm from a
+        Hugging Face checkpoint."""
         q = self.quantization
         if q.method == "none":
             return
+        if getattr(q, "graph", "traced") == "fused" and (
+            self.task != "causal-lm" or self.model.kind != "hf"
+        ):
+            raise ValueError(
+                f"quantization.graph fused rebuilds a causal-lm decoder from a Hugging Face "
+                f"checkpoint; this release is task {self.task!r}, model.kind "
+                f"{self.model.kind!r}: use `graph: traced`"
+            )
         lm = TASKS[self.task].language_model
         if q.budget and q.budget.perplexity_increase_max is not None and not lm:
             raise ValueError(

@@ -28,6 +28,7 @@ from schemas.artifacts import QuantInfo
 from schemas.details import KvcheckDetails, KvComparison, KvPlan, ShippedKv
 from schemas.tasks import TASKS
 from stages._contract import StageContext, StageIO, StageResult, in_child, map_big_blocks
+from stages.onnx import fused
 from stages.onnx import kvcache as kv
 from stages.onnx import model as m
 from stages.onnx import shapes as sh
@@ -148,13 +149,14 @@ def _shipped(
         return [], "the export itself: quantization.method none"
     path, tokens = ctx.upstream("quantize") / "model.onnx", _tokens(release, kv.vocab_of(lay), plan)
     pq.refuse_unpinnable(path)
+    right = fused.padding_side(path) == "right"  # a fused graph: its padded row pads after
     exposed: list[tuple[str, str, str]] = []
     ranges = pq.Ranges()
     collect = pq.collector(
         _session(path, lambda g: exposed.extend(pq.expose_scales(g))), exposed, ranges
     )
     if exposed:
-        kv.exercise(collect, lay, tokens, plan)
+        kv.exercise(collect, lay, tokens, plan, right)
     # the exposing session goes before the pinned one opens: each holds the weights and an
     # arena grown by every pass (two together were 4.5x the checkpoint on a 30-layer model)
     del collect
@@ -172,7 +174,9 @@ def _shipped(
     refs, fp32 = _loader(into, "shipped"), _loader(into)
     # a present off by rounding only is excused where scales are pinned: their rounding is
     # still there; checked before rounding, nothing is (a 0.1 % off past must fail)
-    rows = kv.check(run, lay, tokens, plan, refs, *_tol(release), fp32=fp32 if exposed else None)
+    rows = kv.check(
+        run, lay, tokens, plan, refs, *_tol(release), fp32=fp32 if exposed else None, right=right
+    )
     rounded = [r.rounding for r in rows if r.rounding is not None]
     note = (
         f"; {len(rounded)} present(s) off by quantization rounding only, at most "

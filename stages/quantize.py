@@ -11,6 +11,7 @@ from schemas.artifacts import CalibrationUsed, FloatNode, ModelInfo, QuantInfo
 from schemas.contract import budget_of
 from schemas.quantsearch import (
     CalibrationSummary,
+    FusedDetails,
     LayerPlotRow,
     LayerRow,
     PerNodeDetails,
@@ -48,9 +49,12 @@ def io(release: ReleaseSpec) -> StageIO:
     return StageIO(
         # auto times a decode step at the served batch; declared for every method, since
         # one dvc.yaml template serves every release (an auto release beside an explicit one)
-        params=("task", "export", "quantization", "bundle.serving.max_batch_size"),
+        params=("task", "model", "export", "quantization", "bundle.serving.max_batch_size"),
         reads=(ModelInfo,),
         upstream=("export/model.onnx",),
+        # `graph: fused` rebuilds the decoder from the checkpoint (declared for every
+        # method: one dvc.yaml template; pin's lock.json, which hashes the model's files)
+        reads_model=True,
         data=(
             ("calibration", cal.path if cal else None),
             ("tokenizer", cal.tokenizer if cal else None),
@@ -78,6 +82,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     budget = budget_of(q, release.task)  # the accuracy contract evaluate applies too
     if q.method == "auto":
         return _auto(ctx, release, q, pre, fallback, samples, budget, export)
+    if getattr(q, "graph", "traced") == "fused":
+        return _fused(ctx, release, q, pre, fallback, samples, budget, export)
     quantizer = Quantizer(pre, q, samples.calibration, ctx.work / "_variants")
     probe = samples.calibration[: q.calibration.sensitivity_samples]
     greedy = budget.greedy_agreement_min is not None  # costs generation: only when asked
@@ -137,6 +143,88 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         f"{dtype_of(q.method)} ({q.method}), {len(chosen.excluded)} of {len(ranked)} node(s) "
         f"kept in float; held-out {search.brief(held)}; size {sizes.ratio:.2f}x FP32"
         + (" (pre-processed without symbolic shape inference)" if fallback else ""),
+        details=details.model_dump(),
+        metrics={**metrics, "size_ratio": sizes.ratio},
+    )
+
+
+def _fused(
+    ctx: StageContext,
+    release: ReleaseSpec,
+    q: Quantization,
+    pre: Path,
+    fallback: str,
+    samples: calib.Samples,
+    budget: AccuracyBudget,
+    export: Path,
+) -> StageResult:
+    """A weight-only method with `graph: fused`: the decoder rebuilt from the checkpoint by
+    onnxruntime-genai's builder (stages/onnx/fused.py), every projection quantized, held to
+    the budget against the FP32 export on the calibration probe and the held-out samples,
+    as the traced graph is. Nothing can be kept in float: a budget it breaks is a failure
+    that names `graph: traced`, whose search can."""
+    from schemas.spec.model import HfModel
+    from schemas.spec.quantization import WeightOnly
+    from stages.onnx import fused
+
+    # the spec rules: graph fused is a weight-only field, for a Hugging Face causal-lm
+    assert isinstance(q, WeightOnly) and isinstance(release.model, HfModel)
+    cal = q.calibration
+    where = ctx.work / "_fused"
+    try:
+        path = fused.build(
+            ctx.root / release.model.path,
+            where,
+            bits=4 if q.method == "int4-weight-only" else 8,
+            block_size=q.block_size,
+            symmetric=q.symmetric,
+            accuracy_level=4 if q.compute == "int8" else 0,
+            tokenizer=ctx.root / cal.tokenizer if cal.tokenizer else None,
+            log=ctx.work / "fused_builder.log",
+        )
+    except fused.FusedError as exc:
+        return StageResult.failed(
+            "quantization.graph fused: the fused graph could not be built",
+            [f"{exc.reason}: {exc.fix}"],
+        )
+    details = FusedDetails(
+        calibration=_calibration(samples),
+        budget=budget,
+        preprocess=fallback or "quant_pre_process with symbolic shape inference",
+        builder=fused.builder_of(path),
+        kernels=fused.describe(path),
+        probe={},
+        holdout={},
+    )
+    greedy = budget.greedy_agreement_min is not None
+    probe = samples.calibration[: cal.sensitivity_samples]
+    details.probe = search.Evaluator(release.task, pre, probe, greedy)(path, greedy)
+    broken = acc.violations(budget, details.probe)
+    if not broken:
+        details.holdout = search.Evaluator(release.task, pre, samples.holdout, greedy=True)(path)
+        broken = [f"held-out: {b}" for b in acc.violations(budget, details.holdout)]
+    metrics = {f"holdout_{k}": v for k, v in details.holdout.items()}
+    if broken:
+        return StageResult.failed(
+            "the fused graph breaks the accuracy budget",
+            [
+                f"{'; '.join(broken)}: the fused graph quantizes every projection; use "
+                "`graph: traced`, whose search keeps the most damaging layers in float, or "
+                "an 8-bit method"
+            ],
+            details=details.model_dump(),
+            metrics=metrics,
+        )
+    details.size = sizes = search.publish(ctx, path, export)
+    shutil.rmtree(where)
+    shutil.rmtree(pre.parent)
+    write_json(ctx.work / LAYER_PLOT.file, [])  # no per-layer pairing: other nodes, other names
+    ctx.write(_info(q, [], None, budget))
+    ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))
+    return StageResult.passed(
+        f"{dtype_of(q.method)} ({q.method}), fused graph ({sum(details.kernels.values())} "
+        f"kernels, {details.builder}); held-out {search.brief(details.holdout)}; size "
+        f"{sizes.ratio:.2f}x FP32",
         details=details.model_dump(),
         metrics={**metrics, "size_ratio": sizes.ratio},
     )

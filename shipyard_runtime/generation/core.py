@@ -55,7 +55,9 @@ class Engine:
         self.metrics = metrics  # shipyard_runtime.metrics.Metrics, or None: nothing measured
         self.eos = frozenset(settings.eos_token_ids)
         self.runner = Runner(graph)
-        self.scheduler = Scheduler(settings, graph.positions, self.runner.batch)
+        self.scheduler = Scheduler(
+            settings, graph.positions, self.runner.batch, in_place=graph.in_place
+        )
         self.output = OutputProcessor(metrics)
         self.steps = 0
         self._ids = itertools.count()

@@ -65,6 +65,11 @@ class Batch:
     def free(self) -> int:
         return len(self.keys) - len(self)
 
+    @classmethod
+    def rounded(cls, tokens: int) -> int:
+        """The columns `tokens` cached tokens take (Slots round them up)."""
+        return tokens
+
     def reserve(self, rows: int, length: int) -> None:
         """Room for `rows` more sequences of up to `length` cached tokens, made in one copy
         of the cache (sequences prefilled together join together)."""
@@ -151,3 +156,134 @@ class Batch:
         self.past = presents
         live = np.array([[k is not None] for k in self.keys], np.int64).reshape(-1, 1)
         self.mask = np.concatenate([self.mask, live], axis=1)
+
+
+class Slots:
+    """The running batch's cache for a graph that updates it in place (a fused graph,
+    stages/onnx/fused.py: GroupQueryAttention bound to one buffer as its past and its
+    present): per past input one [rows, heads, capacity, dim] buffer, each row's tokens at
+    its start (right-padded: the kernel reads a row's length from its mask), and each row's
+    length. A decode step writes each row's new keys at the row's length and copies nothing;
+    the same interface as Batch otherwise (free slots, joins, compaction).
+
+    The capacity grows in steps of STEP tokens (a growth copies the buffers, once in STEP
+    decode steps at worst, where the traced graph's presents copy the whole cache every
+    step), and shrinks when compacted. A free slot decodes token 0 at position 0 of its own
+    row, which no other row reads."""
+
+    STEP = 64
+
+    def __init__(self, spec: list[tuple[str, int, int]], dtype: np.dtype) -> None:
+        self.spec, self.dtype = spec, dtype
+        self.clear()
+
+    def clear(self) -> None:
+        self.past = {n: np.zeros((0, h, 0, d), self.dtype) for n, h, d in self.spec}
+        self.lengths = np.zeros(0, np.int64)
+        self.keys: list[int | None] = []
+        self.wanted = 0
+        self.version = 0  # bumped whenever a buffer is replaced or resized (bindings)
+
+    def __len__(self) -> int:
+        return sum(k is not None for k in self.keys)
+
+    @property
+    def length(self) -> int:
+        """The capacity: cache slots a row holds."""
+        return int(next(iter(self.past.values())).shape[2]) if self.past else 0
+
+    @property
+    def free(self) -> int:
+        return len(self.keys) - len(self)
+
+    @classmethod
+    def rounded(cls, tokens: int) -> int:
+        """The capacity that holds `tokens` cached tokens and the next one."""
+        return -(-(tokens + 1) // cls.STEP) * cls.STEP
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Room for `rows` more sequences of up to `length` cached tokens (and each one's
+        next token), in one copy of the cache."""
+        more = max(0, rows - self.free)
+        capacity = max(self.length, self.rounded(length))
+        if not more and capacity == self.length:
+            return
+        self._remake(list(range(len(self.keys))), more, capacity)
+
+    def _remake(self, rows: list[int], more: int, capacity: int) -> None:
+        old = self.length
+        keep = min(old, capacity)
+        past = {}
+        for name, array in self.past.items():
+            fresh = np.zeros(
+                (len(rows) + more, array.shape[1], capacity, array.shape[3]), self.dtype
+            )
+            fresh[: len(rows), :, :keep] = array[rows, :, :keep]
+            past[name] = fresh
+        self.past = past
+        self.lengths = np.concatenate([self.lengths[rows], np.zeros(more, np.int64)])
+        self.keys = [self.keys[i] for i in rows] + [None] * more
+        self.version += 1
+
+    def join(self, key: int, past: dict[str, np.ndarray]) -> None:
+        """A prefilled sequence (its own past, one row) takes a free slot or a new row."""
+        held = next(iter(past.values())).shape[2]
+        self.reserve(1, held)
+        row = self.keys.index(None)
+        for name, array in self.past.items():
+            array[row, :, :held] = past[name][0]
+            array[row, :, held:] = 0
+        self.lengths[row] = held
+        self.keys[row] = key
+
+    def leave(self, key: int) -> None:
+        """The row becomes a free slot; compacted once free slots (but those `wanted`)
+        outnumber the sequences, or the rows left need under half the capacity."""
+        row = self.keys.index(key)
+        self.keys[row] = None
+        self.lengths[row] = 0
+        live = max(
+            (int(n) for n, k in zip(self.lengths, self.keys, strict=True) if k is not None),
+            default=0,
+        )
+        if self.free - self.wanted > len(self) or self.rounded(live) <= self.length // 2:
+            self.compact(self.wanted)
+
+    def drop_free(self, keep: int) -> None:
+        """Free slots beyond `keep` leave: the last row moves into a free one (one row's
+        copy) and the buffers end a row earlier (a view, still contiguous)."""
+        self.wanted = keep
+        while self.free > keep:
+            last = len(self.keys) - 1
+            if self.keys[last] is not None:
+                row = self.keys.index(None)
+                for array in self.past.values():
+                    array[row] = array[last]
+                self.lengths[row] = self.lengths[last]
+                self.keys[row] = self.keys[last]
+            self.keys.pop()
+            self.past = {n: v[:last] for n, v in self.past.items()}
+            self.lengths = self.lengths[:last]
+            self.version += 1
+
+    def compact(self, keep: int = 0) -> None:
+        """The live rows and `keep` free ones, in a capacity fitted to the longest row."""
+        live = [i for i, k in enumerate(self.keys) if k is not None]
+        rows = sorted(live + [i for i, k in enumerate(self.keys) if k is None][:keep])
+        longest = max((int(self.lengths[i]) for i in live), default=0)
+        self._remake(rows, 0, self.rounded(longest) if rows else 0)
+
+    def ready(self) -> None:
+        """Room for every row's next token (a decode step writes it at the row's length)."""
+        longest = int(self.lengths.max()) if len(self.lengths) else 0
+        if longest + 1 > self.length:
+            self._remake(list(range(len(self.keys))), 0, self.rounded(longest))
+
+    def mask(self) -> np.ndarray:
+        """A decode step's mask: each row's cached tokens and its new one, right-padded."""
+        width = int(self.lengths.max()) + 1
+        return (np.arange(width)[None, :] <= self.lengths[:, None]).astype(np.int64)
+
+    def advance(self) -> None:
+        """The step wrote each live row's token: its length grows (a free slot's stays 0)."""
+        self.lengths += np.array([k is not None for k in self.keys], np.int64)

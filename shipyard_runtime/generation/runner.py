@@ -17,9 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from shipyard_runtime.generation.kv import Batch, empty_past, positions_from_mask
+from shipyard_runtime.generation.kv import Batch, Slots, empty_past, positions_from_mask
 
 PAST, PRESENT = "past_key_values.", "present."
+# the mark of a graph whose rows are right-padded and whose cache is updated in place
+# (stages/onnx/fused.py keeps the same key, held equal by a test)
+PADDING_KEY = "shipyard.padding"
 
 
 class Graph:
@@ -38,6 +41,9 @@ class Graph:
         logits = next(o for o in session.get_outputs() if o.name == "logits")
         self.vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else 0
         self.bytes_per_token = sum(h * d for _, h, d in self.spec) * self.dtype.itemsize
+        meta = session.get_modelmeta().custom_metadata_map
+        # right-padded rows, the cache updated in place (a fused graph): never left-padded
+        self.in_place = meta.get(PADDING_KEY) == "right"
 
     def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         logits, *present = self.session.run(["logits", *self.presents], feeds)
@@ -52,7 +58,8 @@ class Runner:
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
-        self.batch = Batch(graph.spec, graph.dtype)
+        self.batch: Batch | Slots = (Slots if graph.in_place else Batch)(graph.spec, graph.dtype)
+        self._binding: tuple[int, Any] | None = None  # (the cache's version, its binding)
         # seconds spent in decode steps, by part: the graph, its inputs, the cache's own
         # copies (rows leaving, compaction); rows joining after their prefill (between
         # steps); the engine adds the rest
@@ -132,6 +139,8 @@ class Runner:
         t0 = time.perf_counter()
         order = list(self.batch.keys)
         tokens = np.array([last_tokens[k] if k is not None else 0 for k in order], np.int64)
+        if isinstance(self.batch, Slots):
+            return self._decode_in_place(order, tokens, t0)
         feeds = self.batch.feeds(tokens, self.graph.positions)
         t1 = time.perf_counter()
         logits, presents = self.graph.run(feeds)
@@ -142,6 +151,40 @@ class Runner:
         self.times["slots"] += len(order) * (self.batch.length - 1)  # the past it read
         return [(k, logits[row, -1]) for row, k in enumerate(order) if k is not None]
 
+    def _decode_in_place(
+        self, order: list[int | None], tokens: np.ndarray, t0: float
+    ) -> list[tuple[int, np.ndarray]]:
+        """One step on the Slots' buffers, each bound as its layer's past and present: the
+        graph writes each row's new keys and values at the row's length, nothing else."""
+        slots = self.batch
+        assert isinstance(slots, Slots)
+        slots.ready()
+        binding = self._bind(slots)
+        binding.bind_cpu_input("input_ids", tokens.reshape(-1, 1))
+        binding.bind_cpu_input("attention_mask", slots.mask())
+        t1 = time.perf_counter()
+        self.graph.session.run_with_iobinding(binding)
+        t2 = time.perf_counter()
+        logits = binding.get_outputs()[0].numpy()
+        slots.advance()
+        self.times["inputs"] += t1 - t0 + time.perf_counter() - t2
+        self.times["graph"] += t2 - t1
+        self.times["slots"] += len(order) * (slots.length - 1)
+        return [(k, logits[row, -1]) for row, k in enumerate(order) if k is not None]
+
+    def _bind(self, slots: Slots) -> Any:
+        """The buffers bound as pasts and presents, kept until the Slots remake them."""
+        if self._binding is None or self._binding[0] != slots.version:
+            binding = self.graph.session.io_binding()
+            binding.bind_output("logits", "cpu")  # the first output: allocated each run
+            for (name, _, _), present in zip(self.graph.spec, self.graph.presents, strict=True):
+                array = slots.past[name]
+                assert array.flags.c_contiguous
+                for bind, key in ((binding.bind_input, name), (binding.bind_output, present)):
+                    bind(key, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+            self._binding = (slots.version, binding)
+        return self._binding[1]
+
     def leave(self, key: int) -> None:
         start = time.perf_counter()
         self.batch.leave(key)
@@ -149,6 +192,7 @@ class Runner:
 
     def clear(self) -> None:
         self.batch.clear()
+        self._binding = None
 
     @property
     def held(self) -> int:

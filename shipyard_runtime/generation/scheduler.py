@@ -32,7 +32,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from shipyard_runtime.generation.kv import Batch
+from shipyard_runtime.generation.kv import Batch, Slots
 from shipyard_runtime.generation.params import GenerationParams
 from shipyard_runtime.generation.text import Detokenizer
 
@@ -236,8 +236,18 @@ class Scheduler:
     plans each step. `batch` is the running batch's cache layout (rows, free slots,
     length), read to price admissions and compacted when free slots are not wanted."""
 
-    def __init__(self, settings: EngineSettings, positions: bool, batch: Batch) -> None:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        positions: bool,
+        batch: Batch | Slots,
+        in_place: bool = False,
+    ) -> None:
         self.settings, self.positions, self.batch = settings, positions, batch
+        # a graph whose rows are right-padded and whose cache is updated in place: rows
+        # batch (each row's positions come from its own length), prompts prefill one a pass
+        # (the kernel takes one query a row in a batch with a past)
+        self.in_place = in_place
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.prefilling: list[Sequence] = []
         self.running: dict[int, Sequence] = {}
@@ -338,7 +348,7 @@ class Scheduler:
             return
         skipped = 0
         # without position_ids a left-padded row would be misplaced: one sequence at a time
-        rows = s.max_rows if self.positions else 1
+        rows = s.max_rows if self.positions or self.in_place else 1
         while skipped < len(self.waiting):
             seq = self.waiting[skipped]
             if len(self.running) + len(self.prefilling) >= rows:
@@ -372,7 +382,7 @@ class Scheduler:
         active = {q.key: q for q in [*self.running.values(), *self.prefilling, seq]}.values()
         joining = len(active) - len(self.running)
         rows = len(self.batch.keys) + max(0, joining - self.batch.free)
-        return rows * max(q.total for q in active)
+        return rows * self.batch.rounded(max(q.total for q in active))
 
     def _start(self, seq: Sequence) -> None:
         if self.prefix is not None:
@@ -388,7 +398,7 @@ class Scheduler:
         the others, is prefilled on its own). None without position_ids (a padded row would
         be misplaced)."""
         group: list[Sequence] = []
-        if not self.positions:
+        if not self.positions or self.in_place:
             return group
         for seq in self.prefilling:
             if group and seq.done != group[0].done:

@@ -243,6 +243,7 @@ class Probe:
     position: int  # the token position whose next-token logits are compared
     outputs: dict[str, np.ndarray]
     rows: tuple[int, ...] | None = None  # padded: which batch row; None: every row
+    index: int = -1  # where along the outputs' sequence the compared logits sit
 
 
 def walk(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan) -> Iterator[Probe]:
@@ -272,25 +273,42 @@ def walk(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan) -> Iterator[P
         yield Probe(f"past {past}", past, past, advance(past + 1))
 
 
-def padded(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan) -> Iterator[Probe]:
-    """A batch of two rows, the second left-padded: prefill, then single steps; each probe
-    names the row it is compared on."""
+def padded(
+    run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan, right: bool = False
+) -> Iterator[Probe]:
+    """A batch of two rows, the second padded: prefill, then single steps; each probe
+    names the row it is compared on. Left-padded (zeros in the mask before the row's
+    tokens), or with `right` (a graph whose rows are right-padded, stages/onnx/fused.py)
+    after them: the row's prefill logits sit at its last token, and each step's new token
+    is written at the row's own length, over its padding."""
     assert plan.padded is not None
     length, pad, steps = plan.padded
-    ids = np.stack([tokens[0, :length], np.r_[np.zeros(pad), tokens[1, : length - pad]]])
-    mask = np.ones((2, length))
-    mask[1, :pad] = 0
-    out = run(feeds(lay, ids, mask, None))
+    short = tokens[1, : length - pad]
+    ids = np.stack(
+        [tokens[0, :length], np.r_[short, np.zeros(pad)] if right else np.r_[np.zeros(pad), short]]
+    )
+    out = run(feeds(lay, ids, _two_rows(length, pad, 0, right), None))
     for k in range(steps + 1):
         for row in (0, 1):
             real = length - pad * row + k  # the row's real tokens so far
-            label = f"padded row {row} ({pad * row} pads) step {k}"
-            yield Probe(label, real - 1, real - 1, out, (row,))
+            label = f"padded row {row} ({pad * row} pads{' after' if right else ''}) step {k}"
+            index = real - 1 if right and k == 0 else -1
+            yield Probe(label, real - 1, real - 1, out, (row,), index)
         if k == steps:
             break
         step = np.array([[tokens[0, length + k]], [tokens[1, length - pad + k]]])
-        mask = np.concatenate([mask, np.ones((2, 1))], axis=1)
-        out = run(feeds(lay, step, mask, presents(lay, out)))
+        out = run(feeds(lay, step, _two_rows(length, pad, k + 1, right), presents(lay, out)))
+
+
+def _two_rows(length: int, pad: int, k: int, right: bool) -> np.ndarray:
+    """The padded batch's mask after `k` steps: row 0 all real; row 1 `pad` short, its
+    padding before its tokens, or after them (`right`: its tokens so far, then zeros)."""
+    mask = np.ones((2, length + k))
+    if right:
+        mask[1, length - pad + k :] = 0
+    else:
+        mask[1, :pad] = 0
+    return mask
 
 
 def judge(
@@ -311,7 +329,7 @@ def judge(
     for name in names:
         key = name.replace("past_key_values", "present")
         got = np.asarray(probe.outputs["logits" if name == "logits" else key])
-        got = got[:, -1] if name == "logits" else got
+        got = got[:, probe.index] if name == "logits" else got
         got = got[rows] if rows is not None else got
         want = ref[name]
         if rows is None and got.shape[0] != want.shape[0]:  # the walk's rows are one sequence
@@ -369,17 +387,19 @@ def check(
     tol: Tolerance,
     cfg: ParityConfig,
     fp32: Callable[[str, int, int], dict[str, np.ndarray]] | None = None,
+    right: bool = False,
 ) -> list[KvComparison]:
     """Every probe of the walk and of the padded batch, judged against its full pass.
     `refs(kind, row, length)`: the reference of `kind` ("walk" | "padded") at that length;
-    `fp32`: the FP32 model's, for a quantized `run` (see `judge`)."""
+    `fp32`: the FP32 model's, for a quantized `run` (see `judge`); `right`: the graph's
+    rows are right-padded (`padded`)."""
     rows: list[KvComparison] = []
     for probe in walk(run, lay, tokens[0], plan):
         n = probe.past + 1
         base = fp32("walk", 0, n) if fp32 is not None else None
         rows += judge(probe, refs("walk", 0, n), tol, cfg, base)
     if plan.padded is not None:
-        for probe in padded(run, lay, tokens, plan):
+        for probe in padded(run, lay, tokens, plan, right):
             row = probe.rows[0] if probe.rows else 0
             rows += judge(probe, refs("padded", row, probe.position + 1), tol, cfg)
     return rows
@@ -396,7 +416,7 @@ def references(
         yield "padded", row, n, full_pass(run, lay, tokens[row : row + 1, :n])
 
 
-def exercise(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan) -> None:
+def exercise(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan, right: bool = False) -> None:
     """Every pass `references` and `check` make, outputs dropped: for a run that records
     something as it goes (the ranges of a dynamically quantized graph)."""
     for _ in references(run, lay, tokens, plan):
@@ -404,7 +424,7 @@ def exercise(run: Run, lay: sh.Layout, tokens: np.ndarray, plan: Plan) -> None:
     for _ in walk(run, lay, tokens[0], plan):
         pass
     if plan.padded is not None:
-        for _ in padded(run, lay, tokens, plan):
+        for _ in padded(run, lay, tokens, plan, right):
             pass
 
 

@@ -96,6 +96,7 @@ class Recorder:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.spec, self.presents, self.positions = graph.spec, graph.presents, graph.positions
+        self.in_place = graph.in_place
         self.dtype, self.vocab = graph.dtype, graph.vocab
         self.rows: list[int] = []
         self.prefill_rows: list[int] = []

@@ -30,14 +30,17 @@ def limits(**changes: Any) -> EngineSettings:
 
 @pytest.fixture(
     scope="module",
-    params=["int8-dynamic", "int4-weight-only", "int8-weight-only", "int8-dynamic-gqa"],
+    params=["int8-dynamic", "int4-weight-only", "int8-weight-only", "int8-dynamic-gqa", "fused"],
 )
 def int8_path(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
     import onnx
 
+    from tests.fixtures.fused import fused_graph
     from tests.stages.test_grouped_attention import llama_spec, llama_workspace
 
     root = tmp_path_factory.mktemp("engine-int8")
+    if request.param == "fused":  # a grouped-query Llama's fused INT4 graph, cache in place
+        return fused_graph(root)
     if request.param.endswith("-gqa"):  # a grouped-query Llama: stages/onnx/grouped.py
         ws, spec = llama_workspace(root), llama_spec()
     else:
@@ -76,6 +79,7 @@ class Recorder:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.spec, self.presents, self.positions = graph.spec, graph.presents, graph.positions
+        self.in_place = graph.in_place
         self.dtype, self.vocab = graph.dtype, graph.vocab
         self.decodes: list[tuple[int, int]] = []
 
@@ -199,7 +203,18 @@ def test_a_sequence_that_ends_frees_its_row_at_once(int8: Graph) -> None:
     """After a burst of one-token requests (each ends at its first token) and one that ran
     longer, a lone request decodes in a batch of one row holding only its own tokens."""
     recorder = Recorder(int8)
-    engine = Engine(recorder, limits())  # type: ignore[arg-type]
+    # in place, the graph runs on the Slots' buffers, not through Recorder.run: each decode
+    # step's rows and their lengths are read from the Slots instead
+    engine = Engine(int8 if int8.in_place else recorder, limits())  # type: ignore[arg-type]
+    steps: list[tuple[int, list[int]]] = []
+    decode = engine.runner.decode
+
+    def recorded(last: dict[int, int]) -> Any:
+        steps.append((len(engine.batch.keys), [int(n) for n in engine.batch.lengths]))
+        return decode(last)
+
+    if int8.in_place:
+        engine.runner.decode = recorded  # type: ignore[method-assign]
     rng = np.random.default_rng(5)
     try:
         with engine._cv:
@@ -208,8 +223,12 @@ def test_a_sequence_that_ends_frees_its_row_at_once(int8: Graph) -> None:
         for q in [*burst, long]:
             drain(q)
         recorder.decodes.clear()
+        steps.clear()
         drain(submit(engine, PROBE, max_tokens=5, temperature=0, ignore_eos=True))
     finally:
         engine.close()
+    if int8.in_place:  # one row, its prompt and tokens so far cached, no other row
+        assert steps == [(1, [len(PROBE) + i]) for i in range(4)]
+        return
     # each decode step: one row, its prompt and tokens so far (+ the new one), no padding
     assert recorder.decodes == [(1, len(PROBE) + i + 1) for i in range(4)]
