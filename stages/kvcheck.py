@@ -97,7 +97,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     padded = (
         "; padded rows not checked (parity.kv.padded off, or export.dims.batch has no 2)"
         if plan.padded is None
-        else ", a left-padded row equal to itself alone"
+        else ", a padded row equal to itself alone"
     )
     return StageResult.passed(
         f"cached decode = full recompute in PyTorch, the export and the shipped graph "
@@ -189,6 +189,8 @@ def _shipped(
         if exposed
         else f"activation scales per token: {unrounded[0]} product(s) checked before rounding"
     )
+    if right:
+        how += "; its padded row right-padded (a fused graph)"
     return rows, how + note
 
 

@@ -54,7 +54,10 @@ class Engine:
         self.graph, self.settings, self.text = graph, settings, text
         self.metrics = metrics  # shipyard_runtime.metrics.Metrics, or None: nothing measured
         self.eos = frozenset(settings.eos_token_ids)
-        self.runner = Runner(graph)
+        # a sequence caches its prompt and tokens but the last: at most the past a step may
+        # read + 2 (`check`), and never more than the served context
+        most = min(settings.max_context, settings.max_past + 2) if settings.max_past else None
+        self.runner = Runner(graph, most or settings.max_context)
         self.scheduler = Scheduler(
             settings, graph.positions, self.runner.batch, in_place=graph.in_place
         )

@@ -173,8 +173,13 @@ class Slots:
 
     STEP = 64
 
-    def __init__(self, spec: list[tuple[str, int, int]], dtype: np.dtype) -> None:
-        self.spec, self.dtype = spec, dtype
+    def __init__(
+        self, spec: list[tuple[str, int, int]], dtype: np.dtype, most: int | None = None
+    ) -> None:
+        """`most`: the most tokens a row ever holds (the served past + 2: a sequence's prompt
+        and tokens but its last); the capacity never rounds past it, so the engine's budget
+        (rows x the longest sequence, the plan's) holds whole rows at the extreme."""
+        self.spec, self.dtype, self.most = spec, dtype, most
         self.clear()
 
     def clear(self) -> None:
@@ -196,10 +201,10 @@ class Slots:
     def free(self) -> int:
         return len(self.keys) - len(self)
 
-    @classmethod
-    def rounded(cls, tokens: int) -> int:
+    def rounded(self, tokens: int) -> int:
         """The capacity that holds `tokens` cached tokens and the next one."""
-        return -(-(tokens + 1) // cls.STEP) * cls.STEP
+        up = -(-(tokens + 1) // self.STEP) * self.STEP
+        return max(tokens + 1, min(up, self.most)) if self.most else up
 
     def reserve(self, rows: int, length: int) -> None:
         """Room for `rows` more sequences of up to `length` cached tokens (and each one's

@@ -56,9 +56,14 @@ Past = dict[str, np.ndarray]
 class Runner:
     """Prefill passes and decode steps on `graph`; the running batch's cache."""
 
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, most: int | None = None) -> None:
+        """`most`: the most tokens a sequence caches (an in-place cache's capacity cap)."""
         self.graph = graph
-        self.batch: Batch | Slots = (Slots if graph.in_place else Batch)(graph.spec, graph.dtype)
+        self.batch: Batch | Slots = (
+            Slots(graph.spec, graph.dtype, most)
+            if graph.in_place
+            else Batch(graph.spec, graph.dtype)
+        )
         self._binding: tuple[int, Any] | None = None  # (the cache's version, its binding)
         # seconds spent in decode steps, by part: the graph, its inputs, the cache's own
         # copies (rows leaving, compaction); rows joining after their prefill (between
