@@ -20,7 +20,12 @@ step's time goes in the engine (Engine.step_profile(): graph, inputs, cache copi
 processor, the rest), from the same jobs run in-process on the served graph at 16 rows.
 
     python benchmarks/bench_peers.py [--keep DIR] [--model DIR | --random]
-                                     [--method int4-weight-only]
+                                     [--method int4-weight-only [--fused]] [--graph FOLDER]
+
+`--fused`: the weight-only method with `quantization.graph: fused` (stages/onnx/fused.py:
+the decoder rebuilt by onnxruntime-genai's builder, its cache updated in place); `--graph
+FOLDER`: serve the model.onnx* in FOLDER (such a graph, built beside) with the build's own
+serve settings.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from bench_llamacpp_peer import LlamaServer, convert, llama_token  # noqa: E402
 from bench_memory import FIT_STEPS, SYNTHETIC  # noqa: E402
 from bench_vllm_peer import VllmServer, vllm_tokens  # noqa: E402
 
+from stages.onnx.fused import padding_side  # noqa: E402
+
 BIN = Path(sys.executable).parent
 NAME = "llama-30"
 SHAPE = SYNTHETIC[NAME]  # SmolLM-135M's shape (bench_memory --synthetic llama-30)
@@ -63,7 +70,9 @@ def jobs(vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return [(rng.integers(10, vocab - 10, int(n)).tolist(), OUTPUT) for n in lengths]
 
 
-def build(root: Path, model: Path | None, method: str | None, steps: int) -> Path:
+def build(
+    root: Path, model: Path | None, method: str | None, steps: int, fused: bool = False
+) -> Path:
     """The release built under `root` (kept between runs: stages already passed are not
     rerun); returns the checkpoint folder. Without `model`, the benchmark's own llama-30,
     fitted for `steps` first (bench_memory.bench_model: 0, random weights)."""
@@ -92,6 +101,8 @@ def build(root: Path, model: Path | None, method: str | None, steps: int) -> Pat
 
             data = yaml.safe_load(spec.read_text())
             data["quantization"]["method"] = method
+            if fused:  # the decoder rebuilt by onnxruntime-genai's builder (stages/onnx/fused.py)
+                data["quantization"]["graph"] = "fused"
             data["quantization"].pop("search", None)
             spec.write_text(yaml.safe_dump(data, sort_keys=False))
     for stage in STAGES:
@@ -233,12 +244,15 @@ def main() -> None:
     parser.add_argument(
         "--graph", type=Path, help="serve this folder's model.onnx* (a fused graph) instead"
     )
+    parser.add_argument(
+        "--fused", action="store_true", help="with --method *-weight-only: `graph: fused`"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         root = (args.keep or Path(tmp)).resolve()
         root.mkdir(parents=True, exist_ok=True)
         steps = 0 if args.random else FIT_STEPS
-        folder = build(root, args.model, args.method, steps)
+        folder = build(root, args.model, args.method, steps, args.fused)
         if args.build_only:
             return
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
@@ -255,8 +269,9 @@ def main() -> None:
         plan = json.loads((root / "build" / NAME / "plan" / "plan.json").read_text())
         steps = profile(root, work, plan["batch"], args.graph)
         rows = max(1, round(steps["rows"]))
-        copy = concat_ms((args.graph or root / "build" / NAME / "quantize") / "model.onnx", rows,
-                         max(1, round(steps["slots"] / rows)))  # fmt: skip
+        served = (args.graph or root / "build" / NAME / "quantize") / "model.onnx"
+        in_place = padding_side(served) == "right"  # a fused graph: its cache in place
+        copy = 0.0 if in_place else concat_ms(served, rows, max(1, round(steps["slots"] / rows)))
     print(
         f"{NAME}: {PROMPTS} prompts of 16-128 tokens, {OUTPUT} output tokens, greedy, "
         f"ignore_eos; shipyard: {info.get('method')} graph ({len(info.get('float_nodes', []))} "
@@ -286,11 +301,16 @@ def main() -> None:
     parts = ", ".join(
         f"{k} {v:.2f}" for k, v in steps.items() if k not in ("step", "rows", "slots")
     )
+    copied = (
+        "no whole-cache copy: the cache is updated in place (a fused graph)"
+        if in_place
+        else "of the graph's time, the presents' whole-cache copy (a Concat-only graph of "
+        f"those shapes): {copy:.2f} ms"
+    )
     print(
         f"engine decode step at {plan['batch']} rows: {steps['step']:.2f} ms a step "
         f"({steps['rows']:.1f} rows, {steps['slots']:.0f} cache slots a step on average): "
-        f"{parts} ms; of the graph's time, the presents' whole-cache copy (a Concat-only "
-        f"graph of those shapes): {copy:.2f} ms"
+        f"{parts} ms; {copied}"
     )
 
 
