@@ -40,7 +40,7 @@ def test_each_stage_depends_on_a_file_of_only_its_own_spec_sections(tmp_path: Pa
         "evalcheck": ["export", "model", "task"],
         "kvcheck": ["export", "model", "parity", "task"],
         "parity": ["export", "model", "parity", "task"],
-        "quantize": ["bundle.serving.max_batch_size", "export", "quantization", "task"],
+        "quantize": ["bundle.serving.max_batch_size", "export", "model", "quantization", "task"],
         "evaluate": [
             "evaluation",
             "export",
@@ -288,8 +288,9 @@ def test_only_pin_depends_on_the_model_folder_the_others_on_its_lock() -> None:
     stages = yaml.safe_load(compiler.compile_dvc(REPO))["stages"]
     loaders = {n for n, per in compiler.stage_ios(REPO)[1].items() if per["tiny-gpt2"].reads_model}
     # serve copies the tokenizer files and reads generation_config.json from the folder;
-    # evaluate's reference is the FP32 export, not the checkpoint (issue 40)
-    assert loaders == {"pin", "export", "evalcheck", "parity", "kvcheck", "serve"}
+    # evaluate's reference is the FP32 export, not the checkpoint (issue 40); quantize builds
+    # `graph: fused` from the checkpoint (stages/onnx/fused.py)
+    assert loaders == {"pin", "export", "evalcheck", "parity", "kvcheck", "quantize", "serve"}
     assert "${item.model}" in stages["pin"]["do"]["deps"]
     for name in loaders - {"pin"}:
         deps = stages[name]["do"]["deps"]
