@@ -191,6 +191,7 @@ def build_spec(
         "parity": {},
         "quantization": {
             "method": "auto",
+            **({"recipes": fused_first()} if spec_task.kv_cache and fusable(folder) else {}),
             "calibration": calibration,
             "budget": dict(spec_task.default_budget),
         },
@@ -204,6 +205,20 @@ def build_spec(
         "engine": {"required": False},
         "loadtest": first_loadtest(sizing, spec_task.kv_cache),
     }
+
+
+def fused_first() -> list[str]:
+    """The recipe search with the fused INT4 graph first (stages/onnx/fused.py)."""
+    from schemas.spec.quantization import RECIPE_ORDER
+
+    return ["int4-weight-only-fused", *RECIPE_ORDER]
+
+
+def fusable(folder: Path) -> bool:
+    """Whether onnxruntime-genai's builder writes this checkpoint's decoder."""
+    from stages.onnx.fused import supported
+
+    return (folder / "config.json").is_file() and supported(folder) is None
 
 
 SIZING: dict[str, str] = {}  # release name -> why init chose its dims (build_spec's note)
@@ -398,6 +413,12 @@ def commented(text: str, spec: dict[str, Any]) -> str:
             *textwrap.wrap(why, 88),
         ],
         "  dims:": textwrap.wrap(SIZING.get(spec["name"], ""), 88),
+        "  recipes:": [
+            "int4-weight-only-fused first: this family's decoder rebuilt by onnxruntime-genai's",
+            "builder (one kernel per norm, attention and projection; the KV cache updated in",
+            "place), shipped when it meets the budget and the speed bar; else the traced",
+            "recipes, whose search can keep layer classes in float.",
+        ],
         "loadtest:": [
             "A first, short load test (minutes): delete `grid`, `ramp` and `soak` for the full",
             "sweep (batch 1-32, inputs 128-2048, concurrency up to 32) once the build passes.",

@@ -231,13 +231,15 @@ class ReleaseSpec(Strict):
         q = self.quantization
         if q.method == "none":
             return
-        if getattr(q, "graph", "traced") == "fused" and (
-            self.task != "causal-lm" or self.model.kind != "hf"
-        ):
+        fused = getattr(q, "graph", "traced") == "fused" or "int4-weight-only-fused" in getattr(
+            q, "recipes", []
+        )
+        if fused and (self.task != "causal-lm" or self.model.kind != "hf"):
             raise ValueError(
-                f"quantization.graph fused rebuilds a causal-lm decoder from a Hugging Face "
-                f"checkpoint; this release is task {self.task!r}, model.kind "
-                f"{self.model.kind!r}: use `graph: traced`"
+                f"quantization.graph fused (and recipe int4-weight-only-fused) rebuilds a "
+                f"causal-lm decoder from a Hugging Face checkpoint; this release is task "
+                f"{self.task!r}, model.kind {self.model.kind!r}: use `graph: traced` (drop "
+                "the recipe)"
             )
         lm = TASKS[self.task].language_model
         if q.budget and q.budget.perplexity_increase_max is not None and not lm:

@@ -4,6 +4,7 @@ precision, or (method auto) a recipe search (stages/quant/recipes.py)."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from schemas import ReleaseSpec
@@ -163,30 +164,19 @@ def _fused(
     the budget against the FP32 export on the calibration probe and the held-out samples,
     as the traced graph is. Nothing can be kept in float: a budget it breaks is a failure
     that names `graph: traced`, whose search can."""
-    from schemas.spec.model import HfModel
     from schemas.spec.quantization import WeightOnly
     from stages.onnx import fused
 
-    # the spec rules: graph fused is a weight-only field, for a Hugging Face causal-lm
-    assert isinstance(q, WeightOnly) and isinstance(release.model, HfModel)
-    cal = q.calibration
+    assert isinstance(q, WeightOnly)  # the spec rules: graph fused is a weight-only field
     where = ctx.work / "_fused"
     try:
-        path = fused.build(
-            ctx.root / release.model.path,
-            where,
-            bits=4 if q.method == "int4-weight-only" else 8,
-            block_size=q.block_size,
-            symmetric=q.symmetric,
-            accuracy_level=4 if q.compute == "int8" else 0,
-            tokenizer=ctx.root / cal.tokenizer if cal.tokenizer else None,
-            log=ctx.work / "fused_builder.log",
-        )
+        path = _fused_builder(ctx, release)(q, where)
     except fused.FusedError as exc:
         return StageResult.failed(
             "quantization.graph fused: the fused graph could not be built",
             [f"{exc.reason}: {exc.fix}"],
         )
+    cal = q.calibration
     details = FusedDetails(
         calibration=_calibration(samples),
         budget=budget,
@@ -230,6 +220,34 @@ def _fused(
     )
 
 
+def _fused_builder(ctx: StageContext, release: ReleaseSpec) -> Callable[[Any, Path], Path]:
+    """Builds a weight-only config's fused graph into a folder from the release's checkpoint
+    (stages/onnx/fused.py; FusedError when it cannot: another family, another task)."""
+    from schemas.spec.model import HfModel
+    from stages.onnx import fused
+
+    def build(cfg: Any, folder: Path) -> Path:
+        if release.task != "causal-lm" or not isinstance(release.model, HfModel):
+            raise fused.FusedError(
+                f"a fused graph is a causal-lm decoder from a Hugging Face folder, not task "
+                f"{release.task} ({release.model.kind})",
+                "use `graph: traced`",
+            )
+        tokenizer = cfg.calibration.tokenizer
+        return fused.build(
+            ctx.root / release.model.path,
+            folder,
+            bits=4 if cfg.method == "int4-weight-only" else 8,
+            block_size=cfg.block_size,
+            symmetric=cfg.symmetric,
+            accuracy_level=4 if cfg.compute == "int8" else 0,
+            tokenizer=ctx.root / tokenizer if tokenizer else None,
+            log=ctx.work / "fused_builder.log",
+        )
+
+    return build
+
+
 def _auto(
     ctx: StageContext,
     release: ReleaseSpec,
@@ -254,6 +272,7 @@ def _auto(
         sum(f.stat().st_size for f in export.glob("model.onnx*")),
         _served_rows(release),
         fp32,
+        _fused_builder(ctx, release),
     )
     del fp32  # not held while variants are built and measured (peak memory)
     outcome = searcher.run()
@@ -278,7 +297,9 @@ def _auto(
             ],
             details=details.model_dump(),
         )
-    details.layerwise = search.layerwise(pre, outcome.path, samples.holdout[0])
+    # a fused graph's nodes are not the export's: no layer pairs them (an empty plot)
+    fused = recipes.RECIPES[outcome.recipe][1].get("graph") == "fused"
+    details.layerwise = [] if fused else search.layerwise(pre, outcome.path, samples.holdout[0])
     write_json(ctx.work / LAYER_PLOT.file, _layer_rows(details.layerwise))
     details.size = sizes = search.publish(ctx, outcome.path, export)
     metrics = {f"holdout_{k}": v for k, v in outcome.holdout.items()}

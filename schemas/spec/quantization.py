@@ -186,6 +186,7 @@ class Int8WeightOnly(WeightOnly):
 
 
 Recipe = Literal[
+    "int4-weight-only-fused",
     "int8-dynamic-per-channel",
     "int8-dynamic-smoothquant",
     "int8-dynamic",
@@ -212,7 +213,12 @@ class AutoQuantization(QuantizedBase):
     recipes: list[Recipe] = Field(
         default_factory=lambda: list(RECIPE_ORDER),
         min_length=1,
-        description="Recipes to try, in order (expected gain first).",
+        description="Recipes to try, in order (expected gain first). "
+        "`int4-weight-only-fused`: INT4 weight-only as the fused graph (`graph: fused`: the "
+        "decoder rebuilt by onnxruntime-genai's builder, its cache updated in place); not in "
+        "the default list, which any model takes; `shipyard init` puts it first for a "
+        "causal-lm family the builder writes. It keeps nothing in float, so it is never the "
+        "recipe that falls back on keeping layer classes in float.",
     )
     margin: float = Field(
         default=0.2,

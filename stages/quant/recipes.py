@@ -54,6 +54,8 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "int8-static": ("int8-static", {}),
     "int8-weight-only": ("int8-weight-only", {"op_types": ["MatMul"]}),
     "int4-weight-only": ("int4-weight-only", {"op_types": ["MatMul"]}),
+    # the decoder rebuilt by onnxruntime-genai's builder (stages/onnx/fused.py)
+    "int4-weight-only-fused": ("int4-weight-only", {"op_types": ["MatMul"], "graph": "fused"}),
 }
 # recipe -> (the recipe it cannot beat on accuracy, why). When that one misses the budget's
 # accuracy, this one is not built (its row says why)
@@ -181,8 +183,12 @@ class Search:
         fp32_bytes: int,
         served_rows: int = 1,
         fp32_session: Any = None,
+        fused: Callable[[Method, Path], Path] | None = None,
     ) -> None:
+        """`fused(cfg, folder)`: builds a `graph: fused` recipe's graph in `folder` from the
+        checkpoint (fused.FusedError when it cannot); None: such a recipe is not built."""
         self.ctx, self.pre, self.q, self.samples = ctx, pre, q, samples
+        self.fused = fused
         self.budget, self.tight = budget, tightened(budget, q.margin)
         self.calibration, self.holdout = calibration, holdout
         self.feeds = samples.calibration[: min(4, len(samples.calibration))]
@@ -228,6 +234,11 @@ class Search:
                 inaccurate.add(recipe)  # what it dominates in turn is not built either
                 continue
             folder = self.ctx.work / "_variants" / recipe
+            if getattr(cfg, "graph", "traced") == "fused":
+                done = self._fused(out, recipe, cfg, folder)
+                if done is not None:
+                    return done
+                continue
             try:
                 quantizer = Quantizer(self.pre, cfg, self.samples.calibration, folder)
                 path = quantizer.quantize()
@@ -297,6 +308,28 @@ class Search:
             + "; ".join(f"{r.recipe}: {r.why}" for r in out.table)
         ]
         return out
+
+    def _fused(self, out: Outcome, recipe: str, cfg: Method, folder: Path) -> Outcome | None:
+        """A fused recipe: built from the checkpoint, measured as any variant, shipped when
+        it meets everything; else its row says why and the search goes on (nothing of it
+        can be kept in float, so it never falls back on layer classes)."""
+        from stages.onnx.fused import FusedError
+
+        try:
+            if self.fused is None:
+                raise FusedError("no checkpoint to rebuild the decoder from", "")
+            path = self.fused(cfg, folder)
+        except FusedError as exc:
+            shutil.rmtree(folder, ignore_errors=True)
+            out.table.append(_unbuilt(recipe, cfg.method, exc.reason))
+            self.ctx.log(f"recipe {recipe}: {out.table[-1].why}")
+            return None
+        row, why, _ = self._measure(recipe, cfg.method, path, [])
+        out.table.append(row)
+        if not why:
+            return self._chosen(out, row, path, cfg.method, recipe, [], [])
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
 
     def _measure(
         self, recipe: str, method: str, path: Path, float_classes: list[str]

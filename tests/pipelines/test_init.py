@@ -64,6 +64,12 @@ def test_init_writes_a_spec_that_validates_and_exports(ws: Workspace, name: str,
     text = path.read_text().splitlines()
     at = text.index("  budget:")
     assert text[at - 1].startswith("  # ") and "accuracy contract" in "\n".join(text[at - 16 : at])
+    # a family onnxruntime-genai's builder writes: the fused INT4 graph tried first, said why
+    fused = getattr(spec.quantization, "recipes", [None])[0] == "int4-weight-only-fused"
+    assert fused == (name == "Llama")
+    if fused:
+        at = text.index("  recipes:")
+        assert "onnxruntime-genai" in "\n".join(text[at - 4 : at])
     data = yaml.safe_load(path.read_text())
     data["export"]["dims"] = {k: v for k, v in data["export"]["dims"].items()}
     data["export"]["dims"]["sequence"]["max"] = 64  # quick: the data's texts fit in 64

@@ -243,3 +243,65 @@ def test_quantize_refuses_graph_fused_for_a_family_the_builder_does_not_write(
     report = ws.run("quantize", spec)
     assert report.status.value == "failed"
     assert "GPT2LMHeadModel" in report.reasons[0] and "graph: traced" in report.reasons[0]
+
+
+# ------------------------------------------------------------------ method auto
+
+
+def test_auto_ships_the_fused_recipe_first_where_it_meets_the_budget(
+    fused_build: tuple[Any, dict[str, Any]],
+) -> None:
+    """The recipe init puts first for a family the builder writes: measured as any recipe
+    (budget with its margin on calibration and held-out samples, size, speed), shipped."""
+    import copy
+    import json
+
+    from stages.onnx import fused
+
+    ws, built = fused_build
+    spec = copy.deepcopy(built)
+    spec["quantization"] = {
+        k: v for k, v in spec["quantization"].items() if k not in ("graph", "method")
+    } | {
+        "method": "auto",
+        "recipes": ["int4-weight-only-fused", "int8-dynamic-per-channel"],
+        "min_speedup": 0,
+    }
+    for key in ("block_size", "symmetric", "compute", "op_types", "max_float_nodes"):
+        spec["quantization"].pop(key, None)
+    report = ws.run("quantize", spec)
+    assert report.status.value == "passed", report.reasons
+    assert "recipe int4-weight-only-fused" in report.summary
+    out = ws.out(spec["name"], "quantize")
+    assert fused.padding_side(out / "model.onnx") == "right"
+    rows = json.loads((out / "report.json").read_text())["details"]["recipes"]
+    assert [r["recipe"] for r in rows] == ["int4-weight-only-fused"] and rows[0]["chosen"]
+    assert json.loads((out / "quant_info.json").read_text())["method"] == "int4-weight-only"
+
+
+def test_auto_goes_on_past_a_fused_recipe_the_builder_cannot_write(tmp_path: Path) -> None:
+    """GPT-2 is not a family the builder writes: the fused recipe's row says so, and the
+    next recipe ships."""
+    import json
+
+    from tests.conftest import Workspace, gpt2_spec
+
+    ws = Workspace(tmp_path)
+    spec = gpt2_spec()
+    spec["quantization"] |= {
+        "method": "auto",
+        "recipes": ["int4-weight-only-fused", "int8-dynamic-per-channel"],
+        "budget": {"top1_agreement_min": 0.5},
+        "min_speedup": 0,
+    }
+    spec["quantization"].pop("max_float_nodes", None)
+    spec["evaluation"]["thresholds"] = []
+    for stage in ("pin", "export"):
+        assert ws.run(stage, spec).status.value == "passed"
+    report = ws.run("quantize", spec)
+    assert report.status.value == "passed", report.reasons
+    rows = json.loads((ws.out("tiny-gpt2", "quantize") / "report.json").read_text())
+    first, second = rows["details"]["recipes"]
+    assert first["recipe"] == "int4-weight-only-fused" and not first["chosen"]
+    assert "could not be built" in first["why"] and "GPT2LMHeadModel" in first["why"]
+    assert second["recipe"] == "int8-dynamic-per-channel" and second["chosen"]
