@@ -88,7 +88,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     apart = TASKS[task].kv_cache and rows_independent(shipped_path)
     # a fused graph's rows are right-padded (stages/onnx/fused.py): its passes run as
     # right-padded groups where its own padding leaves a row alone (checked: another
-    # kernel than FP32's), and it decodes one prompt a call (kv.greedy pads on the left)
+    # kernel than FP32's), and its prompts decode right-padded
     left = fused.padding_side(shipped_path) == "left"
     if apart and not left:
         apart = acc.padding_is_inert(session, samples)
@@ -113,7 +113,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         generated, wanted = reference_generations(reference, lay, samples, cfg.decode, texts)
     if TASKS[task].kv_cache:
         metrics |= decode_metrics(
-            reference, candidate, lay, samples, cfg.decode, apart and left, wanted
+            reference, candidate, lay, samples, cfg.decode, apart, wanted, right=not left
         )
     measured = contract_metrics(
         task, compared, budget, fp32, session, samples, apart and inert, generated
@@ -254,10 +254,12 @@ def greedy(
     prompts: list[np.ndarray],
     tokens: int,
     prefill_rows: int | None = None,
+    right: bool = False,
 ) -> list[list[int]]:
     """Greedy decoding with the KV-cache graph (kvcache.greedy): the prompts together, for
     a graph whose rows do not depend on each other (FP32, per-token INT8), or one alone;
-    the prefill in runs of `prefill_rows` rows when given."""
+    the prefill in runs of `prefill_rows` rows when given; `right`: a graph whose rows are
+    right-padded (a fused graph)."""
     feeds = calib.to_feeds("causal-lm", lay, {"input_ids": prompts[0][None, :]})  # KV tasks
     empty = {t.name: feeds[t.name] for t in lay.inputs if t.name.startswith(kv.PAST)}
     names = [t.name for t in lay.outputs]
@@ -266,7 +268,7 @@ def greedy(
     def by_name(f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return dict(zip(names, run(f), strict=True))
 
-    made = kv.greedy(by_name, empty, positions, prompts, tokens, prefill_rows)
+    made = kv.greedy(by_name, empty, positions, prompts, tokens, prefill_rows, right)
     return [[int(i) for i in row] for row in made]
 
 
@@ -313,6 +315,7 @@ def decode_metrics(
     cfg: DecodeConfig,
     batched: bool = False,
     wanted: list[list[int]] | None = None,
+    right: bool = False,
 ) -> dict[str, float]:
     """Exact-match rate of whole continuations, and of tokens, vs the reference's (decoded
     here unless given: `wanted`, reference_generations)."""
@@ -324,7 +327,7 @@ def decode_metrics(
     if wanted is None:
         wanted = greedy(reference, lay, prompts, cfg.tokens)
     if batched:
-        haves = greedy(candidate, lay, prompts, cfg.tokens)
+        haves = greedy(candidate, lay, prompts, cfg.tokens, right=right)
     else:
         haves = [greedy(candidate, lay, [prompt], cfg.tokens)[0] for prompt in prompts]
     for want, have in zip(wanted, haves, strict=True):

@@ -49,6 +49,7 @@ def greedy(
     prompts: list[np.ndarray],
     tokens: int,
     prefill_rows: int | None = None,
+    right: bool = False,
 ) -> np.ndarray:
     """Greedy decoding through a KV-cache graph, the one decoder of the checks (evaluate's
     decode metrics, quantize's reference text): `prompts` prefilled in one run, left-padded
@@ -59,13 +60,18 @@ def greedy(
     do not depend on each other (FP32, per-token INT8); per-call dynamic INT8 decodes one
     prompt a call. `prefill_rows`: the prefill in runs of at most that many rows (its
     logits are rows x prompt x vocabulary; a step's are rows x vocabulary), each run as
-    wide as its longest prompt (`_prefill_in_runs`), for such a backend only."""
+    wide as its longest prompt (`_prefill_in_runs`), for such a backend only. `right`: a
+    graph whose rows are right-padded (stages/onnx/fused.py): each prompt at the start of
+    its row, its first token read at its own last position, and each step's new token at
+    its row's length (the mask ones up to it: the graph writes it over the padding)."""
     rows, width = len(prompts), max(p.size for p in prompts)
+    lengths = np.array([p.size for p in prompts])
     ids = np.zeros((rows, width), np.int64)
     mask = np.zeros((rows, width), np.int64)
     for row, prompt in enumerate(prompts):
-        ids[row, width - prompt.size :] = prompt
-        mask[row, width - prompt.size :] = 1
+        at = slice(0, prompt.size) if right else slice(width - prompt.size, width)
+        ids[row, at] = prompt
+        mask[row, at] = 1
     feeds = {name: np.repeat(cache, rows, 0) for name, cache in empty.items()}
     made = np.zeros((rows, tokens), np.int64)
     step = ids
@@ -73,13 +79,19 @@ def greedy(
         feeds |= {"input_ids": step, "attention_mask": mask}
         if positions:
             feeds[sh.POSITIONS] = sh.positions_from_mask(mask, step.shape[1])
-        if k == 0 and prefill_rows is not None:
+        if k == 0 and prefill_rows is not None and not right:
             out = _prefill_in_runs(run, feeds, [p.size for p in prompts], prefill_rows, empty)
         else:
             out = run(feeds)
-        made[:, k] = out["logits"][:, -1].argmax(-1)
+        logits = out["logits"]
+        last = logits[np.arange(rows), lengths - 1] if right and k == 0 else logits[:, -1]
+        made[:, k] = last.argmax(-1)
         step = made[:, k : k + 1]
-        mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], axis=1)
+        if right:  # each row's cached tokens and the new one, then its padding
+            cached = lengths + k + 1
+            mask = (np.arange(width + k + 1)[None, :] < cached[:, None]).astype(np.int64)
+        else:
+            mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], axis=1)
         feeds = {name: out[name.replace(PAST, PRESENT)] for name in empty}
     return made
 

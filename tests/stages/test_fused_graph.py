@@ -105,6 +105,27 @@ def test_a_fused_graph_reads_position_ids_from_nowhere(float_graph: Path) -> Non
     assert np.array_equal(a, b)
 
 
+def test_right_padded_greedy_decoding_equals_each_prompt_alone(float_graph: Path) -> None:
+    """kv.greedy with `right` (evaluate's decode of a fused graph): prompts of different
+    lengths together give each prompt's own tokens; fed left-padded, the graph misreads its
+    padded rows (what the padding mark is for)."""
+    from stages.onnx import kvcache as kv
+
+    session = _session(float_graph)
+    names = [o.name for o in session.get_outputs()]
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(names, session.run(names, feeds), strict=True))
+
+    empty = _empty(session, 1)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 500, n) for n in (9, 3, 14, 6)]
+    alone = [kv.greedy(run, empty, True, [p], 12)[0].tolist() for p in prompts]
+    together = kv.greedy(run, empty, True, prompts, 12, right=True).tolist()
+    assert together == alone
+    assert kv.greedy(run, empty, True, prompts, 12).tolist() != alone  # left: misread
+
+
 def test_an_architecture_the_builder_does_not_write_is_refused_with_the_fix(
     tmp_path: Path,
 ) -> None:
