@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from schemas import ReleaseSpec
@@ -28,8 +29,6 @@ from stages.quant import recipes, search
 from stages.quant.methods import Quantizer
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from schemas.spec.quantization import AutoQuantization, Quantization
 
 NAME = "quantize"
@@ -72,6 +71,10 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         ctx.write(_info(q, [], None))
         ctx.write(CalibrationUsed())
         return StageResult.passed("method none: the FP32 model ships unchanged")
+    # the fused graph first, while the stage holds nothing else: its builder's child peaks
+    # at 1.95x the checkpoint, and beside the samples and sessions held later the stage's
+    # process tree reached 4.5x (llama-30)
+    built = _prebuild(ctx, release, q)
     info = ctx.read(ModelInfo)
     lay = m.layout_from_info(info)
     samples = calib.load(
@@ -82,9 +85,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         ctx.log(fallback)
     budget = budget_of(q, release.task)  # the accuracy contract evaluate applies too
     if q.method == "auto":
-        return _auto(ctx, release, q, pre, fallback, samples, budget, export)
+        return _auto(ctx, release, q, pre, fallback, samples, budget, export, built)
     if getattr(q, "graph", "traced") == "fused":
-        return _fused(ctx, release, q, pre, fallback, samples, budget, export)
+        return _fused(ctx, q, pre, fallback, samples, budget, export, built)
     quantizer = Quantizer(pre, q, samples.calibration, ctx.work / "_variants")
     probe = samples.calibration[: q.calibration.sensitivity_samples]
     greedy = budget.greedy_agreement_min is not None  # costs generation: only when asked
@@ -151,13 +154,13 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
 
 def _fused(
     ctx: StageContext,
-    release: ReleaseSpec,
     q: Quantization,
     pre: Path,
     fallback: str,
     samples: calib.Samples,
     budget: AccuracyBudget,
     export: Path,
+    built: Path | Exception | None,
 ) -> StageResult:
     """A weight-only method with `graph: fused`: the decoder rebuilt from the checkpoint by
     onnxruntime-genai's builder (stages/onnx/fused.py), every projection quantized, held to
@@ -168,14 +171,13 @@ def _fused(
     from stages.onnx import fused
 
     assert isinstance(q, WeightOnly)  # the spec rules: graph fused is a weight-only field
-    where = ctx.work / "_fused"
-    try:
-        path = _fused_builder(ctx, release)(q, where)
-    except fused.FusedError as exc:
+    if not isinstance(built, Path):
+        exc = built if isinstance(built, fused.FusedError) else fused.FusedError("not built", "")
         return StageResult.failed(
             "quantization.graph fused: the fused graph could not be built",
             [f"{exc.reason}: {exc.fix}"],
         )
+    path, where = built, built.parent
     cal = q.calibration
     details = FusedDetails(
         calibration=_calibration(samples),
@@ -188,10 +190,10 @@ def _fused(
     )
     greedy = budget.greedy_agreement_min is not None
     probe = samples.calibration[: cal.sensitivity_samples]
-    details.probe = search.Evaluator(release.task, pre, probe, greedy)(path, greedy)
+    details.probe = search.Evaluator("causal-lm", pre, probe, greedy)(path, greedy)
     broken = acc.violations(budget, details.probe)
     if not broken:
-        details.holdout = search.Evaluator(release.task, pre, samples.holdout, greedy=True)(path)
+        details.holdout = search.Evaluator("causal-lm", pre, samples.holdout, greedy=True)(path)
         broken = [f"held-out: {b}" for b in acc.violations(budget, details.holdout)]
     metrics = {f"holdout_{k}": v for k, v in details.holdout.items()}
     if broken:
@@ -218,6 +220,26 @@ def _fused(
         details=details.model_dump(),
         metrics={**metrics, "size_ratio": sizes.ratio},
     )
+
+
+FUSED_RECIPE = "int4-weight-only-fused"
+
+
+def _prebuild(ctx: StageContext, release: ReleaseSpec, q: Quantization) -> Path | Exception | None:
+    """The fused graph a release asks for (`graph: fused`, or the auto recipe), built into
+    ctx.work/_fused; the FusedError when it cannot be; None when none is asked for."""
+    from stages.onnx import fused
+
+    if getattr(q, "graph", "traced") == "fused":
+        cfg: Any = q
+    elif q.method == "auto" and FUSED_RECIPE in q.recipes:
+        cfg = recipes.concrete(q, FUSED_RECIPE)
+    else:
+        return None
+    try:
+        return _fused_builder(ctx, release)(cfg, ctx.work / "_fused")
+    except fused.FusedError as exc:
+        return exc
 
 
 def _fused_builder(ctx: StageContext, release: ReleaseSpec) -> Callable[[Any, Path], Path]:
@@ -248,6 +270,15 @@ def _fused_builder(ctx: StageContext, release: ReleaseSpec) -> Callable[[Any, Pa
     return build
 
 
+def _prebuilt(built: Path | Exception | None) -> Path:
+    """The search's fused recipe: the graph `_prebuild` left, or its FusedError again."""
+    from stages.onnx import fused
+
+    if isinstance(built, Path):
+        return built
+    raise built if isinstance(built, fused.FusedError) else fused.FusedError("not built", "")
+
+
 def _auto(
     ctx: StageContext,
     release: ReleaseSpec,
@@ -257,8 +288,10 @@ def _auto(
     samples: calib.Samples,
     budget: AccuracyBudget,
     export: Path,
+    built: Path | Exception | None = None,
 ) -> StageResult:
-    """method auto: the recipe search (stages/quant/recipes.py); its table is the report."""
+    """method auto: the recipe search (stages/quant/recipes.py); its table is the report.
+    `built`: the fused recipe's graph, built first (`_prebuild`), or why it could not be."""
     probe = samples.calibration[: q.calibration.sensitivity_samples]
     fp32 = search.session_for(pre)  # one session: references and decode feeds
     searcher = recipes.Search(
@@ -272,7 +305,7 @@ def _auto(
         sum(f.stat().st_size for f in export.glob("model.onnx*")),
         _served_rows(release),
         fp32,
-        _fused_builder(ctx, release),
+        lambda cfg, folder: _prebuilt(built),
     )
     del fp32  # not held while variants are built and measured (peak memory)
     outcome = searcher.run()
@@ -329,7 +362,8 @@ def _auto(
         )
     )
     ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))
-    shutil.rmtree(ctx.work / "_variants")
+    shutil.rmtree(ctx.work / "_variants", ignore_errors=True)
+    shutil.rmtree(ctx.work / "_fused", ignore_errors=True)
     shutil.rmtree(pre.parent)
     chosen = next(r for r in outcome.table if r.chosen)
     details.chosen = outcome.recipe
@@ -373,6 +407,7 @@ def _fp32_fallback(
     )
     ctx.write(CalibrationUsed(path=samples.source, sha256=samples.sha256))
     shutil.rmtree(ctx.work / "_variants", ignore_errors=True)
+    shutil.rmtree(ctx.work / "_fused", ignore_errors=True)
     shutil.rmtree(pre.parent, ignore_errors=True)
     details.fallback = why
     ctx.log(f"{why}: the FP32 model ships (quantization.fallback fp32)")

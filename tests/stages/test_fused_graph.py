@@ -126,6 +126,35 @@ def test_right_padded_greedy_decoding_equals_each_prompt_alone(float_graph: Path
     assert kv.greedy(run, empty, True, prompts, 12).tolist() != alone  # left: misread
 
 
+def test_the_two_step_build_equals_the_builders_own_int4_graph(tmp_path: Path) -> None:
+    """fused.build writes float weights with the builder, then quantizes them in a second
+    process (the builder's own int4 path peaked at 3.1x the checkpoint): the same
+    quantizer and settings, so the same logits to the bit as the builder's `-p int4`."""
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path / "two"
+    ours = fused_graph(root)
+    source = tmp_path / "source"
+    source.mkdir()
+    for f in (root / "checkpoint").iterdir():
+        os.symlink(f, source / f.name)
+    os.symlink(Path("models/tiny-gpt2/tokenizer.json").resolve(), source / "tokenizer.json")
+    theirs = tmp_path / "builder"
+    command = [
+        sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source),
+        "-o", str(theirs), "-p", "int4", "-e", "cpu", "-c", str(tmp_path / "cache"),
+        "--extra_options", "hf_token=false", "accuracy_level=4", "block_size=32",
+    ]  # fmt: skip
+    subprocess.run(command, capture_output=True, check=True)
+    a, b = _session(ours), _session(theirs / "model.onnx")
+    ids = np.arange(100, 140)[None].astype(np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)} | _empty(a, 1)
+    got = a.run(["logits"], feeds | {"position_ids": ids * 0})[0]
+    assert np.array_equal(got, b.run(["logits"], feeds)[0])
+
+
 def test_an_architecture_the_builder_does_not_write_is_refused_with_the_fix(
     tmp_path: Path,
 ) -> None:
