@@ -173,6 +173,7 @@ def build(
                 )
             built = quantized
         _mark(built / "model.onnx", checkpoint)
+        _smoke(built / "model.onnx")
         out.mkdir(parents=True, exist_ok=True)
         for f in out.glob("model.onnx*"):
             f.unlink()
@@ -202,6 +203,20 @@ def _mark(path: Path, checkpoint: Path) -> None:
                 dim.dim_value = int(head)
             elif dim.dim_param in DIMS:
                 dim.dim_param = DIMS[dim.dim_param]
+    strange = sorted(
+        {
+            d.dim_param
+            for v in [*model.graph.input, *model.graph.output]
+            for d in v.type.tensor_type.shape.dim
+            if d.dim_param and d.dim_param not in DIMS.values()
+        }
+    )
+    if strange:  # e.g. Gemma 2's sliding-window layers: a cache of another shape
+        raise FusedError(
+            f"the builder wrote a graph whose inputs have dims {strange} (a sliding-window or "
+            "other cache the engine and the checks do not hold)",
+            "use `graph: traced` (drop recipe int4-weight-only-fused)",
+        )
     if all(i.name != "position_ids" for i in model.graph.input):
         positions = helper.make_tensor_value_info(
             "position_ids", TensorProto.INT64, ["batch", "sequence"]
@@ -222,6 +237,55 @@ def _mark(path: Path, checkpoint: Path) -> None:
     for key, value in marks.items():
         model.metadata_props.add(key=key, value=value)
     onnx.save(model, str(path))
+
+
+def _smoke(path: Path) -> None:
+    """One pass of two tokens, then one cached step: a graph its own kernels refuse (a
+    setting the builder wrote that onnxruntime cannot run) is a FusedError here, not a
+    crash in the measurements after."""
+    import numpy as np
+    import onnxruntime as ort
+
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+        feeds = {
+            n: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for i in pasts for n in [i.name]
+        }
+        ids = np.array([[1, 2]], np.int64)
+        names = [o.name for o in session.get_outputs()]
+        out = dict(
+            zip(
+                names,
+                session.run(
+                    names,
+                    feeds
+                    | {
+                        "input_ids": ids,
+                        "attention_mask": np.ones_like(ids),
+                        "position_ids": ids * 0,
+                    },
+                ),
+                strict=True,
+            )
+        )
+        step = {i.name: out[i.name.replace("past_key_values.", "present.")] for i in pasts}
+        one = np.array([[3]], np.int64)
+        session.run(
+            ["logits"],
+            step
+            | {
+                "input_ids": one,
+                "attention_mask": np.ones((1, 3), np.int64),
+                "position_ids": one * 0,
+            },
+        )
+    except Exception as exc:  # onnxruntime's own refusals: a clear reason, never a traceback
+        why = " ".join(str(exc).split())[:300]
+        raise FusedError(
+            f"onnxruntime cannot run the graph the builder wrote: {why}",
+            "use `graph: traced` (drop recipe int4-weight-only-fused)",
+        ) from None
 
 
 def builder_of(path: Path) -> str:

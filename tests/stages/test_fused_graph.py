@@ -355,3 +355,15 @@ def test_auto_goes_on_past_a_fused_recipe_the_builder_cannot_write(tmp_path: Pat
     assert first["recipe"] == "int4-weight-only-fused" and not first["chosen"]
     assert "could not be built" in first["why"] and "GPT2LMHeadModel" in first["why"]
     assert second["recipe"] == "int8-dynamic-per-channel" and second["chosen"]
+
+
+def test_a_sliding_window_family_is_refused_not_crashed(tmp_path: Path) -> None:
+    """Gemma 2's builder graph keeps a sliding-window cache (another input shape, a kernel
+    that refuses an empty past): refused at the build with the fix, so the recipe search
+    goes on to the traced recipes (it crashed quantize in the architecture matrix)."""
+    from stages.onnx import fused
+
+    with pytest.raises(fused.FusedError) as caught:
+        fused_graph(tmp_path, name="Gemma 2")
+    assert "graph: traced" in caught.value.fix
+    assert not (tmp_path / "fused").exists()
