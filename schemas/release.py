@@ -234,7 +234,7 @@ class ReleaseSpec(Strict):
         fused = getattr(q, "graph", "traced") == "fused" or "int4-weight-only-fused" in getattr(
             q, "recipes", []
         )
-        if fused and (self.task != "causal-lm" or self.model.kind != "hf"):
+        if fused and (not TASKS[self.task].kv_cache or self.model.kind != "hf"):
             raise ValueError(
                 f"quantization.graph fused (and recipe int4-weight-only-fused) rebuilds a "
                 f"causal-lm decoder from a Hugging Face checkpoint; this release is task "

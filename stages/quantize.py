@@ -21,6 +21,7 @@ from schemas.quantsearch import (
     SensitivityRow,
 )
 from schemas.spec.quantization import AccuracyBudget, dtype_of
+from schemas.tasks import TASKS
 from stages._contract import Plot, StageContext, StageIO, StageResult, link_or_copy, write_json
 from stages.onnx import model as m
 from stages.quant import accuracy as acc
@@ -249,7 +250,7 @@ def _fused_builder(ctx: StageContext, release: ReleaseSpec) -> Callable[[Any, Pa
     from stages.onnx import fused
 
     def build(cfg: Any, folder: Path) -> Path:
-        if release.task != "causal-lm" or not isinstance(release.model, HfModel):
+        if not TASKS[release.task].kv_cache or not isinstance(release.model, HfModel):
             raise fused.FusedError(
                 f"a fused graph is a causal-lm decoder from a Hugging Face folder, not task "
                 f"{release.task} ({release.model.kind})",

@@ -159,7 +159,7 @@ class WeightOnly(QuantizedBase):
         default="traced",
         description="`traced`: the export's graph with its MatMuls quantized (mixed "
         "precision may keep the most damaging in float). `fused` (causal-lm; Llama, Mistral, "
-        "Qwen2/3, Phi-3, Gemma/Gemma 2 checkpoints): the decoder rebuilt from the checkpoint "
+        "Qwen2/3, Phi-3, Gemma checkpoints): the decoder rebuilt from the checkpoint "
         "by onnxruntime-genai's model builder, one kernel per norm, attention (its KV cache "
         "updated in place by the engine, rows right-padded) and projection, every projection "
         "quantized: 341 kernels a step instead of ~4,800 on a 30-layer decoder, 1.1-1.3x "

@@ -53,8 +53,7 @@ ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
     "GemmaForCausalLM",
-    "Gemma2ForCausalLM",
-)
+)  # not Gemma 2: the builder keeps its sliding-window layers' cache in another shape
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
