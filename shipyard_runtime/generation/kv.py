@@ -34,6 +34,28 @@ def positions_from_mask(mask: np.ndarray, width: int) -> np.ndarray:
     return cast(np.ndarray, positions[:, positions.shape[-1] - width :].astype(np.int64))
 
 
+def _drop_free(cache: Batch | Slots, keep: int, per_row: str) -> bool:
+    """Free slots beyond `keep` leave `cache`: the last row moves into a free one (its
+    pasts and its `per_row` array's row: the mask or the lengths) and every array ends a
+    row earlier (a view). Whether any row left."""
+    cache.wanted = keep
+    dropped = False
+    while cache.free > keep:
+        last = len(cache.keys) - 1
+        rows = getattr(cache, per_row)
+        if cache.keys[last] is not None:
+            row = cache.keys.index(None)
+            for array in cache.past.values():
+                array[row] = array[last]
+            rows[row] = rows[last]
+            cache.keys[row] = cache.keys[last]
+        cache.keys.pop()
+        cache.past = {n: v[:last] for n, v in cache.past.items()}
+        setattr(cache, per_row, rows[:last])
+        dropped = True
+    return dropped
+
+
 class Batch:
     """Rows of running sequences (None: a free slot): their pasts and their mask."""
 
@@ -119,18 +141,7 @@ class Batch:
         """Free slots beyond `keep` leave the batch without a copy of the cache: the last
         row moves into a free one (one row's copy) and the arrays end a row earlier (a
         view). Rows are independent (stages/onnx/invariant.py), so order changes nothing."""
-        self.wanted = keep
-        while self.free > keep:
-            last = len(self.keys) - 1
-            if self.keys[last] is not None:
-                row = self.keys.index(None)
-                for array in self.past.values():
-                    array[row] = array[last]
-                self.mask[row] = self.mask[last]
-                self.keys[row] = self.keys[last]
-            self.keys.pop()
-            self.past = {n: v[:last] for n, v in self.past.items()}
-            self.mask = self.mask[:last]
+        _drop_free(self, keep, "mask")
 
     def compact(self, keep: int = 0) -> None:
         """Drop the columns no row uses any more and the free slots but `keep` of them."""
@@ -257,18 +268,7 @@ class Slots:
     def drop_free(self, keep: int) -> None:
         """Free slots beyond `keep` leave: the last row moves into a free one (one row's
         copy) and the buffers end a row earlier (a view, still contiguous)."""
-        self.wanted = keep
-        while self.free > keep:
-            last = len(self.keys) - 1
-            if self.keys[last] is not None:
-                row = self.keys.index(None)
-                for array in self.past.values():
-                    array[row] = array[last]
-                self.lengths[row] = self.lengths[last]
-                self.keys[row] = self.keys[last]
-            self.keys.pop()
-            self.past = {n: v[:last] for n, v in self.past.items()}
-            self.lengths = self.lengths[:last]
+        if _drop_free(self, keep, "lengths"):
             self.version += 1
 
     def compact(self, keep: int = 0) -> None:
