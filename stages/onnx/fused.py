@@ -245,40 +245,19 @@ def _smoke(path: Path) -> None:
     import numpy as np
     import onnxruntime as ort
 
+    def tokens(ids: list[int], total: int) -> dict[str, np.ndarray]:
+        row = np.array([ids], np.int64)
+        mask = np.ones((1, total), np.int64)
+        return {"input_ids": row, "attention_mask": mask, "position_ids": row * 0}
+
     try:
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
-        feeds = {
-            n: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for i in pasts for n in [i.name]
-        }
-        ids = np.array([[1, 2]], np.int64)
+        empty = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for i in pasts}
         names = [o.name for o in session.get_outputs()]
-        out = dict(
-            zip(
-                names,
-                session.run(
-                    names,
-                    feeds
-                    | {
-                        "input_ids": ids,
-                        "attention_mask": np.ones_like(ids),
-                        "position_ids": ids * 0,
-                    },
-                ),
-                strict=True,
-            )
-        )
-        step = {i.name: out[i.name.replace("past_key_values.", "present.")] for i in pasts}
-        one = np.array([[3]], np.int64)
-        session.run(
-            ["logits"],
-            step
-            | {
-                "input_ids": one,
-                "attention_mask": np.ones((1, 3), np.int64),
-                "position_ids": one * 0,
-            },
-        )
+        out = dict(zip(names, session.run(names, empty | tokens([1, 2], 2)), strict=True))
+        cache = {i.name: out[i.name.replace("past_key_values.", "present.")] for i in pasts}
+        session.run(["logits"], cache | tokens([3], 3))
     except Exception as exc:  # onnxruntime's own refusals: a clear reason, never a traceback
         why = " ".join(str(exc).split())[:300]
         raise FusedError(
