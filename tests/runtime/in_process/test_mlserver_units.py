@@ -707,6 +707,10 @@ def test_a_graph_with_position_ids_is_fed_them_at_every_step() -> None:
         def get_outputs(self) -> list[Port]:
             return [Port("logits", ["b", "s", 16]), Port("present.0.key", ["b", 1, "t", 2])]
 
+        def get_modelmeta(self) -> Any:
+            """As ONNX Runtime's: no metadata (a traced graph, left-padded rows)."""
+            return type("Meta", (), {"custom_metadata_map": {}})()
+
         def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
             fed.append(dict(feeds))
             batch, n = feeds["input_ids"].shape
