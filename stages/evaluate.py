@@ -70,51 +70,56 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     samples = [calib.to_feeds(task, lay, row) for row in rows]
     names = [t.name for t in lay.outputs]
     export = ctx.upstream("export") / "model.onnx"
-    # the two sessions built at once: building one (loading, optimizing its graph) is one
-    # thread's work, and onnxruntime lets go of the GIL (2.3 s -> 1.2 s on llama-30)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        shipped = pool.submit(
-            ort.InferenceSession,
-            str(ctx.upstream("quantize") / "model.onnx"),
-            providers=["CPUExecutionProvider"],
-        )
-        with stream.external_view(export) as view:
-            fp32 = ort.InferenceSession(str(view), providers=["CPUExecutionProvider"])
-            independent = rows_independent(view)  # the view: the structure alone, read fast
-        session = shipped.result()
-    reference: Run = lambda feeds: fp32.run(names, feeds)  # noqa: E731
-    candidate: Run = lambda feeds: session.run(names, feeds)  # noqa: E731
     shipped_path = ctx.upstream("quantize") / "model.onnx"
-    apart = TASKS[task].kv_cache and rows_independent(shipped_path)
+    kv_task = TASKS[task].kv_cache
+    apart = kv_task and rows_independent(shipped_path)
     # a fused graph's rows are right-padded (stages/onnx/fused.py): its passes run as
     # right-padded groups where its own padding leaves a row alone (checked: another
     # kernel than FP32's), and its prompts decode right-padded
     left = fused.padding_side(shipped_path) == "left"
-    if apart and not left:
-        apart = acc.padding_is_inert(session, samples)
+    with ThreadPoolExecutor(max_workers=1) as pool, stream.external_view(export) as view:
+        # building the FP32 session is one core's work (1.5-2.4 s on llama-30; onnxruntime
+        # lets go of the GIL): the shipped graph's session, its padding check and its
+        # decode run on the other core meanwhile, none of them reading FP32
+        building = pool.submit(reference_session, view)
+        session = ort.InferenceSession(str(shipped_path), providers=["CPUExecutionProvider"])
+        candidate: Run = lambda feeds: session.run(names, feeds)  # noqa: E731
+        if apart and not left:
+            apart = acc.padding_is_inert(session, samples)
+        haves = (
+            shipped_decode(candidate, lay, samples, cfg.decode, apart, not left)
+            if kv_task
+            else None
+        )
+        independent = rows_independent(view)  # the view: the structure alone, read fast
+        fp32 = building.result()
+    reference: Run = lambda feeds: fp32.run(names, feeds)  # noqa: E731
     agree = acc.Agreement(task)  # a group of samples at a time: no dataset's logits kept
     groups, padded = acc.pass_groups(fp32, samples)
     inert = not padded or acc.padding_is_inert(fp32, samples)
     if not inert:  # padding moved a row: one sample a run, groups still in turn
         groups, padded = acc.pass_groups(fp32, samples, pad=False)
+    budget = budget_of(release.quantization, task)
+    texts = budget.greedy_agreement_min is not None and kv_task
+    decodes = kv_task and bool(samples) and acc.cacheable(fp32, samples[0]) and independent
+    # FP32's cache of the prompts it decodes, kept from its pass (their prefill is free)
+    prefixes = Prefixes(lay, prompt_rows(samples, cfg.decode, texts)) if decodes else None
     with ctx.progress(f"{len(samples)} samples", len(samples)) as advance:
         for group in groups:
             for ref, got, feeds, i in compare(
-                group, padded, samples, fp32, session, names[0], apart
+                group, padded, samples, fp32, session, names[0], apart, prefixes
             ):
                 agree.add(ref, got, feeds, i)
             advance(len(group))
     compared = agree.result()
     metrics = task_metrics(task, compared)
-    budget = budget_of(release.quantization, task)
-    texts = budget.greedy_agreement_min is not None and TASKS[task].kv_cache
     generated, wanted = None, None
-    if TASKS[task].kv_cache and samples and acc.cacheable(fp32, samples[0]) and independent:
-        generated, wanted = reference_generations(reference, lay, samples, cfg.decode, texts)
-    if TASKS[task].kv_cache:
-        metrics |= decode_metrics(
-            reference, candidate, lay, samples, cfg.decode, apart, wanted, right=not left
+    if prefixes is not None:
+        generated, wanted = reference_generations(
+            reference, lay, samples, cfg.decode, texts, prefixes
         )
+    if haves is not None:
+        metrics |= decode_metrics(reference, lay, samples, cfg.decode, haves, wanted)
     measured = contract_metrics(
         task, compared, budget, fp32, session, samples, apart and inert, generated
     )
@@ -157,14 +162,23 @@ def compare(
     session: Any,
     name: str,
     batched: bool,
+    prefixes: Prefixes | None = None,
 ) -> list[Pair]:
     """One group of samples (acc.pass_groups) through FP32, its outputs kept, then through
     the shipped graph: each sample's (reference, shipped, feeds, place in the dataset) for
     acc.Agreement.add. A `padded` group runs as one right-padded batch through FP32, and
     through the shipped graph too when its rows are independent (`batched`); else one
     sample a run (a per-call INT8 scale spans every row: a row would depend on its
-    batch-mates)."""
-    refs = acc.run_group(fp32, name, samples, group, padded)
+    batch-mates). `prefixes`: FP32's cache of the prompts it will decode, kept from this
+    run for each sample of the group that starts one."""
+    if prefixes is not None and prefixes.wants(group):
+        axes = {name: 1, **prefixes.axes}
+        outs = acc.run_group_outputs(fp32, axes, samples, group, padded)
+        for out, i in zip(outs, group, strict=True):
+            prefixes.keep(i, out)
+        refs = [out[name] for out in outs]
+    else:
+        refs = acc.run_group(fp32, name, samples, group, padded)
     gots = acc.run_group(session, name, samples, group, padded and batched)
     return [(ref, got, samples[i], i) for ref, got, i in zip(refs, gots, group, strict=True)]
 
@@ -255,11 +269,13 @@ def greedy(
     tokens: int,
     prefill_rows: int | None = None,
     right: bool = False,
+    first: dict[str, np.ndarray] | None = None,
 ) -> list[list[int]]:
     """Greedy decoding with the KV-cache graph (kvcache.greedy): the prompts together, for
     a graph whose rows do not depend on each other (FP32, per-token INT8), or one alone;
     the prefill in runs of `prefill_rows` rows when given; `right`: a graph whose rows are
-    right-padded (a fused graph)."""
+    right-padded (a fused graph); `first`: the prefill's outputs, already computed
+    (kv.greedy)."""
     feeds = calib.to_feeds("causal-lm", lay, {"input_ids": prompts[0][None, :]})  # KV tasks
     empty = {t.name: feeds[t.name] for t in lay.inputs if t.name.startswith(kv.PAST)}
     names = [t.name for t in lay.outputs]
@@ -268,8 +284,90 @@ def greedy(
     def by_name(f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return dict(zip(names, run(f), strict=True))
 
-    made = kv.greedy(by_name, empty, positions, prompts, tokens, prefill_rows, right)
+    made = kv.greedy(by_name, empty, positions, prompts, tokens, prefill_rows, right, first)
     return [[int(i) for i in row] for row in made]
+
+
+def reference_session(path: Path) -> Any:
+    """The FP32 reference's session. Graph optimization stops at the extended level: the
+    layout level (NCHWc, for convolutions) took 0.7 of 2.2 s to build llama-30's FP32 export
+    and changed none of its outputs' bits (measured on the evaluation set and its decode)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def prompt_rows(
+    samples: list[dict[str, np.ndarray]], cfg: DecodeConfig, texts: bool
+) -> list[tuple[int, int]]:
+    """(sample, prompt tokens) of each prompt reference_generations decodes, in its rows'
+    order: the contract's (acc.GREEDY_* prompts and tokens; only when `texts`), then the
+    evaluation.decode prompts. Every prompt is the start of an evaluation sample."""
+    lengths = [int(s["input_ids"].shape[1]) for s in samples]
+    chosen = range(min(acc.GREEDY_PROMPTS, len(samples))) if texts else range(0)
+    decoded = range(min(cfg.prompts, len(samples)))
+    return [(i, min(acc.GREEDY_PROMPT_TOKENS, lengths[i])) for i in chosen] + [
+        (i, min(cfg.prompt_tokens, lengths[i])) for i in decoded
+    ]
+
+
+class Prefixes:
+    """FP32's prefill of the prompts reference_generations decodes, kept from its pass over
+    the evaluation set instead of computed again: every prompt is the start of a sample,
+    and in a causal graph a prefix's cache and last logits are the same in the longer run
+    (right padding after a row included: evaluate holds FP32's padding inert first, else
+    runs one sample a run). Only each prompt's last logits and cache are kept (llama-30:
+    46 KB a token), never a sample's logits. On llama-30 the prefill was 1.0 s of 14."""
+
+    def __init__(self, lay: sh.Layout, rows: list[tuple[int, int]]) -> None:
+        self.rows = rows
+        self._longest: dict[int, int] = {}
+        for i, n in rows:
+            self._longest[i] = max(n, self._longest.get(i, 0))
+        # each present's sequence axis (past and new tokens: shapes.TOTAL)
+        self.axes = {
+            t.name: t.axes.index(sh.TOTAL) for t in lay.outputs if t.name.startswith(kv.PRESENT)
+        }
+        self._caches: dict[int, dict[str, np.ndarray]] = {}
+        self._last: dict[tuple[int, int], np.ndarray] = {}
+
+    def wants(self, group: list[int]) -> bool:
+        return any(i in self._longest for i in group)
+
+    def keep(self, i: int, out: dict[str, np.ndarray]) -> None:
+        """Sample `i`'s run (its logits and presents, sliced to its own length)."""
+        if i not in self._longest:
+            return
+        longest = self._longest[i]
+        self._caches[i] = {
+            name: np.take(out[name], np.arange(longest), axis=axis).copy()
+            for name, axis in self.axes.items()
+        }
+        for j, n in self.rows:
+            if j == i:
+                self._last[(i, n)] = out["logits"][:, n - 1 : n].copy()
+
+    def first(self) -> dict[str, np.ndarray]:
+        """The prefill's outputs for kv.greedy's `first`: each row's last logits, and its
+        cache at the right of the widest prompt, zeros on its left (left-padded rows)."""
+        missing = sorted({i for i, _ in self.rows} - set(self._caches))
+        if missing:
+            raise RuntimeError(f"samples {missing} ran without their prompts' cache kept")
+        width = max(n for _, n in self.rows)
+        out = {"logits": np.concatenate([self._last[row] for row in self.rows])}
+        for name, axis in self.axes.items():
+            cache = self._caches[self.rows[0][0]][name]
+            shape = list(cache.shape)
+            shape[0], shape[axis] = len(self.rows), width
+            block = np.zeros(shape, cache.dtype)
+            for r, (i, n) in enumerate(self.rows):
+                at: list[Any] = [slice(r, r + 1)] + [slice(None)] * (cache.ndim - 1)
+                at[axis] = slice(width - n, width)
+                block[tuple(at)] = np.take(self._caches[i][name], np.arange(n), axis=axis)
+            out[name] = block
+        return out
 
 
 def reference_generations(
@@ -278,6 +376,7 @@ def reference_generations(
     samples: list[dict[str, np.ndarray]],
     cfg: DecodeConfig,
     texts: bool,
+    prefixes: Prefixes | None = None,
 ) -> tuple[list[tuple[dict[str, np.ndarray], int]] | None, list[list[int]]]:
     """FP32's greedy text for both of evaluate's uses, decoded as one batch: the contract's
     (acc.GREEDY_* prompts and tokens: what acc.greedy_continuations returns, the text the
@@ -285,51 +384,63 @@ def reference_generations(
     evaluation.decode prompts' continuations). For an FP32 graph whose rows cannot move
     each other (`rows_independent`): a row's tokens are the same in any batch, and a step
     over every row reads the weights once instead of once a batch (a 30-layer FP32 decode
-    step is the weights' bytes moved, ~55 ms here). The prefill runs in rows whose logits
-    fit acc.LOGITS_BYTES."""
-    chosen = samples[: acc.GREEDY_PROMPTS] if texts else []
-    text_prompts = [s["input_ids"][0, : acc.GREEDY_PROMPT_TOKENS] for s in chosen]
-    decode_prompts = [s["input_ids"][0, : cfg.prompt_tokens] for s in samples][: cfg.prompts]
-    prompts = text_prompts + decode_prompts
+    step is the weights' bytes moved, ~55 ms here). The prefill is `prefixes`' (kept from
+    the pass over the evaluation set) when given, else run here in rows whose logits fit
+    acc.LOGITS_BYTES."""
+    rows = prompt_rows(samples, cfg, texts) if prefixes is None else prefixes.rows
+    prompts = [samples[i]["input_ids"][0, :n] for i, n in rows]
+    chosen = [(samples[i], p) for (i, _), p in zip(rows, prompts, strict=True)]
+    chosen = chosen[: min(acc.GREEDY_PROMPTS, len(samples)) if texts else 0]
     tokens = max(cfg.tokens, acc.GREEDY_TOKENS if texts else 0)
     width = max(p.size for p in prompts)
     vocab = lay.outputs[0].axes[-1] if lay.outputs and lay.outputs[0].axes else None
-    rows = acc.LOGITS_BYTES // (width * vocab * 4) if isinstance(vocab, int) else 1
-    made = greedy(reference, lay, prompts, tokens, max(1, rows))
+    fit = acc.LOGITS_BYTES // (width * vocab * 4) if isinstance(vocab, int) else 1
+    first = None if prefixes is None else prefixes.first()
+    made = greedy(reference, lay, prompts, tokens, max(1, fit), first=first)
     generated = [
         (
-            acc.with_ids(sample, np.concatenate([prompt, made[i][: acc.GREEDY_TOKENS]])[None, :]),
+            acc.with_ids(sample, np.concatenate([prompt, made[r][: acc.GREEDY_TOKENS]])[None, :]),
             prompt.size,
         )
-        for i, (sample, prompt) in enumerate(zip(chosen, text_prompts, strict=True))
+        for r, (sample, prompt) in enumerate(chosen)
     ]
-    wanted = [row[: cfg.tokens] for row in made[len(text_prompts) :]]
+    wanted = [row[: cfg.tokens] for row in made[len(chosen) :]]
     return (generated if texts else None), wanted
 
 
-def decode_metrics(
-    reference: Run,
+def shipped_decode(
     candidate: Run,
     lay: sh.Layout,
     samples: list[dict[str, np.ndarray]],
     cfg: DecodeConfig,
     batched: bool = False,
-    wanted: list[list[int]] | None = None,
     right: bool = False,
-) -> dict[str, float]:
-    """Exact-match rate of whole continuations, and of tokens, vs the reference's (decoded
-    here unless given: `wanted`, reference_generations)."""
+) -> list[list[int]]:
+    """The shipped graph's greedy tokens for the evaluation.decode prompts: together when
+    its rows are independent (`batched`; right-padded for a fused graph, `right`), else one
+    prompt a call (a per-call INT8 scale spans every row: a row would depend on its
+    batch-mates)."""
     prompts = [s["input_ids"][0, : cfg.prompt_tokens] for s in samples][: cfg.prompts]
-    exact, same = 0, 0
-    # the FP32 reference decodes the prompts as one batch; the shipped graph too when its
-    # rows are independent (`batched`), else one prompt a call (a per-call INT8 scale
-    # spans every row: a row would depend on its batch-mates)
+    if batched:
+        return greedy(candidate, lay, prompts, cfg.tokens, right=right)
+    return [greedy(candidate, lay, [prompt], cfg.tokens)[0] for prompt in prompts]
+
+
+def decode_metrics(
+    reference: Run,
+    lay: sh.Layout,
+    samples: list[dict[str, np.ndarray]],
+    cfg: DecodeConfig,
+    haves: list[list[int]],
+    wanted: list[list[int]] | None = None,
+) -> dict[str, float]:
+    """Exact-match rate of whole continuations, and of tokens, of the shipped graph's
+    (`haves`, shipped_decode) vs the reference's (decoded here, the prompts as one batch,
+    unless given: `wanted`, reference_generations)."""
+    prompts = [s["input_ids"][0, : cfg.prompt_tokens] for s in samples][: cfg.prompts]
     if wanted is None:
         wanted = greedy(reference, lay, prompts, cfg.tokens)
-    if batched:
-        haves = greedy(candidate, lay, prompts, cfg.tokens, right=right)
-    else:
-        haves = [greedy(candidate, lay, [prompt], cfg.tokens)[0] for prompt in prompts]
+    exact, same = 0, 0
     for want, have in zip(wanted, haves, strict=True):
         exact += want == have
         same += sum(a == b for a, b in zip(want, have, strict=True))

@@ -50,6 +50,7 @@ def greedy(
     tokens: int,
     prefill_rows: int | None = None,
     right: bool = False,
+    first: dict[str, np.ndarray] | None = None,
 ) -> np.ndarray:
     """Greedy decoding through a KV-cache graph, the one decoder of the checks (evaluate's
     decode metrics, quantize's reference text): `prompts` prefilled in one run, left-padded
@@ -63,7 +64,12 @@ def greedy(
     wide as its longest prompt (`_prefill_in_runs`), for such a backend only. `right`: a
     graph whose rows are right-padded (stages/onnx/fused.py): each prompt at the start of
     its row, its first token read at its own last position, and each step's new token at
-    its row's length (the mask ones up to it: the graph writes it over the padding)."""
+    its row's length (the mask ones up to it: the graph writes it over the padding).
+    `first`: the prefill's outputs, already computed (left-padded rows: each row's last
+    logits [rows, 1, vocab] and its presents with zeros on the left, as `_prefill_in_runs`
+    returns them): evaluate takes FP32's from its pass over the evaluation set."""
+    if first is not None and right:
+        raise ValueError("a given prefill is left-padded: not for a right-padded graph")
     rows, width = len(prompts), max(p.size for p in prompts)
     lengths = np.array([p.size for p in prompts])
     ids = np.zeros((rows, width), np.int64)
@@ -79,7 +85,9 @@ def greedy(
         feeds |= {"input_ids": step, "attention_mask": mask}
         if positions:
             feeds[sh.POSITIONS] = sh.positions_from_mask(mask, step.shape[1])
-        if k == 0 and prefill_rows is not None and not right:
+        if k == 0 and first is not None and not right:
+            out = first
+        elif k == 0 and prefill_rows is not None and not right:
             out = _prefill_in_runs(run, feeds, [p.size for p in prompts], prefill_rows, empty)
         else:
             out = run(feeds)

@@ -281,10 +281,35 @@ def run_group(
     """Output `name` of each sample of `group` (acc.pass_groups), one [1, its tokens, ...]
     array a sample: one right-padded run when `padded` (each row sliced to its own length),
     else one run a sample."""
+    return [out[name] for out in run_group_outputs(session, {name: 1}, samples, group, padded)]
+
+
+def run_group_outputs(
+    session: Any,
+    axes: dict[str, int],
+    samples: list[dict[str, np.ndarray]],
+    group: list[int],
+    padded: bool,
+) -> list[dict[str, np.ndarray]]:
+    """run_group for several outputs: each of `axes`' outputs of each sample of `group`, a
+    right-padded run's rows each sliced to its own length on the output's token axis
+    (`axes[name]`: 1 for logits, the cache's sequence axis for a present)."""
+    names = list(axes)
     if not padded or len(group) == 1:
-        return [session.run([name], samples[i])[0] for i in group]
-    many = session.run([name], right_padded([samples[i] for i in group]))[0]
-    return [many[r : r + 1, : samples[i]["input_ids"].shape[-1]] for r, i in enumerate(group)]
+        return [dict(zip(names, session.run(names, samples[i]), strict=True)) for i in group]
+    many = dict(
+        zip(names, session.run(names, right_padded([samples[i] for i in group])), strict=True)
+    )
+    out = []
+    for r, i in enumerate(group):
+        length = samples[i]["input_ids"].shape[-1]
+        row = {}
+        for name, value in many.items():
+            cut: list[slice] = [slice(r, r + 1)] + [slice(None)] * (value.ndim - 1)
+            cut[axes[name]] = slice(0, length)
+            row[name] = value[tuple(cut)]
+        out.append(row)
+    return out
 
 
 def padding_is_inert(session: Any, samples: list[dict[str, np.ndarray]]) -> bool:

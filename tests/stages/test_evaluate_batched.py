@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 
 from schemas.artifacts import ModelInfo
 from stages import evaluate
+from stages.onnx import kvcache as kv
 from stages.onnx import model as m
 from stages.quant import accuracy as acc
 from stages.quant import calibration as calib
@@ -343,3 +344,57 @@ def test_quantizes_evaluator_keeps_a_leaking_graphs_text_one_a_run(
     gpt2, _ = _eval_samples(built_gpt2)
     fp32 = _session(built_gpt2.out("tiny-gpt2", "export") / "model.onnx")
     assert search.Evaluator("causal-lm", fp32, gpt2[:16], greedy=True)._inert
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_the_prefill_kept_from_the_pass_decodes_the_same_text(
+    built_gpt2: Workspace, padded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """evaluate keeps FP32's cache of each prompt from its pass over the evaluation set
+    (right-padded groups, or one sample a run) instead of prefilling the prompts again: the
+    contract's text and the decode metrics' tokens are the ones the prefill run here gives,
+    and each sample's logits are its own."""
+    from schemas.spec.evaluation import DecodeConfig
+
+    samples, lay = _eval_samples(built_gpt2)
+    fp32 = evaluate.reference_session(built_gpt2.out("tiny-gpt2", "export") / "model.onnx")
+    names = [t.name for t in lay.outputs]
+    run = lambda feeds: fp32.run(names, feeds)  # noqa: E731
+    # small groups: the prompts' samples spread over several runs and widths
+    vocab = fp32.get_outputs()[0].shape[-1]
+    monkeypatch.setattr(acc, "LOGITS_BYTES", 5 * 40 * vocab * 4)
+    cfg = DecodeConfig(prompts=5, prompt_tokens=8, tokens=20)
+    rows = evaluate.prompt_rows(samples, cfg, texts=True)
+    assert len(rows) == acc.GREEDY_PROMPTS + 5 and {n for _, n in rows[-5:]} == {8}
+    assert any(n < acc.GREEDY_PROMPT_TOKENS for _, n in rows[:16])  # a sample shorter than one
+    prefixes = evaluate.Prefixes(lay, rows)
+    groups, _ = acc.pass_groups(fp32, samples, pad=padded)
+    assert len(groups) > 2 and (not padded or max(len(g) for g in groups) > 1)
+    for group in groups:
+        pairs = evaluate.compare(group, padded, samples, fp32, fp32, "logits", True, prefixes)
+        for ref, _, feeds, i in pairs:
+            assert i in group and feeds is samples[i]
+            np.testing.assert_allclose(ref, fp32.run(["logits"], samples[i])[0], atol=1e-4)
+    kept, kept_wanted = evaluate.reference_generations(run, lay, samples, cfg, True, prefixes)
+    made, made_wanted = evaluate.reference_generations(run, lay, samples, cfg, True)
+    assert kept is not None and made is not None and kept_wanted == made_wanted
+    assert [(f["input_ids"].tolist(), n) for f, n in kept] == [
+        (f["input_ids"].tolist(), n) for f, n in made
+    ]
+    assert all(set(f) == set(samples[0]) for f, _ in kept)
+
+
+def test_a_prompt_whose_cache_was_not_kept_is_refused(built_gpt2: Workspace) -> None:
+    """The prefill is refused, not decoded from zeros, when a prompt's sample ran without
+    its cache kept; and a kept prefill is for left-padded rows only."""
+    from schemas.spec.evaluation import DecodeConfig
+
+    samples, lay = _eval_samples(built_gpt2)
+    fp32 = evaluate.reference_session(built_gpt2.out("tiny-gpt2", "export") / "model.onnx")
+    prefixes = evaluate.Prefixes(lay, evaluate.prompt_rows(samples, DecodeConfig(), False))
+    evaluate.compare([0], False, samples, fp32, fp32, "logits", True, prefixes)  # one of them
+    with pytest.raises(RuntimeError, match=r"samples \[1, 2"):
+        prefixes.first()
+    prefixes.keep(99, {})  # a sample that starts no prompt: nothing kept, nothing read
+    with pytest.raises(ValueError, match="right-padded"):
+        kv.greedy(lambda f: {}, {}, False, [np.array([1])], 1, right=True, first={"x": np.zeros(1)})
