@@ -106,10 +106,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     prefixes = Prefixes(lay, prompt_rows(samples, cfg.decode, texts)) if decodes else None
     with ctx.progress(f"{len(samples)} samples", len(samples)) as advance:
         for group in groups:
-            for ref, got, feeds, i in compare(
-                group, padded, samples, fp32, session, names[0], apart, prefixes
-            ):
-                agree.add(ref, got, feeds, i)
+            agree.add_many(
+                compare(group, padded, samples, fp32, session, names[0], apart, prefixes)
+            )
             advance(len(group))
     compared = agree.result()
     metrics = task_metrics(task, compared)

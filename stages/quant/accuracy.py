@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -37,8 +39,9 @@ class Agreement:
         # each sample's terms, in the order the old running sums added them
         self._terms: dict[int, tuple[list[tuple[str, float]], int, int, int]] = {}
         # float64 room for a chunk's two copies and the perplexity's scratch, kept between
-        # samples (fresh ones cost their page faults every chunk)
-        self._room = np.empty((3, 0, 0))
+        # samples (fresh ones cost their page faults every chunk): one a thread (add_many)
+        self._local = threading.local()
+        self._pool: Any = None
 
     def add(
         self,
@@ -58,12 +61,13 @@ class Agreement:
         # `_nll` reads it): each chunk's float64 copies serve its perplexity too
         ids = feeds["input_ids"][0] if self.language_model else None
         targets = ids[1:] if ids is not None and ref.shape[0] == 1 else None
-        if self._room.shape[2] != r_all.shape[-1]:
-            self._room = np.empty((3, self.ROWS, r_all.shape[-1]))  # pages as they are used
+        kept = getattr(self._local, "room", None)
+        if kept is None or kept.shape[2] != r_all.shape[-1]:
+            kept = self._local.room = np.empty((3, self.ROWS, r_all.shape[-1]))  # paged in use
         for start in range(0, len(r_all), self.ROWS):
             r32, g32 = r_all[start : start + self.ROWS], g_all[start : start + self.ROWS]
             same = r32.argmax(1) == g32.argmax(1)  # float32: float64 holds the same values
-            r, g, scratch = (room[: len(r32)] for room in self._room)
+            r, g, scratch = (room[: len(r32)] for room in kept)
             np.copyto(r, r32)  # float64 copies: the values of astype, in kept room
             np.copyto(g, g32)
             rr, gg = np.einsum("ij,ij->i", r, r), np.einsum("ij,ij->i", g, g)
@@ -93,6 +97,21 @@ class Agreement:
                 tokens = targets.size
         self._terms[index] = (terms, rows, same_count, tokens)
 
+    THREADS = 2  # numpy lets go of the GIL in these loops: 0.75 -> 0.45 s on llama-30
+
+    def add_many(
+        self, pairs: Iterable[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], int]]
+    ) -> None:
+        """`add` for each (reference, shipped, feeds, index), on THREADS threads kept until
+        `result` (each with its own room: THREADS x 3 x ROWS x vocabulary float64). A
+        sample's terms are computed alone and kept by its index, so the result is the same
+        bits as adding the samples one by one, in any order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="agreement")
+        list(self._pool.map(lambda pair: self.add(*pair), pairs))  # raises what add raised
+
     @property
     def per_sample(self) -> list[dict[str, float]]:
         """Each sample's own top-1 agreement and mean cosine, in the dataset's order: which
@@ -120,6 +139,9 @@ class Agreement:
         return sums, rows, same, tokens
 
     def result(self) -> dict[str, float]:
+        if self._pool is not None:  # add_many's threads and their rooms
+            self._pool.shutdown()
+            self._pool = None
         sums, rows, same, tokens = self._totals()
         signal, noise = sums["signal"], sums["noise"]
         snr = 10 * float(np.log10(signal / noise)) if noise else 200.0

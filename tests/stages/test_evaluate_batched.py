@@ -48,6 +48,15 @@ def test_the_metrics_are_the_same_bits_in_any_order(task: str) -> None:
     assert shuffled.per_sample == in_order.per_sample  # a failure names the same samples
     with pytest.raises(ValueError, match="sample 2 was added twice"):
         shuffled.add(samples[2][0], samples[2][1], samples[2][2], index=2)
+    # on two threads, each with its own room, in two batches: the same bits again
+    threaded = acc.Agreement(task)
+    order = [int(i) for i in rng.permutation(len(samples))]
+    threaded.add_many((*samples[i], i) for i in order[:4])
+    threaded.add_many((*samples[i], i) for i in order[4:])
+    with pytest.raises(ValueError, match="sample 5 was added twice"):
+        threaded.add_many([(*samples[5], 5)])
+    assert threaded.result() == in_order.result()
+    assert threaded.per_sample == in_order.per_sample
 
 
 def _eval_samples(ws: Workspace) -> tuple[list[dict[str, np.ndarray]], Any]:
