@@ -104,10 +104,20 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     decodes = kv_task and bool(samples) and acc.cacheable(fp32, samples[0]) and independent
     # FP32's cache of the prompts it decodes, kept from its pass (their prefill is free)
     prefixes = Prefixes(lay, prompt_rows(samples, cfg.decode, texts)) if decodes else None
+    # the shipped graph's cache of the contract's prompts, for its teacher forcing through
+    # that cache: where its rows are independent and its own cache can be fed back
+    through = texts and prefixes is not None and apart and inert
+    if through and acc.cacheable(session, samples[0]):
+        texts_rows = prompt_rows(samples, cfg.decode, texts)[
+            : min(acc.GREEDY_PROMPTS, len(samples))
+        ]
+        shipped = Prefixes(lay, texts_rows)
+    else:
+        shipped = None
     with ctx.progress(f"{len(samples)} samples", len(samples)) as advance:
         for group in groups:
             agree.add_many(
-                compare(group, padded, samples, fp32, session, names[0], apart, prefixes)
+                compare(group, padded, samples, fp32, session, names[0], apart, prefixes, shipped)
             )
             advance(len(group))
     compared = agree.result()
@@ -119,8 +129,12 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         )
     if haves is not None:
         metrics |= decode_metrics(reference, lay, samples, cfg.decode, haves, wanted)
+    cached = None
+    if shipped is not None and generated is not None:
+        kept = shipped
+        cached = lambda texts: forced_through_cache(candidate, lay, kept, texts)  # noqa: E731
     measured = contract_metrics(
-        task, compared, budget, fp32, session, samples, apart and inert, generated
+        task, compared, budget, fp32, session, samples, apart and inert, generated, cached
     )
     # Absolute bounds hold whatever the baseline; changes vs production are the gate's job.
     baselines = reference_values(metrics)
@@ -162,6 +176,7 @@ def compare(
     name: str,
     batched: bool,
     prefixes: Prefixes | None = None,
+    shipped: Prefixes | None = None,
 ) -> list[Pair]:
     """One group of samples (acc.pass_groups) through FP32, its outputs kept, then through
     the shipped graph: each sample's (reference, shipped, feeds, place in the dataset) for
@@ -169,17 +184,28 @@ def compare(
     through the shipped graph too when its rows are independent (`batched`); else one
     sample a run (a per-call INT8 scale spans every row: a row would depend on its
     batch-mates). `prefixes`: FP32's cache of the prompts it will decode, kept from this
-    run for each sample of the group that starts one."""
-    if prefixes is not None and prefixes.wants(group):
-        axes = {name: 1, **prefixes.axes}
-        outs = acc.run_group_outputs(fp32, axes, samples, group, padded)
-        for out, i in zip(outs, group, strict=True):
-            prefixes.keep(i, out)
-        refs = [out[name] for out in outs]
-    else:
-        refs = acc.run_group(fp32, name, samples, group, padded)
-    gots = acc.run_group(session, name, samples, group, padded and batched)
+    run for each sample of the group that starts one; `shipped`: the shipped graph's of the
+    prompts it is teacher-forced after (forced_through_cache)."""
+    refs = _run_keeping(fp32, name, samples, group, padded, prefixes)
+    gots = _run_keeping(session, name, samples, group, padded and batched, shipped)
     return [(ref, got, samples[i], i) for ref, got, i in zip(refs, gots, group, strict=True)]
+
+
+def _run_keeping(
+    session: Any,
+    name: str,
+    samples: list[dict[str, np.ndarray]],
+    group: list[int],
+    padded: bool,
+    prefixes: Prefixes | None,
+) -> list[np.ndarray]:
+    """acc.run_group, the cache of each prompt `prefixes` wants kept from the same run."""
+    if prefixes is None or not prefixes.wants(group):
+        return acc.run_group(session, name, samples, group, padded)
+    outs = acc.run_group_outputs(session, {name: 1, **prefixes.axes}, samples, group, padded)
+    for out, i in zip(outs, group, strict=True):
+        prefixes.keep(i, out, name)
+    return [out[name] for out in outs]
 
 
 def contract_metrics(
@@ -191,12 +217,14 @@ def contract_metrics(
     samples: list[dict[str, np.ndarray]],
     batched: bool = False,
     generated: list[tuple[dict[str, np.ndarray], int]] | None = None,
+    cached: Callable[[list[tuple[dict[str, np.ndarray], int]]], float] | None = None,
 ) -> dict[str, float]:
     """The metric of every bound the contract gives, measured as quantize measures it: the
     comparison's (top-1, cosine, SNR, perplexity increase) and, for a language model, the
     greedy agreement on text the FP32 session `fp32` generates (acc.GREEDY_* prompts and
-    tokens), the shipped `session` fed it in batches when its rows are independent
-    (`batched`), else one text a run."""
+    tokens), the shipped `session` fed it through its cache when `cached` is given
+    (forced_through_cache), else in batches when its rows are independent (`batched`),
+    else one text a run."""
     out = {}
     for field, (metric, _) in BUDGET_METRICS.items():
         if getattr(budget, field) is not None and metric in compared:
@@ -206,7 +234,9 @@ def contract_metrics(
         # through the cache), then the shipped graph teacher-forced on it
         if generated is None:
             generated = acc.greedy_continuations(fp32, samples)
-        if batched:
+        if cached is not None:  # through the shipped graph's cache (forced_through_cache)
+            out["greedy_agreement"] = cached(generated)
+        elif batched:
             out["greedy_agreement"] = acc.teacher_forced_together(session, generated)
         else:
             out["greedy_agreement"] = acc.greedy_agreement(session, generated)
@@ -335,8 +365,9 @@ class Prefixes:
     def wants(self, group: list[int]) -> bool:
         return any(i in self._longest for i in group)
 
-    def keep(self, i: int, out: dict[str, np.ndarray]) -> None:
-        """Sample `i`'s run (its logits and presents, sliced to its own length)."""
+    def keep(self, i: int, out: dict[str, np.ndarray], name: str = "logits") -> None:
+        """Sample `i`'s run (its logits, output `name`, and presents, sliced to its own
+        length)."""
         if i not in self._longest:
             return
         longest = self._longest[i]
@@ -346,14 +377,27 @@ class Prefixes:
         }
         for j, n in self.rows:
             if j == i:
-                self._last[(i, n)] = out["logits"][:, n - 1 : n].copy()
+                self._last[(i, n)] = out[name][:, n - 1 : n].copy()
+
+    def _complete(self) -> None:
+        missing = sorted({i for i, _ in self.rows} - set(self._caches))
+        if missing:
+            raise RuntimeError(f"samples {missing} ran without their prompts' cache kept")
+
+    def prompt(self, i: int, n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Sample `i`'s prompt of `n` tokens: its last logits [1, 1, vocab] and its cache
+        as the graph's past inputs (one row, `n` tokens)."""
+        self._complete()
+        past = {
+            name.replace(kv.PRESENT, kv.PAST): np.take(cache, np.arange(n), axis=self.axes[name])
+            for name, cache in self._caches[i].items()
+        }
+        return self._last[(i, n)], past
 
     def first(self) -> dict[str, np.ndarray]:
         """The prefill's outputs for kv.greedy's `first`: each row's last logits, and its
         cache at the right of the widest prompt, zeros on its left (left-padded rows)."""
-        missing = sorted({i for i, _ in self.rows} - set(self._caches))
-        if missing:
-            raise RuntimeError(f"samples {missing} ran without their prompts' cache kept")
+        self._complete()
         width = max(n for _, n in self.rows)
         out = {"logits": np.concatenate([self._last[row] for row in self.rows])}
         for name, axis in self.axes.items():
@@ -405,6 +449,41 @@ def reference_generations(
     ]
     wanted = [row[: cfg.tokens] for row in made[len(chosen) :]]
     return (generated if texts else None), wanted
+
+
+def forced_through_cache(
+    candidate: Run,
+    lay: sh.Layout,
+    prefixes: Prefixes,
+    generated: list[tuple[dict[str, np.ndarray], int]],
+) -> float:
+    """The contract's greedy agreement (acc.teacher_forced: the share of FP32's greedy
+    tokens the shipped graph picks, fed FP32's text) through the shipped graph's own
+    cache: each text's prompt cache and last logits kept from its pass over the
+    evaluation set (`prefixes`, one row a text), then the text's FP32 tokens fed as one
+    chunk with that past, as the engine prefills a prompt in chunks. For a graph whose
+    rows cannot move each other (a cached run is then the full pass's to float rounding:
+    kvcheck holds it there), never a per-call INT8 scale's (its scale moves with the
+    call's shape). llama-30: 1.1 s of full passes -> 0.5 s."""
+    names = [t.name for t in lay.outputs]
+    positions = any(t.name == sh.POSITIONS for t in lay.inputs)
+    same = total = 0
+    for (feeds, prompt), (i, n) in zip(generated, prefixes.rows, strict=True):
+        if n != prompt:
+            raise ValueError(f"sample {i}: a prompt of {prompt} tokens, {n} kept")
+        ids = feeds["input_ids"][0]
+        last, past = prefixes.prompt(i, n)
+        picks = [int(last[0, -1].argmax())]
+        if ids.size - prompt > 1:  # the text's tokens but its last, after the prompt
+            mask = np.ones((1, ids.size - 1), np.int64)
+            chunk = {"input_ids": ids[None, prompt:-1], "attention_mask": mask, **past}
+            if positions:
+                chunk[sh.POSITIONS] = sh.positions_from_mask(mask, ids.size - 1 - prompt)
+            logits = dict(zip(names, candidate(chunk), strict=True))["logits"]
+            picks += [int(t) for t in logits[0].argmax(-1)]
+        same += sum(a == b for a, b in zip(picks, ids[prompt:].tolist(), strict=True))
+        total += ids.size - prompt
+    return same / max(total, 1)
 
 
 def shipped_decode(

@@ -407,3 +407,77 @@ def test_a_prompt_whose_cache_was_not_kept_is_refused(built_gpt2: Workspace) -> 
     prefixes.keep(99, {})  # a sample that starts no prompt: nothing kept, nothing read
     with pytest.raises(ValueError, match="right-padded"):
         kv.greedy(lambda f: {}, {}, False, [np.array([1])], 1, right=True, first={"x": np.zeros(1)})
+
+
+def forced_both_ways(
+    fp32: Any, shipped: Any, samples: list[dict[str, np.ndarray]], lay: Any, padded: bool
+) -> tuple[float, float, float]:
+    """The contract's greedy agreement on FP32's own text, the shipped graph teacher-forced
+    through the cache its pass kept (evaluate.forced_through_cache), and the same by full
+    passes, one text a run (acc.teacher_forced); and FP32's through its own kept cache."""
+    generated = acc.greedy_continuations(fp32, samples)
+    rows = [(i, prompt) for i, (_, prompt) in enumerate(generated)]
+    kept = {"fp32": evaluate.Prefixes(lay, rows), "shipped": evaluate.Prefixes(lay, rows)}
+    groups, _ = acc.pass_groups(fp32, samples, pad=padded)
+    for group in groups:
+        evaluate.compare(
+            group, padded, samples, fp32, shipped, "logits", True, kept["fp32"], kept["shipped"]
+        )
+    names = [t.name for t in lay.outputs]
+    through = {
+        key: evaluate.forced_through_cache(
+            lambda feeds, s=session: s.run(names, feeds), lay, kept[key], generated
+        )
+        for key, session in (("fp32", fp32), ("shipped", shipped))
+    }
+    full = acc.teacher_forced(lambda feeds: shipped.run(["logits"], feeds)[0], generated)
+    return through["shipped"], full, through["fp32"]
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_teacher_forcing_through_the_kept_cache_picks_what_full_passes_pick(
+    built_gpt2: Workspace, padded: bool, tmp_path: Path
+) -> None:
+    """evaluate teacher-forces a shipped graph whose rows are independent through the cache
+    its pass kept (each text's FP32 tokens fed as one chunk after its prompt's cache): the
+    same agreement as one full pass a text on the per-token INT8 graph, and FP32 picks its
+    own text (a cache fed at the wrong positions would not)."""
+    samples, lay = _eval_samples(built_gpt2)
+    export = built_gpt2.out("tiny-gpt2", "export") / "model.onnx"
+    fp32 = _session(export)
+    path = built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
+    assert evaluate.rows_independent(path)
+    through, full, own = forced_both_ways(fp32, _session(path), samples, lay, padded)
+    assert own == 1.0
+    assert through == full
+    # weights moved until the graph disagrees with FP32 at some tokens, its rows still
+    # its own: the same picks through the cache as by full passes
+    noisy = _perturbed(export, tmp_path / "noisy.onnx")
+    through, full, _ = forced_both_ways(fp32, _session(noisy), samples, lay, padded)
+    assert through == full
+    assert 0.3 < full < 0.95, full
+
+
+def _perturbed(path: Path, out: Path, scale: float = 1.5) -> Path:
+    """The FP32 graph with every float matrix moved by seeded noise (scale x its spread)."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    rng = np.random.default_rng(0)
+    for init in model.graph.initializer:
+        value = numpy_helper.to_array(init)
+        if value.dtype == np.float32 and value.ndim == 2 and value.size > 256:
+            moved = value + rng.normal(scale=scale * value.std(), size=value.shape)
+            init.CopyFrom(numpy_helper.from_array(moved.astype(np.float32), init.name))
+    onnx.save(model, str(out))
+    return out
+
+
+def test_a_prompt_kept_at_another_length_is_refused(built_gpt2: Workspace) -> None:
+    samples, lay = _eval_samples(built_gpt2)
+    fp32 = _session(built_gpt2.out("tiny-gpt2", "export") / "model.onnx")
+    generated = acc.greedy_continuations(fp32, samples)[:2]
+    kept = evaluate.Prefixes(lay, [(0, generated[0][1] - 1), (1, generated[1][1])])
+    evaluate.compare([0, 1], False, samples, fp32, fp32, "logits", True, None, kept)
+    with pytest.raises(ValueError, match="sample 0"):
+        evaluate.forced_through_cache(lambda f: fp32.run(None, f), lay, kept, generated)

@@ -373,3 +373,31 @@ def test_a_sliding_window_family_is_refused_not_crashed(
     assert "past_sliding_length" in caught.value.reason
     assert "graph: traced" in caught.value.fix
     assert not (tmp_path / "fused").exists()
+
+
+def test_evaluate_teacher_forces_the_fused_graph_through_its_cache_as_full_passes_do(
+    fused_build: tuple[Any, dict[str, Any]],
+) -> None:
+    """The fused graph's rows are its own and its padding inert: evaluate feeds FP32's text
+    through the cache the fused graph's pass kept (GroupQueryAttention with a past and a
+    chunk of tokens, as the engine's chunked prefill); the agreement is the full passes'."""
+    from schemas.artifacts import ModelInfo
+    from stages.onnx import model as m
+    from stages.quant import accuracy as acc
+    from stages.quant import calibration as calib
+    from tests.stages.test_evaluate_batched import forced_both_ways
+
+    ws, spec = fused_build
+    release = ws.spec(spec)
+    out = ws.out(spec["name"], "export")
+    info = ModelInfo.model_validate_json((out / ModelInfo.FILE).read_text())
+    lay = m.layout_from_info(info)
+    data = release.evaluation.dataset
+    rows = calib.read_rows(ws.root, data, lay, 64, info.arch.vocab, "evaluation.dataset")
+    samples = [calib.to_feeds("causal-lm", lay, r) for r in rows[: data.samples]]
+    fp32 = _session(out / "model.onnx")
+    shipped = _session(ws.out(spec["name"], "quantize") / "model.onnx")
+    assert acc.padding_is_inert(shipped, samples)
+    through, full, own = forced_both_ways(fp32, shipped, samples, lay, padded=True)
+    assert own == 1.0
+    assert through == full and 0 < full <= 1, (through, full)
