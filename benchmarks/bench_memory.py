@@ -404,9 +404,11 @@ def fp32_forward(root: Path, spec: str, name: str) -> Callable[[], float]:
 
 
 def time_rounds(root: Path, spec: str, name: str, stages: list[str], rounds: int) -> str:
-    """Each stage with a time goal, `rounds` times, each run followed by one FP32 pass: the
-    ratio of each round, so a machine that speeds up or slows down moves both sides. Runs
-    without the memory sampler (its 10 ms reads of /proc cost the stage ~2 s of 12 here)."""
+    """Each stage with a time goal, `rounds` times, each run between two FP32 passes: the
+    ratio of each round to the mean of the passes on either side of it, so a machine that
+    speeds up or slows down within a round moves both sides (one pass after the run, as
+    before 2026-12-06, read rounds of one build from 2.4x to 3.6x here). Runs without the
+    memory sampler (its 10 ms reads of /proc cost the stage ~2 s of 12 here)."""
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "SHIPYARD_ROOT": str(root)}
     env["PYTHONPATH"] = str(root)
     one_pass = fp32_forward(root, spec, name)
@@ -415,6 +417,7 @@ def time_rounds(root: Path, spec: str, name: str, stages: list[str], rounds: int
         if stage not in TIME_GOALS:
             continue
         ratios, seconds = [], []
+        before = one_pass()
         for _ in range(rounds):
             start = time.perf_counter()
             subprocess.run(
@@ -426,7 +429,9 @@ def time_rounds(root: Path, spec: str, name: str, stages: list[str], rounds: int
                 check=True,
             )
             seconds.append(time.perf_counter() - start)
-            ratios.append(seconds[-1] / one_pass())
+            after = one_pass()
+            ratios.append(seconds[-1] / ((before + after) / 2))
+            before = after
         mid = statistics.median(ratios)
         lines.append(
             f"{stage:<10} x fwd median {mid:.2f} (rounds {', '.join(f'{r:.2f}' for r in ratios)};"
