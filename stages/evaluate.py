@@ -78,21 +78,21 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     # kernel than FP32's), and its prompts decode right-padded
     left = fused.padding_side(shipped_path) == "left"
     with ThreadPoolExecutor(max_workers=1) as pool, stream.external_view(export) as view:
-        # building the FP32 session is one core's work (1.5-2.4 s on llama-30; onnxruntime
-        # lets go of the GIL): the shipped graph's session, its padding check and its
-        # decode run on the other core meanwhile, none of them reading FP32
+        # building the FP32 session is one core's work (1.2-2.4 s on llama-30; onnxruntime
+        # lets go of the GIL): the shipped graph's session and its padding check run on
+        # the other core meanwhile, neither reading FP32
         building = pool.submit(reference_session, view)
         session = ort.InferenceSession(str(shipped_path), providers=["CPUExecutionProvider"])
         candidate: Run = lambda feeds: session.run(names, feeds)  # noqa: E731
         if apart and not left:
             apart = acc.padding_is_inert(session, samples)
-        haves = (
-            shipped_decode(candidate, lay, samples, cfg.decode, apart, not left)
-            if kv_task
-            else None
-        )
         independent = rows_independent(view)  # the view: the structure alone, read fast
         fp32 = building.result()
+    # the shipped decode after the build: its steps' two threads beside the build's one
+    # slowed the build more than they saved (llama-30, 14 interleaved runs: -0.3 to -0.6 s)
+    haves = (
+        shipped_decode(candidate, lay, samples, cfg.decode, apart, not left) if kv_task else None
+    )
     reference: Run = lambda feeds: fp32.run(names, feeds)  # noqa: E731
     agree = acc.Agreement(task)  # a group of samples at a time: no dataset's logits kept
     groups, padded = acc.pass_groups(fp32, samples)
