@@ -372,8 +372,8 @@ class Prefixes:
             return
         longest = self._longest[i]
         self._caches[i] = {
-            name: np.take(out[name], np.arange(longest), axis=axis).copy()
-            for name, axis in self.axes.items()
+            present: np.take(out[present], np.arange(longest), axis=axis).copy()
+            for present, axis in self.axes.items()
         }
         for j, n in self.rows:
             if j == i:
