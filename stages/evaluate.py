@@ -103,7 +103,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     texts = budget.greedy_agreement_min is not None and kv_task
     decodes = kv_task and bool(samples) and acc.cacheable(fp32, samples[0]) and independent
     # FP32's cache of the prompts it decodes, kept from its pass (their prefill is free)
-    prefixes = Prefixes(lay, prompt_rows(samples, cfg.decode, texts)) if decodes else None
+    kept = decodes and Prefixes.fits(lay)
+    prefixes = Prefixes(lay, prompt_rows(samples, cfg.decode, texts)) if kept else None
     # the shipped graph's cache of the contract's prompts, for its teacher forcing through
     # that cache: where its rows are independent and its own cache can be fed back
     through = texts and prefixes is not None and apart and inert
@@ -123,7 +124,7 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     compared = agree.result()
     metrics = task_metrics(task, compared)
     generated, wanted = None, None
-    if prefixes is not None:
+    if decodes:
         generated, wanted = reference_generations(
             reference, lay, samples, cfg.decode, texts, prefixes
         )
@@ -131,8 +132,8 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         metrics |= decode_metrics(reference, lay, samples, cfg.decode, haves, wanted)
     cached = None
     if shipped is not None and generated is not None:
-        kept = shipped
-        cached = lambda texts: forced_through_cache(candidate, lay, kept, texts)  # noqa: E731
+        held = shipped
+        cached = lambda texts: forced_through_cache(candidate, lay, held, texts)  # noqa: E731
     measured = contract_metrics(
         task, compared, budget, fp32, session, samples, apart and inert, generated, cached
     )
@@ -361,6 +362,13 @@ class Prefixes:
         }
         self._caches: dict[int, dict[str, np.ndarray]] = {}
         self._last: dict[tuple[int, int], np.ndarray] = {}
+
+    @staticmethod
+    def fits(lay: sh.Layout) -> bool:
+        """Whether every present names its sequence axis (an export's always does): else
+        FP32 decodes with its own prefill, as before."""
+        presents = [t for t in lay.outputs if t.name.startswith(kv.PRESENT)]
+        return bool(presents) and all(sh.TOTAL in t.axes for t in presents)
 
     def wants(self, group: list[int]) -> bool:
         return any(i in self._longest for i in group)

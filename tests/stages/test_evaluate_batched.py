@@ -481,3 +481,24 @@ def test_a_prompt_kept_at_another_length_is_refused(built_gpt2: Workspace) -> No
     evaluate.compare([0, 1], False, samples, fp32, fp32, "logits", True, None, kept)
     with pytest.raises(ValueError, match="sample 0"):
         evaluate.forced_through_cache(lambda f: fp32.run(None, f), lay, kept, generated)
+
+
+def test_a_layout_whose_cache_axis_is_unnamed_decodes_with_its_own_prefill(
+    built_gpt2: Workspace,
+) -> None:
+    """The kept prefill needs each present's sequence axis by name; a layout without it
+    (not an export's) is not given one, and FP32 prefills its prompts itself."""
+    from dataclasses import replace
+
+    from stages.onnx import shapes as sh
+
+    _, lay = _eval_samples(built_gpt2)
+    assert evaluate.Prefixes.fits(lay)
+    unnamed = [
+        replace(t, axes=tuple("seq" if a == sh.TOTAL else a for a in t.axes))
+        if t.name.startswith(kv.PRESENT)
+        else t
+        for t in lay.outputs
+    ]
+    assert not evaluate.Prefixes.fits(replace(lay, outputs=tuple(unnamed)))
+    assert not evaluate.Prefixes.fits(replace(lay, outputs=lay.outputs[:1]))  # no cache
