@@ -107,14 +107,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     prefixes = Prefixes(lay, prompt_rows(samples, cfg.decode, texts)) if kept else None
     # the shipped graph's cache of the contract's prompts, for its teacher forcing through
     # that cache: where its rows are independent and its own cache can be fed back
-    through = texts and prefixes is not None and apart and inert
-    if through and acc.cacheable(session, samples[0]):
-        texts_rows = prompt_rows(samples, cfg.decode, texts)[
-            : min(acc.GREEDY_PROMPTS, len(samples))
-        ]
-        shipped = Prefixes(lay, texts_rows)
-    else:
-        shipped = None
+    shipped = None
+    if texts and prefixes is not None and apart and inert and acc.cacheable(session, samples[0]):
+        shipped = Prefixes(lay, prefixes.rows[: min(acc.GREEDY_PROMPTS, len(samples))])
     with ctx.progress(f"{len(samples)} samples", len(samples)) as advance:
         for group in groups:
             agree.add_many(
@@ -494,6 +489,11 @@ def forced_through_cache(
     return same / max(total, 1)
 
 
+def decode_prompts(samples: list[dict[str, np.ndarray]], cfg: DecodeConfig) -> list[np.ndarray]:
+    """The evaluation.decode prompts: the first prompt_tokens of the first `prompts` samples."""
+    return [s["input_ids"][0, : cfg.prompt_tokens] for s in samples[: cfg.prompts]]
+
+
 def shipped_decode(
     candidate: Run,
     lay: sh.Layout,
@@ -506,7 +506,7 @@ def shipped_decode(
     its rows are independent (`batched`; right-padded for a fused graph, `right`), else one
     prompt a call (a per-call INT8 scale spans every row: a row would depend on its
     batch-mates)."""
-    prompts = [s["input_ids"][0, : cfg.prompt_tokens] for s in samples][: cfg.prompts]
+    prompts = decode_prompts(samples, cfg)
     if batched:
         return greedy(candidate, lay, prompts, cfg.tokens, right=right)
     return [greedy(candidate, lay, [prompt], cfg.tokens)[0] for prompt in prompts]
@@ -523,7 +523,7 @@ def decode_metrics(
     """Exact-match rate of whole continuations, and of tokens, of the shipped graph's
     (`haves`, shipped_decode) vs the reference's (decoded here, the prompts as one batch,
     unless given: `wanted`, reference_generations)."""
-    prompts = [s["input_ids"][0, : cfg.prompt_tokens] for s in samples][: cfg.prompts]
+    prompts = decode_prompts(samples, cfg)
     if wanted is None:
         wanted = greedy(reference, lay, prompts, cfg.tokens)
     exact, same = 0, 0
