@@ -187,10 +187,16 @@ class MemoryParts(_Model):
     total: int
 
 
-# the cache fed to a decode step, the presents ONNX Runtime builds from it (in its arena),
-# and their copy into the arrays the engine keeps: three copies for the length of a step
-# (measured: tests/stages/test_plan_models_the_engine.py, 3.04 copies at batch 8 x 898)
+# the traced graph's engine (kv.Batch): the cache fed to a decode step, the presents ONNX
+# Runtime builds from it (in its arena), and their copy into the arrays the engine keeps:
+# three copies for the length of a step (measured: tests/stages/test_plan_models_the_engine.py,
+# 3.04 copies at batch 8 x 898)
 KV_COPIES = 3
+# a fused graph's engine (kv.Slots) writes its cache in place: one copy, two while its
+# buffers are remade (a join, a growth or a compaction copies the rows kept into fresh
+# buffers), and a prompt's chunk beside them (CapacityPlan.kv_prefill_bytes) (measured: the
+# same test's fused variant)
+KV_COPIES_IN_PLACE = 2
 
 
 class CapacityPlan(Artifact):
@@ -203,6 +209,18 @@ class CapacityPlan(Artifact):
     device_bytes: int
     usable_bytes: int
     kv_dtype: str
+    kv_copies: int = Field(
+        default=KV_COPIES,
+        description="Copies of its KV budget the serving engine holds at its peak: 3 for the "
+        "traced graph (the past fed to a step, ONNX Runtime's presents, their copy), 2 for a "
+        "fused graph whose cache is written in place (its buffers remade in a growth).",
+    )
+    kv_prefill_bytes: int = Field(
+        default=0,
+        description="Held beside the budget by an engine that writes its cache in place (a "
+        "fused graph's): one sequence at cached_tokens, a prompt's chunk (the past fed and "
+        "the presents grown from it); 0 for the traced graph's, whose three copies cover it.",
+    )
     kv_bytes_per_sequence: int = Field(
         description="One sequence's cache at the extreme: kv_bytes_per_token x cached_tokens."
     )

@@ -1,8 +1,10 @@
 """plan: weights + KV cache + activations + overhead for the extreme case, vs the device.
 
 The extreme case is the engine that will serve at its limits: a KV-cache model's engine with
-its KV budget full (padded tokens across its rows, held three times for the length of a
-step), one prefill chunk and a decode step's activations for every row, and the weights as
+its KV budget full (padded tokens across its rows, held as many times as that engine holds
+it: three for the length of a step on the traced graph; on a fused graph, whose cache is
+written in place, twice while its buffers are remade and one prompt's chunk beside them),
+one prefill chunk and a decode step's activations for every row, and the weights as
 shipped (the quantized file: INT8 parts count as INT8). The rows and the budget are sized
 together (`_engine_rows`): the budget is what the device leaves, so the engine's rows are
 not limited to the sequences that fit at the full context all at once. A one-pass model's
@@ -10,10 +12,19 @@ extreme is every row of the batch at its full sequence."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from schemas import ReleaseSpec, StageError
-from schemas.artifacts import KV_COPIES, Arch, CapacityPlan, DimSizes, MemoryParts, ModelInfo
+from schemas.artifacts import (
+    KV_COPIES,
+    KV_COPIES_IN_PLACE,
+    Arch,
+    CapacityPlan,
+    DimSizes,
+    MemoryParts,
+    ModelInfo,
+)
 from schemas.spec.capacity import KV_BYTES
 from schemas.tasks import TASKS
 from stages._contract import StageContext, StageIO, StageResult
@@ -59,7 +70,8 @@ def io(release: ReleaseSpec) -> StageIO:
 def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
     info, quantized = ctx.read(ModelInfo), ctx.upstream("quantize")
     weights = sum(f.stat().st_size for f in quantized.glob("model.onnx*"))
-    plan = compute(release.capacity, info, release.task, weights)
+    fused = TASKS[release.task].kv_cache and in_place(quantized / "model.onnx")
+    plan = compute(release.capacity, info, release.task, weights, in_place=fused)
     ctx.write(plan)
     need, usable, ex = plan.extreme.total, plan.usable_bytes, plan.extreme
     parts = ", ".join(
@@ -76,7 +88,9 @@ def run(ctx: StageContext, release: ReleaseSpec) -> StageResult:
         if not plan.kv_budget_tokens
         else f"{plan.batch} engine row{'s' * (plan.batch != 1)}, a KV budget of "
         f"{plan.kv_budget_tokens} tokens ({plan.kv_budget_tokens / max(plan.cached_tokens, 1):.3g}"
-        f" x the longest sequence, {plan.cached_tokens})"
+        f" x the longest sequence, {plan.cached_tokens}, held {plan.kv_copies} times"
+        + (" and a prompt beside it: the fused" if plan.kv_prefill_bytes else ": the traced")
+        + " graph's engine)"
     )
     if need > usable:
         if not plan.max_batch_that_fits and ex.weights + ex.overhead < usable and ex.kv_cache:
@@ -118,8 +132,28 @@ class Shaped(Protocol):
     def arch(self) -> Arch: ...
 
 
-def compute(cap: CapacityConfig, info: Shaped, task: str, weights: int) -> CapacityPlan:
-    """The memory plan; linear in batch, so the largest fitting batch is exact."""
+def in_place(shipped: Path) -> bool:
+    """Whether the engine serving `shipped` writes its cache in place (kv.Slots): a fused
+    graph, marked right-padded (stages/onnx/fused.py); the traced graph's engine copies
+    every step's presents back (kv.Batch)."""
+    from stages.onnx.fused import padding_side
+
+    return padding_side(shipped) == "right"
+
+
+def compute(
+    cap: CapacityConfig, info: Shaped, task: str, weights: int, *, in_place: bool = False
+) -> CapacityPlan:
+    """The memory plan; linear in batch, so the largest fitting batch is exact.
+
+    `in_place`: the serving engine writes its cache in place (a fused graph): it holds its
+    KV budget twice (KV_COPIES_IN_PLACE, while its buffers are remade) and one sequence at
+    the full context beside it (a prompt's chunk: the past fed and the presents grown from
+    it); else three times (KV_COPIES), which covers its prefills. Two budgets and a
+    sequence never exceed three budgets (a budget holds a sequence at the full context), so
+    a plan for the traced engine holds the fused one: `shipyard init` and `validate` plan
+    that way, before quantize chose the graph (one sequence costs the same three times in
+    both)."""
     dims, arch = info.dims, info.arch
     export_context = sum(dims[d].max for d in ("sequence", "past_sequence") if d in dims)
     context = cap.max_context or export_context
@@ -150,24 +184,27 @@ def compute(cap: CapacityConfig, info: Shaped, task: str, weights: int) -> Capac
         min(context, dims["past_sequence"].max + 2) if kv and "past_sequence" in dims else context
     )
     kv_per_seq = per_token * cached
+    copies = KV_COPIES_IN_PLACE if in_place else KV_COPIES
+    prefill = kv_per_seq if in_place and kv else 0
     fixed_act, act_per_seq = activations(info, task, context)
     usable = int(cap.device_memory * cap.headroom)
-    fixed = weights + int(cap.runtime_overhead) + fixed_act
+    fixed = weights + int(cap.runtime_overhead) + fixed_act + prefill
     if kv and per_token:
         # a graph without a batch axis runs one row
         asked = cap.max_batch or (None if "batch" in dims else 1)
-        room, per_kv = usable - fixed, KV_COPIES * per_token
+        room, per_kv = usable - fixed, copies * per_token
         batch, fits, tokens = _engine_rows(asked, room, act_per_seq, per_kv, cached)
         fits = fits if "batch" in dims else min(fits, 1)
-        kv_bytes = KV_COPIES * per_token * tokens
+        kv_bytes = copies * per_token * tokens + prefill
     else:
         batch = cap.max_batch or (dims["batch"].max if "batch" in dims else 1)
-        # every row at the full context, held KV_COPIES times for the length of a step
-        per_seq = KV_COPIES * kv_per_seq + act_per_seq
+        # every row at the full context, held `copies` times
+        per_seq = copies * kv_per_seq + act_per_seq
         # with nothing that grows with the batch (a generic model), any batch fits or none
         whole = batch if fixed <= usable else 0
         fits = max(0, (usable - fixed) // per_seq) if per_seq else whole
-        tokens, kv_bytes = batch * cached if kv else 0, KV_COPIES * kv_per_seq * batch
+        tokens = batch * cached if kv else 0
+        kv_bytes = copies * kv_per_seq * batch + prefill
     parts = {
         "weights": weights,
         "kv_cache": kv_bytes,
@@ -187,6 +224,8 @@ def compute(cap: CapacityConfig, info: Shaped, task: str, weights: int) -> Capac
         kv_budget_tokens=tokens,
         activation_bytes_per_sequence=act_per_seq,
         kv_dtype=cap.kv_dtype,
+        kv_copies=copies,
+        kv_prefill_bytes=prefill,
     )
 
 
@@ -200,11 +239,12 @@ def _engine_rows(
     padded cache with it stays within the budget. So the rows it decodes together are sized
     from that budget, as vLLM's max_num_seqs is from its KV blocks: `room` (the device
     after weights, overhead and the prefill chunk) pays each row's decode activations, and
-    the rest is the budget (`per_token`: one token's cache, held KV_COPIES times). Rows fit
-    while the budget still holds one sequence at the full context (`cached` tokens) and
-    ROW_TOKENS for each row at once. The default is ROWS of them at most; the budget is
-    what is left, but never more than every row at the full context. When the asked rows do
-    not fit, the budget returned is what they need (the plan then fails with the numbers)."""
+    the rest is the budget (`per_token`: one token's cache, held as many times as the engine
+    holds it). Rows fit while the budget still holds one sequence at the full context
+    (`cached` tokens) and ROW_TOKENS for each row at once. The default is ROWS of them at
+    most; the budget is what is left, but never more than every row at the full context.
+    When the asked rows do not fit, the budget returned is what they need (the plan then
+    fails with the numbers)."""
     least = min(cached, ROW_TOKENS)
     per_row = max(1, per_row)
     fits = max(

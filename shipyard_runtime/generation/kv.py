@@ -88,9 +88,10 @@ class Batch:
         return len(self.keys) - len(self)
 
     @classmethod
-    def rounded(cls, tokens: int) -> int:
-        """The columns `tokens` cached tokens take (Slots round them up)."""
-        return tokens
+    def columns(cls, total: int) -> int:
+        """The most columns a sequence of `total` tokens (prompt + max_tokens) takes: its
+        row is padded to the longest (Slots round up to their capacity)."""
+        return total
 
     def reserve(self, rows: int, length: int) -> None:
         """Room for `rows` more sequences of up to `length` cached tokens, made in one copy
@@ -217,6 +218,13 @@ class Slots:
         up = -(-(tokens + 1) // self.STEP) * self.STEP
         return max(tokens + 1, min(up, self.most)) if self.most else up
 
+    def columns(self, total: int) -> int:
+        """The most capacity a sequence of `total` tokens (prompt + max_tokens) needs: it
+        caches total - 1 at most (its last token is never fed), written by a step that
+        read total - 2, so the capacity that holds total - 2 and the next one (never past
+        `most`: a sequence the engine admits has total <= most)."""
+        return self.rounded(max(total - 2, 0))
+
     def reserve(self, rows: int, length: int) -> None:
         """Room for `rows` more sequences of up to `length` cached tokens (and each one's
         next token), in one copy of the cache."""
@@ -234,7 +242,8 @@ class Slots:
             fresh = np.zeros(
                 (len(rows) + more, array.shape[1], capacity, array.shape[3]), self.dtype
             )
-            fresh[: len(rows), :, :keep] = array[rows, :, :keep]
+            for i, row in enumerate(rows):  # a view a row: array[rows] would copy the layer
+                fresh[i, :, :keep] = array[row, :, :keep]
             past[name] = fresh
         self.past = past
         self.lengths = np.concatenate([self.lengths[rows], np.zeros(more, np.int64)])

@@ -49,6 +49,27 @@ class Graph:
         logits, *present = self.session.run(["logits", *self.presents], feeds)
         return logits, dict(zip((n for n, _, _ in self.spec), present, strict=True))
 
+    def run_into(
+        self, feeds: dict[str, np.ndarray], length: int
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """As `run`, each present written into an array of `length` tokens made here (the
+        past fed and the new tokens), not one from ONNX Runtime's arena: the arena keeps the
+        largest blocks it ever gave, so a prompt's presents, chunk after chunk, stayed held
+        beside the engine's budget (on the plan test's fused decoder, 17-29 MiB more at its
+        peak)."""
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        binding.bind_output("logits", "cpu")
+        rows = len(feeds["input_ids"])
+        out = {}
+        for (name, heads, dim), present in zip(self.spec, self.presents, strict=True):
+            array = out[name] = np.empty((rows, heads, length, dim), self.dtype)
+            shape = list(array.shape)
+            binding.bind_output(present, "cpu", 0, array.dtype, shape, array.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy(), out
+
 
 Past = dict[str, np.ndarray]
 
@@ -119,7 +140,10 @@ class Runner:
         }
         if self.graph.positions:
             feeds["position_ids"] = positions_from_mask(mask, n)
-        logits, presents = self.graph.run(feeds)
+        if self.graph.in_place:  # presents of the past and the chunk, in arrays of ours
+            logits, presents = self.graph.run_into(feeds, done + n)
+        else:
+            logits, presents = self.graph.run(feeds)
         return logits[0, -1], presents
 
     def join(self, pasts: list[tuple[int, Past]], coming: tuple[int, int] = (0, 0)) -> None:

@@ -382,7 +382,7 @@ class Scheduler:
         active = {q.key: q for q in [*self.running.values(), *self.prefilling, seq]}.values()
         joining = len(active) - len(self.running)
         rows = len(self.batch.keys) + max(0, joining - self.batch.free)
-        return rows * self.batch.rounded(max(q.total for q in active))
+        return rows * self.batch.columns(max(q.total for q in active))
 
     def _start(self, seq: Sequence) -> None:
         if self.prefix is not None:

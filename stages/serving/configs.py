@@ -11,7 +11,6 @@ import yaml
 
 from schemas import Refused
 from schemas.artifacts import (
-    KV_COPIES,
     CapacityPlan,
     ModelInfo,
     ServingValues,
@@ -71,16 +70,20 @@ def serving_values(
     tokens = min(context, plan.cached_tokens) if plan.cached_tokens else context
     if engine:  # the plan's budget, no more than every row at the served context
         kv_bytes = plan.kv_bytes_per_token * min(plan.kv_budget_tokens, tokens * batch)
-        # what the device leaves for the cache (held KV_COPIES times) beside these rows
+        # what the device leaves for the cache (held as many times as the plan's engine
+        # holds it) beside these rows
         room = (
             plan.usable_bytes
             - plan.extreme.weights
             - plan.extreme.overhead
             - plan.extreme.activations
+            - plan.kv_prefill_bytes
             - plan.activation_bytes_per_sequence * (batch - plan.batch)
-        ) // KV_COPIES
-        source = "the device memory the plan leaves the cache (held 3x) after weights, "
-        source += "overhead and activations"
+        ) // plan.kv_copies
+        source = (
+            f"the device memory the plan leaves the cache (held {plan.kv_copies}x) after "
+            "weights, overhead and activations"
+        )
     else:
         kv_bytes = (
             plan.kv_bytes_per_token * tokens * batch

@@ -102,6 +102,31 @@ def test_the_capacity_never_rounds_past_the_most_a_row_holds(graph: Graph) -> No
     assert uncapped.rounded(63) == 64 and uncapped.rounded(64) == 128
 
 
+@pytest.mark.parametrize(("prompt", "tokens", "most"), [(5, 2, 70), (40, 30, 70), (60, 5, 70), (60, 6, 70)])
+def test_the_budget_counts_the_capacity_a_sequence_reaches_and_no_more(
+    graph: Graph, prompt: int, tokens: int, most: int
+) -> None:
+    """The scheduler admits a sequence of prompt + max_tokens = total by `columns(total)`
+    a row. A sequence decoded to its end takes exactly that capacity (less, and a row would
+    outgrow what was counted; more, and the budget admits fewer rows than fit), and one at
+    the engine's longest (total = most, the plan's cached tokens) counts `most`: rows at the
+    plan's extreme fit a budget of rows x most (counted as most + 1, the plan's last row
+    waited for the first to leave)."""
+    runner = Runner(graph, most)
+    total = prompt + tokens
+    ids = list(range(3, 3 + total))
+    first, past = _prefilled(runner, ids[:prompt])
+    runner.join([(0, past)])
+    reached = runner.batch.length
+    for i in range(tokens - 1):  # the last token is generated, never fed
+        runner.decode({0: ids[prompt + i]})
+        reached = max(reached, runner.batch.length)
+    assert isinstance(runner.batch, Slots)
+    assert reached == runner.batch.columns(total), (reached, runner.batch.columns(total))
+    assert runner.batch.columns(most) == most  # the longest the engine admits
+    assert runner.batch.columns(total) <= most
+
+
 def test_a_free_slot_decodes_beside_rows_without_moving_them(graph: Graph) -> None:
     runner = Runner(graph, 256)
     a, b = list(range(20, 40)), list(range(70, 75))

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from schemas import StageError
-from schemas.artifacts import CapacityPlan, MemoryParts
+from schemas.artifacts import CapacityPlan, MemoryParts, ModelInfo
 from stages.serving.configs import serving_values
 from tests.conftest import Workspace, gpt2_spec, model_info
 
@@ -33,6 +33,89 @@ def test_plan_counts_weights_kv_cache_activations_and_overhead(built_gpt2: Works
         f.stat().st_size for f in built_gpt2.out("tiny-gpt2", "quantize").glob("model.onnx*")
     )
     assert extreme["weights"] == weights  # the quantized model, not the FP32 checkpoint
+
+
+def test_a_fused_graph_is_planned_for_the_engine_that_writes_its_cache_in_place(
+    built_gpt2: Workspace,
+) -> None:
+    """Issue 40 item 2: the plan reads the shipped graph's mark. Marked right-padded (a
+    fused graph, served with its cache in place), its budget is charged twice and one
+    sequence beside it; the same graph unmarked, three times. The serving config divides
+    what the device leaves by the plan's copies: the plan's own budget is accepted, one
+    token more refused."""
+    import onnx
+
+    from stages.onnx.fused import PADDING_KEY
+
+    shipped = built_gpt2.out("tiny-gpt2", "quantize") / "model.onnx"
+    original = shipped.read_bytes()
+    model = onnx.load(str(shipped), load_external_data=False)
+    onnx.helper.set_model_props(model, {PADDING_KEY: "right"})
+    roomy = json.loads((built_gpt2.out("tiny-gpt2", "plan") / "plan.json").read_text())
+    # a device that leaves room for half of the 16 rows' longest sequences, three times
+    ex = roomy["extreme"]
+    half = 3 * roomy["kv_bytes_per_token"] * roomy["kv_budget_tokens"] // 2
+    device = ex["weights"] + ex["overhead"] + ex["activations"] + half
+    spec = gpt2_spec(capacity={"device_memory": device, "headroom": 1.0})
+    try:
+        traced = built_gpt2.run("plan", spec)
+        three = json.loads((built_gpt2.out("tiny-gpt2", "plan") / "plan.json").read_text())
+        onnx.save(model, str(shipped))
+        fused = built_gpt2.run("plan", spec)
+        two = CapacityPlan.model_validate_json(
+            (built_gpt2.out("tiny-gpt2", "plan") / "plan.json").read_text()
+        )
+    finally:
+        shipped.write_bytes(original)
+        built_gpt2.run("plan", gpt2_spec())  # restore the shared workspace
+    assert traced.status.value == fused.status.value == "passed", fused.reasons
+    assert (three["kv_copies"], three["kv_prefill_bytes"]) == (3, 0)
+    assert (two.kv_copies, two.kv_prefill_bytes) == (2, two.kv_bytes_per_sequence)
+    token = two.kv_bytes_per_token
+    assert two.extreme.kv_cache == 2 * token * two.kv_budget_tokens + two.kv_prefill_bytes
+    # a device too small for 16 rows at their longest three times: in place, the same
+    # device holds more of them
+    assert three["batch"] < two.batch == two.max_batch_that_fits < 16
+    assert two.kv_budget_tokens == two.batch * two.cached_tokens
+    assert "held 2 times and a prompt beside it: the fused graph's engine" in fused.summary
+    assert "held 3 times: the traced graph's engine" in traced.summary
+    assert two.extreme.total <= two.usable_bytes
+    info = ModelInfo.model_validate_json(
+        (built_gpt2.out("tiny-gpt2", "export") / ModelInfo.FILE).read_text()
+    )
+    values = serving_values(release(), info, two, "int8")
+    assert values.max_batch_size == two.batch
+    assert values.kv_cache_budget == two.kv_budget_tokens * token
+
+
+def test_the_serving_budget_is_what_the_device_leaves_the_engines_copies() -> None:
+    """The serving config's KV budget check divides what the device leaves by the plan's
+    copies, less the prompt an in-place engine holds beside them: on a device whose budget
+    is less than every row at its longest (a 4000-token past), the plan's own budget is
+    accepted and one token more refused, for either engine; in place, the budget is larger
+    by what the third copy cost, less the prompt."""
+    from schemas.spec.capacity import CapacityConfig
+    from stages.plan import compute
+
+    info = model_info(
+        dims={"batch": {"max": 2}, "sequence": {"max": 64}, "past_sequence": {"max": 4000}},
+    )
+    cap = CapacityConfig(device_memory="40MiB", runtime_overhead=0, headroom=1.0)
+    traced = compute(cap, info, "causal-lm", 0)
+    fused = compute(cap, info, "causal-lm", 0, in_place=True)
+    token = fused.kv_bytes_per_token
+    for plan, copies in ((traced, 3), (fused, 2)):
+        assert plan.kv_copies == copies and plan.batch == 16
+        assert plan.cached_tokens <= plan.kv_budget_tokens < 16 * plan.cached_tokens
+        values = serving_values(release(), info, plan, "int8")
+        assert values.kv_cache_budget == plan.kv_budget_tokens * token
+        more = values.kv_cache_budget + token
+        with pytest.raises(StageError, match=rf"exceeds the device memory .*\(held {copies}x\)"):
+            serving_values(release(kv_cache_budget=more), info, plan, "int8")
+    room = cap.device_memory - traced.extreme.activations  # no weights, no overhead
+    assert traced.kv_budget_tokens == room // (3 * token)
+    assert fused.kv_budget_tokens == (room - fused.kv_prefill_bytes) // (2 * token)
+    assert fused.kv_prefill_bytes == fused.kv_bytes_per_sequence
 
 
 def test_plan_that_does_not_fit_fails_with_the_numbers(built_gpt2: Workspace) -> None:

@@ -1,6 +1,7 @@
 """The capacity plan models the engine that will serve (issue 40): its KV cache and
 activations at the planned extreme against the engine's own peak RSS, measured in a process
-of its own on a real export (8 layers, 1k-token context, batch 8)."""
+of its own on a real export (8 layers, 1k-token context, batch 8): the traced graph's
+engine (kv.Batch) and the fused graph's, which writes its cache in place (kv.Slots)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from schemas.artifacts import ModelInfo
+from schemas.artifacts import CapacityPlan, ModelInfo
 from schemas.spec.capacity import CapacityConfig
-from stages.plan import compute
+from stages.plan import Shaped, compute, in_place
 from tests.conftest import REPO, Workspace, gpt2_spec
 
 BATCH, CONTEXT, CHUNK = 8, 1024, 128
@@ -38,11 +39,14 @@ settings = EngineSettings(max_rows=batch, max_context=context, chunk=chunk,
                           max_past=context - chunk, kv_budget_tokens=int(sys.argv[5]))
 engine = Engine(graph, settings)
 import shipyard_runtime.generation.kv as kvm
-advance, slots = kvm.Batch.advance, [0]
-def counted(self, presents):  # the padded cache the batch held at its largest
-    advance(self, presents)
-    slots[0] = max(slots[0], len(self) * self.length)
-kvm.Batch.advance = counted
+slots = [0]
+def counting(advance):  # the padded cache the batch held at its largest (either kind)
+    def counted(self, *presents):
+        advance(self, *presents)
+        slots[0] = max(slots[0], len(self) * self.length)
+    return counted
+kvm.Batch.advance = counting(kvm.Batch.advance)
+kvm.Slots.advance = counting(kvm.Slots.advance)
 def run(n, prompt, tokens):
     done = []
     for i in range(n):
@@ -93,21 +97,13 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModelInfo]:
     return out / "model.onnx", info
 
 
-def test_the_plan_holds_the_engines_own_peak_at_the_planned_extreme(
-    export: tuple[Path, ModelInfo],
-) -> None:
-    """KV cache + activations planned for batch 8 at the export's longest sequence cover
-    what the engine really grows by there (within 3 % of allocator slack), and not by more
-    than 2x."""
-    path, info = export
-    plan = compute(CapacityConfig(device_memory="64GiB", max_batch=BATCH), info, "causal-lm", 0)
-    assert (plan.batch, plan.context) == (BATCH, CONTEXT)
-    assert plan.kv_budget_tokens == plan.cached_tokens * BATCH  # every row at its longest
-    planned = plan.extreme.kv_cache + plan.extreme.activations
-    assert plan.cached_tokens == CONTEXT - CHUNK + 2  # what the engine counts, not 1024
-    budget = str(plan.kv_budget_tokens)  # the serve stage's default budget
+def _engine_growth(path: Path, plan: CapacityPlan) -> int:
+    """The engine's peak RSS growth on `path` at the plan's extreme (BATCH rows at the
+    longest total the export allows, all in the batch together at the end), checked to
+    have reached it."""
     done = subprocess.run(
-        [sys.executable, "-c", ENGINE, str(path), str(BATCH), str(CONTEXT), str(CHUNK), budget],
+        [sys.executable, "-c", ENGINE, str(path), str(BATCH), str(CONTEXT), str(CHUNK)]
+        + [str(plan.kv_budget_tokens)],  # the serve stage's default budget
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -115,14 +111,100 @@ def test_the_plan_holds_the_engines_own_peak_at_the_planned_extreme(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rss = json.loads(done.stdout.strip().splitlines()[-1])
-    grown = rss["peak"] - rss["base"]
     # the run did reach the extreme: every row in the batch at (almost) the longest total
     # (rows prefilled one chunk apart finish a few steps apart, and leave at once)
     total = CONTEXT - CHUNK + 2
     assert rss["slots"] >= BATCH * (total - 1), (rss["slots"], BATCH * total)
+    return int(rss["peak"] - rss["base"])
+
+
+def test_the_plan_holds_the_engines_own_peak_at_the_planned_extreme(
+    export: tuple[Path, ModelInfo],
+) -> None:
+    """KV cache + activations planned for batch 8 at the export's longest sequence cover
+    what the engine really grows by there (within 3 % of allocator slack), and not by more
+    than 15 %."""
+    path, info = export
+    assert not in_place(path)  # the traced graph: three copies for the length of a step
+    plan = compute(CapacityConfig(device_memory="64GiB", max_batch=BATCH), info, "causal-lm", 0)
+    assert (plan.batch, plan.context, plan.kv_copies) == (BATCH, CONTEXT, 3)
+    assert plan.kv_budget_tokens == plan.cached_tokens * BATCH  # every row at its longest
+    planned = plan.extreme.kv_cache + plan.extreme.activations
+    assert plan.cached_tokens == CONTEXT - CHUNK + 2  # what the engine counts, not 1024
+    grown = _engine_growth(path, plan)
     kv_once = plan.kv_bytes_per_sequence * BATCH
     assert grown > 0.8 * kv_once, (grown, kv_once)
     print(f"engine grew {grown / 2**20:.1f} MiB; planned {planned / 2**20:.1f} MiB")
     # within the allocator's slack (which the plan's runtime_overhead reserves) of the plan
     assert grown <= planned * 1.03, (grown, planned, plan.extreme)
-    assert planned <= 2 * grown, (grown, planned, plan.extreme)
+    assert planned <= grown / 0.85, (grown, planned, plan.extreme)
+
+
+@pytest.fixture(scope="module")
+def fused_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Shaped]:
+    """init's default for a Llama-family decoder, the fused INT4 graph, with a KV cache as
+    large as the traced test's (8 layers, 4 KV heads of 64 for 8 query heads: 16 KiB a
+    token), and the shape the plan reads of it (what export records from the config)."""
+    import torch
+    import transformers
+
+    from pipelines.init import _Shape
+    from schemas.artifacts import Arch, DimSizes
+    from stages.onnx import fused
+    from stages.onnx.model import arch
+
+    root = tmp_path_factory.mktemp("plan-fused")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=8,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=1000,
+        max_position_embeddings=CONTEXT,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(root / "checkpoint")
+    path = fused.build(
+        root / "checkpoint",
+        root / "fused",
+        bits=4,
+        block_size=32,
+        symmetric=True,
+        accuracy_level=4,
+        tokenizer=REPO / "models" / "tiny-gpt2",
+    )
+    dims = {
+        "batch": DimSizes(min=1, opt=2, max=BATCH),
+        "sequence": DimSizes(min=1, opt=16, max=CHUNK),
+        "past_sequence": DimSizes(min=0, opt=16, max=CONTEXT - CHUNK),
+    }
+    return path, _Shape(dims, Arch(**arch(config.to_dict())))
+
+
+def test_the_plan_holds_the_in_place_engines_peak_and_charges_it_no_third_copy(
+    fused_export: tuple[Path, Shaped],
+) -> None:
+    """Issue 40 item 2 for init's default graph: the fused graph's engine writes its cache
+    in place (kv.Slots), so the plan charges its budget twice (its buffers remade as rows
+    join and grow) and one prompt's chunk beside it, not the traced engine's three copies.
+    That covers the engine's own peak at the extreme within 3 % and is within 15 % of it;
+    three copies would have overcharged by a third."""
+    path, shape = fused_export
+    assert in_place(path)
+    cap = CapacityConfig(device_memory="64GiB", max_batch=BATCH)
+    plan = compute(cap, shape, "causal-lm", 0, in_place=True)
+    assert (plan.kv_copies, plan.kv_prefill_bytes) == (2, plan.kv_bytes_per_sequence)
+    assert plan.kv_budget_tokens == plan.cached_tokens * BATCH == BATCH * (CONTEXT - CHUNK + 2)
+    kv_once = plan.kv_bytes_per_sequence * BATCH
+    assert plan.extreme.kv_cache == 2 * kv_once + plan.kv_bytes_per_sequence
+    planned = plan.extreme.kv_cache + plan.extreme.activations
+    grown = _engine_growth(path, plan)
+    traced = compute(cap, shape, "causal-lm", 0)  # what the plan charged before
+    print(
+        f"in-place engine grew {grown / 2**20:.1f} MiB; planned {planned / 2**20:.1f} MiB "
+        f"(three copies: {(traced.extreme.kv_cache + traced.extreme.activations) / 2**20:.1f})"
+    )
+    assert grown <= planned * 1.03, (grown, planned, plan.extreme)
+    assert planned <= grown / 0.85, (grown, planned, plan.extreme)
+    assert grown < 0.8 * (traced.extreme.kv_cache + traced.extreme.activations)
