@@ -213,7 +213,8 @@ class CapacityPlan(Artifact):
         default=KV_COPIES,
         description="Copies of its KV budget the serving engine holds at its peak: 3 for the "
         "traced graph (the past fed to a step, ONNX Runtime's presents, their copy), 2 for a "
-        "fused graph whose cache is written in place (its buffers remade in a growth).",
+        "fused graph whose cache is written in place (its buffers remade as rows join or "
+        "grow; a prompt beside them: kv_prefill_bytes).",
     )
     kv_prefill_bytes: int = Field(
         default=0,

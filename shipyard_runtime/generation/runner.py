@@ -55,8 +55,8 @@ class Graph:
         """As `run`, each present written into an array of `length` tokens made here (the
         past fed and the new tokens), not one from ONNX Runtime's arena: the arena keeps the
         largest blocks it ever gave, so a prompt's presents, chunk after chunk, stayed held
-        beside the engine's budget (on the plan test's fused decoder, 17-29 MiB more at its
-        peak)."""
+        beside the engine's budget (8 rows of 882-token prompts on the plan test's fused
+        decoder: 22 MiB, 1.5 sequences, more at the peak; docs/benchmarks.md)."""
         binding = self.session.io_binding()
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)

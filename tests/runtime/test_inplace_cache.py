@@ -102,7 +102,9 @@ def test_the_capacity_never_rounds_past_the_most_a_row_holds(graph: Graph) -> No
     assert uncapped.rounded(63) == 64 and uncapped.rounded(64) == 128
 
 
-@pytest.mark.parametrize(("prompt", "tokens", "most"), [(5, 2, 70), (40, 30, 70), (60, 5, 70), (60, 6, 70)])
+@pytest.mark.parametrize(
+    ("prompt", "tokens", "most"), [(5, 2, 70), (40, 30, 70), (60, 5, 70), (60, 6, 70)]
+)
 def test_the_budget_counts_the_capacity_a_sequence_reaches_and_no_more(
     graph: Graph, prompt: int, tokens: int, most: int
 ) -> None:
