@@ -97,10 +97,15 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModelInfo]:
     return out / "model.onnx", info
 
 
+def _weights(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.parent.glob("model.onnx*"))
+
+
 def _engine_growth(path: Path, plan: CapacityPlan) -> int:
     """The engine's peak RSS growth on `path` at the plan's extreme (BATCH rows at the
     longest total the export allows, all in the batch together at the end), checked to
-    have reached it."""
+    have reached it, and its whole peak (weights, runtime and all) checked to be within
+    the plan's extreme."""
     done = subprocess.run(
         [sys.executable, "-c", ENGINE, str(path), str(BATCH), str(CONTEXT), str(CHUNK)]
         + [str(plan.kv_budget_tokens)],  # the serve stage's default budget
@@ -115,6 +120,7 @@ def _engine_growth(path: Path, plan: CapacityPlan) -> int:
     # (rows prefilled one chunk apart finish a few steps apart, and leave at once)
     total = CONTEXT - CHUNK + 2
     assert rss["slots"] >= BATCH * (total - 1), (rss["slots"], BATCH * total)
+    assert rss["peak"] <= plan.extreme.total, (rss, plan.extreme)
     return int(rss["peak"] - rss["base"])
 
 
@@ -126,7 +132,8 @@ def test_the_plan_holds_the_engines_own_peak_at_the_planned_extreme(
     than 15 %."""
     path, info = export
     assert not in_place(path)  # the traced graph: three copies for the length of a step
-    plan = compute(CapacityConfig(device_memory="64GiB", max_batch=BATCH), info, "causal-lm", 0)
+    cap = CapacityConfig(device_memory="64GiB", max_batch=BATCH)
+    plan = compute(cap, info, "causal-lm", _weights(path))
     assert (plan.batch, plan.context, plan.kv_copies) == (BATCH, CONTEXT, 3)
     assert plan.kv_budget_tokens == plan.cached_tokens * BATCH  # every row at its longest
     planned = plan.extreme.kv_cache + plan.extreme.activations
@@ -193,7 +200,7 @@ def test_the_plan_holds_the_in_place_engines_peak_and_charges_it_no_third_copy(
     path, shape = fused_export
     assert in_place(path)
     cap = CapacityConfig(device_memory="64GiB", max_batch=BATCH)
-    plan = compute(cap, shape, "causal-lm", 0, in_place=True)
+    plan = compute(cap, shape, "causal-lm", _weights(path), in_place=True)
     assert (plan.kv_copies, plan.kv_prefill_bytes) == (2, plan.kv_bytes_per_sequence)
     assert plan.kv_budget_tokens == plan.cached_tokens * BATCH == BATCH * (CONTEXT - CHUNK + 2)
     kv_once = plan.kv_bytes_per_sequence * BATCH
