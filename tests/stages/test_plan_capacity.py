@@ -40,9 +40,9 @@ def test_a_fused_graph_is_planned_for_the_engine_that_writes_its_cache_in_place(
 ) -> None:
     """Issue 40 item 2: the plan reads the shipped graph's mark. Marked right-padded (a
     fused graph, served with its cache in place), its budget is charged twice and one
-    sequence beside it; the same graph unmarked, three times. The serving config divides
-    what the device leaves by the plan's copies: the plan's own budget is accepted, one
-    token more refused."""
+    sequence beside it; the same graph unmarked, three times. On a device too small for
+    every row three times, the in-place plan fits more rows, and the serving config takes
+    its rows and budget."""
     import onnx
 
     from stages.onnx.fused import PADDING_KEY
