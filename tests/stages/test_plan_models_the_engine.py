@@ -157,8 +157,8 @@ def fused_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Shaped
 
     from pipelines.init import _Shape
     from schemas.artifacts import Arch, DimSizes
-    from stages.onnx import fused
     from stages.onnx.model import arch
+    from tests.fixtures.fused import fused_of
 
     root = tmp_path_factory.mktemp("plan-fused")
     config = transformers.LlamaConfig(
@@ -172,15 +172,7 @@ def fused_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Shaped
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).eval().save_pretrained(root / "checkpoint")
-    path = fused.build(
-        root / "checkpoint",
-        root / "fused",
-        bits=4,
-        block_size=32,
-        symmetric=True,
-        accuracy_level=4,
-        tokenizer=REPO / "models" / "tiny-gpt2",
-    )
+    path = fused_of(root / "checkpoint", root / "fused")
     dims = {
         "batch": DimSizes(min=1, opt=2, max=BATCH),
         "sequence": DimSizes(min=1, opt=16, max=CHUNK),
